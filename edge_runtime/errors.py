@@ -1,0 +1,41 @@
+"""Typed errors a user (or an app) can cause, each with a message a person can act on.
+
+The daemon maps these onto protocol error codes; nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+
+class MaceError(Exception):
+    """Base of every error the runtime raises on purpose."""
+
+    code = "internal"
+
+
+class BadRequest(MaceError):
+    """The request itself is invalid (bad parameter, empty or oversized prompt, bad text)."""
+
+    code = "bad_request"
+
+
+class ModelNotAvailable(MaceError):
+    """The model cannot be loaded (not cached and offline, unreadable file, unsupported architecture)."""
+
+    code = "model_unavailable"
+
+
+class UnknownRequest(MaceError):
+    """A request id that the engine does not know (finished long ago, or never existed)."""
+
+    code = "unknown_request"
+
+
+class AdmissionRejected(MaceError):
+    """Admission control said no; `retry_after_s` tells the client when to try again."""
+
+    code = "admission_rejected"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0, reason: str = "") -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.reason = reason or message

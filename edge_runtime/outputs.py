@@ -1,0 +1,68 @@
+"""What the engine hands back: per-token stream events and finished request outputs.
+
+Plain records; no torch here so the daemon and SDK can share them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenEvent:
+    """One step of one candidate, delivered to a request's `on_token` callback.
+
+    `text` is the newly decoded text since the previous event (may be "" while a multi-byte
+    UTF-8 character is still incomplete). The last event of a candidate has `finished=True`
+    and a `finish_reason` ("stop", "length", "abort", "error").
+    """
+
+    request_id: str
+    index: int  # candidate index within the request (0..n-1)
+    token_id: int | None
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class CandidateOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    generated_tokens: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str
+    prompt_token_ids: list[int]
+    candidates: list[CandidateOutput] = field(default_factory=list)
+    finished: bool = False
+    adapter: str | None = None  # adapter id (user) and version used, e.g. "alice@3"
+    metrics: RequestMetrics | None = None
+
+    @property
+    def text(self) -> str:
+        return self.candidates[0].text if self.candidates else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.candidates[0].token_ids if self.candidates else []

@@ -1,0 +1,50 @@
+"""Sampling parameters of a request and the per-row token choice (greedy, temperature, top-k, top-p).
+
+Owns only how one next token is picked from logits; stopping on strings is the engine's job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edge_runtime.errors import BadRequest
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to continue a prompt. `temperature == 0` means greedy (argmax)."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+    n: int = 1  # candidates per prompt (e.g. two answers for the user to choose from)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise BadRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (0.0 <= float(self.temperature) <= 100.0):
+            raise BadRequest(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise BadRequest(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (0.0 < float(self.top_p) <= 1.0):
+            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.n, int) or not (1 <= self.n <= 16):
+            raise BadRequest(f"n must be an integer in [1, 16], got {self.n!r}")
+        if any((not isinstance(s, str)) or s == "" for s in self.stop):
+            raise BadRequest("stop strings must be non-empty strings")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise BadRequest(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
