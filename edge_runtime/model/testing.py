@@ -1,0 +1,126 @@
+"""A tiny random Llama model directory (config, safetensors, byte-level BPE tokenizer) for tests.
+
+Built in-process in well under a second, with no download; owns nothing used at run time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The same special tokens as SmolLM2, in the same id order (0, 1, 2), so code that special-cases
+# them is exercised the same way on the tiny model and on the default one.
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+
+# ChatML, the shape SmolLM2 uses (without its default system prompt, to keep test prompts short).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# A few merges learned from this text make common English words multi-byte tokens, so tests see
+# tokens that span several bytes (and UTF-8 that still splits into single bytes).
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. The user asks and the assistant answers. "
+    "Hello, how are you today? I am fine, thank you. What is the capital of France? "
+    "Paris is the capital of France. Please write a short poem about the sea and the sky. "
+    "Fine-tuning the model on the device keeps the data of the user on the device. "
+)
+_NUM_MERGES = 48
+
+
+def _build_tokenizer(vocab_extra: int):
+    """Byte-level BPE: 3 special tokens, the 256 byte tokens, a few learned merges, extras."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(SPECIAL_TOKENS) + len(alphabet) + _NUM_MERGES,
+        special_tokens=list(SPECIAL_TOKENS),
+        # Every byte is in the vocabulary, whatever the corpus holds: any UTF-8 round-trips.
+        initial_alphabet=alphabet,
+        min_frequency=1,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_CORPUS], trainer=trainer)
+    # Reserved specials beyond the learned vocabulary let a test pick an odd vocabulary size.
+    tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_extra)])
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=IM_START,
+        eos_token=IM_END,
+        pad_token=IM_END,
+        unk_token=ENDOFTEXT,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def make_tiny_model_dir(
+    path: Path,
+    *,
+    vocab_extra: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = True,
+    attention_bias: bool = False,
+    rope_scaling: dict | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a random LlamaForCausalLM with a real ChatML tokenizer into `path`; return `path`.
+
+    `vocab_extra` appends that many reserved special tokens (vocab = 307 + vocab_extra);
+    `rope_scaling` is merged into the config's `rope_parameters` (e.g. {"rope_type": "linear",
+    "factor": 2.0}). The same arguments always give the same weights.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer(vocab_extra)
+    ids = tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
+    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})}
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie_word_embeddings,
+        attention_bias=attention_bias,
+        rope_parameters=rope_parameters,
+        bos_token_id=ids[1],
+        eos_token_id=ids[2],
+        pad_token_id=ids[2],
+        architectures=["LlamaForCausalLM"],
+    )
+    # Fork the RNG so that building a test model does not shift the caller's random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        if attention_bias:
+            # HF initialises biases to zero; random ones make a bias bug visible in a test.
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if name.endswith("_proj.bias"):
+                        param.normal_(0.0, 0.02)
+    model.eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
