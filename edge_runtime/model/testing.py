@@ -124,3 +124,93 @@ def make_tiny_model_dir(
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def _permute_for_gguf(weight, n_head: int):
+    """Interleave the rotary halves of each head the way llama.cpp stores Q and K.
+
+    HF rotates (first half, second half) of a head; llama.cpp rotates adjacent pairs, so its
+    converter reorders the rows and transformers' GGUF loader undoes it. A hand-written file
+    must do the same or the reloaded model would differ.
+    """
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def make_tiny_gguf(model_dir: Path, gguf_path: Path, *, quantize: bool = True) -> Path:
+    """Write the model in `model_dir` (from `make_tiny_model_dir`) as a llama GGUF file.
+
+    2-D weights are stored Q8_0 when `quantize` (so loading it de-quantises, as with the real
+    default model), the rest F32. The tokenizer goes in as GGUF "gpt2" (byte-level BPE) metadata.
+    """
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    model_dir, gguf_path = Path(model_dir), Path(gguf_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    tokenizer_json = json.loads((model_dir / "tokenizer.json").read_text())
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    n_layers = config["num_hidden_layers"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+
+    vocab = dict(tokenizer_json["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tokenizer_json["added_tokens"]}
+    vocab.update(special)
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    assert [vocab[t] for t in tokens] == list(range(len(tokens))), "token ids must be dense"
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer_json["model"]["merges"]]
+    token_types = [
+        gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens
+    ]
+    chat_template = (model_dir / "chat_template.jinja").read_text()
+
+    writer = gguf.GGUFWriter(gguf_path, "llama")
+    writer.add_name("tiny-llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(n_layers)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    writer.add_pad_token_id(config["pad_token_id"])
+    writer.add_unk_token_id(special[ENDOFTEXT])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(chat_template)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
+    for hf_name, array in load_file(model_dir / "model.safetensors").items():
+        array = array.astype(np.float32)
+        if hf_name.endswith("self_attn.q_proj.weight"):
+            array = _permute_for_gguf(array, n_head)
+        elif hf_name.endswith("self_attn.k_proj.weight"):
+            array = _permute_for_gguf(array, n_kv)
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ValueError(f"no GGUF name for tensor {hf_name}")
+        if quantize and array.ndim == 2 and array.shape[1] % 32 == 0:
+            data = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf_path
