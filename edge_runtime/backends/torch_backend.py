@@ -1,0 +1,47 @@
+"""The reference backend: runs one scheduled batch through our PyTorch forward.
+
+Turns the scheduler's batch into flat token tensors and a paged-attention context, and returns
+the logits of the rows that sample a token. Other backends (ONNX Runtime, TensorRT) implement
+the same `execute`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edge_runtime.kv.cache import KVCache
+from edge_runtime.kv.paged_attention import PagedContext, SeqAttention
+from edge_runtime.model.llama import LlamaModel, LoraApplier
+from edge_runtime.sched.scheduler import Batch
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, model: LlamaModel, cache: KVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = model.device
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch, lora: LoraApplier | None = None) -> torch.Tensor:
+        """Logits [rows that sample, vocab] in float32, in batch order."""
+        ids: list[int] = []
+        positions: list[int] = []
+        seqs: list[SeqAttention] = []
+        logit_rows: list[int] = []
+        for item in batch.items:
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed
+            seqs.append(SeqAttention(len(ids), n, start + n, seq.block_table))
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            if item.samples:
+                logit_rows.append(len(ids) - 1)
+        device = self.device
+        ctx = PagedContext(self.cache, seqs, device, lora, self.model.cfg.sliding_window)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=device)
+        logits = self.model(input_ids, pos, ctx, logit_rows=rows)
+        return logits.float()

@@ -1,0 +1,39 @@
+"""Every knob of the runtime in one dataclass, with defaults that run on a laptop CPU.
+
+The daemon builds it from TOML/env/flags; Python users pass it (or keyword overrides) to
+`Engine.load`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None = the default model (SmolLM2-135M-Instruct)
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    backend: str = "torch"
+    num_threads: int = 0  # CPU threads for torch; 0 = all cores
+    block_size: int = 16  # tokens per KV block
+    kv_cache_bytes: int = 0  # 0 = derive from kv_cache_fraction of available memory
+    kv_cache_fraction: float = 0.25  # of available memory, when kv_cache_bytes is 0
+    kv_cache_max_bytes: int = 512 << 20
+    max_context: int = 0  # tokens per sequence; 0 = the model's maximum, capped by the cache
+    max_batched_tokens: int = 256  # tokens per iteration (prefill chunking)
+    max_num_seqs: int = 32
+    enable_prefix_cache: bool = True
+    policy: str = "fcfs"
+    max_prompt_chars: int = 200_000
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def replace(self, **overrides: Any) -> EngineConfig:
+        known = {f.name for f in fields(self)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise TypeError(f"unknown engine setting(s): {', '.join(sorted(unknown))}")
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(overrides)
+        return EngineConfig(**values)

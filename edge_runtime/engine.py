@@ -1,0 +1,290 @@
+"""The engine: requests in, tokens out, one iteration at a time.
+
+`step()` is the whole algorithm: schedule a bin of decode steps and prefill chunks, run it,
+sample, and commit the results (stream tokens, stop, free blocks). Not thread-safe: the daemon
+calls it from one engine thread and hands work in through queues.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edge_runtime.backends.torch_backend import TorchBackend
+from edge_runtime.config import EngineConfig
+from edge_runtime.device import pick_device, pick_dtype
+from edge_runtime.errors import BadRequest, UnknownRequest
+from edge_runtime.ids import validate_request_id
+from edge_runtime.kv.block_pool import BlockPool
+from edge_runtime.kv.cache import KVCache, bytes_per_block
+from edge_runtime.model.llama import LlamaModel
+from edge_runtime.model.tokenizer import ChatMessages, Tokenizer
+from edge_runtime.model.weights import load_llama
+from edge_runtime.outputs import RequestMetrics, RequestOutput, TokenEvent
+from edge_runtime.sampling import SamplingParams, sample_next
+from edge_runtime.sched.policy import make_policy
+from edge_runtime.sched.scheduler import Scheduler
+from edge_runtime.sequence import Request, SeqStatus, Sequence
+
+Prompt = str | ChatMessages
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig, name: str = "") -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_name = name
+        cfg = model.cfg
+        per_block = bytes_per_block(cfg, config.block_size, model.dtype)
+        num_blocks = max(2, self._kv_budget_bytes() // per_block)
+        self.max_context = min(cfg.max_position_embeddings, num_blocks * config.block_size)
+        if config.max_context:
+            self.max_context = min(self.max_context, config.max_context)
+        self.cache = KVCache(cfg, num_blocks, config.block_size, model.dtype, model.device)
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache)
+        self.scheduler = Scheduler(
+            self.pool, make_policy(config.policy), config.max_batched_tokens, config.max_num_seqs
+        )
+        self.backend = TorchBackend(model, self.cache)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._req_ids = itertools.count()
+        self.iterations = 0
+        self.tokens_generated = 0
+        self.last_iteration_s = 0.0
+
+    # -- construction -----------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, model: str | Path | None = None, config: EngineConfig | None = None, **overrides: Any) -> Engine:
+        """Load a model (None = the default SmolLM2-135M-Instruct) and build an engine for it."""
+        config = (config or EngineConfig()).replace(**overrides) if overrides else (config or EngineConfig())
+        if model is not None:
+            config = config.replace(model=str(model))
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        path, name = _resolve(config.model)
+        device = pick_device(config.device)
+        dtype = pick_dtype(config.dtype, device)
+        net = load_llama(path, dtype=dtype, device=device)
+        return cls(net, Tokenizer(path), config, name=name)
+
+    def _kv_budget_bytes(self) -> int:
+        if self.config.kv_cache_bytes:
+            return self.config.kv_cache_bytes
+        import psutil
+
+        available = psutil.virtual_memory().available
+        if self.model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.model.device)
+            available = min(available, free)  # on Jetson both views share one DRAM
+        return int(min(self.config.kv_cache_max_bytes, available * self.config.kv_cache_fraction))
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        on_token: Callable[[TokenEvent], None] | None = None,
+    ) -> str:
+        """Queue a prompt (text or chat messages); returns its request id."""
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{next(self._req_ids)}"
+        validate_request_id(request_id)
+        if request_id in self.requests:
+            raise BadRequest(f"request id {request_id!r} is already in flight")
+        if isinstance(prompt, str) and len(prompt) > self.config.max_prompt_chars:
+            raise BadRequest(f"prompt has {len(prompt)} characters; the limit is {self.config.max_prompt_chars}")
+        text, ids = self.tokenizer.encode_prompt(prompt)
+        if len(ids) >= self.max_context:
+            raise BadRequest(
+                f"prompt has {len(ids)} tokens; this engine holds at most {self.max_context - 1} "
+                "prompt tokens per sequence (model limit and KV cache size)"
+            )
+        now = time.monotonic()
+        request = Request(request_id, text, ids, params, now, on_token=on_token)
+        request.metrics = RequestMetrics(arrival_time=now, prompt_tokens=len(ids))
+        for index in range(params.n):
+            generator = None
+            if not params.greedy:
+                seed = params.seed + index if params.seed is not None else secrets.randbits(63)
+                generator = torch.Generator().manual_seed(seed)
+            seq = Sequence(next(self._seq_ids), request, index, list(ids), self.tokenizer.stream_decoder(), generator)
+            request.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = request
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stop a request now; its candidates finish with reason "abort"."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            raise UnknownRequest(f"no request {request_id!r} in flight")
+        for seq in request.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.finish(seq, "abort")
+                self._emit(seq, "", None, finished=True)
+        request.metrics.finish_time = time.monotonic()
+        return request.output()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the iteration ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run, sample, commit. Returns the requests it finished."""
+        start = time.monotonic()
+        batch = self.scheduler.schedule(start)
+        if not batch.items:
+            return []
+        sampling = [item.seq for item in batch.items if item.samples]
+        logits = self.backend.execute(batch).cpu()
+        self.scheduler.commit(batch)
+        finished = self._commit_tokens(sampling, logits)
+        self.iterations += 1
+        self.last_iteration_s = time.monotonic() - start
+        return finished
+
+    def _commit_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
+        done: list[RequestOutput] = []
+        now = time.monotonic()
+        for row, seq in enumerate(seqs):
+            params = seq.params
+            token = sample_next(logits[row], params, seq.generator)
+            seq.token_ids.append(token)
+            self.tokens_generated += 1
+            metrics = seq.request.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.generated_tokens += 1
+            reason = None
+            if (token in self.tokenizer.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                reason = "stop"
+            else:
+                seq.text += seq.decoder.step(token)
+                if params.stop:
+                    cut = _find_stop(seq.text, params.stop, seq.emitted)
+                    if cut is not None:
+                        seq.text = seq.text[:cut]
+                        reason = "stop"
+            if reason is None and (seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_context):
+                reason = "length"
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            self._emit(seq, self._releasable(seq, reason is not None), token, finished=reason is not None)
+            request = seq.request
+            if reason is not None and request.finished and request.request_id in self.requests:
+                del self.requests[request.request_id]
+                metrics.finish_time = now
+                done.append(request.output())
+        return done
+
+    def _releasable(self, seq: Sequence, finished: bool) -> str:
+        """Text that can be streamed now: all of it at the end, otherwise all but a tail that
+        could still turn out to be the start of a stop string."""
+        hold = 0 if finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
+        upto = max(seq.emitted, len(seq.text) - hold)
+        piece = seq.text[seq.emitted : upto]
+        seq.emitted = upto
+        return piece
+
+    def _emit(self, seq: Sequence, text: str, token: int | None, finished: bool) -> None:
+        callback = seq.request.on_token
+        if callback is not None:
+            callback(TokenEvent(seq.request.request_id, seq.index, token, text, finished, seq.finish_reason if finished else None))
+
+    # -- conveniences over add_request/step -------------------------------------------------
+
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run prompts to completion, batched; one output per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
+            prompts = [prompts]  # one prompt (text, or one chat conversation)
+        ids = [self.add_request(p, params) for p in prompts]
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            for out in self.step():
+                results[out.request_id] = out
+        return [results[i] for i in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text pieces of candidate 0 as they are decoded."""
+        pieces: list[str] = []
+        done = False
+
+        def collect(event: TokenEvent) -> None:
+            nonlocal done
+            if event.index == 0:
+                if event.text:
+                    pieces.append(event.text)
+                done = done or event.finished
+
+        request_id = self.add_request(prompt, params, on_token=collect)
+        try:
+            while not done:
+                self.step()
+                while pieces:
+                    yield pieces.pop(0)
+            while pieces:
+                yield pieces.pop(0)
+        finally:
+            if request_id in self.requests:
+                self.abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        pool = self.pool
+        return {
+            "model": self.model_name,
+            "backend": self.backend.name,
+            "device": str(self.model.device),
+            "dtype": str(self.model.dtype).removeprefix("torch."),
+            "policy": self.scheduler.policy.name,
+            "requests_in_flight": len(self.requests),
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used,
+            "kv_blocks_cached_free": pool.num_cached_free,
+            "kv_cache_bytes": self.cache.nbytes,
+            "block_size": pool.block_size,
+            "max_context": self.max_context,
+            "prefix_cache_hit_rate": round(pool.stats.hit_rate, 4),
+            "prefix_cache_hit_blocks": pool.stats.hit_blocks,
+            "prefix_cache_queried_blocks": pool.stats.queried_blocks,
+            "preemptions": self.scheduler.num_preemptions,
+            "iterations": self.iterations,
+            "tokens_generated": self.tokens_generated,
+            "last_iteration_ms": round(self.last_iteration_s * 1000, 3),
+        }
+
+
+def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
+    """Earliest index where a stop string starts, searching only text not yet streamed (plus
+    the overlap a stop string could straddle)."""
+    best = None
+    for stop in stops:
+        idx = text.find(stop, max(0, emitted - len(stop) + 1))
+        if idx != -1 and (best is None or idx < best):
+            best = idx
+    return best
+
+
+def _resolve(spec: str | None) -> tuple[Path, str]:
+    if spec is not None and Path(spec).is_dir():
+        return Path(spec), Path(spec).name
+    from edge_runtime.model.source import resolve_model
+
+    resolved = resolve_model(spec)
+    return Path(resolved.path), resolved.name

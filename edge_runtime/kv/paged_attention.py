@@ -1,0 +1,112 @@
+"""Attention over the paged KV cache for one engine iteration.
+
+Built once per iteration from the scheduled sequences, then called by every layer: it writes the
+new keys/values into their slots and attends each query to its sequence's cached context.
+Decode rows (one query each) are batched into a single padded attention call; prefill chunks
+attend one sequence at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from edge_runtime.kv.cache import KVCache
+from edge_runtime.model.llama import LoraApplier
+
+
+@dataclass
+class SeqAttention:
+    """One sequence's part of the flat batch: rows [q_start, q_start + q_len) are its new tokens,
+    whose positions end at ctx_len - 1; `block_table` lists the cache blocks of positions
+    0..ctx_len-1 in order."""
+
+    q_start: int
+    q_len: int
+    ctx_len: int
+    block_table: list[int]
+
+
+class PagedContext:
+    def __init__(
+        self,
+        cache: KVCache,
+        seqs: list[SeqAttention],
+        device: torch.device,
+        lora: LoraApplier | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
+        self.cache = cache
+        self.lora = lora
+        offsets = torch.arange(cache.block_size)
+        slots = {
+            id(s): (torch.tensor(s.block_table, dtype=torch.long)[:, None] * cache.block_size + offsets).view(-1)
+            for s in seqs
+        }
+        self.slot_mapping = torch.cat([slots[id(s)][s.ctx_len - s.q_len : s.ctx_len] for s in seqs]).to(device)
+
+        decodes = [s for s in seqs if s.q_len == 1]
+        self.prefills = []
+        for s in seqs:
+            if s.q_len == 1:
+                continue
+            first = 0 if sliding_window is None else max(0, s.ctx_len - s.q_len - sliding_window + 1)
+            kv_index = slots[id(s)][first : s.ctx_len].to(device)
+            mask = None
+            if s.ctx_len != s.q_len or sliding_window is not None:
+                q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=device)[:, None]
+                k_pos = torch.arange(first, s.ctx_len, device=device)[None, :]
+                mask = k_pos <= q_pos
+                if sliding_window is not None:
+                    mask &= k_pos > q_pos - sliding_window
+            self.prefills.append((s.q_start, s.q_len, kv_index, mask))
+
+        self.decode_rows = None
+        if decodes:
+            width = max(s.ctx_len for s in decodes)
+            index = torch.zeros(len(decodes), width, dtype=torch.long)
+            valid = torch.zeros(len(decodes), width, dtype=torch.bool)
+            for i, s in enumerate(decodes):
+                first = 0 if sliding_window is None else max(0, s.ctx_len - sliding_window)
+                n = s.ctx_len - first
+                index[i, :n] = slots[id(s)][first : s.ctx_len]
+                valid[i, :n] = True
+            self.decode_rows = torch.tensor([s.q_start for s in decodes], dtype=torch.long, device=device)
+            self.decode_index = index.to(device)
+            # [B, 1, 1, width]: broadcast over kv heads and the folded query heads.
+            self.decode_mask = valid.to(device)[:, None, None, :]
+            self.decode_full = bool(valid.all())
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        k_cache, v_cache = self.cache.layer(layer)
+        k_cache.index_copy_(0, self.slot_mapping, k)
+        v_cache.index_copy_(0, self.slot_mapping, v)
+        t, heads, d = q.shape
+        kv_heads = k.shape[1]
+        group = heads // kv_heads
+        out = q.new_empty(t, heads * d)
+
+        for start, n, kv_index, mask in self.prefills:
+            qh = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
+            kh = k_cache.index_select(0, kv_index).transpose(0, 1).unsqueeze(0)
+            vh = v_cache.index_select(0, kv_index).transpose(0, 1).unsqueeze(0)
+            if mask is None:
+                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+            out[start : start + n] = o[0].transpose(0, 1).reshape(n, heads * d)
+
+        if self.decode_rows is not None:
+            b = self.decode_rows.shape[0]
+            # Fold the query heads sharing a KV head into the query-length axis: one SDPA call
+            # with no KV expansion serves GQA for the whole decode batch.
+            qd = q.index_select(0, self.decode_rows).view(b, kv_heads, group, d)
+            kd = k_cache[self.decode_index].permute(0, 2, 1, 3)  # [B, kv_heads, width, d]
+            vd = v_cache[self.decode_index].permute(0, 2, 1, 3)
+            mask = None if self.decode_full else self.decode_mask
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)
+            out.index_copy_(0, self.decode_rows, o.reshape(b, heads * d))
+        return out

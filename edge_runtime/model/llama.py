@@ -1,0 +1,202 @@
+"""Our llama-family forward (Llama, Mistral, Qwen2, SmolLM) over a flat batch of tokens.
+
+The model owns weights and the per-token math (RMSNorm, RoPE, GQA projections, SwiGLU, tied
+embeddings). How tokens attend to each other (paged KV cache for serving, dense causal masks for
+training) and which LoRA deltas apply per row come from the caller's `ForwardContext`, so the
+same layers serve inference and fine-tuning without copying a weight.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from edge_runtime.model.config import ModelConfig
+
+# LoRA target names, as PEFT and Hugging Face name the projections.
+ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+
+
+class LoraApplier(Protocol):
+    def delta(self, layer: int, target: str, x: Tensor) -> Tensor | None:
+        """The LoRA contribution `scale * B(A(x))` for each row of x, or None if no row has one."""
+
+
+class ForwardContext(Protocol):
+    """What a batch tells the layers: how to attend, and which adapters apply."""
+
+    lora: LoraApplier | None
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q: [T, heads, d]; k, v: [T, kv_heads, d] (RoPE applied). Returns [T, heads * d]."""
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # Normalise in fp32 and cast back before the weight, as the reference implementation does,
+    # so our logits match `transformers` to rounding.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryTable(nn.Module):
+    """cos/sin for every position up to the model's maximum, built once in fp32.
+
+    The inverse frequencies (including the config's scaling: linear, llama3, yarn, ...) come from
+    `transformers`' own RoPE initialisers, so every scaling variant matches the reference.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        hf = cfg.hf_config
+        params = getattr(hf, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+            dim = cfg.head_dim
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            scaling = 1.0
+        elif rope_type == "dynamic":
+            # Dynamic NTK rescales with the running length; a paged cache would hold keys rotated
+            # under different frequencies, so it is refused rather than approximated.
+            raise ValueError("dynamic NTK RoPE scaling is not supported by the paged engine")
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, device=None)
+        n = max_positions or cfg.max_position_embeddings
+        freqs = torch.arange(n, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def lookup(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [T, heads, d]; cos, sin: [T, d]."""
+    cos = cos.unsqueeze(1)
+    sin = sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    """One transformer block. q/k/v and gate/up are stored fused: one matmul instead of three
+    (two) per step, which matters at small batch sizes where kernel launches dominate."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.index = index
+        h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        self.input_norm = _param(h)
+        self.qkv_weight = _param(q + 2 * kv, h)
+        self.qkv_bias = _param(q + 2 * kv) if cfg.attention_bias else None
+        self.o_weight = _param(h, q)
+        self.o_bias = _param(h) if cfg.attention_bias and cfg.model_type != "qwen2" else None
+        self.post_norm = _param(h)
+        self.gate_up_weight = _param(2 * inter, h)
+        self.down_weight = _param(h, inter)
+        self.gate_up_bias = _param(2 * inter) if cfg.mlp_bias else None
+        self.down_bias = _param(h) if cfg.mlp_bias else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: ForwardContext) -> Tensor:
+        cfg = self.cfg
+        lora = ctx.lora
+        residual = x
+        hn = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        qkv = F.linear(hn, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        if lora is not None:
+            q = _add(q, lora.delta(self.index, "q_proj", hn))
+            k = _add(k, lora.delta(self.index, "k_proj", hn))
+            v = _add(v, lora.delta(self.index, "v_proj", hn))
+        t = x.shape[0]
+        q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        attn = ctx.attention(self.index, q, k, v)
+        out = F.linear(attn, self.o_weight, self.o_bias)
+        if lora is not None:
+            out = _add(out, lora.delta(self.index, "o_proj", attn))
+        x = residual + out
+
+        residual = x
+        hn = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        gate_up = F.linear(hn, self.gate_up_weight, self.gate_up_bias)
+        gate, up = gate_up.chunk(2, dim=-1)
+        if lora is not None:
+            gate = _add(gate, lora.delta(self.index, "gate_proj", hn))
+            up = _add(up, lora.delta(self.index, "up_proj", hn))
+        act = F.silu(gate) * up
+        down = F.linear(act, self.down_weight, self.down_bias)
+        if lora is not None:
+            down = _add(down, lora.delta(self.index, "down_proj", act))
+        return residual + down
+
+
+def _add(base: Tensor, delta: Tensor | None) -> Tensor:
+    return base if delta is None else base + delta
+
+
+class LlamaModel(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head of a llama-family model."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.rope = RotaryTable(cfg, max_positions)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def lm_head_weight(self) -> Tensor:
+        return self.embed if self.lm_head is None else self.lm_head
+
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        return F.embedding(input_ids, self.embed)
+
+    def run_layers(
+        self, x: Tensor, positions: Tensor, ctx: ForwardContext, start: int = 0, stop: int | None = None
+    ) -> Tensor:
+        """Layers [start, stop) on hidden states x: [T, hidden]. Staged training calls this per group."""
+        cos, sin = self.rope.lookup(positions, x.dtype)
+        for layer in self.layers[start:stop]:
+            x = layer(x, cos, sin, ctx)
+        return x
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final norm and LM head for the rows whose next token is wanted."""
+        return F.linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head_weight())
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, logit_rows: Tensor | None = None
+    ) -> Tensor:
+        hidden = self.run_layers(self.embed_tokens(input_ids), positions, ctx)
+        if logit_rows is not None:
+            hidden = hidden.index_select(0, logit_rows)
+        return self.logits(hidden)

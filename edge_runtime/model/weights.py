@@ -1,0 +1,119 @@
+"""Loads Hugging Face safetensors checkpoints into our fused llama layout.
+
+Knows the Hugging Face parameter names and nothing about serving; conversions from GGUF happen
+earlier (`edge_runtime.model.source`), so this reads only safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from edge_runtime.errors import ModelNotAvailable
+from edge_runtime.model.config import ModelConfig
+from edge_runtime.model.llama import LlamaModel
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotAvailable(f"no *.safetensors weights in {path}")
+    return files
+
+
+def load_llama(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_positions: int | None = None,
+) -> LlamaModel:
+    """Build our model from a Hugging Face directory and fill every parameter, or fail clearly."""
+    path = Path(path)
+    cfg = ModelConfig.from_dir(path)
+    with torch.device("meta"):
+        model = LlamaModel(cfg, max_positions=None)
+    model = model.to_empty(device=device).to(dtype)
+    model.rope = type(model.rope)(cfg, max_positions).to(device)
+    filled: set[str] = set()
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    slices = {
+        "self_attn.q_proj": ("qkv", 0, q),
+        "self_attn.k_proj": ("qkv", q, q + kv),
+        "self_attn.v_proj": ("qkv", q + kv, q + 2 * kv),
+        "self_attn.o_proj": ("o", None, None),
+        "mlp.gate_proj": ("gate_up", 0, inter),
+        "mlp.up_proj": ("gate_up", inter, 2 * inter),
+        "mlp.down_proj": ("down", None, None),
+    }
+
+    def put(target: torch.Tensor, value: torch.Tensor, name: str, lo: int | None = None, hi: int | None = None) -> None:
+        dst = target if lo is None else target[lo:hi]
+        if tuple(dst.shape) != tuple(value.shape):
+            raise ModelNotAvailable(f"weight {name} has shape {tuple(value.shape)}, expected {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(value.to(dtype))
+
+    for file in _checkpoint_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if name == "model.embed_tokens.weight":
+                    put(model.embed, tensor, name)
+                elif name == "model.norm.weight":
+                    put(model.norm, tensor, name)
+                elif name == "lm_head.weight":
+                    if model.lm_head is None:
+                        continue  # tied: the embedding serves as the head
+                    put(model.lm_head, tensor, name)
+                else:
+                    m = _LAYER.match(name)
+                    if not m:
+                        continue  # e.g. rotary inv_freq buffers in old checkpoints
+                    idx, rest = int(m.group(1)), m.group(2)
+                    if idx >= cfg.num_layers:
+                        raise ModelNotAvailable(f"weight {name} names layer {idx} of a {cfg.num_layers}-layer model")
+                    layer = model.layers[idx]
+                    if rest == "input_layernorm.weight":
+                        put(layer.input_norm, tensor, name)
+                    elif rest == "post_attention_layernorm.weight":
+                        put(layer.post_norm, tensor, name)
+                    else:
+                        module, _, kind = rest.rpartition(".")
+                        if module not in slices or kind not in ("weight", "bias"):
+                            continue
+                        group, lo, hi = slices[module]
+                        target = getattr(layer, f"{group}_{kind}")
+                        if target is None:
+                            raise ModelNotAvailable(f"checkpoint has {name} but the config says no bias")
+                        put(target, tensor, name, lo, hi)
+                filled.add(name)
+    _check_complete(model, filled)
+    model.eval()
+    return model
+
+
+def _check_complete(model: LlamaModel, filled: set[str]) -> None:
+    cfg = model.cfg
+    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    if model.lm_head is not None:
+        required.append("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        required += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        required += [p + f"self_attn.{t}.weight" for t in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        required += [p + f"mlp.{t}.weight" for t in ("gate_proj", "up_proj", "down_proj")]
+        if cfg.attention_bias:
+            required += [p + f"self_attn.{t}.bias" for t in ("q_proj", "k_proj", "v_proj")]
+    missing = [n for n in required if n not in filled]
+    if missing:
+        raise ModelNotAvailable(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")

@@ -1,0 +1,99 @@
+"""Requests and their sequences: one request (a prompt, its sampling parameters, its callback)
+owns n sequences, one per candidate answer. A sequence is the unit the scheduler places in a
+batch and the KV cache stores; it knows its tokens, its cache blocks and its output text."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from edge_runtime.model.tokenizer import IncrementalDecoder
+from edge_runtime.outputs import CandidateOutput, RequestMetrics, RequestOutput, TokenEvent
+from edge_runtime.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    adapter_key: str = ""  # "user@version" or "" for the base model; salts the prefix cache
+    lora_slot: int = -1  # row index into the engine's active adapters (-1 = base model)
+    on_token: Callable[[TokenEvent], None] | None = None
+    seqs: list[Sequence] = field(default_factory=list)
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_ids),
+            candidates=[
+                CandidateOutput(s.index, s.text, s.output_ids, s.finish_reason) for s in self.seqs
+            ],
+            finished=self.finished,
+            adapter=self.adapter_key or None,
+            metrics=self.metrics,
+        )
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request: Request
+    index: int  # candidate index within the request
+    token_ids: list[int]
+    decoder: IncrementalDecoder
+    generator: torch.Generator | None = None
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # leading tokens whose keys/values are in the cache
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of the full, registered blocks
+    finish_reason: str | None = None
+    text: str = ""  # output text so far (stop strings cut off)
+    emitted: int = 0  # characters of `text` already streamed
+    preemptions: int = 0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def arrival(self) -> float:
+        return self.request.arrival
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than the last token still has to go through the model."""
+        return self.num_tokens - self.num_computed > 1
