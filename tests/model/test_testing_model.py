@@ -1,4 +1,4 @@
-"""The tiny in-process test model loads back with plain transformers and tokenizes like a real one."""
+"""The tiny in-process test model loads with plain transformers and tokenizes like a real one."""
 
 from __future__ import annotations
 
