@@ -156,7 +156,8 @@ class AdmissionVerdict:
 
 
 class AdmissionController:
-    """Feed it `observe(signals)` on every reading or queue change; ask it `admit(kind)`.
+    """Feed it `observe(signals)` on every reading and `observe_queue(n)` in between; ask it
+    `admit(kind)`.
 
     Escalation is immediate (protection never waits); de-escalation steps down one state at a
     time, and only after the current state has been held `min_dwell_s`, so fine-tuning is the
@@ -184,6 +185,11 @@ class AdmissionController:
         """Take new signals and return the (possibly new) decision."""
         self.signals = signals
         self._last_signal_t = self.clock()
+        return self._decide()
+
+    def observe_queue(self, queue_length: int) -> AdmissionDecision:
+        """A new queue length between readings; does not count as fresh telemetry."""
+        self.signals = replace(self.signals, queue_length=queue_length)
         return self._decide()
 
     def tick(self) -> AdmissionDecision:

@@ -114,7 +114,7 @@ class TegrastatsSample:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TegrastatsSample:
         """Inverse of `to_dict`; unknown keys are ignored so newer files still load."""
-        known = {f for f in cls.__dataclass_fields__}
+        known = set(cls.__dataclass_fields__)
         kwargs = {k: v for k, v in data.items() if k in known}
         for key in ("engines", "temps_c", "temps_max_c", "power_mw", "power_avg_mw",
                     "power_max_mw", "extras"):

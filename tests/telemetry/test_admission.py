@@ -148,6 +148,17 @@ def test_silent_telemetry_sheds_fine_tuning(ctl, clock):
     assert decision.state is SHED and "no telemetry for 31 s" in decision.reason
 
 
+def test_queue_changes_between_readings_do_not_hide_stale_telemetry(ctl, clock):
+    ctl.observe(CALM)
+    clock.now += 1
+    assert ctl.observe_queue(300).state is REJECT
+    for _ in range(30):
+        clock.now += 1
+        ctl.observe_queue(0)
+    decision = ctl.observe_queue(0)
+    assert decision.state is not N and "no telemetry for 31 s" in decision.reason
+
+
 def test_status_is_json_ready_and_explains(ctl, clock):
     ctl.observe(with_(memory_headroom_mb=900))
     clock.now += 2
