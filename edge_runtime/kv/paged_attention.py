@@ -3,7 +3,7 @@
 Built once per iteration from the scheduled sequences, then called by every layer: it writes the
 new keys/values into their slots and attends each query to its sequence's cached context.
 Decode rows (one query each) are batched into a single padded attention call; prefill chunks
-attend one sequence at a time.
+attend one sequence at a time. Results do not depend on the batch (see `attend`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from edge_runtime.kv.cache import KVCache
@@ -90,23 +89,41 @@ class PagedContext:
         out = q.new_empty(t, heads * d)
 
         for start, n, kv_index, mask in self.prefills:
-            qh = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-            kh = k_cache.index_select(0, kv_index).transpose(0, 1).unsqueeze(0)
-            vh = v_cache.index_select(0, kv_index).transpose(0, 1).unsqueeze(0)
+            # [n, heads, d] -> [kv_heads, group * n, d]: the query heads sharing a KV head are
+            # folded into the rows, so GQA needs no copy of keys or values.
+            qh = q[start : start + n].view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * n, d)
+            kh = k_cache.index_select(0, kv_index).transpose(0, 1)  # [kv_heads, ctx, d]
+            vh = v_cache.index_select(0, kv_index).transpose(0, 1)
             if mask is None:
-                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-            else:
-                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-            out[start : start + n] = o[0].transpose(0, 1).reshape(n, heads * d)
+                mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            o = attend(qh, kh, vh, mask.repeat(group, 1))
+            out[start : start + n] = o.view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 
         if self.decode_rows is not None:
             b = self.decode_rows.shape[0]
-            # Fold the query heads sharing a KV head into the query-length axis: one SDPA call
-            # with no KV expansion serves GQA for the whole decode batch.
             qd = q.index_select(0, self.decode_rows).view(b, kv_heads, group, d)
             kd = k_cache[self.decode_index].permute(0, 2, 1, 3)  # [B, kv_heads, width, d]
             vd = v_cache[self.decode_index].permute(0, 2, 1, 3)
-            mask = None if self.decode_full else self.decode_mask
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)
+            o = attend(qd, kd, vd, self.decode_mask)
             out.index_copy_(0, self.decode_rows, o.reshape(b, heads * d))
         return out
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(d)) v with the softmax in fp32; q [..., rows, d], k/v [..., keys, d],
+    mask (True = may attend) broadcastable to [..., rows, keys].
+
+    Written out rather than through SDPA on purpose: SDPA's blocked kernels round differently
+    depending on how many keys (padding included) and queries share a call, so a sequence's
+    tokens would change with the batch it ran in. Plain matmuls with at least two rows (see
+    `edge_runtime.model.llama.linear`) compute each row the same way in any batch; padded keys
+    get exact zero weights, which add nothing to the sums.
+    """
+    rows = q.shape[-2]
+    if rows == 1:
+        q = q.expand(*q.shape[:-2], 2, q.shape[-1]).contiguous()
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(weights, v)
+    return out[..., :1, :] if rows == 1 else out

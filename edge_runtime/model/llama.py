@@ -120,7 +120,7 @@ class DecoderLayer(nn.Module):
         lora = ctx.lora
         residual = x
         hn = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(hn, self.qkv_weight, self.qkv_bias)
+        qkv = linear(hn, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         if lora is not None:
             q = _add(q, lora.delta(self.index, "q_proj", hn))
@@ -131,23 +131,37 @@ class DecoderLayer(nn.Module):
         k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         attn = ctx.attention(self.index, q, k, v)
-        out = F.linear(attn, self.o_weight, self.o_bias)
+        out = linear(attn, self.o_weight, self.o_bias)
         if lora is not None:
             out = _add(out, lora.delta(self.index, "o_proj", attn))
         x = residual + out
 
         residual = x
         hn = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
-        gate_up = F.linear(hn, self.gate_up_weight, self.gate_up_bias)
+        gate_up = linear(hn, self.gate_up_weight, self.gate_up_bias)
         gate, up = gate_up.chunk(2, dim=-1)
         if lora is not None:
             gate = _add(gate, lora.delta(self.index, "gate_proj", hn))
             up = _add(up, lora.delta(self.index, "up_proj", hn))
         act = F.silu(gate) * up
-        down = F.linear(act, self.down_weight, self.down_bias)
+        down = linear(act, self.down_weight, self.down_bias)
         if lora is not None:
             down = _add(down, lora.delta(self.index, "down_proj", act))
         return residual + down
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear that computes every row the same way whatever the batch size.
+
+    oneDNN takes a matrix-vector path for a single row whose rounding differs from its
+    matrix-matrix path (measured: bf16 down_proj rows differ between M=1 and M>=2). A lone
+    row would then decode differently from the same row in a batch, breaking the invariant
+    that greedy output does not depend on what runs beside it; two rows always take the
+    matrix path.
+    """
+    if x.dim() == 2 and x.shape[0] == 1:
+        return F.linear(x.expand(2, -1).contiguous(), weight, bias)[:1]
+    return F.linear(x, weight, bias)
 
 
 def _add(base: Tensor, delta: Tensor | None) -> Tensor:
@@ -191,7 +205,7 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Final norm and LM head for the rows whose next token is wanted."""
-        return F.linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head_weight())
+        return linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head_weight())
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, logit_rows: Tensor | None = None
