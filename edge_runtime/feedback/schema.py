@@ -1,0 +1,166 @@
+"""The SQLite schema of the feedback store, its migrations (`PRAGMA user_version`) and pragmas.
+
+Owns how a connection is opened; knows nothing about feedback rules or the writer thread.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+# Each migration is a list of statements run in one transaction together with the bump of
+# user_version, so a crash mid-migration leaves the previous version intact.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """CREATE TABLE meta (
+            key   TEXT PRIMARY KEY,
+            value TEXT NOT NULL
+        )""",
+        # The audit log names users by a keyed hash, so it keeps no identifier after erasure;
+        # the key never leaves the database.
+        "INSERT INTO meta (key, value) VALUES ('audit_key', lower(hex(randomblob(32))))",
+        """CREATE TABLE users (
+            user_id    TEXT PRIMARY KEY,
+            consent    INTEGER NOT NULL CHECK (consent IN (0, 1)),
+            consent_at REAL NOT NULL,
+            created_at REAL NOT NULL
+        )""",
+        """CREATE TABLE interactions (
+            id              INTEGER PRIMARY KEY,
+            user_id         TEXT NOT NULL REFERENCES users(user_id) ON DELETE CASCADE,
+            request_id      TEXT NOT NULL,
+            prompt          TEXT NOT NULL,
+            prompt_hash     BLOB NOT NULL,
+            model           TEXT NOT NULL,
+            adapter_version INTEGER,
+            timings         TEXT NOT NULL,
+            created_at      REAL NOT NULL,
+            UNIQUE (user_id, request_id)
+        )""",
+        "CREATE INDEX interactions_by_prompt ON interactions(user_id, prompt_hash)",
+        "CREATE INDEX interactions_by_age ON interactions(created_at)",
+        """CREATE TABLE candidates (
+            interaction_id INTEGER NOT NULL REFERENCES interactions(id) ON DELETE CASCADE,
+            idx            INTEGER NOT NULL,
+            text           TEXT NOT NULL,
+            PRIMARY KEY (interaction_id, idx)
+        ) WITHOUT ROWID""",
+        # slot is -1 for a choice (one per interaction) and the candidate index otherwise, so
+        # UNIQUE(interaction_id, kind, slot) is exactly "the same feedback given twice".
+        """CREATE TABLE feedback (
+            id             INTEGER PRIMARY KEY,
+            interaction_id INTEGER NOT NULL REFERENCES interactions(id) ON DELETE CASCADE,
+            kind           TEXT NOT NULL CHECK (kind IN ('choice', 'thumbs', 'rating', 'edit')),
+            slot           INTEGER NOT NULL,
+            candidate_idx  INTEGER NOT NULL,
+            value          INTEGER,
+            text           TEXT,
+            created_at     REAL NOT NULL,
+            UNIQUE (interaction_id, kind, slot)
+        )""",
+        """CREATE TABLE pairs (
+            id            INTEGER PRIMARY KEY,
+            user_id       TEXT NOT NULL REFERENCES users(user_id) ON DELETE CASCADE,
+            pair_key      BLOB NOT NULL UNIQUE,
+            prompt        TEXT NOT NULL,
+            chosen        TEXT NOT NULL,
+            rejected      TEXT NOT NULL,
+            rule          TEXT NOT NULL,
+            split         TEXT NOT NULL CHECK (split IN ('train', 'heldout')),
+            status        TEXT NOT NULL DEFAULT 'pending'
+                          CHECK (status IN ('pending', 'trained', 'skipped')),
+            support       INTEGER NOT NULL DEFAULT 1,
+            train_count   INTEGER NOT NULL DEFAULT 0,
+            last_dpo_loss REAL,
+            created_at    REAL NOT NULL,
+            updated_at    REAL NOT NULL
+        )""",
+        "CREATE INDEX pairs_queue ON pairs(split, status, user_id, id)",
+        "CREATE INDEX pairs_by_user ON pairs(user_id)",
+        # Which interactions a pair draws text from: when retention drops one of them, the pair
+        # goes too, so no text outlives the limit through a derived pair.
+        """CREATE TABLE pair_sources (
+            pair_id        INTEGER NOT NULL REFERENCES pairs(id) ON DELETE CASCADE,
+            interaction_id INTEGER NOT NULL REFERENCES interactions(id) ON DELETE CASCADE,
+            PRIMARY KEY (pair_id, interaction_id)
+        ) WITHOUT ROWID""",
+        "CREATE INDEX pair_sources_by_interaction ON pair_sources(interaction_id)",
+        """CREATE TABLE adapter_versions (
+            user_id    TEXT NOT NULL REFERENCES users(user_id) ON DELETE CASCADE,
+            version    INTEGER NOT NULL,
+            path       TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            PRIMARY KEY (user_id, version)
+        )""",
+        """CREATE TABLE adapter_pairs (
+            user_id TEXT NOT NULL,
+            version INTEGER NOT NULL,
+            pair_id INTEGER NOT NULL REFERENCES pairs(id) ON DELETE CASCADE,
+            PRIMARY KEY (user_id, version, pair_id),
+            FOREIGN KEY (user_id, version)
+                REFERENCES adapter_versions(user_id, version) ON DELETE CASCADE
+        ) WITHOUT ROWID""",
+        "CREATE INDEX adapter_pairs_by_pair ON adapter_pairs(pair_id)",
+        """CREATE TABLE audit_log (
+            id      INTEGER PRIMARY KEY,
+            at      REAL NOT NULL,
+            op      TEXT NOT NULL,
+            subject TEXT NOT NULL,
+            detail  TEXT NOT NULL
+        )""",
+        "CREATE INDEX audit_by_subject ON audit_log(subject)",
+    ),
+)
+
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def connect(path: Path, busy_timeout_ms: int) -> sqlite3.Connection:
+    """Open a connection with the store's per-connection pragmas; transactions are explicit."""
+    # isolation_level=None: the store issues BEGIN/COMMIT itself (Python 3.10 has no autocommit=).
+    conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+    conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+    conn.execute("PRAGMA foreign_keys = ON")
+    # FULL in WAL mode fsyncs the log on every commit: an acknowledged write survives power loss.
+    conn.execute("PRAGMA synchronous = FULL")
+    # Deleted personal data is overwritten with zeros, not merely unlinked from the b-tree.
+    conn.execute("PRAGMA secure_delete = ON")
+    # VACUUM and large sorts would otherwise spill user text into files under /tmp.
+    conn.execute("PRAGMA temp_store = MEMORY")
+    return conn
+
+
+def prepare_database(conn: sqlite3.Connection) -> int:
+    """Create or upgrade the schema; returns the version now in force. Idempotent."""
+    # auto_vacuum only takes effect before the first table exists; incremental mode lets
+    # retention hand freed pages back to the file system without a full VACUUM.
+    if _user_version(conn) == 0:
+        conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
+    mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+    if mode.lower() != "wal":
+        raise RuntimeError(f"feedback store needs WAL journaling; SQLite kept {mode!r}")
+    current = _user_version(conn)
+    if current > SCHEMA_VERSION:
+        raise RuntimeError(
+            f"feedback database has schema version {current}, newer than this code ({SCHEMA_VERSION}); "
+            "upgrade mace-edge instead of downgrading the database"
+        )
+    for version in range(current, SCHEMA_VERSION):
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            # Another process may have migrated while we waited for the write lock.
+            if _user_version(conn) != version:
+                conn.execute("ROLLBACK")
+                continue
+            for statement in MIGRATIONS[version]:
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {version + 1}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+    return _user_version(conn)
+
+
+def _user_version(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("PRAGMA user_version").fetchone()[0])
