@@ -1,0 +1,294 @@
+"""Data-subject rights over the feedback store: consent, export (Art. 15/20), erasure (Art. 17),
+retention limits, and the audit log of these operations.
+
+The audit log names users only by a keyed hash and records counts, never content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from edge_runtime.errors import BadRequest
+from edge_runtime.feedback.errors import UnknownUser
+from edge_runtime.feedback.records import RetentionReport
+from edge_runtime.feedback.training_queue import adapter_versions
+
+EXPORT_FORMAT = "mace-edge.feedback-export"
+EXPORT_VERSION = 1
+ALL_USERS = "*"  # audit subject of operations over every user (retention)
+
+
+# --- audit -------------------------------------------------------------------------------------
+
+
+def audit_subject(conn: sqlite3.Connection, user_id: str) -> str:
+    key = conn.execute("SELECT value FROM meta WHERE key = 'audit_key'").fetchone()[0]
+    return hmac.new(bytes.fromhex(key), user_id.encode("utf-8"), hashlib.sha256).hexdigest()[:32]
+
+
+def write_audit(
+    conn: sqlite3.Connection, op: str, user_id: str | None, detail: dict[str, Any], now: float
+) -> None:
+    subject = ALL_USERS if user_id is None else audit_subject(conn, user_id)
+    conn.execute(
+        "INSERT INTO audit_log (at, op, subject, detail) VALUES (?, ?, ?, ?)",
+        (now, op, subject, json.dumps(detail, sort_keys=True)),
+    )
+
+
+def read_audit(conn: sqlite3.Connection, user_id: str | None, limit: int) -> list[dict[str, Any]]:
+    if user_id is None:
+        rows = conn.execute(
+            "SELECT at, op, subject, detail FROM audit_log ORDER BY id DESC LIMIT ?", (limit,)
+        )
+    else:
+        rows = conn.execute(
+            "SELECT at, op, subject, detail FROM audit_log WHERE subject = ? ORDER BY id DESC LIMIT ?",
+            (audit_subject(conn, user_id), limit),
+        )
+    return [
+        {"at": at, "op": op, "subject": subject, "detail": json.loads(detail)}
+        for at, op, subject, detail in rows
+    ]
+
+
+# --- consent -----------------------------------------------------------------------------------
+
+
+def set_consent(conn: sqlite3.Connection, user_id: str, granted: bool, now: float) -> bool:
+    """Record consent or its withdrawal; returns whether anything changed.
+
+    Withdrawal stops recording and training at once but keeps what is stored: erasure is its
+    own right (`forget`). A user who never consented gets no row at all.
+    """
+    row = conn.execute("SELECT consent FROM users WHERE user_id = ?", (user_id,)).fetchone()
+    changed = False
+    if granted and row is None:
+        conn.execute(
+            "INSERT INTO users (user_id, consent, consent_at, created_at) VALUES (?, 1, ?, ?)",
+            (user_id, now, now),
+        )
+        changed = True
+    elif row is not None and bool(row[0]) != granted:
+        conn.execute(
+            "UPDATE users SET consent = ?, consent_at = ? WHERE user_id = ?",
+            (int(granted), now, user_id),
+        )
+        changed = True
+    write_audit(conn, "consent_granted" if granted else "consent_withdrawn", user_id,
+                {"changed": changed}, now)
+    return changed
+
+
+# --- export ------------------------------------------------------------------------------------
+
+
+def export_user(conn: sqlite3.Connection, user_id: str, now: float) -> dict[str, Any]:
+    """Everything held on one user, as JSON-ready data. Run inside one read transaction."""
+    user = conn.execute(
+        "SELECT consent, consent_at, created_at FROM users WHERE user_id = ?", (user_id,)
+    ).fetchone()
+    if user is None:
+        raise UnknownUser(f"the feedback store holds nothing on user {user_id!r}")
+    interactions = []
+    request_of: dict[int, str] = {}
+    for iid, request_id, prompt, model, adapter_version, timings, created_at in conn.execute(
+        "SELECT id, request_id, prompt, model, adapter_version, timings, created_at"
+        " FROM interactions WHERE user_id = ? ORDER BY id",
+        (user_id,),
+    ).fetchall():
+        request_of[iid] = request_id
+        candidates = [
+            {"index": idx, "text": text}
+            for idx, text in conn.execute(
+                "SELECT idx, text FROM candidates WHERE interaction_id = ? ORDER BY idx", (iid,)
+            )
+        ]
+        feedback = [
+            _feedback_entry(kind, idx, value, text, at)
+            for kind, idx, value, text, at in conn.execute(
+                "SELECT kind, candidate_idx, value, text, created_at FROM feedback"
+                " WHERE interaction_id = ? ORDER BY id",
+                (iid,),
+            )
+        ]
+        interactions.append({
+            "request_id": request_id, "prompt": prompt, "model": model,
+            "adapter_version": adapter_version, "timings": json.loads(timings),
+            "created_at": created_at, "candidates": candidates, "feedback": feedback,
+        })
+    pairs = []
+    for row in conn.execute(
+        "SELECT id, prompt, chosen, rejected, rule, split, status, support, train_count,"
+        " last_dpo_loss, created_at FROM pairs WHERE user_id = ? ORDER BY id",
+        (user_id,),
+    ).fetchall():
+        sources = [
+            request_of[iid]
+            for (iid,) in conn.execute(
+                "SELECT interaction_id FROM pair_sources WHERE pair_id = ? ORDER BY interaction_id",
+                (row[0],),
+            )
+            if iid in request_of
+        ]
+        pairs.append({
+            "id": row[0], "prompt": row[1], "chosen": row[2], "rejected": row[3], "rule": row[4],
+            "split": row[5], "status": row[6], "support": row[7], "train_count": row[8],
+            "last_dpo_loss": row[9], "created_at": row[10], "from_request_ids": sources,
+        })
+    adapters = [
+        {"version": a.version, "path": a.path, "created_at": a.created_at,
+         "trained_on_pair_ids": list(a.pair_ids)}
+        for a in adapter_versions(conn, user_id)
+    ]
+    return {
+        "format": EXPORT_FORMAT,
+        "format_version": EXPORT_VERSION,
+        "time_unit": "seconds since the Unix epoch (UTC)",
+        "exported_at": now,
+        "user_id": user_id,
+        "consent": {"granted": bool(user[0]), "changed_at": user[1]},
+        "created_at": user[2],
+        "interactions": interactions,
+        "preference_pairs": pairs,
+        "adapter_versions": adapters,
+        "audit_log": [
+            {"at": e["at"], "op": e["op"], "detail": e["detail"]}
+            for e in read_audit(conn, user_id, limit=-1)
+        ],
+    }
+
+
+def _feedback_entry(kind: str, idx: int, value: int | None, text: str | None, at: float) -> dict:
+    entry: dict[str, Any] = {"kind": kind, "created_at": at}
+    if kind == "choice":
+        entry["chosen"] = idx
+    elif kind == "thumbs":
+        entry.update(candidate=idx, up=value == 1)
+    elif kind == "rating":
+        entry.update(candidate=idx, stars=value)
+    else:
+        entry.update(candidate=idx, text=text)
+    return entry
+
+
+# --- erasure -----------------------------------------------------------------------------------
+
+
+def adapter_dir(adapters_root: Path | None, user_id: str) -> Path | None:
+    """The user's adapter folder, refusing anything that would resolve outside adapters_root."""
+    if adapters_root is None:
+        return None
+    root = adapters_root.resolve()
+    target = root / user_id
+    # user ids are validated path components, but a symlink planted at <root>/<user> could still
+    # point elsewhere: never delete through it.
+    if target.is_symlink() or target.resolve().parent != root:
+        raise BadRequest(f"refusing to erase {target}: it is not a plain folder inside {root}")
+    return target
+
+
+def inside(path: Path, folder: Path) -> bool:
+    try:
+        path.resolve().relative_to(folder.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def remove_tree(path: Path) -> bool:
+    if not path.exists():
+        return False
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+    return True
+
+
+def count_user_rows(conn: sqlite3.Connection, user_id: str) -> dict[str, int] | None:
+    if conn.execute("SELECT 1 FROM users WHERE user_id = ?", (user_id,)).fetchone() is None:
+        return None
+
+    def count(sql: str) -> int:
+        return int(conn.execute(sql, (user_id,)).fetchone()[0])
+
+    return {
+        "interactions": count("SELECT count(*) FROM interactions WHERE user_id = ?"),
+        "feedback": count(
+            "SELECT count(*) FROM feedback f JOIN interactions i ON i.id = f.interaction_id"
+            " WHERE i.user_id = ?"
+        ),
+        "pairs": count("SELECT count(*) FROM pairs WHERE user_id = ?"),
+        "adapter_versions": count("SELECT count(*) FROM adapter_versions WHERE user_id = ?"),
+    }
+
+
+def delete_user_rows(conn: sqlite3.Connection, user_id: str) -> None:
+    # ON DELETE CASCADE takes interactions, candidates, feedback, pairs, pair sources and
+    # adapter records with the user row.
+    conn.execute("DELETE FROM users WHERE user_id = ?", (user_id,))
+
+
+def reclaim_space(conn: sqlite3.Connection, full_vacuum: bool) -> bool:
+    """Give freed pages back and empty the WAL; returns whether the WAL was truncated.
+
+    Must run outside a transaction. The WAL still holds earlier page images (with the erased
+    text) until a TRUNCATE checkpoint empties it.
+    """
+    if full_vacuum:
+        conn.execute("VACUUM")
+    else:
+        conn.execute("PRAGMA incremental_vacuum")
+    busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+    return busy == 0
+
+
+# --- retention ---------------------------------------------------------------------------------
+
+
+def apply_retention(
+    conn: sqlite3.Connection, max_age_s: float | None, max_per_user: int | None, now: float
+) -> RetentionReport:
+    """Delete interactions past the age limit or beyond each user's newest `max_per_user`.
+
+    A pair that quotes a deleted interaction goes with it, even if another interaction also
+    supports it: no text outlives the limit inside a derived pair.
+    """
+    conn.execute("CREATE TEMP TABLE IF NOT EXISTS doomed (id INTEGER PRIMARY KEY)")
+    conn.execute("DELETE FROM temp.doomed")
+    if max_age_s is not None:
+        conn.execute(
+            "INSERT OR IGNORE INTO temp.doomed SELECT id FROM interactions WHERE created_at < ?",
+            (now - max_age_s,),
+        )
+    if max_per_user is not None:
+        conn.execute(
+            "INSERT OR IGNORE INTO temp.doomed SELECT id FROM ("
+            " SELECT id, row_number() OVER (PARTITION BY user_id ORDER BY created_at DESC, id DESC)"
+            " AS newest FROM interactions) WHERE newest > ?",
+            (max_per_user,),
+        )
+    users = int(conn.execute(
+        "SELECT count(DISTINCT user_id) FROM interactions WHERE id IN (SELECT id FROM temp.doomed)"
+    ).fetchone()[0])
+    pairs = conn.execute(
+        "DELETE FROM pairs WHERE id IN (SELECT pair_id FROM pair_sources"
+        " WHERE interaction_id IN (SELECT id FROM temp.doomed))"
+    ).rowcount
+    interactions = conn.execute(
+        "DELETE FROM interactions WHERE id IN (SELECT id FROM temp.doomed)"
+    ).rowcount
+    conn.execute("DELETE FROM temp.doomed")
+    report = RetentionReport(interactions_deleted=interactions, pairs_deleted=pairs,
+                             users_affected=users)
+    if interactions or pairs:
+        write_audit(conn, "retention", None,
+                    {"interactions": interactions, "pairs": pairs, "users": users}, now)
+    return report
