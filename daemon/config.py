@@ -1,0 +1,370 @@
+"""The daemon's one configuration loader: defaults < TOML file < MACE_* environment < flags.
+
+Every value remembers where it came from (`maced --print-config`). Sections reuse the runtime's
+own dataclasses (EngineConfig, TelemetryConfig, FeedbackStoreConfig, AdmissionConfig).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from daemon.admission import AdmissionConfig
+from daemon.endpoints import default_ipc_path, ipc_endpoint, is_loopback, parse_tcp
+from edge_runtime.config import EngineConfig
+from edge_runtime.feedback.config import FeedbackStoreConfig
+from edge_runtime.paths import state_dir as runtime_state_dir
+from edge_runtime.telemetry.config import TelemetryConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 (JetPack 6)
+    import tomli as tomllib
+
+CONFIG_ENV = "MACE_CONFIG"
+SYSTEM_CONFIG = Path("/etc/mace-edge/maced.toml")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "text", "json", "journal")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used, named with where it came from."""
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    state_dir: str = ""  # "" = $MACE_STATE_DIR, systemd's $STATE_DIRECTORY, ~/.local/state/mace-edge
+    log_level: str = "info"
+    log_format: str = "auto"  # auto = journal under systemd, text otherwise
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    ipc: str = "auto"  # socket path; "auto" = <runtime dir>/maced.sock; "" = no ipc endpoint
+    tcp: str = ""  # e.g. tcp://127.0.0.1:5555; "" = no TCP endpoint
+    ipc_mode: str = "0660"  # socket file mode: owner and group may connect
+    curve_secret_key: str = ""  # zmq certificate file with the server's secret key
+    curve_authorized_keys: str = ""  # folder of clients' public-key certificates
+    max_message_bytes: int = 1 << 20  # larger request frames are answered `too_large`
+    max_inflight_per_client: int = 64
+    max_inflight: int = 1024
+    send_hwm: int = 100_000  # queued replies per client before it counts as not reading
+    default_max_tokens: int = 256
+    drain_timeout_s: float = 5.0  # on SIGTERM, how long running generations may finish
+    admission_wait_s: float = 30.0  # longest a generate waits while admission says "queue"
+
+
+@dataclass(frozen=True)
+class FeedbackSettings:
+    enabled: bool = True
+    db_path: str = ""  # "" = <state_dir>/feedback.sqlite3
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    enabled: bool = True
+    telemetry: bool = True  # read telemetry at all (off: admission sees only queue length)
+
+
+_SECTIONS: dict[str, tuple[type, ...]] = {
+    "daemon": (DaemonSettings,),
+    "server": (ServerSettings,),
+    "engine": (EngineConfig,),
+    "telemetry": (TelemetryConfig,),
+    "feedback": (FeedbackSettings, FeedbackStoreConfig),
+    "admission": (AdmissionSettings, AdmissionConfig),
+}
+# Changing these at run time cannot break a request in flight; the rest need a restart.
+RELOADABLE = frozenset({
+    "daemon.log_level", "server.max_message_bytes", "server.max_inflight_per_client",
+    "server.max_inflight", "server.default_max_tokens", "server.drain_timeout_s",
+    "server.admission_wait_s", "admission.min_dwell_s", "admission.stale_after_s",
+    "admission.retry_after_s", "admission.power_budget_mw",
+})
+# Short names people already know, besides the generic MACE_<SECTION>_<KEY>.
+_ENV_ALIASES = {"MACE_STATE_DIR": "daemon.state_dir", "MACE_MODEL": "engine.model",
+                "MACE_LOG_LEVEL": "daemon.log_level"}
+_SCALARS = {"str": str, "int": int, "float": float, "bool": bool}
+
+
+@dataclass(frozen=True)
+class Setting:
+    section: str
+    key: str
+    owner: type
+    kind: type
+    optional: bool
+    default: Any
+
+    @property
+    def name(self) -> str:
+        return f"{self.section}.{self.key}"
+
+    @property
+    def env(self) -> str:
+        return f"MACE_{self.section}_{self.key}".upper()
+
+    def coerce(self, value: Any, where: str) -> Any:
+        """Check a TOML value, or parse an env/flag string, into this setting's type."""
+        if isinstance(value, str) and self.kind is not str:
+            value = _parse_text(value, self, where)
+        elif value == "" and self.optional:
+            value = None  # an empty env/flag value unsets an optional string (e.g. replay_file)
+        if value is None:
+            if self.optional:
+                return None
+            raise ConfigError(f"{self.name} ({where}) cannot be empty")
+        ok = isinstance(value, self.kind) and not (self.kind is int and isinstance(value, bool))
+        if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise ConfigError(f"{self.name} ({where}) must be {self.kind.__name__}; got {value!r}")
+        return value
+
+
+def _parse_text(text: str, setting: Setting, where: str) -> Any:
+    raw = text.strip()
+    if setting.optional and raw.lower() in ("", "none", "null"):
+        return None
+    try:
+        if setting.kind is bool:
+            lowered = raw.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if setting.kind is int:
+            return int(raw, 0)
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{setting.name} ({where}) must be {setting.kind.__name__}; got {text!r}") from None
+
+
+def _schema() -> dict[str, Setting]:
+    """Every scalar field of every section's dataclasses (dict-valued knobs keep their defaults)."""
+    settings: dict[str, Setting] = {}
+    for section, owners in _SECTIONS.items():
+        for owner in owners:
+            for f in fields(owner):
+                parts = [p.strip() for p in str(f.type).split("|")]
+                optional = "None" in parts
+                kinds = [p for p in parts if p != "None"]
+                if len(kinds) != 1 or kinds[0] not in _SCALARS:
+                    continue
+                if f.default is not MISSING:
+                    default = f.default
+                elif f.default_factory is not MISSING:
+                    default = f.default_factory()
+                else:
+                    continue
+                setting = Setting(section, f.name, owner, _SCALARS[kinds[0]], optional, default)
+                settings.setdefault(setting.name, setting)
+    return settings
+
+
+SCHEMA = _schema()
+
+
+def find_config_file(explicit: str | None, environ: Mapping[str, str]) -> Path | None:
+    """--config, else $MACE_CONFIG, else systemd's ConfigurationDirectory, else /etc/mace-edge."""
+    if explicit:
+        return Path(explicit)
+    if environ.get(CONFIG_ENV):
+        return Path(environ[CONFIG_ENV])
+    conf_dir = environ.get("CONFIGURATION_DIRECTORY")
+    candidates = [Path(conf_dir.split(":")[0]) / "maced.toml"] if conf_dir else []
+    candidates.append(SYSTEM_CONFIG)
+    return next((p for p in candidates if p.is_file()), None)
+
+
+class DaemonConfig:
+    """Effective configuration: values, where each came from, and typed views per section."""
+
+    def __init__(self, values: dict[str, Any], sources: dict[str, str], file: Path | None) -> None:
+        self.values = values
+        self.sources = sources
+        self.file = file
+        self.daemon: DaemonSettings = self._build("daemon", DaemonSettings)
+        self.server: ServerSettings = self._build("server", ServerSettings)
+        self.engine: EngineConfig = self._build("engine", EngineConfig)
+        self.telemetry: TelemetryConfig = self._build("telemetry", TelemetryConfig)
+        self.feedback: FeedbackSettings = self._build("feedback", FeedbackSettings)
+        self.admission: AdmissionSettings = self._build("admission", AdmissionSettings)
+        try:
+            self.feedback_store: FeedbackStoreConfig = self._build("feedback", FeedbackStoreConfig)
+            self.admission_config: AdmissionConfig = self._build("admission", AdmissionConfig)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self._check()
+
+    def _build(self, section: str, owner: type) -> Any:
+        kwargs = {s.key: self.values[s.name] for s in SCHEMA.values()
+                  if s.section == section and s.owner is owner}
+        return owner(**kwargs)
+
+    # -- derived values -----------------------------------------------------------------------
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.daemon.state_dir).expanduser() if self.daemon.state_dir else runtime_state_dir()
+
+    @property
+    def db_path(self) -> Path:
+        return Path(self.feedback.db_path) if self.feedback.db_path else self.state_dir / "feedback.sqlite3"
+
+    @property
+    def adapters_dir(self) -> Path:
+        return self.state_dir / "adapters"
+
+    @property
+    def ipc_path(self) -> Path | None:
+        ipc = self.server.ipc
+        if not ipc:
+            return None
+        if ipc == "auto":
+            return default_ipc_path()
+        return Path(ipc.removeprefix("ipc://")).expanduser()
+
+    @property
+    def ipc_mode(self) -> int:
+        return int(self.server.ipc_mode, 8)
+
+    @property
+    def curve_enabled(self) -> bool:
+        return bool(self.server.curve_secret_key)
+
+    def endpoints(self) -> list[str]:
+        found = [ipc_endpoint(self.ipc_path)] if self.ipc_path is not None else []
+        return found + ([self.server.tcp] if self.server.tcp else [])
+
+    def _check(self) -> None:
+        d, s = self.daemon, self.server
+        if d.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"daemon.log_level must be one of {', '.join(LOG_LEVELS)}; got {d.log_level!r}")
+        if d.log_format not in LOG_FORMATS:
+            raise ConfigError(f"daemon.log_format must be one of {', '.join(LOG_FORMATS)}; got {d.log_format!r}")
+        if not self.endpoints():
+            raise ConfigError("no endpoint: set server.ipc and/or server.tcp")
+        try:
+            mode = int(s.ipc_mode, 8)
+        except ValueError:
+            raise ConfigError(f"server.ipc_mode must be an octal mode like 0660; got {s.ipc_mode!r}") from None
+        if mode & ~0o777 or mode & 0o007:
+            raise ConfigError(f"server.ipc_mode {s.ipc_mode} must not give access to other users")
+        if s.tcp:
+            try:
+                host, _ = parse_tcp(s.tcp)
+            except ValueError as exc:
+                raise ConfigError(f"server.tcp: {exc}") from None
+            if not is_loopback(host) and not self.curve_enabled:
+                raise ConfigError(
+                    f"server.tcp {s.tcp} is reachable from other machines; refusing to serve it "
+                    "without encryption and client authentication. Bind tcp://127.0.0.1:PORT, or set "
+                    "server.curve_secret_key and server.curve_authorized_keys (CURVE)")
+        if self.curve_enabled and not s.curve_authorized_keys:
+            raise ConfigError("server.curve_secret_key needs server.curve_authorized_keys (a folder "
+                              "of the clients' public keys): CURVE without it would admit anyone")
+        for key in ("max_message_bytes", "max_inflight_per_client", "max_inflight", "send_hwm",
+                    "default_max_tokens"):
+            if getattr(s, key) < 1:
+                raise ConfigError(f"server.{key} must be >= 1")
+        if s.max_message_bytes < 1024:
+            raise ConfigError("server.max_message_bytes must be at least 1024")
+        if s.drain_timeout_s < 0 or s.admission_wait_s < 0:
+            raise ConfigError("server.drain_timeout_s and server.admission_wait_s must be >= 0")
+
+    # -- presentation -------------------------------------------------------------------------
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for setting in SCHEMA.values():
+            out.setdefault(setting.section, {})[setting.key] = self.values[setting.name]
+        return out
+
+    def render(self) -> str:
+        """TOML of the effective values, each with a comment saying where it came from."""
+        lines = [f"# effective maced configuration; file: {self.file or 'none'}",
+                 f"# endpoints: {', '.join(self.endpoints())}", f"# state_dir: {self.state_dir}"]
+        section = None
+        for setting in SCHEMA.values():
+            if setting.section != section:
+                section = setting.section
+                lines += ["", f"[{section}]"]
+            value = self.values[setting.name]
+            origin = self.sources[setting.name]
+            if value is None:
+                lines.append(f"# {setting.key} = (unset)  # {origin}")
+            else:
+                lines.append(f"{setting.key} = {_toml_value(value)}  # {origin}")
+        return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value), ensure_ascii=False)  # JSON strings are TOML basic strings
+
+
+def load_config(
+    file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Sequence[tuple[str, Any, str]] = (),
+) -> DaemonConfig:
+    """Merge the four layers. `flags` are (section.key, value, flag spelling) triples."""
+    environ = os.environ if environ is None else environ
+    values = {name: s.default for name, s in SCHEMA.items()}
+    sources = dict.fromkeys(SCHEMA, "default")
+    path = find_config_file(str(file) if file else None, environ)
+    if path is not None:
+        for name, value in _read_toml(path).items():
+            values[name] = SCHEMA[name].coerce(value, f"file {path}")
+            sources[name] = f"file {path}"
+    for env_name, text in sorted(environ.items()):
+        name = _ENV_ALIASES.get(env_name) or _ENV_NAMES.get(env_name)
+        if name is not None:
+            values[name] = SCHEMA[name].coerce(text, f"env {env_name}")
+            sources[name] = f"env {env_name}"
+    for name, value, spelling in flags:
+        if name not in SCHEMA:
+            raise ConfigError(f"{spelling}: unknown setting {name!r}; see maced --print-config")
+        values[name] = SCHEMA[name].coerce(value, f"flag {spelling}")
+        sources[name] = f"flag {spelling}"
+    return DaemonConfig(values, sources, path)
+
+
+_ENV_NAMES = {s.env: name for name, s in SCHEMA.items()}
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    flat: dict[str, Any] = {}
+    for section, table in data.items():
+        if section not in _SECTIONS or not isinstance(table, dict):
+            raise ConfigError(f"{path}: unknown section [{section}]; known: {', '.join(_SECTIONS)}")
+        for key, value in table.items():
+            name = f"{section}.{key}"
+            if name not in SCHEMA:
+                raise ConfigError(f"{path}: unknown setting {name!r}; see maced --print-config")
+            flat[name] = value
+    return flat
+
+
+def reload_changes(old: DaemonConfig, new: DaemonConfig) -> tuple[list[str], list[str]]:
+    """(settings applied at run time, settings that changed but need a restart)."""
+    changed = [n for n in SCHEMA if old.values[n] != new.values[n]]
+    return [n for n in changed if n in RELOADABLE], [n for n in changed if n not in RELOADABLE]
+
+

@@ -1,0 +1,155 @@
+"""The wire protocol on its own: decoding, envelope splitting, request validation, error codes."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from daemon.protocol import (
+    ERROR_CODES,
+    OPS,
+    GenerateArgs,
+    ProtocolError,
+    decode,
+    encode,
+    error_message,
+    parse_request,
+    split_envelope,
+)
+
+
+def req(op: str, **fields: object) -> dict:
+    return {"v": 1, "id": "r1", "op": op, **fields}
+
+
+def code_of(fn, *args) -> str:
+    with pytest.raises(ProtocolError) as info:
+        fn(*args)
+    assert info.value.code in ERROR_CODES
+    return info.value.code
+
+
+@pytest.mark.parametrize("frame, code", [
+    (b"", "bad_message"),
+    (b"\xc1", "bad_message"),
+    (b"\x91" * 5000 + b"\xc0", "bad_message"),  # nesting deeper than the unpacker allows
+    (b"\xdf\xff\xff\xff\xff", "bad_message"),  # a map claiming 4 billion entries
+    (b"\x81\xa1a\xa2\xff\xfe", "bad_message"),  # invalid UTF-8 in a string
+    (msgpack.packb({1: 2}), "bad_message"),  # non-string key
+    (msgpack.packb([1, 2]), "bad_message"),  # not a map
+    (msgpack.packb(msgpack.ExtType(5, b"x")), "bad_message"),
+    (msgpack.packb({"a": 1}) + b"\x00", "bad_message"),  # trailing bytes
+    (b"\x00" * 10_000, "too_large"),
+])
+def test_decode_rejects_malformed_frames_with_a_code(frame: bytes, code: str) -> None:
+    assert code_of(decode, frame, 8192) == code
+
+
+def test_decode_roundtrips_a_request() -> None:
+    message = req("generate", prompt="héllo ✓", max_tokens=3)
+    assert decode(encode(message), 1 << 20) == message
+
+
+def test_envelope_accepts_dealer_and_req_framing() -> None:
+    assert split_envelope([b"id", b"body"]) == ([b"id"], b"body")
+    assert split_envelope([b"id", b"", b"body"]) == ([b"id", b""], b"body")
+    for frames in ([b"id"], [b"id", b"a", b"b"], [b"id", b"x", b"", b"y"]):
+        assert code_of(split_envelope, frames) == "bad_message"
+
+
+@pytest.mark.parametrize("message, code", [
+    ({"id": "a", "op": "status"}, "unsupported_version"),
+    ({"v": 2, "id": "a", "op": "status"}, "unsupported_version"),
+    ({"v": True, "id": "a", "op": "status"}, "unsupported_version"),
+    ({"v": 1, "op": "status"}, "bad_request"),
+    ({"v": 1, "id": "x" * 200, "op": "status"}, "bad_request"),
+    ({"v": 1, "id": "a", "op": "launch"}, "unknown_op"),
+    ({"v": 1, "id": "a", "op": ["status"]}, "unknown_op"),
+    ({"v": 1, "id": "a", "op": "status", "extra": 1}, "bad_request"),
+    (req("generate"), "bad_request"),
+    (req("generate", prompt="hi", messages=[{"role": "user", "content": "x"}]), "bad_request"),
+    (req("generate", prompt="   "), "bad_request"),
+    (req("generate", prompt=5), "bad_request"),
+    (req("generate", prompt="hi", max_tokens=0), "bad_request"),
+    (req("generate", prompt="hi", max_tokens=True), "bad_request"),
+    (req("generate", prompt="hi", temperature=float("nan")), "bad_request"),
+    (req("generate", prompt="hi", top_p=0.0), "bad_request"),
+    (req("generate", prompt="hi", n=17), "bad_request"),
+    (req("generate", prompt="hi", stop=[""]), "bad_request"),
+    (req("generate", prompt="hi", stop=["x"] * 17), "bad_request"),
+    (req("generate", prompt="hi", stop_token_ids=[-1]), "bad_request"),
+    (req("generate", prompt="hi", seed=-1), "bad_request"),
+    (req("generate", prompt="hi", adapter=3), "bad_request"),  # a version needs a user
+    (req("generate", prompt="hi", user="../etc"), "bad_request"),
+    (req("generate", messages=[{"role": "hacker", "content": "x"}]), "bad_request"),
+    (req("generate", messages=[{"role": "user", "content": "x", "name": "y"}]), "bad_request"),
+    (req("generate", messages=[]), "bad_request"),
+    (req("feedback", user="a", interaction_id="ix-1", feedback="good"), "bad_request"),
+    (req("feedback", user="a", interaction_id="bad id", feedback={"kind": "choice"}), "bad_request"),
+    (req("users.consent", user="a"), "bad_request"),
+    (req("users.consent", user="a", granted=1), "bad_request"),
+    (req("adapters.rollback", user="a", version="3"), "bad_request"),
+    (req("cancel", target=[1]), "bad_request"),
+])
+def test_invalid_requests_get_the_right_error_code(message: dict, code: str) -> None:
+    assert code_of(parse_request, message) == code
+
+
+def test_generate_defaults_and_sampling_arguments() -> None:
+    request = parse_request(req("generate", prompt="hi", stop="END", n=2, temperature=0.7, seed=3))
+    args = request.args
+    assert isinstance(args, GenerateArgs)
+    assert args.stop == ("END",) and args.n == 2 and not args.stream and args.adapter == "latest"
+    kwargs = args.sampling_kwargs(default_max_tokens=33)
+    assert kwargs["max_tokens"] == 33 and kwargs["temperature"] == 0.7 and kwargs["seed"] == 3
+
+
+def test_every_op_parses_with_its_fields() -> None:
+    samples = {
+        "generate": {"messages": [{"role": "user", "content": "hi"}], "stream": True, "user": "bob"},
+        "cancel": {"target": "r0"},
+        "feedback": {"user": "bob", "interaction_id": "ix-00", "feedback": {"kind": "choice", "chosen": 1}},
+        "status": {}, "health": {}, "adapters.list": {}, "adapters.rollback": {"user": "bob", "version": 2},
+        "users.consent": {"user": "bob", "granted": False}, "users.export": {"user": "bob"},
+        "users.forget": {"user": "bob"},
+    }
+    assert set(samples) == set(OPS)
+    for op, fields in samples.items():
+        assert parse_request(req(op, **fields)).op == op
+
+
+def test_error_replies_carry_code_message_and_retry_hint() -> None:
+    reply = error_message("r1", "admission_rejected", "busy device", retry_after_s=2)
+    assert reply == {"v": 1, "id": "r1", "type": "error",
+                     "error": {"code": "admission_rejected", "message": "busy device", "retry_after_s": 2.0}}
+    assert error_message(None, "no-such-code", "x")["error"]["code"] == "internal"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=256))
+def test_any_bytes_either_decode_to_a_map_or_raise_protocol_error(frame: bytes) -> None:
+    try:
+        assert isinstance(decode(frame, 4096), dict)
+    except ProtocolError as exc:
+        assert exc.code in ERROR_CODES
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.sampled_from(OPS + ("bogus",)), st.dictionaries(
+    st.sampled_from(["prompt", "messages", "max_tokens", "temperature", "n", "stop", "user", "feedback",
+                     "interaction_id", "granted", "version", "target", "stream", "seed", "junk"]),
+    _values, max_size=6))
+def test_any_fields_either_parse_or_raise_protocol_error(op: str, fields: dict) -> None:
+    try:
+        parse_request(req(op, **fields))
+    except ProtocolError as exc:
+        assert exc.code in ERROR_CODES
