@@ -1,0 +1,295 @@
+"""The engine's own thread: it owns the (not thread-safe) Engine, takes commands from a queue,
+runs iterations, and hands tokens and finished requests back to the event loop in one batch per
+iteration. Nothing else may touch the Engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from edge_runtime.errors import MaceError, UnknownRequest
+from edge_runtime.outputs import RequestOutput, TokenEvent
+
+if TYPE_CHECKING:
+    from edge_runtime.engine import Engine, Prompt
+    from edge_runtime.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# After this many failing iterations in a row the engine counts as broken: the daemon exits
+# non-zero and systemd restarts it, rather than answering every request with an error forever.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+
+
+class EngineFailed(MaceError):
+    """The engine raised while running a batch; requests in that batch are lost."""
+
+    code = "internal"
+
+
+class GenerationSink(Protocol):
+    """Receives one request's events on the event loop."""
+
+    def on_tokens(self, events: list[TokenEvent]) -> None: ...
+
+    def on_finished(self, output: RequestOutput | None, aborted: str | None,
+                    error: BaseException | None) -> None: ...
+
+
+@dataclass
+class EngineSnapshot:
+    """Counters the event loop may read at any time (replaced whole, never mutated)."""
+
+    waiting: int = 0
+    running: int = 0
+    in_flight: int = 0
+    iterations: int = 0
+    last_iteration_s: float = 0.0
+    at: float = field(default_factory=time.monotonic)
+
+
+class EngineThread:
+    """Runs `load()` then the iteration loop on a dedicated thread.
+
+    Loop-side methods return asyncio futures resolved on the loop. `on_alive` is called from the
+    engine thread after every iteration and at least every `idle_wait_s` when idle (the systemd
+    watchdog hangs off it); `on_dead` runs on the loop if the engine stops working.
+    """
+
+    def __init__(
+        self,
+        load: Callable[[], Engine],
+        loop: asyncio.AbstractEventLoop,
+        *,
+        on_alive: Callable[[], None] = lambda: None,
+        on_dead: Callable[[BaseException], None] = lambda exc: None,
+        idle_wait_s: float = 0.25,
+    ) -> None:
+        self._load = load
+        self._loop = loop
+        self._on_alive = on_alive
+        self._on_dead = on_dead
+        self._idle_wait_s = idle_wait_s
+        # (command, future or None); the future is settled on the loop with the command's result.
+        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future[Any] | None]] = (
+            queue.SimpleQueue())
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._ready: asyncio.Future[Engine] = loop.create_future()
+        self._stopping = False
+        # Engine-thread-only state below.
+        self._sinks: dict[str, GenerationSink] = {}
+        self._events: dict[str, list[TokenEvent]] = {}
+        self._outbox: list[Callable[[], None]] = []
+        self.latencies_s: deque[float] = deque(maxlen=512)  # written by the engine thread only
+        self.snapshot = EngineSnapshot()
+        self.model_info: dict[str, Any] = {}
+
+    # -- loop side ------------------------------------------------------------------------------
+
+    def start(self) -> asyncio.Future[Engine]:
+        self._thread.start()
+        return self._ready
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request_id: str, prompt: Prompt, params: SamplingParams, sink: GenerationSink,
+               adapter: Any = None) -> asyncio.Future[None]:
+        """Queue a request; the future fails with the engine's BadRequest if it is refused."""
+        def command(engine: Engine) -> None:
+            kwargs: dict[str, Any] = {"adapter": adapter} if adapter is not None else {}
+            engine.add_request(prompt, params, request_id=request_id, on_token=self._collect, **kwargs)
+            self._sinks[request_id] = sink
+
+        return self._post(command)
+
+    def abort(self, request_id: str, reason: str) -> asyncio.Future[bool]:
+        """Stop a request; its sink finishes with `aborted=reason`. False if it had finished."""
+        def command(engine: Engine) -> bool:
+            try:
+                output = engine.abort(request_id)
+            except UnknownRequest:
+                return False
+            self._finish(request_id, output, reason, None)
+            return True
+
+        return self._post(command)
+
+    def call(self, fn: Callable[[Engine], T]) -> asyncio.Future[T]:
+        """Run `fn(engine)` between iterations (for stats and adapter hooks)."""
+        return self._post(fn)
+
+    def stop(self, reason: str = "shutting_down") -> None:
+        """Abort what is left (sinks finish with `aborted=reason`) and end the thread."""
+        def command(engine: Engine) -> None:
+            for request_id in list(engine.requests):
+                try:
+                    self._finish(request_id, engine.abort(request_id), reason, None)
+                except UnknownRequest:
+                    pass
+            self._stopping = True
+
+        if self._thread.is_alive():
+            self._commands.put((command, None))
+        else:
+            self._stopping = True
+
+    async def join(self, timeout_s: float) -> bool:
+        await asyncio.to_thread(self._thread.join, timeout_s)
+        return not self._thread.is_alive()
+
+    def _post(self, fn: Callable[[Engine], T]) -> asyncio.Future[T]:
+        future: asyncio.Future[T] = self._loop.create_future()
+        if self._stopping or not self._thread.is_alive():
+            future.set_exception(EngineFailed("the engine is not running"))
+            return future
+        self._commands.put((fn, future))
+        return future
+
+    # -- engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            engine = self._load()
+        except BaseException as exc:
+            log.error("loading the model failed: %s", exc)
+            self._stopping = True
+            self._loop.call_soon_threadsafe(_settle, self._ready, None, exc)
+            return
+        self.model_info = _model_info(engine)
+        self._loop.call_soon_threadsafe(_settle, self._ready, engine, None)
+        failures = 0
+        while not self._stopping:
+            self._on_alive()
+            self._drain(engine, block=not engine.has_unfinished())
+            if engine.has_unfinished() and not self._stopping:
+                try:
+                    finished = engine.step()
+                except Exception as exc:
+                    failures += 1
+                    log.exception("engine iteration failed (%d in a row)", failures)
+                    self._fail_all(engine, exc)
+                    if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        self._stopping = True
+                        self._outbox.append(lambda exc=exc: self._on_dead(exc))
+                else:
+                    failures = 0
+                    if engine.last_iteration_s:
+                        self.latencies_s.append(engine.last_iteration_s)
+                    for output in finished:
+                        self._finish(output.request_id, output, None, None)
+            self.snapshot = EngineSnapshot(
+                len(engine.scheduler.waiting), len(engine.scheduler.running), len(engine.requests),
+                engine.iterations, engine.last_iteration_s)
+            self._flush()
+        self._drain(engine, block=False)  # answer calls that raced with stop()
+        self._flush()
+        self._reject_leftovers()
+
+    def _drain(self, engine: Engine, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._execute(engine, *command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _execute(self, engine: Engine, fn: Callable[[Engine], Any], future: asyncio.Future[Any] | None) -> None:
+        try:
+            value = fn(engine)
+        except Exception as exc:  # handed to the caller, who decides what it means
+            if future is None:
+                log.exception("engine command failed")
+            else:
+                self._outbox.append(lambda exc=exc: _settle(future, None, exc))
+        else:
+            if future is not None:
+                self._outbox.append(lambda: _settle(future, value, None))
+
+    def _collect(self, event: TokenEvent) -> None:
+        self._events.setdefault(event.request_id, []).append(event)
+
+    def _finish(self, request_id: str, output: RequestOutput | None, aborted: str | None,
+                error: BaseException | None) -> None:
+        sink = self._sinks.pop(request_id, None)
+        events = self._events.pop(request_id, None)
+        if sink is None:
+            return
+        if events:
+            self._outbox.append(lambda: sink.on_tokens(events))
+        self._outbox.append(lambda: sink.on_finished(output, aborted, error))
+
+    def _fail_all(self, engine: Engine, exc: Exception) -> None:
+        error = EngineFailed(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
+        for request_id in list(engine.requests):
+            try:
+                engine.abort(request_id)
+            except Exception:  # the scheduler may be inconsistent now; drop it regardless
+                engine.requests.pop(request_id, None)
+            self._finish(request_id, None, None, error)
+
+    def _flush(self) -> None:
+        for request_id, events in self._events.items():
+            sink = self._sinks.get(request_id)
+            if sink is not None and events:
+                self._outbox.append(lambda sink=sink, events=events: sink.on_tokens(events))
+        self._events = {}
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        try:
+            self._loop.call_soon_threadsafe(_run_batch, batch)
+        except RuntimeError:  # the loop is closed: the process is exiting anyway
+            pass
+
+    def _reject_leftovers(self) -> None:
+        """Commands queued after the thread stopped still get an answer."""
+        stopped = EngineFailed("the engine has stopped")
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None:
+                try:
+                    self._loop.call_soon_threadsafe(_settle, future, None, stopped)
+                except RuntimeError:
+                    return
+
+
+def _run_batch(batch: list[Callable[[], None]]) -> None:
+    for item in batch:
+        try:
+            item()
+        except Exception:  # one broken consumer must not starve the others of their tokens
+            log.exception("delivering engine results failed")
+
+
+def _settle(future: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(value)
+
+
+def _model_info(engine: Engine) -> dict[str, Any]:
+    """Facts about the loaded model that never change (read once, on the engine thread)."""
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    weights += sum(b.numel() * b.element_size() for b in engine.model.buffers())
+    return {"weights_bytes": int(weights), "parameters": int(sum(p.numel() for p in engine.model.parameters()))}

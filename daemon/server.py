@@ -1,0 +1,329 @@
+"""The ZeroMQ front: ROUTER sockets (ipc and/or TCP, CURVE for TCP beyond loopback), frame
+checks, dispatch to the service, and exactly one final reply per request.
+
+Never trusts a frame: anything malformed gets a typed error when it has a reply address, and is
+logged and dropped otherwise. Sends never block: a client that stops reading loses its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from daemon.config import DaemonConfig
+from daemon.endpoints import prepare_ipc_dir
+from daemon.protocol import (
+    ProtocolError,
+    Request,
+    decode,
+    encode,
+    error_from,
+    error_message,
+    parse_request,
+    request_id_of,
+    result_message,
+    split_envelope,
+    token_message,
+)
+from daemon.service import GenerateCall, Service
+from edge_runtime.errors import AdmissionRejected, MaceError
+
+log = logging.getLogger(__name__)
+
+ClientKey = tuple[int, bytes]  # (listener index, ZeroMQ routing id)
+# Ops still answered while the daemon drains (they change nothing that shutdown must protect).
+_DRAIN_OPS = frozenset({"status", "health", "cancel", "feedback", "users.consent", "users.export",
+                        "adapters.list"})
+
+
+@dataclass
+class Listener:
+    endpoint: str
+    socket: zmq.asyncio.Socket
+    ipc_path: str | None = None
+
+
+@dataclass(eq=False)
+class InFlight:
+    """One request between its arrival and its final reply."""
+
+    client: ClientKey
+    envelope: list[bytes]
+    request: Request
+    call: GenerateCall | None = None
+    final_sent: bool = False
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+
+class Server:
+    def __init__(self, config: DaemonConfig, service: Service, context: zmq.asyncio.Context) -> None:
+        self.config = config
+        self.service = service
+        self.context = context
+        self.listeners: list[Listener] = []
+        self.inflight: dict[tuple[ClientKey, Any], InFlight] = {}
+        self.per_client: Counter[ClientKey] = Counter()
+        self.stats: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self._auth: Any = None
+        self._closing = False
+
+    # -- sockets --------------------------------------------------------------------------------
+
+    def bind(self) -> list[str]:
+        """Bind every configured endpoint; returns them (TCP with the real port if it was 0)."""
+        cfg = self.config
+        if cfg.ipc_path is not None:
+            path = cfg.ipc_path
+            prepare_ipc_dir(path)
+            if path.exists() or path.is_symlink():
+                path.unlink()  # a stale socket from a crash; libzmq would fail or steal it
+            sock = self._socket(curve=False)
+            sock.bind(f"ipc://{path}")
+            os.chmod(path, cfg.ipc_mode)
+            self.listeners.append(Listener(f"ipc://{path}", sock, str(path)))
+        if cfg.server.tcp:
+            sock = self._socket(curve=cfg.curve_enabled)
+            sock.bind(cfg.server.tcp)
+            endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.listeners.append(Listener(endpoint, sock))
+        return [listener.endpoint for listener in self.listeners]
+
+    def _socket(self, curve: bool) -> zmq.asyncio.Socket:
+        s = self.config.server
+        sock = self.context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable replies raise instead of vanishing
+        sock.setsockopt(zmq.SNDHWM, s.send_hwm)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        # libzmq drops (and disconnects) a peer sending frames far beyond the limit, before they
+        # are buffered whole; frames between the two limits get a `too_large` reply.
+        sock.setsockopt(zmq.MAXMSGSIZE, max(4 * s.max_message_bytes, s.max_message_bytes + (64 << 10)))
+        sock.setsockopt(zmq.LINGER, 1000)
+        if curve:
+            self._start_auth()
+            public, secret = _load_server_keys(self.config.server.curve_secret_key)
+            sock.curve_secretkey = secret
+            sock.curve_publickey = public
+            sock.curve_server = True
+        return sock
+
+    def _start_auth(self) -> None:
+        if self._auth is not None:
+            return
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        self._auth = AsyncioAuthenticator(self.context)
+        self._auth.start()
+        self._auth.configure_curve(domain="*", location=self.config.server.curve_authorized_keys)
+
+    async def serve(self) -> None:
+        await asyncio.gather(*(self._receive(i, listener) for i, listener in enumerate(self.listeners)))
+
+    async def close(self) -> None:
+        """Answer whatever is still open, then close the sockets (lingering so replies go out)."""
+        self._closing = True
+        for item in list(self.inflight.values()):
+            if item.task is not None and not item.task.done():
+                item.task.cancel()
+        await asyncio.sleep(0)
+        for item in list(self.inflight.values()):
+            self._final(item, error_message(item.request.id, "shutting_down", "the daemon stopped"))
+        for listener in self.listeners:
+            listener.socket.close(linger=1000)
+            if listener.ipc_path:
+                try:
+                    os.unlink(listener.ipc_path)
+                except FileNotFoundError:
+                    pass
+        if self._auth is not None:
+            self._auth.stop()
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    async def _receive(self, index: int, listener: Listener) -> None:
+        sock = listener.socket
+        while not self._closing:
+            try:
+                frames = await sock.recv_multipart(copy=True)
+            except zmq.ZMQError as exc:
+                if self._closing or exc.errno in (zmq.ENOTSOCK, zmq.ETERM):
+                    return
+                log.warning("receive failed on %s: %s", listener.endpoint, exc)
+                continue
+            except asyncio.CancelledError:
+                return
+            try:
+                self._handle(index, frames)
+            except Exception:  # a bug in handling one message must not stop the receive loop
+                self.errors["internal"] += 1
+                log.exception("handling a message failed")
+
+    def _handle(self, index: int, frames: list[bytes]) -> None:
+        self.stats["received"] += 1
+        identity = frames[0] if frames else b""
+        client: ClientKey = (index, identity)
+        try:
+            envelope, body = split_envelope(frames)
+        except ProtocolError as exc:
+            self._reject(client, [identity], None, exc)
+            return
+        try:
+            message = decode(body, self.config.server.max_message_bytes)
+        except ProtocolError as exc:
+            self._reject(client, envelope, None, exc)
+            return
+        request_id = request_id_of(message)
+        try:
+            request = parse_request(message)
+        except ProtocolError as exc:
+            self._reject(client, envelope, request_id, exc)
+            return
+        key = (client, request.id)
+        s = self.config.server
+        if key in self.inflight:
+            self._reject(client, envelope, request.id, ProtocolError(
+                "duplicate_id", f"request id {request.id!r} is already in flight on this connection"))
+            return
+        if self.per_client[client] >= s.max_inflight_per_client or len(self.inflight) >= s.max_inflight:
+            self._reject(client, envelope, request.id, ProtocolError(
+                "busy", f"too many requests in flight (at most {s.max_inflight_per_client} per client, "
+                f"{s.max_inflight} in all); wait for replies", retry_after_s=0.5))
+            return
+        if self.service.state == "draining" and request.op not in _DRAIN_OPS:
+            self._reject(client, envelope, request.id, ProtocolError(
+                "shutting_down", "the daemon is shutting down and admits no new work"))
+            return
+        item = InFlight(client, envelope, request)
+        self.inflight[key] = item
+        self.per_client[client] += 1
+        item.task = asyncio.create_task(self._run(item), name=f"{request.op}:{request.id}")
+
+    def _reject(self, client: ClientKey, envelope: list[bytes], request_id: Any, exc: ProtocolError) -> None:
+        self.errors[exc.code] += 1
+        if not client[1]:
+            log.debug("dropping a frame without a reply address: %s", exc.message)
+            return
+        self._send(client, envelope, error_from(request_id, exc))
+
+    # -- running --------------------------------------------------------------------------------
+
+    async def _run(self, item: InFlight) -> None:
+        request = item.request
+        try:
+            result = await self._dispatch(item)
+        except ProtocolError as exc:
+            reply = error_from(request.id, exc)
+        except AdmissionRejected as exc:
+            reply = error_message(request.id, exc.code, str(exc), retry_after_s=exc.retry_after_s)
+        except MaceError as exc:
+            reply = error_message(request.id, exc.code, str(exc))
+        except asyncio.CancelledError:
+            reply = error_message(request.id, "shutting_down", "the daemon stopped before answering")
+            self._final(item, reply)
+            raise
+        except Exception as exc:
+            log.exception("op %s failed", request.op)
+            reply = error_message(request.id, "internal", f"{type(exc).__name__}: {exc}")
+        else:
+            reply = result_message(request.id, result)
+        self._final(item, reply)
+
+    async def _dispatch(self, item: InFlight) -> dict[str, Any]:
+        request, service, args = item.request, self.service, item.request.args
+        op = request.op
+        if op == "generate":
+            on_token = None
+            if args.stream:
+                def on_token(index: int, text: str, token_id: int | None) -> None:
+                    if not item.final_sent:
+                        self._send(item.client, item.envelope, token_message(request.id, index, text, token_id))
+            item.call = GenerateCall(on_token)
+            return await service.generate(args, item.call)
+        if op == "cancel":
+            target = self.inflight.get((item.client, args.target))
+            if target is None or target.call is None:
+                return {"cancelled": False, "target": args.target}
+            service.cancel(target.call, "cancelled")
+            return {"cancelled": True, "target": args.target}
+        if op == "status":
+            status = await service.status()
+            status["daemon"]["endpoints"] = [listener.endpoint for listener in self.listeners]
+            status["server"] = self.summary()
+            return status
+        if op == "health":
+            return service.health()
+        handlers = {
+            "feedback": service.feedback, "users.consent": service.users_consent,
+            "users.export": service.users_export, "users.forget": service.users_forget,
+            "adapters.list": service.adapters_list, "adapters.rollback": service.adapters_rollback,
+        }
+        return await handlers[op](args)
+
+    def summary(self) -> dict[str, Any]:
+        return {"requests_in_flight": len(self.inflight), "clients": len(self.per_client),
+                "messages": dict(self.stats), "errors": dict(self.errors)}
+
+    def _final(self, item: InFlight, reply: dict[str, Any]) -> None:
+        """Send the one final reply of a request and forget it (later attempts do nothing)."""
+        if item.final_sent:
+            return
+        item.final_sent = True
+        key = (item.client, item.request.id)
+        if self.inflight.get(key) is item:
+            del self.inflight[key]
+            self.per_client[item.client] -= 1
+            if self.per_client[item.client] <= 0:
+                del self.per_client[item.client]
+        if reply.get("type") == "error":
+            self.errors[reply["error"]["code"]] += 1
+        self._send(item.client, item.envelope, reply)
+
+    def _send(self, client: ClientKey, envelope: list[bytes], message: dict[str, Any]) -> None:
+        if self._closing and not self.listeners:
+            return
+        listener = self.listeners[client[0]]
+        try:
+            frame = encode(message)
+        except (TypeError, ValueError, OverflowError) as exc:
+            log.error("reply to %s could not be encoded (%s); sending an internal error", message.get("id"), exc)
+            frame = encode(error_message(message.get("id"), "internal", "the reply could not be encoded"))
+        try:
+            future = listener.socket.send_multipart([*envelope, frame], flags=zmq.DONTWAIT, copy=False)
+            if future.done() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+        except zmq.Again:
+            self._drop_client(client, "is not reading its replies (send queue full)")
+        except zmq.ZMQError as exc:
+            if exc.errno == errno.EHOSTUNREACH:
+                self._drop_client(client, "disconnected")
+            elif exc.errno != zmq.ENOTSOCK:
+                log.warning("send failed: %s", exc)
+        else:
+            self.stats["sent"] += 1
+
+    def _drop_client(self, client: ClientKey, why: str) -> None:
+        """A client that is gone or not reading: stop its generations (no one will read them)."""
+        self.stats["clients_dropped"] += 1
+        items = [i for (c, _), i in self.inflight.items() if c == client]
+        if items:
+            log.info("client %s %s; cancelling its %d request(s)", client[1].hex(), why, len(items))
+        for item in items:
+            if item.call is not None:
+                self.service.cancel(item.call, "client_gone")
+
+
+def _load_server_keys(path: str) -> tuple[bytes, bytes]:
+    import zmq.auth
+
+    public, secret = zmq.auth.load_certificate(path)
+    if not secret:
+        raise ValueError(f"{path} holds no secret key; give the server's .key_secret certificate")
+    return public, secret

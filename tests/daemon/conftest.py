@@ -1,0 +1,129 @@
+"""Fixtures for daemon tests: the tiny model on disk, and real `maced` processes serving it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from daemon.client import Client, ClientError
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_ENGINE_FLAGS = ["--dtype", "float32", "--set", "engine.kv_cache_bytes=8388608",
+                     "--set", "engine.num_threads=1"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from edge_runtime.model.testing import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("model") / "tiny")
+
+
+class DaemonProcess:
+    """One `maced` child process with its own state and socket folders."""
+
+    def __init__(self, root: Path, model: str | Path, *, extra_args: list[str] | None = None,
+                 env: dict[str, str] | None = None, engine_flags: list[str] | None = None) -> None:
+        self.root = root
+        self.state_dir = root / "state"
+        # Short path: Unix socket paths are limited to 107 bytes and pytest's tmp paths are long.
+        self.run_dir = Path(f"/tmp/mace-t-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+        self.socket = self.run_dir / "maced.sock"
+        self.endpoint = f"ipc://{self.socket}"
+        self.log_path = root / "maced.log"
+        args = [sys.executable, "-m", "daemon.main", "--model", str(model), "--ipc", str(self.socket),
+                "--state-dir", str(self.state_dir), "--log-format", "text",
+                *(TINY_ENGINE_FLAGS if engine_flags is None else engine_flags), *(extra_args or [])]
+        child_env = {k: v for k, v in os.environ.items() if not k.startswith("MACE_")}
+        child_env.update({"PYTHONUNBUFFERED": "1", "MACE_TELEMETRY_INTERVAL_S": "0.5"})
+        child_env.update(env or {})
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(args, cwd=REPO, env=child_env, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+
+    def client(self, **kwargs: object) -> Client:
+        kwargs.setdefault("timeout_s", 30.0)
+        return Client(self.endpoint, **kwargs)  # type: ignore[arg-type]
+
+    def wait_ready(self, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"maced exited with {self.proc.returncode}:\n{self.log()}")
+            if self.socket.exists():
+                try:
+                    with Client(self.endpoint, timeout_s=1.0, connect_timeout_s=1.0, retries=0) as c:
+                        if c.health(timeout_s=1.0).get("ok"):
+                            return
+                except ClientError:
+                    pass
+            time.sleep(0.1)
+        raise AssertionError(f"maced did not become ready in {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout_s: float = 15.0) -> tuple[int, float]:
+        """SIGTERM; returns (exit status, seconds it took)."""
+        start = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        return self.proc.returncode, time.monotonic() - start
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path, tiny_model: Path) -> Iterator:
+    """Factory: start_daemon(extra_args=[...], env={...}, ready=True) -> DaemonProcess."""
+    started: list[DaemonProcess] = []
+
+    def start(*, extra_args: list[str] | None = None, env: dict[str, str] | None = None,
+              ready: bool = True, model: str | Path | None = None,
+              engine_flags: list[str] | None = None) -> DaemonProcess:
+        root = tmp_path / f"d{len(started)}"
+        root.mkdir()
+        d = DaemonProcess(root, model or tiny_model, extra_args=extra_args, env=env,
+                          engine_flags=engine_flags)
+        started.append(d)
+        if ready:
+            d.wait_ready()
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[DaemonProcess]:
+    """One daemon for a whole test module (starting one costs a few seconds)."""
+    d = DaemonProcess(tmp_path_factory.mktemp("daemon"), tiny_model,
+                      extra_args=["--set", "server.max_inflight_per_client=16"])
+    d.wait_ready()
+    yield d
+    code, _ = d.stop()
+    assert code == 0, d.log()
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
