@@ -1,0 +1,133 @@
+"""PEFT-format adapter files: `adapter_config.json` + `adapter_model.safetensors`, written as an
+immutable snapshot (temp dir, fsync every file, rename, fsync the parent) so a crash leaves
+either the whole version or nothing. Knows file layout and key names, not users or versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from edge_runtime.lora.config import AdapterError, LoraSettings
+from edge_runtime.lora.weights import Key, LoraWeights
+from edge_runtime.model.config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+TEMP_PREFIX = ".tmp-"
+
+_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# PEFT saves without the adapter name ("default"); accept it too, and any wrapper prefix.
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+
+
+def peft_key(layer: int, target: str, which: str) -> str:
+    """The tensor name PEFT's `save_pretrained` writes for a llama-family causal LM."""
+    return f"base_model.model.model.layers.{layer}.{_MODULE[target]}.{target}.lora_{which}.weight"
+
+
+def to_state_dict(weights: LoraWeights) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for layer, target in weights.keys():
+        state[peft_key(layer, target, "A")] = weights.a[(layer, target)].detach().float().contiguous().cpu()
+        state[peft_key(layer, target, "B")] = weights.b[(layer, target)].detach().float().contiguous().cpu()
+    return state
+
+
+def from_state_dict(state: dict[str, torch.Tensor], settings: LoraSettings) -> LoraWeights:
+    a: dict[Key, torch.Tensor] = {}
+    b: dict[Key, torch.Tensor] = {}
+    for name, tensor in state.items():
+        m = _KEY.search(name)
+        if m is None:
+            raise AdapterError(f"adapter tensor {name!r} is not a LoRA A/B weight of a llama-family layer")
+        key = (int(m.group(1)), m.group(2))
+        (a if m.group(3) == "A" else b)[key] = tensor
+    return LoraWeights(settings, a, b)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    # Directory fsync makes the rename itself durable; not every filesystem allows it.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_adapter(directory: Path, weights: LoraWeights, base_model: str = "") -> None:
+    """Write the two PEFT files into an existing directory and fsync them."""
+    config_path = directory / CONFIG_FILE
+    config_path.write_text(json.dumps(weights.settings.to_peft_config(base_model), indent=2, sort_keys=True))
+    save_file(to_state_dict(weights), str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    for path in (config_path, directory / WEIGHTS_FILE):
+        _fsync_file(path)
+
+
+def save_snapshot(target: Path, weights: LoraWeights, base_model: str = "") -> Path:
+    """Atomically create `target` holding the adapter; refuses to overwrite (versions are immutable)."""
+    target = Path(target)
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        raise AdapterError(f"adapter snapshot {target} already exists; versions are immutable")
+    tmp = parent / f"{TEMP_PREFIX}{target.name}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        write_adapter(tmp, weights, base_model)
+        _fsync_dir(tmp)
+        os.rename(tmp, target)  # atomic on POSIX; fails if target appeared meanwhile
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(parent)
+    return target
+
+
+def load_adapter(directory: Path, cfg: ModelConfig | None = None) -> LoraWeights:
+    """Read a PEFT LoRA adapter directory (ours or any PEFT user's) and check it fits `cfg`."""
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not config_path.is_file() or not weights_path.is_file():
+        raise AdapterError(f"{directory} is not a complete PEFT adapter ({CONFIG_FILE} + {WEIGHTS_FILE})")
+    try:
+        config = json.loads(config_path.read_text())
+        state = load_file(str(weights_path))
+    except Exception as exc:  # safetensors raises its own SafetensorError, not an OSError
+        raise AdapterError(f"cannot read adapter in {directory}: {exc}") from exc
+    weights = from_state_dict(state, LoraSettings.from_peft_config(config))
+    if cfg is not None:
+        weights.check_shapes(cfg)
+    return weights
+
+
+def remove_stale_temps(parent: Path) -> int:
+    """Delete half-written snapshots a crash left behind; returns how many."""
+    removed = 0
+    if parent.is_dir():
+        for child in parent.iterdir():
+            if child.name.startswith(TEMP_PREFIX) and child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+                removed += 1
+    return removed

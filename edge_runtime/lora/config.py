@@ -1,0 +1,107 @@
+"""LoRA settings (rank, alpha, dropout, target projections) and their PEFT `adapter_config.json` form.
+
+Owns only the numbers and the mapping to PEFT's config keys; tensors live in `weights.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from edge_runtime.errors import MaceError
+from edge_runtime.model.llama import ATTN_TARGETS, MLP_TARGETS
+
+ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS
+
+
+class AdapterError(MaceError):
+    """An adapter that cannot be used as asked: unknown or retired version, bad settings,
+    unreadable or foreign files. The message says which and why."""
+
+    code = "adapter_unavailable"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    # r=8 on the attention projections is the usual llama-family starting point (it is also what
+    # DEFAULT_MODEL.md timed); alpha = 2r keeps the update scale at 2 whatever the rank.
+    rank: int = 8
+    alpha: float = 16.0
+    # Off by default: on-device DPO steps on one or a few pairs, and dropout noise on the policy
+    # log-probs lands directly inside the sigmoid of the DPO loss. Configurable for larger batches.
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ATTN_TARGETS
+    use_rslora: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise AdapterError(f"LoRA rank must be >= 1, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise AdapterError(f"LoRA dropout must be in [0, 1), got {self.dropout}")
+        unknown = [t for t in self.target_modules if t not in ALL_TARGETS]
+        if unknown or not self.target_modules:
+            raise AdapterError(f"LoRA target modules must be a non-empty subset of {ALL_TARGETS}, got {self.target_modules}")
+        # Canonical order, so two settings naming the same targets compare equal.
+        object.__setattr__(self, "target_modules", tuple(t for t in ALL_TARGETS if t in self.target_modules))
+
+    @property
+    def scale(self) -> float:
+        """PEFT's `scaling`: alpha / r, or alpha / sqrt(r) with rank-stabilised LoRA."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    def to_peft_config(self, base_model: str = "") -> dict[str, Any]:
+        """The `adapter_config.json` PEFT writes for a plain LoRA on a causal LM."""
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": list(self.target_modules),
+            "use_rslora": self.use_rslora,
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "init_lora_weights": True,
+            "inference_mode": True,
+            "modules_to_save": None,
+            "layers_to_transform": None,
+            "layers_pattern": None,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+            "use_dora": False,
+            "revision": None,
+        }
+
+    @classmethod
+    def from_peft_config(cls, config: Mapping[str, Any]) -> LoraSettings:
+        """Read a PEFT LoRA config, refusing the variants our forward does not compute."""
+        if config.get("peft_type", "LORA") != "LORA":
+            raise AdapterError(f"adapter is {config.get('peft_type')}, only LORA is supported")
+        unsupported = {
+            "use_dora": bool(config.get("use_dora")),
+            "bias": config.get("bias", "none") not in (None, "none"),
+            "rank_pattern": bool(config.get("rank_pattern")),
+            "alpha_pattern": bool(config.get("alpha_pattern")),
+            "layers_to_transform": config.get("layers_to_transform") is not None,
+            "modules_to_save": bool(config.get("modules_to_save")),
+            "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+        }
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise AdapterError(f"adapter uses LoRA features this runtime does not apply: {', '.join(bad)}")
+        targets = config.get("target_modules") or ()
+        if isinstance(targets, str):
+            # PEFT allows a regex here; only the plain "all-linear" shorthand maps onto our layers.
+            if targets != "all-linear":
+                raise AdapterError(f"target_modules regex {targets!r} is not supported; list the projections")
+            targets = ALL_TARGETS
+        return cls(
+            rank=int(config["r"]),
+            alpha=float(config.get("lora_alpha", config["r"])),
+            dropout=float(config.get("lora_dropout", 0.0) or 0.0),
+            target_modules=tuple(targets),
+            use_rslora=bool(config.get("use_rslora", False)),
+        )

@@ -1,0 +1,299 @@
+"""Per-user adapter versions: `<root>/<user_id>/v<N>/` PEFT snapshots, the newest good one per
+user, pins that keep the version an in-flight request started with, retire (rollback) markers,
+an event log, and the in-memory cache of loaded versions.
+
+Knows nothing of training or scheduling. With `root=None` versions live only in memory (tests,
+benchmarks). Thread-safe: the trainer may publish while the engine thread looks versions up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edge_runtime.errors import BadRequest
+from edge_runtime.ids import validate_user_id
+from edge_runtime.lora.adapter import load_adapter, remove_stale_temps, save_snapshot
+from edge_runtime.lora.cache import AdapterCache
+from edge_runtime.lora.config import AdapterError
+from edge_runtime.lora.weights import LoraWeights
+from edge_runtime.model.config import ModelConfig
+
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+RETIRED_FILE = "retired.json"
+EVENTS_FILE = "events.jsonl"
+
+
+@dataclass(frozen=True, order=True)
+class AdapterRef:
+    """One immutable adapter version of one user."""
+
+    user: str
+    version: int
+
+    @property
+    def key(self) -> str:
+        """"user@version": salts the prefix cache, so KV blocks never mix adapter versions."""
+        return f"{self.user}@{self.version}"
+
+
+class AdapterRegistry:
+    def __init__(
+        self,
+        root: str | Path | None,
+        model_cfg: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        cache_bytes: int = 256 << 20,
+        base_model: str = "",
+    ) -> None:
+        self.root = Path(root) if root is not None else None
+        self.model_cfg = model_cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.base_model = base_model
+        self._lock = threading.RLock()
+        self._versions: dict[str, list[int]] = {}  # usable versions, ascending
+        self._highest: dict[str, int] = {}  # every number ever used (retired and bad included)
+        self._retired: dict[str, set[int]] = {}
+        self._bad: set[AdapterRef] = set()
+        self._memory: dict[AdapterRef, LoraWeights] = {}  # the only copy when root is None
+        self._events: dict[str, list[dict[str, Any]]] = {}
+        self._pins: Counter[AdapterRef] = Counter()
+        self.cache: AdapterCache[AdapterRef, LoraWeights] = AdapterCache(
+            cache_bytes, is_pinned=lambda ref: self._pins[ref] > 0
+        )
+        if self.root is not None:
+            self.scan()
+
+    # -- discovery ---------------------------------------------------------------------------
+
+    def scan(self) -> None:
+        """Read `<root>/<user>/v<N>/` folders; drop half-written temps a crash left behind."""
+        if self.root is None or not self.root.is_dir():
+            return
+        with self._lock:
+            for user_dir in sorted(self.root.iterdir()):
+                if not user_dir.is_dir() or not _is_user_id(user_dir.name):
+                    continue  # not a user's folder (a temp, or something a person put there)
+                user = user_dir.name
+                remove_stale_temps(user_dir)
+                numbers = sorted(int(m.group(1)) for c in user_dir.iterdir() if c.is_dir() and (m := _VERSION_DIR.match(c.name)))
+                retired = self._read_retired(user_dir)
+                self._retired[user] = retired
+                self._highest[user] = max(numbers, default=0)
+                self._versions[user] = [n for n in numbers if n not in retired]
+
+    def users(self) -> list[str]:
+        with self._lock:
+            return sorted(u for u, v in self._versions.items() if v)
+
+    def versions(self, user: str) -> list[int]:
+        with self._lock:
+            return [n for n in self._versions.get(user, []) if AdapterRef(user, n) not in self._bad]
+
+    def newest(self, user: str) -> AdapterRef | None:
+        """The newest version of `user` that loads; a version that fails is marked bad, recorded
+        as an event, and the next older one is tried."""
+        validate_user_id(user)
+        with self._lock:
+            for number in reversed(self.versions(user)):
+                ref = AdapterRef(user, number)
+                try:
+                    self.weights(ref)
+                except AdapterError as exc:
+                    self._bad.add(ref)
+                    self.record_event(user, "load_failed", version=number, error=str(exc))
+                    continue
+                return ref
+            return None
+
+    def preload(self) -> dict[str, int]:
+        """Load each user's newest good version (at start-up); returns user -> version."""
+        loaded = {}
+        for user in self.users():
+            ref = self.newest(user)
+            if ref is not None:
+                loaded[user] = ref.version
+        return loaded
+
+    def path(self, ref: AdapterRef) -> Path | None:
+        return None if self.root is None else self.root / ref.user / f"v{ref.version}"
+
+    # -- pins: requests keep the version they started with -------------------------------------
+
+    def acquire(self, user: str) -> AdapterRef | None:
+        """Pin and return the user's newest version (None: the user has none, use the base)."""
+        with self._lock:
+            ref = self.newest(user)
+            if ref is not None:
+                self._pins[ref] += 1
+            return ref
+
+    def pin(self, ref: AdapterRef) -> AdapterRef:
+        """Pin a specific version (it must be served: not retired, not bad) and load it."""
+        validate_user_id(ref.user)
+        with self._lock:
+            if ref.version not in self.versions(ref.user):
+                served = self.versions(ref.user)
+                raise AdapterError(f"adapter {ref.key} is not available (versions served for "
+                                   f"{ref.user!r}: {served or 'none'})")
+            self.weights(ref)
+            self._pins[ref] += 1
+            return ref
+
+    def release(self, ref: AdapterRef | None) -> None:
+        if ref is None:
+            return
+        with self._lock:
+            if self._pins[ref] <= 0:
+                raise ValueError(f"adapter {ref.key} is not pinned")
+            self._pins[ref] -= 1
+            if self._pins[ref] == 0:
+                del self._pins[ref]
+
+    def pinned(self, ref: AdapterRef) -> int:
+        with self._lock:
+            return self._pins[ref]
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def weights(self, ref: AdapterRef) -> LoraWeights:
+        """The version's tensors in the engine's dtype/device (from the cache, loaded on a miss)."""
+        with self._lock:
+            return self.cache.get(ref, lambda: self._load(ref))
+
+    def _load(self, ref: AdapterRef) -> tuple[LoraWeights, int]:
+        if ref in self._memory:
+            source = self._memory[ref]
+        else:
+            path = self.path(ref)
+            if path is None:
+                raise AdapterError(f"adapter {ref.key} does not exist")
+            source = load_adapter(path, self.model_cfg)
+        weights = source.to(self.dtype, self.device)
+        return weights, weights.nbytes
+
+    # -- publishing and rollback -------------------------------------------------------------
+
+    def publish(self, user: str, weights: LoraWeights, **info: Any) -> AdapterRef:
+        """Write `weights` as the user's next version (atomic snapshot) and make it the newest."""
+        validate_user_id(user)
+        weights.check_shapes(self.model_cfg)
+        with self._lock:
+            ref = AdapterRef(user, self._highest.get(user, 0) + 1)
+            path = self.path(ref)
+            if path is None:
+                self._memory[ref] = weights.to(torch.float32, "cpu")
+            else:
+                save_snapshot(path, weights, self.base_model)
+            self._highest[user] = ref.version
+            self._versions.setdefault(user, []).append(ref.version)
+            cached = weights.to(self.dtype, self.device)
+            self.cache.put(ref, cached, cached.nbytes)
+            self.record_event(user, "published", version=ref.version, **info)
+            return ref
+
+    def rollback(self, user: str, to_version: int | None = None, reason: str = "") -> AdapterRef | None:
+        """Retire the newest version, or every version newer than `to_version` (0: back to the
+        base model). Retired files stay on disk but are never served to new requests; requests
+        already pinned to them finish on them. Returns the version now served."""
+        validate_user_id(user)
+        with self._lock:
+            current = self.newest(user)
+            if current is None:
+                raise AdapterError(f"user {user!r} has no adapter version to roll back")
+            if to_version is None:
+                retire = [current.version]
+            else:
+                if to_version != 0 and to_version not in self.versions(user):
+                    raise AdapterError(f"cannot roll {user!r} back to version {to_version}: it is not "
+                                       f"served (versions: {self.versions(user)})")
+                retire = [v for v in self._versions[user] if v > to_version]
+            for version in retire:
+                self._retired.setdefault(user, set()).add(version)
+                self._versions[user].remove(version)
+            self._write_retired(user)
+            now = self.newest(user)
+            self.record_event(user, "rolled_back", retired=retire,
+                              serving=None if now is None else now.version, reason=reason)
+            return now
+
+    # -- events ------------------------------------------------------------------------------
+
+    def record_event(self, user: str, kind: str, **fields: Any) -> dict[str, Any]:
+        """Append to the user's event log (`events.jsonl` beside the versions, fsynced)."""
+        event = {"time": time.time(), "user": user, "kind": kind, **fields}
+        with self._lock:
+            self._events.setdefault(user, []).append(event)
+            if self.root is not None:
+                user_dir = self.root / user
+                user_dir.mkdir(parents=True, exist_ok=True)
+                with open(user_dir / EVENTS_FILE, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(event, default=str) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+        return event
+
+    def events(self, user: str) -> list[dict[str, Any]]:
+        """This process's events plus, with a root, the ones logged before it started."""
+        with self._lock:
+            if self.root is None:
+                return list(self._events.get(user, []))
+            path = self.root / user / EVENTS_FILE
+            if not path.exists():
+                return []
+            return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+    # -- state files -------------------------------------------------------------------------
+
+    def _read_retired(self, user_dir: Path) -> set[int]:
+        path = user_dir / RETIRED_FILE
+        if not path.exists():
+            return set()
+        try:
+            return {int(v) for v in json.loads(path.read_text())}
+        except (ValueError, TypeError) as exc:
+            raise AdapterError(f"{path} is corrupt ({exc}); fix or delete it to serve this user's adapters") from exc
+
+    def _write_retired(self, user: str) -> None:
+        if self.root is None:
+            return
+        user_dir = self.root / user
+        tmp = user_dir / f".{RETIRED_FILE}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(sorted(self._retired[user]), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, user_dir / RETIRED_FILE)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "adapter_users": len(self.users()),
+                "adapter_versions": sum(len(self.versions(u)) for u in self._versions),
+                "adapters_cached": len(self.cache),
+                "adapter_cache_bytes": self.cache.nbytes,
+                "adapter_cache_capacity_bytes": self.cache.capacity_bytes,
+                "adapter_cache_hits": self.cache.stats.hits,
+                "adapter_cache_misses": self.cache.stats.misses,
+                "adapter_cache_evictions": self.cache.stats.evictions,
+                "adapters_pinned": sum(1 for n in self._pins.values() if n > 0),
+            }
+
+
+def _is_user_id(name: str) -> bool:
+    try:
+        validate_user_id(name)
+    except BadRequest:
+        return False
+    return True

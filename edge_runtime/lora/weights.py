@@ -1,0 +1,138 @@
+"""One adapter's tensors: A [r, in] and B [out, r] per (layer, projection), in PEFT's convention.
+
+Also the single-adapter applier (every row gets this adapter), which training uses with leaf
+tensors that require grad. Knows shapes from the model config; nothing about files or users.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from edge_runtime.lora.config import AdapterError, LoraSettings
+from edge_runtime.model.config import ModelConfig
+
+Key = tuple[int, str]  # (layer index, projection name)
+
+
+def projection_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
+    """(in_features, out_features) of a projection, as Hugging Face's nn.Linear has them."""
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }[target]
+
+
+@dataclass
+class LoraWeights:
+    """A and B for every targeted projection of every layer; `delta` makes it a `LoraApplier`."""
+
+    settings: LoraSettings
+    a: dict[Key, Tensor]
+    b: dict[Key, Tensor]
+
+    @classmethod
+    def init(
+        cls, cfg: ModelConfig, settings: LoraSettings, seed: int = 0, dtype: torch.dtype = torch.float32
+    ) -> LoraWeights:
+        """PEFT's default init: A Kaiming-uniform (as nn.Linear), B zero, so the adapter starts
+        as the identity and the policy equals the reference at step 0."""
+        gen = torch.Generator().manual_seed(seed)
+        a: dict[Key, Tensor] = {}
+        b: dict[Key, Tensor] = {}
+        for layer in range(cfg.num_layers):
+            for target in settings.target_modules:
+                fan_in, fan_out = projection_shape(cfg, target)
+                # kaiming_uniform_(a=sqrt(5)) bound = sqrt(6 / ((1 + 5) * fan_in)) = 1 / sqrt(fan_in)
+                bound = 1.0 / math.sqrt(fan_in)
+                a[(layer, target)] = (torch.rand(settings.rank, fan_in, generator=gen) * 2 - 1).mul_(bound).to(dtype)
+                b[(layer, target)] = torch.zeros(fan_out, settings.rank, dtype=dtype)
+        return cls(settings, a, b)
+
+    def check_shapes(self, cfg: ModelConfig) -> None:
+        """Raise AdapterError unless every tensor fits this model."""
+        for (layer, target), a in self.a.items():
+            if layer >= cfg.num_layers or target not in self.settings.target_modules:
+                raise AdapterError(f"adapter has weights for layer {layer} {target}, which this model/config lacks")
+            fan_in, fan_out = projection_shape(cfg, target)
+            b = self.b.get((layer, target))
+            r = self.settings.rank
+            if b is None or tuple(a.shape) != (r, fan_in) or tuple(b.shape) != (fan_out, r):
+                raise AdapterError(
+                    f"adapter weights for layer {layer} {target} have shapes {tuple(a.shape)}, "
+                    f"{None if b is None else tuple(b.shape)}; this model needs ({r}, {fan_in}), ({fan_out}, {r})"
+                )
+        if set(self.a) != set(self.b):
+            raise AdapterError("adapter has lora_A without lora_B (or the reverse) for some projection")
+
+    def keys(self) -> list[Key]:
+        return sorted(self.a)
+
+    def parameters(self) -> list[Tensor]:
+        """A then B for each key, in a fixed order (the optimizer's parameter order)."""
+        return [t for k in self.keys() for t in (self.a[k], self.b[k])]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parameters())
+
+    @property
+    def num_params(self) -> int:
+        return sum(t.numel() for t in self.parameters())
+
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> LoraWeights:
+        """A detached copy (always a copy, so a published snapshot never aliases trainable leaves)."""
+
+        def conv(t: Tensor) -> Tensor:
+            return t.detach().to(dtype=dtype or t.dtype, device=device or t.device, copy=True)
+
+        return LoraWeights(self.settings, {k: conv(v) for k, v in self.a.items()}, {k: conv(v) for k, v in self.b.items()})
+
+    def trainable(self) -> LoraWeights:
+        """A float32 copy whose tensors are leaves that require grad."""
+        copy = self.to(torch.float32)
+        for t in copy.parameters():
+            t.requires_grad_(True)
+        return copy
+
+    def delta(self, layer: int, target: str, x: Tensor) -> Tensor | None:
+        """`scale * B(A(x))` for every row of x ([T, in] -> [T, out])."""
+        a = self.a.get((layer, target))
+        if a is None:
+            return None
+        return lora_delta(x, a, self.b[(layer, target)], self.settings.scale)
+
+
+def lora_delta(x: Tensor, a: Tensor, b: Tensor, scale: float, dropout: float = 0.0) -> Tensor:
+    """PEFT's LoRA term `B(A(dropout(x))) * scale`, computed in the adapter's dtype and returned
+    in x's, so a bf16 base can carry float32 master weights while training."""
+    h = x if x.dtype == a.dtype else x.to(a.dtype)
+    if dropout:
+        h = F.dropout(h, dropout, training=True)
+    out = F.linear(F.linear(h, a), b) * scale
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+class TrainingLora:
+    """The applier used while training: the trainable weights on every row, with dropout."""
+
+    def __init__(self, weights: LoraWeights, dropout: float | None = None) -> None:
+        self.weights = weights
+        self.dropout = weights.settings.dropout if dropout is None else dropout
+
+    def delta(self, layer: int, target: str, x: Tensor) -> Tensor | None:
+        w = self.weights
+        a = w.a.get((layer, target))
+        if a is None:
+            return None
+        return lora_delta(x, a, w.b[(layer, target)], w.settings.scale, self.dropout)
