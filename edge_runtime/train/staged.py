@@ -1,0 +1,270 @@
+"""One pair's DPO update cut into stages the scheduler can fit into iteration budgets:
+
+  score     no-grad reference (cached) and policy log-probs -> DPO loss (the pair's priority input)
+  forward   one token window through every layer with grad; each layer group's input is a
+            detached leaf, so the graph is cut at group boundaries; the LM head is applied and
+            differentiated per window right away, keeping only a [rows, hidden] gradient
+  backward  one layer group, last to first: its own graph, seeded with the gradient the group
+            above left on its input leaves (for the top group: the DPO loss's gradient)
+  optimizer AdamW on the LoRA parameters once `accumulation_steps` pairs have added gradients
+
+The gradients equal one full-sequence autograd pass of the same loss (tests check it); each
+stage reports an estimate of its latency and memory before it runs.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from edge_runtime.lora.weights import TrainingLora
+from edge_runtime.train.costs import StageEstimate
+from edge_runtime.train.dpo import DPOScore, dpo_loss
+from edge_runtime.train.logprobs import token_logps
+from edge_runtime.train.pairs import PairTokens
+from edge_runtime.train.windows import PairKV, plan_windows
+
+if TYPE_CHECKING:
+    from edge_runtime.train.trainer import AdapterTrainer
+
+
+class StageKind(enum.Enum):
+    SCORE = "score"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+@dataclass(eq=False)
+class Stage:
+    kind: StageKind
+    name: str
+    estimate_fn: Callable[[], StageEstimate]
+    run_fn: Callable[[], None]
+    seconds: float | None = None  # measured, once run
+
+    def estimate(self) -> StageEstimate:
+        return self.estimate_fn()
+
+    def run(self) -> float:
+        t0 = time.perf_counter()
+        self.run_fn()
+        self.seconds = time.perf_counter() - t0
+        return self.seconds
+
+
+@dataclass
+class _Activations:
+    """What the forward windows leave for the backward groups."""
+
+    kv: PairKV
+    inputs: list[list[Tensor]]  # [group][window]: detached leaf inputs (group 0 has none)
+    outputs: list[list[Tensor]]  # [group][window]: outputs, graph attached
+    head_grads: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)  # per window
+    sums: Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+
+
+class DPOFineTuneTask:
+    """Stages of one pair's update. Run them in order (`run_next()`), all at once (`run()`), or
+    shed the held activations under memory pressure (`abandon()`) and redo the forward later."""
+
+    def __init__(self, trainer: AdapterTrainer, tokens: PairTokens, score: bool = True, pair_id: object = None) -> None:
+        self.trainer = trainer
+        self.tokens = tokens
+        self.pair_id = pair_id
+        settings = trainer.dpo
+        self.windows = plan_windows(tokens, settings.window_tokens, trainer.pad_id)
+        self.groups = trainer.layer_groups()
+        self.score: DPOScore | None = None  # from the score stage (before training)
+        self.result: DPOScore | None = None  # the log-probs the gradient was taken at
+        self.stepped = False  # whether this pair's optimizer stage applied an update
+        self._acts: _Activations | None = None
+        self._held = 0  # estimated bytes held between forward and backward
+        self.stages: list[Stage] = []
+        if score:
+            self.stages.append(Stage(StageKind.SCORE, "score", self._estimate_score, self._run_score))
+        for w in self.windows:
+            self.stages.append(Stage(StageKind.FORWARD, f"forward[{w.part} {w.start}:{w.stop}]",
+                                     self._estimator_forward(w.index), self._runner_forward(w.index)))
+        for g in reversed(range(len(self.groups))):
+            start, stop = self.groups[g]
+            self.stages.append(Stage(StageKind.BACKWARD, f"backward[layers {start}:{stop}]",
+                                     self._estimator_backward(g), self._runner_backward(g)))
+        self.stages.append(Stage(StageKind.OPTIMIZER, "optimizer", self._estimate_optimizer, self._run_optimizer))
+        self._cursor = 0
+
+    # -- driving ---------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self._cursor >= len(self.stages)
+
+    def next_stage(self) -> Stage | None:
+        return None if self.done else self.stages[self._cursor]
+
+    def remaining(self) -> list[Stage]:
+        return self.stages[self._cursor :]
+
+    def run_next(self) -> Stage:
+        stage = self.stages[self._cursor]
+        stage.run()
+        self._cursor += 1
+        return stage
+
+    def run(self) -> DPOScore:
+        while not self.done:
+            self.run_next()
+        assert self.result is not None
+        return self.result
+
+    @property
+    def held_bytes(self) -> int:
+        """Estimated activation bytes this task holds right now (a memory-ledger entry)."""
+        return self._held if self._acts is not None else 0
+
+    def abandon(self) -> None:
+        """Drop held activations (first to go when memory shrinks); the task restarts at its
+        first forward window, and the adapter is free for another task meanwhile."""
+        self._acts = None
+        self._held = 0
+        self.trainer.release(self)
+        first_forward = next(i for i, s in enumerate(self.stages) if s.kind is StageKind.FORWARD)
+        self._cursor = min(self._cursor, first_forward)
+
+    def seconds_by_kind(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in self.stages:
+            if s.seconds is not None:
+                out[s.kind.value] = out.get(s.kind.value, 0.0) + s.seconds
+        return out
+
+    # -- score -------------------------------------------------------------------------------
+
+    def _estimate_score(self) -> StageEstimate:
+        t = self.trainer
+        return t.costs.score(self.tokens.num_rows, t.model.cfg.num_layers, self._scored_rows(),
+                             with_reference=not t.has_reference(self.tokens))
+
+    def _run_score(self) -> None:
+        self.score = self.trainer.score_tokens(self.tokens)
+
+    def _scored_rows(self) -> int:
+        return sum(int(w.score_rows.numel()) for w in self.windows)
+
+    # -- forward windows ---------------------------------------------------------------------
+
+    def _estimator_forward(self, j: int) -> Callable[[], StageEstimate]:
+        def estimate() -> StageEstimate:
+            w = self.windows[j]
+            held = sum(self.trainer.costs.forward_window(x.num_rows, self.trainer.model.cfg.num_layers,
+                                                         0, 0).held_bytes for x in self.windows[:j])
+            return self.trainer.costs.forward_window(w.num_rows, self.trainer.model.cfg.num_layers,
+                                                     int(w.score_rows.numel()), held)
+        return estimate
+
+    def _runner_forward(self, j: int) -> Callable[[], None]:
+        return lambda: self._run_forward(j)
+
+    def _run_forward(self, j: int) -> None:
+        trainer, model = self.trainer, self.trainer.model
+        if j == 0:
+            trainer.claim(self)
+            self.trainer.reference_logps(self.tokens)  # needed by the top backward group
+            n = len(self.groups)
+            self._acts = _Activations(PairKV(model.cfg.num_layers), [[] for _ in range(n)], [[] for _ in range(n)])
+            self._held = 0
+        acts = self._acts
+        if acts is None:
+            raise RuntimeError("forward windows must run in order from the first")
+        win = self.windows[j]
+        device = model.device
+        ctx = acts.kv.context(win, TrainingLora(trainer.weights))
+        positions = win.positions.to(device)
+        with torch.enable_grad():
+            x = model.embed_tokens(win.input_ids.to(device))
+            for g, (start, stop) in enumerate(self.groups):
+                if g > 0:
+                    # The cut that makes each group's backward its own graph.
+                    x = x.detach().requires_grad_(True)
+                    acts.inputs[g].append(x)
+                x = model.run_layers(x, positions, ctx, start, stop)
+                acts.outputs[g].append(x)
+            rows = win.score_rows.to(device)
+            if rows.numel():
+                # Differentiate the head now and keep d(sum log p)/d(hidden) of the scored rows:
+                # [n, hidden] instead of [n, vocab] logits waiting for the loss.
+                top = x.detach().index_select(0, rows).requires_grad_(True)
+                logp = token_logps(model, top, win.targets.to(device))
+                logp.sum().backward()
+                acts.head_grads.append((rows, top.grad, win.owners.to(device)))
+                acts.sums.index_add_(0, win.owners, logp.detach().double().cpu())
+            else:
+                acts.head_grads.append((rows, x.new_zeros(0, x.shape[1]), win.owners.to(device)))
+        self._held = self._estimator_forward(j)().held_bytes
+        if j == len(self.windows) - 1:
+            ref_c, ref_r = trainer.reference_logps(self.tokens)
+            self.result = DPOScore(float(acts.sums[0]), float(acts.sums[1]), ref_c, ref_r, trainer.dpo.beta)
+
+    # -- backward by layer groups ------------------------------------------------------------
+
+    def _estimator_backward(self, g: int) -> Callable[[], StageEstimate]:
+        def estimate() -> StageEstimate:
+            start, stop = self.groups[g]
+            return self.trainer.costs.backward_group(self.tokens.num_rows, stop - start, self._held)
+        return estimate
+
+    def _runner_backward(self, g: int) -> Callable[[], None]:
+        return lambda: self._run_backward(g)
+
+    def _loss_coefficients(self) -> Tensor:
+        """dL/d(sum log pi(chosen)), dL/d(sum log pi(rejected)) for this pair's share of the
+        accumulated (mean) loss: two scalars, so the top group's seed is exact and cheap."""
+        assert self.result is not None
+        r = self.result
+        logps = torch.tensor([r.policy_chosen, r.policy_rejected], dtype=torch.float64, requires_grad=True)
+        ref = torch.tensor([r.ref_chosen, r.ref_rejected], dtype=torch.float64)
+        loss = dpo_loss(logps[0], logps[1], ref[0], ref[1], r.beta) / self.trainer.optimizer.settings.accumulation_steps
+        loss.backward()
+        return logps.grad
+
+    def _run_backward(self, g: int) -> None:
+        acts = self._acts
+        if acts is None or not acts.outputs[g]:
+            raise RuntimeError("backward groups must run after the forward windows, last group first")
+        outputs = acts.outputs[g]
+        if g == len(self.groups) - 1:
+            coeff = self._loss_coefficients()
+            seeds = []
+            for out, (rows, grad, owners) in zip(outputs, acts.head_grads, strict=True):
+                seed = torch.zeros_like(out)
+                if rows.numel():
+                    scale = coeff.to(grad.dtype).to(grad.device)[owners][:, None]
+                    seed.index_add_(0, rows, (grad * scale).to(out.dtype))
+                seeds.append(seed)
+            acts.head_grads = []
+        else:
+            seeds = [x.grad if x.grad is not None else torch.zeros_like(x) for x in acts.inputs[g + 1]]
+            acts.inputs[g + 1] = []
+        torch.autograd.backward(outputs, seeds)
+        acts.outputs[g] = []
+        start, stop = self.groups[g]
+        self._held = self.trainer.costs.backward_group(self.tokens.num_rows, stop - start, self._held).held_bytes
+        if g == 0:
+            self._acts = None
+            self._held = 0
+
+    # -- optimizer ---------------------------------------------------------------------------
+
+    def _estimate_optimizer(self) -> StageEstimate:
+        t = self.trainer
+        return t.costs.optimizer(t.weights.num_params, t.optimizer.will_step)
+
+    def _run_optimizer(self) -> None:
+        self.stepped = self.trainer.optimizer.accumulate()
+        self.trainer.finish(self)

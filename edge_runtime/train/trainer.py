@@ -1,0 +1,161 @@
+"""One user's adapter under continual DPO on the shared base model: trainable LoRA leaves, their
+AdamW state, the staged task factory, and held-out evaluation (win rate, CLPD).
+
+The base weights are the engine's own tensors (never copied, never given to the optimizer); the
+reference policy is the same model with the adapter off, its log-probs cached per pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from edge_runtime.lora.config import LoraSettings
+from edge_runtime.lora.weights import LoraWeights
+from edge_runtime.model.llama import LlamaModel
+from edge_runtime.model.tokenizer import Tokenizer
+from edge_runtime.train.costs import StageCostModel
+from edge_runtime.train.dpo import AlignmentMetrics, DPOScore, alignment_metrics
+from edge_runtime.train.logprobs import ReferenceCache, pair_logps
+from edge_runtime.train.optim import LoraOptimizer, OptimizerSettings
+from edge_runtime.train.pairs import PairLike, PairTokens, tokenize_pair
+from edge_runtime.train.staged import DPOFineTuneTask
+
+
+@dataclass(frozen=True)
+class DPOSettings:
+    beta: float = 0.1
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    window_tokens: int | None = 128  # positions per forward window (None: one window per part)
+    layers_per_group: int = 6  # layers per backward stage
+    max_prompt_tokens: int = 512
+    max_completion_tokens: int = 256
+    seed: int = 0  # LoRA A init
+
+
+class AdapterTrainer:
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer,
+        lora: LoraSettings | None = None,
+        dpo: DPOSettings | None = None,
+        init: LoraWeights | None = None,
+        costs: StageCostModel | None = None,
+        reference_cache: ReferenceCache | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.dpo = dpo or DPOSettings()
+        if init is not None:
+            init.check_shapes(model.cfg)
+            self.weights = init.trainable()
+        else:
+            self.weights = LoraWeights.init(model.cfg, lora or LoraSettings(), seed=self.dpo.seed).trainable()
+        self.optimizer = LoraOptimizer(self.weights.parameters(), self.dpo.optimizer)
+        self.costs = costs or StageCostModel.nominal(model)
+        # Shareable between users' trainers: it is keyed by pair content and the base is shared.
+        self.reference = reference_cache if reference_cache is not None else ReferenceCache()
+        self.pad_id = int(tokenizer.hf.pad_token_id if tokenizer.hf.pad_token_id is not None else 0)
+        self.pairs_trained = 0
+        self._active: DPOFineTuneTask | None = None
+
+    # -- pairs and log-probs -----------------------------------------------------------------
+
+    def tokenize(self, pair: PairLike) -> PairTokens:
+        return tokenize_pair(self.tokenizer, pair, self.dpo.max_prompt_tokens, self.dpo.max_completion_tokens)
+
+    def has_reference(self, tokens: PairTokens) -> bool:
+        return tokens in self.reference
+
+    def reference_logps(self, tokens: PairTokens) -> tuple[float, float]:
+        cached = self.reference.get(tokens)
+        if cached is None:
+            cached = pair_logps(self.model, tokens, None, self.dpo.window_tokens)
+            self.reference.put(tokens, cached)
+        return cached
+
+    def policy_logps(self, tokens: PairTokens, weights: LoraWeights | None) -> tuple[float, float]:
+        """Log-probs under `weights` (None: the base model, i.e. the reference)."""
+        if weights is None:
+            return self.reference_logps(tokens)
+        return pair_logps(self.model, tokens, weights, self.dpo.window_tokens)
+
+    def score_tokens(self, tokens: PairTokens) -> DPOScore:
+        ref_c, ref_r = self.reference_logps(tokens)
+        pol_c, pol_r = self.policy_logps(tokens, self.weights)
+        return DPOScore(pol_c, pol_r, ref_c, ref_r, self.dpo.beta)
+
+    def score(self, pair: PairLike) -> DPOScore:
+        """The no-grad score stage on its own: the pair's current DPO loss (its priority input)."""
+        return self.score_tokens(self.tokenize(pair))
+
+    # -- training ----------------------------------------------------------------------------
+
+    def layer_groups(self) -> list[tuple[int, int]]:
+        n, size = self.model.cfg.num_layers, max(1, self.dpo.layers_per_group)
+        return [(start, min(n, start + size)) for start in range(0, n, size)]
+
+    def task(self, pair: PairLike | PairTokens, score: bool = True) -> DPOFineTuneTask:
+        """The staged update for one pair (see `staged.py`); the scheduler runs its stages."""
+        tokens = pair if isinstance(pair, PairTokens) else self.tokenize(pair)
+        return DPOFineTuneTask(self, tokens, score=score, pair_id=getattr(pair, "pair_id", getattr(pair, "id", None)))
+
+    def train(self, pairs: Iterable[PairLike], score: bool = False) -> list[DPOScore]:
+        """Run every pair's task to completion, in order (no scheduler: tools and tests)."""
+        return [self.task(p, score=score).run() for p in pairs]
+
+    def flush(self) -> bool:
+        """Apply a partial accumulation window (before publishing); returns whether it stepped."""
+        if self.optimizer.accumulated == 0:
+            return False
+        self.optimizer.step()
+        return True
+
+    def claim(self, task: DPOFineTuneTask) -> None:
+        # Between a task's forward and its optimizer stage the graph references the LoRA leaves;
+        # an optimizer step in between would invalidate it, so one task holds the adapter.
+        if self._active is not None and self._active is not task:
+            raise RuntimeError("another fine-tune task of this adapter is between its forward and optimizer stages")
+        self._active = task
+
+    def release(self, task: DPOFineTuneTask) -> None:
+        if self._active is task:
+            self._active = None
+
+    def finish(self, task: DPOFineTuneTask) -> None:
+        self.release(task)
+        self.pairs_trained += 1
+
+    # -- snapshots ---------------------------------------------------------------------------
+
+    def snapshot(self) -> LoraWeights:
+        """A detached float32 copy to publish (training continues on the leaves)."""
+        return self.weights.to(torch.float32)
+
+    def reset(self, weights: LoraWeights) -> None:
+        """Continue from `weights` (e.g. after the guard rejected a candidate or a rollback),
+        with fresh optimizer state."""
+        if self._active is not None:
+            raise RuntimeError("cannot reset the adapter while a fine-tune task is in flight")
+        weights.check_shapes(self.model.cfg)
+        self.weights = weights.trainable()
+        self.optimizer = LoraOptimizer(self.weights.parameters(), self.dpo.optimizer)
+
+    @property
+    def persistent_bytes(self) -> int:
+        """Trainable weights, their gradients and Adam's moments."""
+        return 4 * self.weights.nbytes
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    def evaluate(self, pairs: Sequence[PairLike | PairTokens], weights: LoraWeights | None) -> AlignmentMetrics:
+        """Win rate, CLPD and DPO loss of `weights` (None: the base model) on held-out pairs."""
+        rows = []
+        for pair in pairs:
+            tokens = pair if isinstance(pair, PairTokens) else self.tokenize(pair)
+            rows.append(self.policy_logps(tokens, weights) + self.reference_logps(tokens))
+        t = torch.tensor(rows, dtype=torch.float64).reshape(-1, 4)
+        return alignment_metrics(t[:, 0], t[:, 1], t[:, 2], t[:, 3], self.dpo.beta)

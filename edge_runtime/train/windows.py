@@ -1,0 +1,146 @@
+"""Token windows over one preference pair, and the attention that lets them run one at a time.
+
+The prompt is shared: its windows run as one row, then the completion windows run the chosen
+and rejected answers side by side (two rows) attending to the prompt's keys/values and to their
+own earlier windows (FlexLLM's token-level fine-tuning, sec. 6.1). Keys/values stay in the
+autograd graph, so gradients reach earlier windows exactly as in one full-sequence pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from edge_runtime.model.llama import LoraApplier
+from edge_runtime.train.pairs import PairTokens
+
+CHOSEN, REJECTED = 0, 1
+
+
+@dataclass
+class Window:
+    """Tokens [start, stop) of the prompt (batch 1) or of both completions (batch 2, the shorter
+    right-padded), flattened row-major. Rows `score_rows` predict `targets`, which belong to the
+    chosen (owner 0) or rejected (owner 1) completion's log-prob sum."""
+
+    index: int
+    part: str  # "prompt" | "completion"
+    start: int
+    stop: int
+    batch: int
+    input_ids: Tensor
+    positions: Tensor
+    score_rows: Tensor
+    targets: Tensor
+    owners: Tensor
+
+    @property
+    def width(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def num_rows(self) -> int:
+        return self.batch * self.width
+
+
+def plan_windows(tokens: PairTokens, window_tokens: int | None = None, pad_id: int = 0) -> list[Window]:
+    """Cut the pair into windows of at most `window_tokens` positions (None: one prompt window
+    and one completion window)."""
+    p = len(tokens.prompt)
+    c = tokens.completion_length
+    if p == 0 or c == 0:
+        raise ValueError("a pair needs a non-empty prompt and completion")
+    size = window_tokens or max(p, c)
+    completions = (tokens.chosen, tokens.rejected)
+    windows: list[Window] = []
+    for start in range(0, p, size):
+        stop = min(p, start + size)
+        rows, targets, owners = [], [], []
+        if stop == p:  # the last prompt position predicts the first token of each completion
+            for owner, comp in enumerate(completions):
+                rows.append(stop - 1 - start)
+                targets.append(comp[0])
+                owners.append(owner)
+        windows.append(_window(len(windows), "prompt", start, stop, 1, list(tokens.prompt[start:stop]),
+                               list(range(start, stop)), rows, targets, owners))
+    for start in range(0, c, size):
+        stop = min(c, start + size)
+        ids: list[int] = []
+        rows, targets, owners = [], [], []
+        for owner, comp in enumerate(completions):
+            base = owner * (stop - start)
+            ids.extend(comp[t] if t < len(comp) else pad_id for t in range(start, stop))
+            for t in range(start, min(stop, len(comp) - 1)):
+                rows.append(base + t - start)
+                targets.append(comp[t + 1])
+                owners.append(owner)
+        positions = list(range(p + start, p + stop)) * 2
+        windows.append(_window(len(windows), "completion", start, stop, 2, ids, positions, rows, targets, owners))
+    return windows
+
+
+def _window(
+    index: int, part: str, start: int, stop: int, batch: int, ids: list[int], positions: list[int],
+    rows: list[int], targets: list[int], owners: list[int],
+) -> Window:
+    def t(values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long)
+
+    return Window(index, part, start, stop, batch, t(ids), t(positions), t(rows), t(targets), t(owners))
+
+
+class PairKV:
+    """Per-layer keys/values of the windows run so far: the prompt's ([1, kv_heads, P, d]) and
+    the completions' ([2, kv_heads, C, d])."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.prompt_k: list[Tensor | None] = [None] * num_layers
+        self.prompt_v: list[Tensor | None] = [None] * num_layers
+        self.comp_k: list[Tensor | None] = [None] * num_layers
+        self.comp_v: list[Tensor | None] = [None] * num_layers
+
+    def context(self, window: Window, lora: LoraApplier | None) -> WindowContext:
+        return WindowContext(self, window, lora)
+
+
+def _append(prev: Tensor | None, new: Tensor) -> Tensor:
+    return new if prev is None else torch.cat([prev, new], dim=2)
+
+
+class WindowContext:
+    """`ForwardContext` for one window: stores its keys/values, attends causally to all before."""
+
+    def __init__(self, kv: PairKV, window: Window, lora: LoraApplier | None) -> None:
+        self.kv = kv
+        self.window = window
+        self.lora = lora
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        kv, win = self.kv, self.window
+        b, w = win.batch, win.width
+        heads, d = q.shape[1], q.shape[2]
+        qh = q.view(b, w, heads, d).transpose(1, 2)
+        kh = k.view(b, w, k.shape[1], d).transpose(1, 2)
+        vh = v.view(b, w, v.shape[1], d).transpose(1, 2)
+        if win.part == "prompt":
+            keys = kv.prompt_k[layer] = _append(kv.prompt_k[layer], kh)
+            values = kv.prompt_v[layer] = _append(kv.prompt_v[layer], vh)
+        else:
+            comp_k = kv.comp_k[layer] = _append(kv.comp_k[layer], kh)
+            comp_v = kv.comp_v[layer] = _append(kv.comp_v[layer], vh)
+            pk, pv = kv.prompt_k[layer], kv.prompt_v[layer]
+            if pk is None or pv is None:
+                raise RuntimeError("completion windows must run after every prompt window")
+            keys = torch.cat([pk.expand(b, -1, -1, -1), comp_k], dim=2)
+            values = torch.cat([pv.expand(b, -1, -1, -1), comp_v], dim=2)
+        offset = keys.shape[2] - w  # positions before this window
+        if offset == 0:
+            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
+        else:
+            q_pos = torch.arange(offset, offset + w, device=q.device)[:, None]
+            mask = torch.arange(offset + w, device=q.device)[None, :] <= q_pos
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b * w, heads * d)

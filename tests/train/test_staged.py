@@ -1,0 +1,135 @@
+"""The staged fine-tune task: gradients equal one full-sequence autograd pass of the same DPO loss
+(fp32, max relative error <= 1e-4) however the pair is cut into windows and layer groups; stages
+report estimates; only LoRA parameters change; activations can be shed and recomputed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edge_runtime.lora import LoraSettings
+from edge_runtime.train import AdapterTrainer, DPOSettings, StageKind
+from edge_runtime.train.dpo import dpo_loss
+from edge_runtime.train.logprobs import pair_logps, pair_logps_dense
+from edge_runtime.train.optim import OptimizerSettings
+from tests.lora.helpers import ALL_LINEAR, random_adapter
+
+
+def _trainer(model, tokenizer, window=None, group=1, accumulation=1, targets=ALL_LINEAR, lr=5e-4) -> AdapterTrainer:
+    settings = LoraSettings(rank=4, alpha=8, target_modules=targets)
+    dpo = DPOSettings(beta=0.1, window_tokens=window, layers_per_group=group,
+                      optimizer=OptimizerSettings(accumulation_steps=accumulation, learning_rate=lr))
+    # Non-zero B: with B = 0 the gradient of A is identically zero and proves nothing.
+    return AdapterTrainer(model, tokenizer, dpo=dpo, init=random_adapter(model.cfg, settings, seed=7, std=0.1))
+
+
+def _full_autograd_grads(trainer, records, accumulation):
+    for p in trainer.weights.parameters():
+        p.grad = None
+    for record in records:
+        tokens = trainer.tokenize(record)
+        ref_c, ref_r = (torch.tensor(v) for v in trainer.reference_logps(tokens))
+        logps = pair_logps_dense(trainer.model, tokens, trainer.weights)
+        (dpo_loss(logps[0], logps[1], ref_c, ref_r, trainer.dpo.beta) / accumulation).backward()
+    grads = [p.grad.clone() for p in trainer.weights.parameters()]
+    for p in trainer.weights.parameters():
+        p.grad = None
+    return grads
+
+
+def _staged_grads(trainer, records):
+    for record in records:
+        task = trainer.task(record)
+        while task.next_stage().kind is not StageKind.OPTIMIZER:
+            task.run_next()
+        trainer.release(task)
+    return [p.grad.clone() for p in trainer.weights.parameters()]
+
+
+def _max_rel_error(got, want):
+    return max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("window, group", [(None, 4), (None, 1), (4, 1), (3, 2), (7, 3)])
+def test_staged_gradients_equal_full_autograd(tiny4, tiny4_tokenizer, pairs, window, group):
+    trainer = _trainer(tiny4, tiny4_tokenizer, window=window, group=group, accumulation=2)
+    want = _full_autograd_grads(trainer, pairs[:2], accumulation=2)
+    got = _staged_grads(trainer, pairs[:2])  # two pairs accumulate into the same .grad
+    assert all(w.abs().max() > 0 for w in want)
+    assert _max_rel_error(got, want) <= 1e-4
+
+
+def test_windowed_log_probs_equal_one_dense_pass(tiny4, tiny4_tokenizer, pairs):
+    trainer = _trainer(tiny4, tiny4_tokenizer)
+    for record in pairs:
+        tokens = trainer.tokenize(record)
+        dense = pair_logps_dense(tiny4, tokens, trainer.weights).tolist()
+        for window in (None, 2, 5):
+            assert pair_logps(tiny4, tokens, trainer.weights, window) == pytest.approx(dense, rel=1e-5)
+
+
+def test_stages_run_in_order_with_estimates_and_release_their_memory(tiny4, tiny4_tokenizer, pairs):
+    trainer = _trainer(tiny4, tiny4_tokenizer, window=4, group=2, accumulation=1)
+    task = trainer.task(pairs[0])
+    kinds = [s.kind for s in task.stages]
+    assert kinds[0] is StageKind.SCORE and kinds[-1] is StageKind.OPTIMIZER
+    assert kinds.count(StageKind.BACKWARD) == 2 and kinds.count(StageKind.FORWARD) == len(task.windows)
+    held = []
+    while not task.done:
+        estimate = task.next_stage().estimate()
+        assert estimate.seconds >= 0 and estimate.peak_bytes >= 0
+        task.run_next()
+        held.append(task.held_bytes)
+    assert max(held) > 0 and held[-1] == 0
+    assert task.score is not None and task.result is not None
+    # Before any step the policy is unchanged, so the score and the trained loss agree.
+    assert task.score.loss == pytest.approx(task.result.loss, rel=1e-5)
+    assert task.stepped and trainer.optimizer.steps == 1 and trainer.pairs_trained == 1
+
+
+def test_only_lora_parameters_change_and_the_loss_falls(tiny4, tiny4_tokenizer, pairs):
+    trainer = _trainer(tiny4, tiny4_tokenizer, window=8, group=2, accumulation=2, lr=2e-3)
+    base = {name: p.detach().clone() for name, p in tiny4.named_parameters()}
+    before = trainer.evaluate(pairs, trainer.weights)
+    for _ in range(6):
+        trainer.train(pairs)
+    after = trainer.evaluate(pairs, trainer.weights)
+    assert after.dpo_loss < before.dpo_loss - 0.05
+    assert after.clpd > before.clpd
+    assert all(torch.equal(p, base[name]) for name, p in tiny4.named_parameters())
+
+
+def test_abandoned_task_recomputes_to_the_same_gradients(tiny4, tiny4_tokenizer, pairs):
+    trainer = _trainer(tiny4, tiny4_tokenizer, window=4, group=2)
+    want = _staged_grads(trainer, pairs[:1])
+    for p in trainer.weights.parameters():
+        p.grad = None
+    task = trainer.task(pairs[0], score=False)
+    task.run_next()
+    task.run_next()
+    assert task.held_bytes > 0
+    task.abandon()  # memory pressure: drop activations
+    assert task.held_bytes == 0 and task.next_stage().name.startswith("forward[prompt 0:")
+    while task.next_stage().kind is not StageKind.OPTIMIZER:
+        task.run_next()
+    got = [p.grad.clone() for p in trainer.weights.parameters()]
+    assert _max_rel_error(got, want) <= 1e-6
+
+
+def test_one_task_at_a_time_holds_the_adapter(tiny4, tiny4_tokenizer, pairs):
+    trainer = _trainer(tiny4, tiny4_tokenizer)
+    first = trainer.task(pairs[0], score=False)
+    first.run_next()
+    second = trainer.task(pairs[1], score=False)
+    with pytest.raises(RuntimeError, match="another fine-tune task"):
+        second.run_next()
+    first.run()
+    second.run()
+    assert trainer.pairs_trained == 2
+
+
+def test_reference_log_probs_are_computed_once_per_pair(tiny4, tiny4_tokenizer, pairs):
+    trainer = _trainer(tiny4, tiny4_tokenizer)
+    trainer.train(pairs[:2])
+    trainer.train(pairs[:2])
+    assert len(trainer.reference) == 2 and trainer.reference.misses == 2
