@@ -24,6 +24,8 @@ from edge_runtime.errors import BadRequest, UnknownRequest
 from edge_runtime.ids import validate_request_id
 from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.kv.cache import KVCache, bytes_per_block
+from edge_runtime.lora.registry import AdapterRef, AdapterRegistry
+from edge_runtime.lora.weights import LoraWeights
 from edge_runtime.model.llama import LlamaModel
 from edge_runtime.model.tokenizer import ChatMessages, Tokenizer
 from edge_runtime.model.weights import load_llama
@@ -37,7 +39,14 @@ Prompt = str | ChatMessages
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig, name: str = "") -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        name: str = "",
+        adapters: AdapterRegistry | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -53,7 +62,13 @@ class Engine:
         self.scheduler = Scheduler(
             self.pool, make_policy(config.policy), config.max_batched_tokens, config.max_num_seqs
         )
-        self.backend = TorchBackend(model, self.cache)
+        # Per-user LoRA versions; without a root (config.extra["adapters_root"]) they live in memory.
+        self.adapters = adapters or AdapterRegistry(
+            config.extra.get("adapters_root"), cfg, model.dtype, model.device,
+            cache_bytes=int(config.extra.get("adapter_cache_bytes", 256 << 20)), base_model=name,
+        )
+        self.adapters.preload()
+        self.backend = TorchBackend(model, self.cache, self.adapters)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
@@ -97,8 +112,11 @@ class Engine:
         *,
         request_id: str | None = None,
         on_token: Callable[[TokenEvent], None] | None = None,
+        adapter: str | AdapterRef | None = None,
     ) -> str:
-        """Queue a prompt (text or chat messages); returns its request id."""
+        """Queue a prompt (text or chat messages); returns its request id. `adapter`: a user id
+        (that user's newest adapter version, pinned until the request ends; the base model if
+        the user has none yet), a specific `AdapterRef`, or None for the base model."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{next(self._req_ids)}"
@@ -114,7 +132,9 @@ class Engine:
                 "prompt tokens per sequence (model limit and KV cache size)"
             )
         now = time.monotonic()
-        request = Request(request_id, text, ids, params, now, on_token=on_token)
+        pinned = self._pin_adapter(adapter)
+        request = Request(request_id, text, ids, params, now, on_token=on_token, adapter=pinned,
+                          adapter_key=pinned.key if pinned is not None else "")
         request.metrics = RequestMetrics(arrival_time=now, prompt_tokens=len(ids))
         for index in range(params.n):
             generator = None
@@ -132,6 +152,7 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None:
             raise UnknownRequest(f"no request {request_id!r} in flight")
+        self.adapters.release(request.adapter)
         for seq in request.seqs:
             if seq.status is not SeqStatus.FINISHED:
                 self.scheduler.finish(seq, "abort")
@@ -141,6 +162,23 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    # -- adapters ---------------------------------------------------------------------------
+
+    def _pin_adapter(self, adapter: str | AdapterRef | None) -> AdapterRef | None:
+        if adapter is None:
+            return None
+        if isinstance(adapter, AdapterRef):
+            return self.adapters.pin(adapter)
+        return self.adapters.acquire(adapter)
+
+    def publish_adapter(self, user: str, weights: LoraWeights, **info: Any) -> AdapterRef:
+        """Make `weights` the user's next version: new requests get it, running ones keep theirs."""
+        return self.adapters.publish(user, weights, **info)
+
+    def rollback_adapter(self, user: str, to_version: int | None = None, reason: str = "") -> AdapterRef | None:
+        """Stop serving the user's newest version (or all newer than `to_version`)."""
+        return self.adapters.rollback(user, to_version, reason)
 
     # -- the iteration ----------------------------------------------------------------------
 
@@ -188,6 +226,7 @@ class Engine:
             request = seq.request
             if reason is not None and request.finished and request.request_id in self.requests:
                 del self.requests[request.request_id]
+                self.adapters.release(request.adapter)
                 metrics.finish_time = now
                 done.append(request.output())
         return done
@@ -267,6 +306,7 @@ class Engine:
             "iterations": self.iterations,
             "tokens_generated": self.tokens_generated,
             "last_iteration_ms": round(self.last_iteration_s * 1000, 3),
+            **self.adapters.stats(),
         }
 
 

@@ -7,12 +7,16 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from edge_runtime.model.tokenizer import IncrementalDecoder
 from edge_runtime.outputs import CandidateOutput, RequestMetrics, RequestOutput, TokenEvent
 from edge_runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from edge_runtime.lora.registry import AdapterRef
 
 
 class SeqStatus(enum.Enum):
@@ -30,6 +34,7 @@ class Request:
     arrival: float
     adapter_key: str = ""  # "user@version" or "" for the base model; salts the prefix cache
     lora_slot: int = -1  # row index into the engine's active adapters (-1 = base model)
+    adapter: AdapterRef | None = None  # the version pinned at admission (None = base model)
     on_token: Callable[[TokenEvent], None] | None = None
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None

@@ -11,6 +11,8 @@ import torch
 
 from edge_runtime.kv.cache import KVCache
 from edge_runtime.kv.paged_attention import PagedContext, SeqAttention
+from edge_runtime.lora.batched import applier_for
+from edge_runtime.lora.registry import AdapterRegistry
 from edge_runtime.model.llama import LlamaModel, LoraApplier
 from edge_runtime.sched.scheduler import Batch
 
@@ -18,14 +20,16 @@ from edge_runtime.sched.scheduler import Batch
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, model: LlamaModel, cache: KVCache) -> None:
+    def __init__(self, model: LlamaModel, cache: KVCache, adapters: AdapterRegistry | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = model.device
+        self.adapters = adapters
 
     @torch.inference_mode()
     def execute(self, batch: Batch, lora: LoraApplier | None = None) -> torch.Tensor:
-        """Logits [rows that sample, vocab] in float32, in batch order."""
+        """Logits [rows that sample, vocab] in float32, in batch order. Without an explicit
+        `lora`, each item's pinned adapter version (from the registry) applies to its rows."""
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqAttention] = []
@@ -39,6 +43,9 @@ class TorchBackend:
             if item.samples:
                 logit_rows.append(len(ids) - 1)
         device = self.device
+        if lora is None and self.adapters is not None:
+            runs = [(item.seq.request.adapter, item.num_tokens) for item in batch.items]
+            lora = applier_for(runs, self.adapters.weights, device)
         ctx = PagedContext(self.cache, seqs, device, lora, self.model.cfg.sliding_window)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
