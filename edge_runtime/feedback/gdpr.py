@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import shutil
 import sqlite3
 from pathlib import Path
@@ -22,6 +23,8 @@ from edge_runtime.feedback.training_queue import adapter_versions
 EXPORT_FORMAT = "mace-edge.feedback-export"
 EXPORT_VERSION = 1
 ALL_USERS = "*"  # audit subject of operations over every user (retention)
+
+log = logging.getLogger(__name__)
 
 
 # --- audit -------------------------------------------------------------------------------------
@@ -243,9 +246,17 @@ def reclaim_space(conn: sqlite3.Connection, full_vacuum: bool) -> bool:
     text) until a TRUNCATE checkpoint empties it.
     """
     if full_vacuum:
-        conn.execute("VACUUM")
-    else:
-        conn.execute("PRAGMA incremental_vacuum")
+        try:
+            conn.execute("VACUUM")
+        except sqlite3.OperationalError as exc:
+            # VACUUM needs room for a second copy of the database; secure_delete has already
+            # zeroed the erased cells, so fall back to handing back free pages only.
+            log.warning("VACUUM after erasure failed (%s); reclaiming free pages only", exc)
+            full_vacuum = False
+    if not full_vacuum:
+        # execute() steps a statement once, which frees a single page; executescript runs the
+        # pragma to completion.
+        conn.executescript("PRAGMA incremental_vacuum;")
     busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
     return busy == 0
 

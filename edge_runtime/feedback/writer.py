@@ -125,6 +125,8 @@ class GroupCommitWriter:
         try:
             result = work.job(self._conn)
         except Exception as exc:  # handed to the caller, who re-raises it
+            if isinstance(exc, sqlite3.Error):
+                exc = StoreUnavailable(f"feedback store operation failed: {exc}")
             work.future.set_exception(exc)
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import time
 import uuid
 from pathlib import Path
@@ -196,8 +197,11 @@ def test_retention_caps_rows_per_user(tmp_path: Path, clock: Any) -> None:
             store.set_consent(user, True)
             for i in range(n):
                 clock.now += 1
-                store.record_interaction(user, f"r{i}", f"q{i}", ["a"], model="m")
+                store.record_interaction(user, f"r{i}", f"q{i} " + "x" * 9000, ["a"], model="m")
         assert store.apply_retention().interactions_deleted == 2
+        conn = sqlite3.connect(str(store.path))
+        assert conn.execute("PRAGMA freelist_count").fetchone()[0] == 0  # space handed back
+        conn.close()
         kept = [i["request_id"] for i in store.export_user("alice")["interactions"]]
         assert kept == ["r2", "r3", "r4"]
         assert len(store.export_user("bob")["interactions"]) == 2
