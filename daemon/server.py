@@ -152,7 +152,8 @@ class Server:
         sock = listener.socket
         while not self._closing:
             try:
-                frames = await sock.recv_multipart(copy=True)
+                # Frames, not bytes: an oversized body is measured and refused without a copy.
+                frames = await sock.recv_multipart(copy=False)
             except zmq.ZMQError as exc:
                 if self._closing or exc.errno in (zmq.ENOTSOCK, zmq.ETERM):
                     return
@@ -165,11 +166,23 @@ class Server:
             except Exception:  # a bug in handling one message must not stop the receive loop
                 self.errors["internal"] += 1
                 log.exception("handling a message failed")
+            # A receive that finds a message already queued does not yield to the event loop;
+            # without this, a flood from one client would starve replies to everyone else.
+            await asyncio.sleep(0)
 
-    def _handle(self, index: int, frames: list[bytes]) -> None:
+    def _handle(self, index: int, parts: list[zmq.Frame]) -> None:
         self.stats["received"] += 1
-        identity = frames[0] if frames else b""
+        limit = self.config.server.max_message_bytes
+        identity = parts[0].bytes if parts else b""
         client: ClientKey = (index, identity)
+        # Measure before copying: an oversized body is refused without ever being copied.
+        oversized = max((len(part) for part in parts[1:]), default=0)
+        if oversized > limit:
+            req_style = len(parts) == 3 and len(parts[1]) == 0
+            self._reject(client, [identity, b""] if req_style else [identity], None, ProtocolError(
+                "too_large", f"frame of {oversized} bytes exceeds the limit of {limit}"))
+            return
+        frames = [part.bytes for part in parts]
         try:
             envelope, body = split_envelope(frames)
         except ProtocolError as exc:

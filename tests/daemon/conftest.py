@@ -112,9 +112,9 @@ def start_daemon(tmp_path: Path, tiny_model: Path) -> Iterator:
         d.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shared_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[DaemonProcess]:
-    """One daemon for a whole test module (starting one costs a few seconds)."""
+    """One daemon shared by the tests that do not stop or reconfigure it (a start costs seconds)."""
     d = DaemonProcess(tmp_path_factory.mktemp("daemon"), tiny_model,
                       extra_args=["--set", "server.max_inflight_per_client=16"])
     d.wait_ready()
