@@ -15,6 +15,7 @@ from torch import Tensor
 
 from edge_runtime.lora.config import AdapterError, LoraSettings
 from edge_runtime.model.config import ModelConfig
+from edge_runtime.model.llama import linear
 
 Key = tuple[int, str]  # (layer index, projection name)
 
@@ -119,7 +120,9 @@ def lora_delta(x: Tensor, a: Tensor, b: Tensor, scale: float, dropout: float = 0
     h = x if x.dtype == a.dtype else x.to(a.dtype)
     if dropout:
         h = F.dropout(h, dropout, training=True)
-    out = F.linear(F.linear(h, a), b) * scale
+    # `linear`, not F.linear: a group of one row must round like the same row in a bigger group,
+    # so a user's greedy output does not depend on who shares the batch.
+    out = linear(linear(h, a), b) * scale
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
