@@ -336,7 +336,8 @@ def render_status(status: dict[str, Any], tokens_per_s: float | None = None) -> 
         section("model", [("model", str(m.get("model"))), ("backend", f"{m.get('backend')} on {m.get('device')}"),
                           ("dtype", str(m.get("dtype"))), ("parameters", f"{m.get('parameters', 0):,}"),
                           ("max context", str(m.get("max_context"))),
-                          ("adapters", f"{status.get('adapters', {}).get('published_versions', 0)} published "
+                          ("adapters", f"{status.get('adapters', {}).get('versions_served', 0)} versions, "
+                                       f"{status.get('adapters', {}).get('users', 0)} users "
                                        f"(trainer: {status.get('adapters', {}).get('trainer')})")]),
         section("engine", [("generating", str(q.get("generates_in_flight"))),
                            ("waiting / running", f"{q.get('engine_waiting')} / {q.get('engine_running')}"),

@@ -71,6 +71,14 @@ class AdmissionSettings:
     telemetry: bool = True  # read telemetry at all (off: admission sees only queue length)
 
 
+@dataclass(frozen=True)
+class FineTuneSettings:
+    enabled: bool = True  # continual DPO on consented users' preference pairs
+    pairs_per_version: int = 4  # publish a new adapter version after this many trained pairs
+    idle_s: float = 1.0  # train only after inference has been idle this long
+    guard: bool = True  # publish only if held-out win rate / CLPD did not regress
+
+
 _SECTIONS: dict[str, tuple[type, ...]] = {
     "daemon": (DaemonSettings,),
     "server": (ServerSettings,),
@@ -78,13 +86,15 @@ _SECTIONS: dict[str, tuple[type, ...]] = {
     "telemetry": (TelemetryConfig,),
     "feedback": (FeedbackSettings, FeedbackStoreConfig),
     "admission": (AdmissionSettings, AdmissionConfig),
+    "finetune": (FineTuneSettings,),
 }
 # Changing these at run time cannot break a request in flight; the rest need a restart.
 RELOADABLE = frozenset({
     "daemon.log_level", "server.max_message_bytes", "server.max_inflight_per_client",
     "server.max_inflight", "server.default_max_tokens", "server.drain_timeout_s",
     "server.admission_wait_s", "admission.min_dwell_s", "admission.stale_after_s",
-    "admission.retry_after_s", "admission.power_budget_mw",
+    "admission.retry_after_s", "admission.power_budget_mw", "finetune.enabled",
+    "finetune.pairs_per_version", "finetune.idle_s", "finetune.guard",
 })
 # Short names people already know, besides the generic MACE_<SECTION>_<KEY>.
 _ENV_ALIASES = {"MACE_STATE_DIR": "daemon.state_dir", "MACE_MODEL": "engine.model",
@@ -196,6 +206,7 @@ class DaemonConfig:
         self.telemetry: TelemetryConfig = self._build("telemetry", TelemetryConfig)
         self.feedback: FeedbackSettings = self._build("feedback", FeedbackSettings)
         self.admission: AdmissionSettings = self._build("admission", AdmissionSettings)
+        self.finetune: FineTuneSettings = self._build("finetune", FineTuneSettings)
         try:
             self.feedback_store: FeedbackStoreConfig = self._build("feedback", FeedbackStoreConfig)
             self.admission_config: AdmissionConfig = self._build("admission", AdmissionConfig)
@@ -276,6 +287,8 @@ class DaemonConfig:
                 raise ConfigError(f"server.{key} must be >= 1")
         if s.max_message_bytes < 1024:
             raise ConfigError("server.max_message_bytes must be at least 1024")
+        if self.finetune.pairs_per_version < 1 or self.finetune.idle_s < 0:
+            raise ConfigError("finetune.pairs_per_version must be >= 1 and finetune.idle_s >= 0")
         if s.drain_timeout_s < 0 or s.admission_wait_s < 0:
             raise ConfigError("server.drain_timeout_s and server.admission_wait_s must be >= 0")
 

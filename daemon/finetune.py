@@ -41,8 +41,9 @@ class FineTuner(Protocol):
         """New preference pairs are durable: schedule training."""
         ...
 
-    def on_forget(self, user: str) -> None:
-        """The user was erased: drop every cached adapter of theirs now."""
+    async def forget(self, user: str) -> None:
+        """The user is being erased: stop training for them and drop every adapter version the
+        engine holds of theirs (the store deletes the files right after)."""
         ...
 
     def pause(self, reason: str) -> None:
@@ -75,7 +76,7 @@ class BaseModelOnly:
 
     def resolve_adapter(self, user: str | None, choice: str | int) -> tuple[Any, str | None]:
         if isinstance(choice, int):
-            raise ProtocolError("unknown_adapter", f"adapter version {choice} cannot be served: "
+            raise ProtocolError("adapter_unavailable", f"adapter version {choice} cannot be served: "
                                 "fine-tuning is not available in this daemon build (base model only)")
         return None, None
 
@@ -93,7 +94,7 @@ class BaseModelOnly:
     def on_feedback(self, user: str, pair_ids: tuple[int, ...]) -> None:
         return None
 
-    def on_forget(self, user: str) -> None:
+    async def forget(self, user: str) -> None:
         return None
 
     def pause(self, reason: str) -> None:

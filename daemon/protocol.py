@@ -35,7 +35,7 @@ ERROR_CODES: dict[str, str] = {
     "admission_rejected": "the device is under pressure; retry after retry_after_s",
     "unknown_request": "no recorded interaction with that id for this user",
     "unknown_user": "the daemon holds nothing on that user",
-    "unknown_adapter": "no such adapter version for that user",
+    "adapter_unavailable": "no such adapter version is served for that user (or it cannot load)",
     "consent_required": "the user has not consented to feedback collection",
     "duplicate_feedback": "the same feedback was already recorded; the first one stands",
     "duplicate_request": "that interaction id was already recorded",

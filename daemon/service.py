@@ -82,7 +82,9 @@ def load_engine(config: DaemonConfig) -> Engine:
     """The default loader: the configured model (None = the default SmolLM2) on this machine."""
     from edge_runtime.engine import Engine
 
-    return Engine.load(None, config.engine)
+    # Adapters live beside the feedback store's idea of them: forget() deletes <root>/<user>/.
+    extra = {**config.engine.extra, "adapters_root": str(config.adapters_dir)}
+    return Engine.load(None, config.engine.replace(extra=extra))
 
 
 class Service:
@@ -146,7 +148,17 @@ class Service:
             self.state = "failed"
             raise
         self.model_name = engine.model_name
+        if not self._custom_tuner:
+            from daemon.training import EngineFineTuner
+
+            tuner = EngineFineTuner(self.engine, self.store, self.config.finetune, self._inference_idle)
+            tuner.start()
+            self.fine_tuner = tuner
         self.state = "serving"
+
+    def _inference_idle(self) -> bool:
+        snap = self.engine.snapshot if self.engine is not None else None
+        return not self.calls and self.admission_queued == 0 and (snap is None or snap.in_flight == 0)
 
     def _open_store(self) -> tuple[FeedbackStore, AsyncFeedbackStore]:
         from edge_runtime.feedback import AsyncFeedbackStore, FeedbackStore
@@ -203,6 +215,8 @@ class Service:
     def reload(self, config: DaemonConfig) -> None:
         """Apply the settings that are safe to change at run time (see config.RELOADABLE)."""
         self.config = config
+        if hasattr(self.fine_tuner, "settings"):
+            self.fine_tuner.settings = config.finetune  # type: ignore[attr-defined]
         if self.admission is not None:
             current = self.admission.config
             for key in ("min_dwell_s", "stale_after_s", "retry_after_s", "power_budget_mw"):
@@ -392,7 +406,8 @@ class Service:
             "recorded": False,
         }
         if args.user is not None and args.record:
-            result["recorded"], note = await self._record(args.user, interaction_id, output, label, timing)
+            result["recorded"], note = await self._record(args.user, interaction_id, output,
+                                                          result["adapter"], timing)
             if note:
                 result["record_note"] = note
         return result
@@ -447,8 +462,10 @@ class Service:
         return {"user": args.user, "data": data}
 
     async def users_forget(self, args: UserArgs) -> dict[str, Any]:
-        report = await self._store().forget(args.user)
-        self.fine_tuner.on_forget(args.user)
+        store = self._store()
+        # The engine stops serving the user's adapters before their files go.
+        await self.fine_tuner.forget(args.user)
+        report = await store.forget(args.user)
         return {"user": args.user, "erased": asdict(report)}
 
     async def adapters_list(self, args: AdaptersListArgs) -> dict[str, Any]:
@@ -496,12 +513,16 @@ class Service:
         out["finetune"] = finetune
         out["alignment"] = finetune.get("alignment", {})
         out["adapters"] = {"trainer": self.fine_tuner.name,
-                           "published_versions": out["feedback"].get("adapter_versions", 0)}
+                           "users": stats.get("adapter_users", 0),
+                           "versions_served": stats.get("adapter_versions", 0),
+                           "versions_recorded": out["feedback"].get("adapter_versions", 0),
+                           "cached": stats.get("adapters_cached", 0)}
         return out
 
     def _memory(self, stats: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
         # Until the runtime's MemoryLedger lands, the ledger is what the daemon can account for.
-        ledger = {"weights": int(info.get("weights_bytes", 0)), "kv_cache": int(stats.get("kv_cache_bytes", 0))}
+        ledger = {"weights": int(info.get("weights_bytes", 0)), "kv_cache": int(stats.get("kv_cache_bytes", 0)),
+                  "adapter_cache": int(stats.get("adapter_cache_bytes", 0) or 0)}
         ledger.update(self.fine_tuner.memory_bytes())
         held = sum(ledger.values())
         memory: dict[str, Any] = {"ledger": ledger, "ledger_bytes": held,

@@ -116,7 +116,8 @@ def start_daemon(tmp_path: Path, tiny_model: Path) -> Iterator:
 def shared_daemon(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[DaemonProcess]:
     """One daemon shared by the tests that do not stop or reconfigure it (a start costs seconds)."""
     d = DaemonProcess(tmp_path_factory.mktemp("daemon"), tiny_model,
-                      extra_args=["--set", "server.max_inflight_per_client=16"])
+                      extra_args=["--set", "server.max_inflight_per_client=16",
+                                  "--set", "finetune.enabled=false"])
     d.wait_ready()
     yield d
     code, _ = d.stop()

@@ -64,7 +64,7 @@ def test_typed_errors_and_exit_codes(shared_daemon: DaemonProcess, tmp_path: Pat
     bad = macectl(shared_daemon.endpoint, "feedback", "nobody", "ix-0", "--rate", "9")
     assert bad.returncode == 1 and bad.stderr.startswith("macectl: ")
     rollback = macectl(shared_daemon.endpoint, "adapters", "rollback", "frank", "2")
-    assert rollback.returncode == 1 and "not_supported" in rollback.stderr
+    assert rollback.returncode == 1 and "adapter_unavailable" in rollback.stderr
     assert macectl(shared_daemon.endpoint, "adapters", "list", "--json").stdout.strip() == "[]"
     assert macectl(shared_daemon.endpoint, "health").returncode == 0
     gone = macectl(f"ipc://{tmp_path}/none.sock", "--timeout", "1", "health")

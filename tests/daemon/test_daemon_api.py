@@ -35,7 +35,7 @@ def test_health_and_status_describe_the_daemon(shared_daemon: DaemonProcess) -> 
     assert status["memory"]["ledger"]["kv_cache"] == 8 << 20
     assert status["admission"]["state"] in ("normal", "shed_finetune")
     assert status["feedback"]["open"] is True
-    assert status["finetune"]["available"] is False
+    assert status["finetune"]["available"] is True and status["finetune"]["trainer"] == "idle-dpo"
 
 
 def test_generate_whole_with_n_candidates(shared_daemon: DaemonProcess) -> None:
@@ -63,8 +63,8 @@ def test_invalid_requests_get_typed_errors_and_the_daemon_keeps_serving(shared_d
         ({"v": 9, "id": "a", "op": "status"}, "unsupported_version"),
         ({"v": 1, "id": "a", "op": "generate", "prompt": "hi", "temperature": -1}, "bad_request"),
         ({"v": 1, "id": "a", "op": "generate", "prompt": "x" * 300_000}, "bad_request"),
-        ({"v": 1, "id": "a", "op": "generate", "prompt": "hi", "adapter": 2, "user": "bob"}, "unknown_adapter"),
-        ({"v": 1, "id": "a", "op": "adapters.rollback", "user": "bob", "version": 1}, "not_supported"),
+        ({"v": 1, "id": "a", "op": "generate", "prompt": "hi", "adapter": 2, "user": "bob"}, "adapter_unavailable"),
+        ({"v": 1, "id": "a", "op": "adapters.rollback", "user": "bob", "version": 1}, "adapter_unavailable"),
         ({"v": 1, "id": "a", "op": "feedback", "user": "nobody", "interaction_id": "ix-1",
           "feedback": {"kind": "choice", "chosen": 0}}, "unknown_user"),
         ({"v": 1, "id": "a", "op": "feedback", "user": "nobody", "interaction_id": "ix-1",
@@ -164,9 +164,10 @@ def test_consent_record_feedback_export_forget(shared_daemon: DaemonProcess) -> 
         assert info.value.code == "unknown_user"
 
 
-def test_adapters_list_is_empty_without_a_trainer(shared_daemon: DaemonProcess) -> None:
+def test_adapters_list_is_empty_while_nobody_was_trained(shared_daemon: DaemonProcess) -> None:
     with shared_daemon.client() as c:
         assert c.adapters() == [] and c.adapters("carol") == []
+        assert c.status()["finetune"]["enabled"] is False  # the shared daemon does not train
 
 
 def test_async_client_runs_many_streams_at_once(shared_daemon: DaemonProcess) -> None:

@@ -1,0 +1,48 @@
+"""Feedback becomes a new adapter version in a running daemon, which serves it, rolls it back,
+and erases it with the user."""
+
+from __future__ import annotations
+
+import time
+
+from daemon.client import Client
+
+
+def wait_for(predicate, timeout_s: float = 60.0, every_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError("condition not met in time")
+
+
+def test_feedback_trains_publishes_serves_rolls_back_and_forgets_an_adapter(start_daemon) -> None:
+    d = start_daemon(extra_args=["--set", "finetune.pairs_per_version=2", "--set", "finetune.idle_s=0.2",
+                                 "--set", "feedback.heldout_fraction=0.0"])
+    with Client(d.endpoint, timeout_s=30) as c:
+        c.consent("gina")
+        for prompt in ("Say hi", "Say bye"):
+            r = c.generate(prompt, max_tokens=6, n=2, temperature=1.0, seed=3, user="gina")
+            assert r.recorded and r.adapter is None
+            c.choose("gina", r.interaction_id, 1)
+        adapters = wait_for(lambda: c.adapters("gina"))
+        assert [(a["version"], a["active"], a["pairs"]) for a in adapters] == [(1, True, 2)]
+        status = c.status()
+        assert status["finetune"]["versions_published"] == 1 and status["finetune"]["pairs_trained"] == 2
+        assert status["feedback"]["pairs_trained"] == 2 and status["feedback"]["adapter_versions"] == 1
+        assert status["adapters"]["versions_served"] == 1
+        assert (d.state_dir / "adapters" / "gina" / "v1").is_dir()
+
+        served = c.generate("Say hi", max_tokens=3, user="gina")
+        assert served.adapter == "gina@1"
+        assert c.generate("Say hi", max_tokens=3, user="gina", adapter="base").adapter is None
+        assert c.rollback("gina", 0)["serving"] is None
+        assert c.generate("Say hi", max_tokens=3, user="gina").adapter is None
+
+        c.forget("gina")
+        assert c.adapters("gina") == []
+        assert not (d.state_dir / "adapters" / "gina").exists()
+    code, _ = d.stop()
+    assert code == 0
