@@ -15,7 +15,9 @@ class EngineConfig:
     model: str | None = None  # None = the default model (SmolLM2-135M-Instruct)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
-    backend: str = "torch"
+    backend: str = "torch"  # "torch" | "onnxruntime" | "tensorrt" (see docs/onnx.md)
+    onnx_quantization: str = "none"  # ONNX backends' weight-only quantisation: "none" | "int8" | "int4"
+    onnx_cache_dir: str = ""  # exported graphs and TensorRT engines; "" = <state dir>/onnx
     num_threads: int = 0  # CPU threads for torch; 0 = all cores
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int = 0  # 0 = derive from kv_cache_fraction of available memory

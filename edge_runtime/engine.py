@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from edge_runtime.backends.torch_backend import TorchBackend
+from edge_runtime.backends import make_backend
 from edge_runtime.config import EngineConfig
 from edge_runtime.device import pick_device, pick_dtype
 from edge_runtime.errors import BadRequest, UnknownRequest
@@ -68,7 +68,7 @@ class Engine:
             cache_bytes=int(config.extra.get("adapter_cache_bytes", 256 << 20)), base_model=name,
         )
         self.adapters.preload()
-        self.backend = TorchBackend(model, self.cache, self.adapters)
+        self.backend = make_backend(config, model, self.cache, self.adapters)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()

@@ -1,1 +1,39 @@
-"""backends."""
+"""Backends run one scheduled batch and return the sampling rows' logits: torch (the reference),
+onnxruntime (the exported step graph on TensorRT EP / CUDA EP / CPU) and tensorrt (native
+engines from the same graph, `trt_plugins`). `make_backend` picks one from the engine config."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from edge_runtime.config import EngineConfig
+    from edge_runtime.kv.cache import KVCache
+    from edge_runtime.lora.registry import AdapterRegistry
+    from edge_runtime.model.llama import LlamaModel
+
+BACKENDS = ("torch", "onnxruntime", "tensorrt")
+
+
+def make_backend(config: EngineConfig, model: LlamaModel, cache: KVCache, adapters: AdapterRegistry | None) -> Any:
+    """The backend `config.backend` names, built over the engine's model, KV cache and adapters."""
+    name = config.backend
+    if name == "torch":
+        from edge_runtime.backends.torch_backend import TorchBackend
+
+        return TorchBackend(model, cache, adapters)
+    if name == "onnxruntime":
+        from edge_runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
+
+        return OnnxRuntimeBackend(
+            model, cache, adapters, quantization=config.onnx_quantization,
+            cache_dir=config.onnx_cache_dir or None, num_threads=config.num_threads,
+        )
+    if name == "tensorrt":
+        from trt_plugins.backend import TensorRTBackend
+
+        return TensorRTBackend(
+            model, cache, adapters, quantization=config.onnx_quantization, cache_dir=config.onnx_cache_dir or None,
+            max_batch=config.max_num_seqs, max_tokens=config.max_batched_tokens, max_context=config.max_context,
+        )
+    raise ValueError(f"unknown backend {name!r}; use one of {', '.join(BACKENDS)}")

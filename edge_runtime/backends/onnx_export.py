@@ -1,0 +1,93 @@
+"""Exports the step graph once per (model weights, graph spec, graph version) and caches it under
+`<state dir>/onnx/<key>/` (model.onnx + model.onnx.data + meta.json), written atomically.
+
+Owns the cache key and the files; the graph itself comes from `onnx_graph`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import onnx
+import torch
+
+from edge_runtime.backends.onnx_graph import GRAPH_VERSION, OPSET, GraphSpec, build_step_graph
+from edge_runtime.model.llama import LlamaModel
+from edge_runtime.paths import state_dir
+
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+META_FILE = "meta.json"
+
+
+def model_hash(model: LlamaModel) -> str:
+    """Digest of the config and every weight's bytes: two models share an export only if their
+    numbers are identical (a bf16 copy of a model is a different model here)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(model.cfg.hf_config.to_json_string(use_diff=False).encode())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            t = param.detach().cpu().contiguous()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            # numpy has no bfloat16: hash the raw bytes through a same-width integer view.
+            h.update(t.view(torch.int16).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def export_key(digest: str, spec: GraphSpec) -> str:
+    return f"{digest[:20]}-{spec.tag}-v{GRAPH_VERSION}"
+
+
+def default_cache_dir() -> Path:
+    return state_dir() / "onnx"
+
+
+def export_step(
+    model: LlamaModel, spec: GraphSpec, cache_dir: str | Path | None = None, digest: str | None = None
+) -> Path:
+    """Path of the exported step graph for this model and spec, exporting it on a cache miss."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    digest = digest or model_hash(model)
+    target = root / export_key(digest, spec)
+    if (target / META_FILE).exists():
+        return target / MODEL_FILE
+    root.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    proto = build_step_graph(model, spec)
+    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=root))
+    try:
+        onnx.save_model(proto, str(tmp / MODEL_FILE), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=DATA_FILE, size_threshold=1024)
+        meta = {
+            "model_hash": digest,
+            "spec": spec.__dict__,
+            "graph_version": GRAPH_VERSION,
+            "opset": OPSET,
+            "onnx": onnx.__version__,
+            "nodes": len(proto.graph.node),
+            "weights_bytes": (tmp / DATA_FILE).stat().st_size if (tmp / DATA_FILE).exists() else 0,
+            "export_seconds": round(time.monotonic() - started, 2),
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / META_FILE).exists():  # not a concurrent exporter that won the race
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target / MODEL_FILE
+
+
+def read_meta(model_path: str | Path) -> dict:
+    return json.loads((Path(model_path).parent / META_FILE).read_text())

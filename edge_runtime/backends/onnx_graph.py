@@ -1,0 +1,388 @@
+"""Writes our llama step (prefill chunks or decode rows over the paged KV cache, per-row LoRA)
+as one ONNX graph, straight from `LlamaModel`'s fused weights.
+
+Two flavours of the same computation: "ort" uses ONNX Runtime's fused contrib ops
+(GroupQueryAttention over the gathered paged context, SkipSimplifiedLayerNormalization,
+MatMulNBits): every node costs microseconds of dispatch on a small CPU, and this cuts ~28 nodes
+per layer to ~13. "standard" uses only ai.onnx ops (opset 21, block-wise DequantizeLinear for
+weight-only quantisation, attention written out over a flat token batch), the form TensorRT
+parses and the reference the "ort" graph is checked against. The inputs, outputs and
+shapes are documented in docs/onnx.md; `StepInputs` (step_inputs.py) builds the index tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from edge_runtime.backends.quantize import BLOCK_SIZE, bits_of, pack_nbits, quantize_symmetric
+from edge_runtime.model.llama import LlamaModel
+
+GRAPH_VERSION = 3  # bump when the graph's inputs, outputs or numerics change (part of the cache key)
+OPSET = 21  # block-wise DequantizeLinear (INT4 weight-only) needs 21
+IR_VERSION = 10  # the newest IR that ONNX Runtime 1.18+ and TensorRT 10 both read
+FLAVOURS = ("ort", "standard")
+KV_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+
+# LoRA sites of one layer: fused projections and the PEFT targets that feed each, in column order.
+LORA_SITES = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """What varies between exports of one model (every field is part of the cache key)."""
+
+    quantization: str = "none"  # "none" | "int8" | "int4" (weight-only)
+    flavour: str = "ort"  # "ort" | "standard"
+    kv_dtype: str = "float32"  # the KV cache tensor's dtype; attention math is float32
+    # MatMulNBits accuracy level: 4 = int8 activations (the fast CPU path, as onnxruntime-genai
+    # uses); 0 = dequantise to float32 and multiply.
+    accuracy_level: int = 4
+    lora: bool = True  # per-row LoRA inputs; False = a base-model-only graph (fewer nodes)
+    symmetric: bool = False  # MatMulNBits without zero points (onnxruntime-genai's choice)
+
+    def __post_init__(self) -> None:
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; use none, int8 or int4")
+        if self.flavour not in FLAVOURS:
+            raise ValueError(f"unknown graph flavour {self.flavour!r}; use one of {FLAVOURS}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unsupported KV cache dtype {self.kv_dtype!r}; use one of {tuple(KV_DTYPES)}")
+
+    @property
+    def tag(self) -> str:
+        lora = "" if self.lora else "-nolora"
+        sym = "-sym" if self.symmetric and self.quantization != "none" else ""
+        return f"{self.flavour}-{self.quantization}{sym}-kv{self.kv_dtype}-acc{self.accuracy_level}{lora}"
+
+
+class _Graph:
+    """A tiny node/initializer accumulator with unique names."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self._count = 0
+        self._consts: dict[tuple, str] = {}
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs) -> str | list[str]:
+        self._count += 1
+        outs = [f"{op_type}_{self._count}_{i}" for i in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, domain=domain or None, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def init(self, name: str, array: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def const(self, values: list[int] | list[float] | int | float, dtype: type = np.int64) -> str:
+        key = (repr(values), np.dtype(dtype).str)
+        if key not in self._consts:
+            self._consts[key] = self.init(f"const_{len(self._consts)}", np.array(values, dtype=dtype))
+        return self._consts[key]
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).cpu().numpy()
+
+
+class _StepWriter:
+    """Emits the step for one model and spec; methods mirror `DecoderLayer.forward`."""
+
+    def __init__(self, model: LlamaModel, spec: GraphSpec) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self.spec = spec
+        self.g = _Graph()
+        self.ort = spec.flavour == "ort"
+
+    # -- primitives ---------------------------------------------------------------------------
+
+    def linear(self, x: str, weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> str:
+        g, spec = self.g, self.spec
+        w = _np(weight)  # [out, in]
+        n, k = w.shape
+        if spec.quantization == "none":
+            y = g.op("MatMul", [x, g.init(f"{name}.weight", w.T)])
+        elif self.ort:
+            q = pack_nbits(w, bits_of(spec.quantization), symmetric=spec.symmetric)
+            ins = [x, g.init(f"{name}.qweight", q.packed), g.init(f"{name}.scales", q.scales)]
+            if q.zero_points is not None:
+                ins.append(g.init(f"{name}.zero_points", q.zero_points))
+            y = g.op(
+                "MatMulNBits", ins,
+                domain="com.microsoft", K=k, N=n, bits=q.bits, block_size=q.block_size,
+                accuracy_level=spec.accuracy_level,
+            )
+        else:
+            # Symmetric block-wise (TensorRT's weight-only INT4/INT8 takes no zero point).
+            bits = bits_of(spec.quantization)
+            q, scale = quantize_symmetric(w, bits)  # [N, K/b, b], [N, K/b]
+            qt = q.reshape(n, k).T  # [K, N]: MatMul's layout, blocks along K (axis 0)
+            tensor = helper.make_tensor(
+                f"{name}.qweight", TensorProto.INT4 if bits == 4 else TensorProto.INT8, list(qt.shape),
+                qt.reshape(-1).astype(np.int8).tolist() if bits == 4 else qt.tobytes(), raw=bits == 8,
+            )
+            g.inits.append(tensor)
+            deq = g.op("DequantizeLinear", [tensor.name, g.init(f"{name}.scales", scale.T)], axis=0,
+                       block_size=BLOCK_SIZE)
+            y = g.op("MatMul", [x, deq])
+        if bias is not None:
+            y = g.op("Add", [y, g.init(f"{name}.bias", _np(bias))])
+        return y
+
+    def _tied_quantized(self) -> bool:
+        return self.ort and self.spec.quantization != "none" and self.model.lm_head is None
+
+    def embedding(self, ids: str) -> str:
+        """Token embeddings. With tied weights and quantisation, the rows are read from the LM
+        head's 4/8-bit blocks (GatherBlockQuantized), so the float table is never stored: for
+        the default model that is 113 MB of the 125 MB an int4 session would hold."""
+        g, model = self.g, self.model
+        if not self._tied_quantized():
+            return g.op("Gather", [g.init("embed.weight", _np(model.embed)), ids], axis=0)
+        q, packed, scales = self.tied_head
+        data = g.op("Reshape", [packed, g.const([q.n, q.k * q.bits // 8])])
+        return g.op("GatherBlockQuantized", [data, ids, scales], domain="com.microsoft",
+                    bits=q.bits, block_size=q.block_size, gather_axis=0, quantize_axis=1)
+
+    def lm_head(self, rows: str) -> str:
+        if not self._tied_quantized():
+            return self.linear(rows, self.model.lm_head_weight(), None, "lm_head")
+        q, packed, scales = self.tied_head
+        return self.g.op("MatMulNBits", [rows, packed, scales], domain="com.microsoft",
+                         K=q.k, N=q.n, bits=q.bits, block_size=q.block_size,
+                         accuracy_level=self.spec.accuracy_level)
+
+    def prepare_tied_head(self) -> None:
+        if not self._tied_quantized():
+            return
+        # Symmetric blocks: GatherBlockQuantized and MatMulNBits then share one packing.
+        q = pack_nbits(_np(self.model.embed), bits_of(self.spec.quantization), symmetric=True)
+        self.tied_head = (q, self.g.init("lm_head.qweight", q.packed),
+                          self.g.init("lm_head.scales", q.scales.reshape(q.n, -1)))
+
+    def rms_norm(self, x: str, weight: torch.Tensor, name: str, skip: str | None = None) -> tuple[str, str]:
+        """RMSNorm of (x + skip); returns (normalised, the sum that is the next residual)."""
+        g, eps = self.g, self.cfg.rms_norm_eps
+        w = g.init(f"{name}.weight", _np(weight))
+        if self.ort:
+            if skip is None:
+                return g.op("SimplifiedLayerNormalization", [x, w], epsilon=eps, axis=-1, stash_type=1), x
+            out, _, _, total = g.op("SkipSimplifiedLayerNormalization", [x, skip, w], n_out=4,
+                                    domain="com.microsoft", epsilon=eps)
+            return out, total
+        total = x if skip is None else g.op("Add", [x, skip])
+        ms = g.op("ReduceMean", [g.op("Mul", [total, total]), g.const([-1])], keepdims=1)
+        inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, g.const(eps, np.float32)])])])
+        return g.op("Mul", [g.op("Mul", [total, inv]), w]), total
+
+    def rotary(self, x: str, heads: int) -> str:
+        """RoPE (rotate-half convention) of x [1, T, heads * d] at `positions`."""
+        g, d = self.g, self.cfg.head_dim
+        xh = g.op("Reshape", [x, g.const([1, -1, heads, d])])
+        lo, hi = g.op("Split", [xh], n_out=2, axis=-1, num_outputs=2)
+        rotated = g.op("Concat", [g.op("Neg", [hi]), lo], axis=-1)
+        out = g.op("Add", [g.op("Mul", [xh, self.cos_full]), g.op("Mul", [rotated, self.sin_full])])
+        return g.op("Reshape", [out, g.const([1, -1, heads * d])])
+
+    def scores(self, q: str, k: str) -> str:
+        g, scale = self.g, float(self.cfg.head_dim ** -0.5)
+        kt = g.op("Transpose", [k], perm=[0, 1, 3, 2])
+        return g.op("Mul", [g.op("MatMul", [q, kt]), g.const(scale, np.float32)])
+
+    def lora(self, base: str, x: str, site: str, layer: int) -> str:
+        """base + ((x @ A_l) * row_mask) @ B_l: each row gets only its own adapter's columns."""
+        if not self.spec.lora:
+            return base
+        g = self.g
+        u = g.op("MatMul", [x, self.lora_a[site][layer]])
+        u = g.op("Mul", [u, self.lora_mask[len(LORA_SITES[site])]])
+        return g.op("Add", [base, g.op("MatMul", [u, self.lora_b[site][layer]])])
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def inputs(self) -> list[onnx.ValueInfoProto]:
+        cfg = self.cfg
+        kv_type = KV_DTYPES[self.spec.kv_dtype]
+        f, i64 = TensorProto.FLOAT, TensorProto.INT64
+        vi = helper.make_tensor_value_info
+        if self.ort:
+            ins = [
+                vi("input_ids", i64, ["rows", "row_tokens"]),
+                vi("kv_index", i64, ["rows", cfg.num_kv_heads, "past"]),
+                vi("seqlens_k", TensorProto.INT32, ["rows"]),
+                vi("total_sequence_length", TensorProto.INT32, []),
+                vi("new_kv_index", i64, ["tokens", cfg.num_kv_heads, 3]),
+                vi("logit_rows", i64, ["logit_rows"]),
+                vi("lora_index", i64, ["rows", "row_tokens"]),
+                vi("lora_columns", i64, ["lora_rank"]),
+            ]
+        else:
+            ins = self.flat_inputs()
+        if not self.spec.lora:
+            ins = ins[:-2]
+        for layer in range(cfg.num_layers if self.spec.lora else 0):
+            for site, (fan_in, fan_out) in self.site_sizes().items():
+                k = len(LORA_SITES[site])
+                ins.append(vi(f"lora.{layer}.{site}.a", f, [fan_in, f"lora_{site}_columns_x{k}"]))
+                ins.append(vi(f"lora.{layer}.{site}.b", f, [f"lora_{site}_columns_x{k}", fan_out]))
+        for layer in range(cfg.num_layers):
+            for kind in ("key", "value"):
+                ins.append(vi(f"cache.{layer}.{kind}", kv_type, ["cache_rows", cfg.head_dim]))
+        return ins
+
+    def flat_inputs(self) -> list[onnx.ValueInfoProto]:
+        cfg = self.cfg
+        f, i64 = TensorProto.FLOAT, TensorProto.INT64
+        vi = helper.make_tensor_value_info
+        return [
+            vi("input_ids", i64, ["tokens"]),
+            vi("positions", i64, ["tokens"]),
+            vi("q_index", i64, ["seqs", cfg.num_kv_heads, "group_queries"]),
+            vi("kv_index", i64, ["seqs", cfg.num_kv_heads, "keys"]),
+            vi("new_kv_index", i64, ["new_kv_rows", 3]),
+            vi("attn_bias", f, ["seqs", 1, "group_queries", "keys"]),
+            vi("out_index", i64, ["tokens", cfg.num_heads]),
+            vi("logit_rows", i64, ["logit_rows"]),
+            vi("lora_index", i64, ["tokens"]),
+            vi("lora_columns", i64, ["lora_rank"]),
+        ]
+
+    def site_sizes(self) -> dict[str, tuple[int, int]]:
+        cfg = self.cfg
+        h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
+
+    def prepare_shared(self) -> None:
+        g, cfg, model = self.g, self.cfg, self.model
+        L = cfg.num_layers
+        cos = model.rope.cos.float().cpu().numpy()
+        sin = model.rope.sin.float().cpu().numpy()
+        if self.ort:
+            half = cfg.head_dim // 2
+            self.cos_half = g.init("rope.cos_half", cos[:, :half])
+            self.sin_half = g.init("rope.sin_half", sin[:, :half])
+        else:
+            self.position_ids = g.op("Unsqueeze", ["positions", g.const([0])])  # [1, T]
+            # [1, T, 1, d]: broadcast over heads, gathered once per step for every layer.
+            for name, table in (("cos_full", cos), ("sin_full", sin)):
+                rows = g.op("Gather", [g.init(f"rope.{name}", table), self.position_ids], axis=0)
+                setattr(self, name, g.op("Unsqueeze", [rows, g.const([2])]))
+        if not self.spec.lora:
+            return
+        # Row masks: column c of the stacked LoRA weights belongs to adapter lora_columns[c].
+        same = g.op("Equal", [g.op("Unsqueeze", ["lora_index", g.const([-1])]), "lora_columns"])
+        mask = g.op("Cast", [same], to=TensorProto.FLOAT)  # [T, M] (flat) or [B, S, M] (rows)
+        self.lora_mask = {1: mask, 2: g.op("Concat", [mask, mask], axis=-1),
+                          3: g.op("Concat", [mask, mask, mask], axis=-1)}
+        # Per-layer inputs (bound as views of one stacked array): a Split here would copy them all.
+        self.lora_a = {site: [f"lora.{i}.{site}.a" for i in range(L)] for site in LORA_SITES}
+        self.lora_b = {site: [f"lora.{i}.{site}.b" for i in range(L)] for site in LORA_SITES}
+
+    def attention(self, layer: int, q: str, k: str, v: str) -> str:
+        """q [1, T, H*d], k/v [1, T, KVH*d] (RoPE applied) -> [1, T, H*d] over cache + new keys."""
+        g, cfg = self.g, self.cfg
+        d = cfg.head_dim
+        rows = g.const([-1, d])
+        qh = g.op("Gather", [g.op("Reshape", [q, rows]), "q_index"], axis=0)  # [B, KVH, GS, d]
+
+        def context(kind: str, new: str) -> str:
+            # Cached keys of every sequence, then this step's keys scattered over their (stale)
+            # slots: [B, KVH, W, d]. ScatterND may reuse the gather's buffer, so no extra copy.
+            past = g.op("Gather", [f"cache.{layer}.{kind}", "kv_index"], axis=0)
+            if self.spec.kv_dtype != "float32":
+                past = g.op("Cast", [past], to=TensorProto.FLOAT)
+            return g.op("ScatterND", [past, "new_kv_index", g.op("Reshape", [new, rows])])
+
+        keys, values = context("key", k), context("value", v)
+        probs = g.op("Softmax", [g.op("Add", [self.scores(qh, keys), "attn_bias"])], axis=-1)
+        ctx = g.op("Reshape", [g.op("MatMul", [probs, values]), rows])  # [B*KVH*GS, d]
+        out = g.op("Gather", [ctx, "out_index"], axis=0)  # [T, H, d]
+        return g.op("Reshape", [out, g.const([1, -1, cfg.q_size])])
+
+    def gqa_attention(self, layer: int, qkv: str) -> tuple[str, str]:
+        """qkv [B, S, (H + 2 KVH) d] -> (attention [B, S, H d], this step's K|V [B*S, 2 KVH, d]).
+        GroupQueryAttention applies RoPE at each row's positions (from seqlens_k), appends the
+        new keys to the gathered past and attends causally; the new K/V are read back from its
+        present outputs so our cache can store them."""
+        g, cfg = self.g, self.cfg
+
+        def past(kind: str) -> str:
+            rows = g.op("Gather", [f"cache.{layer}.{kind}", "kv_index"], axis=0)  # [B, KVH, P, d]
+            return rows if self.spec.kv_dtype == "float32" else g.op("Cast", [rows], to=TensorProto.FLOAT)
+
+        window = -1 if cfg.sliding_window is None else cfg.sliding_window - 1
+        attn, present_k, present_v = g.op(
+            "GroupQueryAttention",
+            [qkv, "", "", past("key"), past("value"), "seqlens_k", "total_sequence_length",
+             self.cos_half, self.sin_half],
+            n_out=3, domain="com.microsoft", num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
+            scale=float(cfg.head_dim ** -0.5), do_rotary=1, rotary_interleaved=0, local_window_size=window,
+        )
+        new_k = g.op("GatherND", [present_k, "new_kv_index"])  # [B*S, KVH, d]
+        new_v = g.op("GatherND", [present_v, "new_kv_index"])
+        return attn, g.op("Concat", [new_k, new_v], axis=1)
+
+    def build(self) -> onnx.ModelProto:
+        g, cfg, model = self.g, self.cfg, self.model
+        self.prepare_shared()
+        self.prepare_tied_head()
+        # Activations are [1, T, h] (flat) or [B, S, h] (rows, "ort").
+        ids = "input_ids" if self.ort else g.op("Unsqueeze", ["input_ids", g.const([0])])
+        x = self.embedding(ids)
+        residual, delta = x, None
+        kv_out = []
+        for i, layer in enumerate(model.layers):
+            p = f"layers.{i}"
+            hn, residual = self.rms_norm(residual, layer.input_norm, f"{p}.input_norm", delta)
+            qkv = self.lora(self.linear(hn, layer.qkv_weight, layer.qkv_bias, f"{p}.qkv"), hn, "qkv", i)
+            if self.ort:
+                attn, kv_new = self.gqa_attention(i, qkv)
+                kv_out.append(kv_new)
+            else:
+                q, k, v = g.op("Split", [qkv, g.const([cfg.q_size, cfg.kv_size, cfg.kv_size])], n_out=3, axis=-1)
+                q, k = self.rotary(q, cfg.num_heads), self.rotary(k, cfg.num_kv_heads)
+                kv_out.append(g.op("Concat", [k, v], axis=-1))
+                attn = self.attention(i, q, k, v)
+            o = self.lora(self.linear(attn, layer.o_weight, layer.o_bias, f"{p}.o"), attn, "o", i)
+            hn, residual = self.rms_norm(residual, layer.post_norm, f"{p}.post_norm", o)
+            gu = self.lora(self.linear(hn, layer.gate_up_weight, layer.gate_up_bias, f"{p}.gate_up"), hn, "gate_up", i)
+            gate, up = g.op("Split", [gu], n_out=2, axis=-1, num_outputs=2)
+            act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+            delta = self.lora(self.linear(act, layer.down_weight, layer.down_bias, f"{p}.down"), act, "down", i)
+        normed, _ = self.rms_norm(residual, model.norm, "norm", delta)
+        flat = g.op("Reshape", [normed, g.const([-1, cfg.hidden_size])])
+        rows = g.op("Gather", [flat, "logit_rows"], axis=0)  # [R, h]
+        logits = self.lm_head(rows)
+        g.nodes.append(helper.make_node("Reshape", [logits, g.const([-1, cfg.vocab_size])], ["logits"]))
+        new_kv = g.op("Reshape", [g.op("Concat", kv_out, axis=0), g.const([cfg.num_layers, -1, 2 * cfg.kv_size])])
+        if self.spec.kv_dtype != "float32":
+            new_kv = g.op("Cast", [new_kv], to=KV_DTYPES[self.spec.kv_dtype])
+        g.nodes.append(helper.make_node("Identity", [new_kv], ["new_kv"]))
+        outputs = [
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["logit_rows", cfg.vocab_size]),
+            helper.make_tensor_value_info("new_kv", KV_DTYPES[self.spec.kv_dtype],
+                                          [cfg.num_layers, "tokens", 2 * cfg.kv_size]),
+        ]
+        graph = helper.make_graph(g.nodes, "mace_edge_step", self.inputs(), outputs, g.inits)
+        opsets = [helper.make_opsetid("", OPSET)]
+        if self.ort:
+            opsets.append(helper.make_opsetid("com.microsoft", 1))
+        proto = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION,
+                                  producer_name="mace-edge", producer_version=str(GRAPH_VERSION))
+        return proto
+
+
+def build_step_graph(model: LlamaModel, spec: GraphSpec) -> onnx.ModelProto:
+    """The whole step (embedding to logits and new K/V) as an ONNX model, weights inline."""
+    return _StepWriter(model, spec).build()

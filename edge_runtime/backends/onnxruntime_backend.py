@@ -1,0 +1,266 @@
+"""The ONNX Runtime backend: runs each scheduled batch through the exported step graph.
+
+Same contract as `TorchBackend.execute` (logits of the sampling rows, float32, batch order); the
+engine, scheduler, paged KV cache and per-request adapters are ours and unchanged. The cache
+slab is bound to the session by pointer (no copy); each run returns this step's keys/values,
+which are written into their slots here. Providers: TensorRT EP -> CUDA EP -> CPU, as present.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from edge_runtime.backends.lora_stack import LoraStackCache
+from edge_runtime.backends.onnx_export import export_step
+from edge_runtime.backends.onnx_graph import KV_DTYPES, GraphSpec
+from edge_runtime.backends.step_inputs import (
+    StepItem,
+    StepPlan,
+    plan_gqa_step,
+    plan_step,
+    split_groups,
+    split_groups_gqa,
+)
+from edge_runtime.kv.cache import KVCache
+from edge_runtime.lora.registry import AdapterRegistry
+from edge_runtime.model.llama import LlamaModel, LoraApplier
+
+if TYPE_CHECKING:
+    from edge_runtime.sched.scheduler import Batch
+
+log = logging.getLogger(__name__)
+
+PROVIDER_ORDER = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+_TORCH_TO_KV = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def pick_providers(trt_cache_dir: Path | None = None, device: torch.device | None = None) -> list:
+    """The providers this onnxruntime build has, best first; TensorRT EP gets fp16 and an
+    engine cache directory so its engines are built once per shape profile and GPU."""
+    import onnxruntime as ort
+
+    available = set(ort.get_available_providers())
+    on_gpu = device is not None and device.type == "cuda"
+    chosen: list = []
+    for name in PROVIDER_ORDER:
+        if name not in available or (name != "CPUExecutionProvider" and not on_gpu):
+            continue
+        if name == "TensorrtExecutionProvider":
+            options = {"trt_fp16_enable": True, "trt_engine_cache_enable": True}
+            if trt_cache_dir is not None:
+                trt_cache_dir.mkdir(parents=True, exist_ok=True)
+                options["trt_engine_cache_path"] = str(trt_cache_dir)
+            chosen.append((name, options))
+        elif name == "CUDAExecutionProvider":
+            chosen.append((name, {"device_id": device.index or 0}))
+        else:
+            chosen.append(name)
+    return chosen
+
+
+class OnnxRuntimeBackend:
+    name = "onnxruntime"
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        cache: KVCache,
+        adapters: AdapterRegistry | None = None,
+        *,
+        quantization: str = "none",
+        flavour: str | None = None,
+        cache_dir: str | Path | None = None,
+        num_threads: int = 0,
+        pad_single_row: bool = False,
+        providers: list | None = None,
+    ) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self.cache = cache
+        self.adapters = adapters
+        self.device = cache.data.device
+        self.pad_single_row = pad_single_row
+        kv_dtype = _TORCH_TO_KV.get(cache.data.dtype)
+        if kv_dtype is None:
+            raise ValueError(f"the ONNX backends cannot bind a {cache.data.dtype} KV cache")
+        root = Path(cache_dir) if cache_dir else None
+        self.providers = providers or pick_providers(root / "trt" if root else None, self.device)
+        names = [p[0] if isinstance(p, tuple) else p for p in self.providers]
+        if flavour is None:
+            # TensorRT takes only standard ops; ONNX Runtime's own kernels prefer the fused ones.
+            flavour = "standard" if "TensorrtExecutionProvider" in names else "ort"
+        self.spec = GraphSpec(quantization=quantization, flavour=flavour, kv_dtype=kv_dtype)
+        self.cache_dir = cache_dir
+        self.num_threads = num_threads
+        self.stacks = LoraStackCache(self.cfg)
+        # Two graphs of one export family: without LoRA nodes (batches where no row has an
+        # adapter; 16 fewer nodes per layer, ~1.8 ms a step on 2 cores) and with them. Each is
+        # opened on first use, so an engine that never serves adapters never loads the second.
+        self._sessions: dict[bool, _Session] = {}
+        self.model_path = self._session(lora=False).path
+
+    # -- sessions and binding -------------------------------------------------------------------
+
+    def _session(self, lora: bool) -> _Session:
+        session = self._sessions.get(lora)
+        if session is None:
+            import onnxruntime as ort
+
+            spec = replace(self.spec, lora=lora)
+            path = export_step(self.model, spec, self.cache_dir)
+            options = ort.SessionOptions()
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            if self.num_threads:
+                options.intra_op_num_threads = self.num_threads
+            inference = ort.InferenceSession(str(path), options, providers=self.providers)
+            log.info("onnxruntime backend: %s on %s", path.parent.name, inference.get_providers())
+            session = _Session(path, inference, inference.io_binding(), has_lora_inputs=lora)
+            self._bind_cache(session.binding)
+            self._sessions[lora] = session
+        return session
+
+    @property
+    def session(self):
+        """The base-model session (benchmarks and tools inspect it)."""
+        return self._session(lora=False).inference
+
+    def _ort_device(self) -> tuple[str, int]:
+        return ("cuda", self.device.index or 0) if self.device.type == "cuda" else ("cpu", 0)
+
+    def _bind_cache(self, binding) -> None:
+        """Bind every layer's key and value slab [slots * kv_heads, head_dim] in place."""
+        dev, idx = self._ort_device()
+        elem = _onnx_type(self.cache.data.dtype)
+        d = self.cfg.head_dim
+        for layer in range(self.cfg.num_layers):
+            for kv, kind in enumerate(("key", "value")):
+                slab = self.cache.data[layer, kv]
+                assert slab.is_contiguous()
+                binding.bind_input(f"cache.{layer}.{kind}", dev, idx, elem, [slab.numel() // d, d], slab.data_ptr())
+
+    # -- execution ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: Batch, lora: LoraApplier | None = None) -> torch.Tensor:
+        """Logits [rows that sample, vocab] in float32, in batch order; each item's pinned adapter
+        version applies to its rows."""
+        if lora is not None:
+            raise NotImplementedError("the ONNX backends take adapters from the registry, not an applier")
+        refs = [item.seq.request.adapter if self.adapters is not None else None for item in batch.items]
+        out: list[torch.Tensor | None] = [None] * len(batch.items)
+        q_lens = [item.num_tokens for item in batch.items]
+        if self.spec.flavour == "ort":
+            groups = split_groups_gqa(q_lens, [item.seq.num_computed for item in batch.items])
+        else:
+            groups = split_groups(q_lens)
+        for group in groups:
+            rows = self.run_items([batch.items[i] for i in group], [refs[i] for i in group])
+            for pos, i in enumerate(j for j in group if batch.items[j].samples):
+                out[i] = rows[pos]
+        sampled = [t for t in out if t is not None]
+        if not sampled:
+            return torch.empty(0, self.cfg.vocab_size)
+        return torch.stack(sampled)
+
+    def run_items(self, items: list, refs: list) -> torch.Tensor:
+        """One graph run over scheduled items (all decode rows, or a group of prefill chunks)."""
+        slots: dict[Hashable, int] = {}
+        for ref in refs:
+            if ref is not None and ref not in slots:
+                slots[ref] = len(slots)
+        steps = []
+        for item, ref in zip(items, refs, strict=True):
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed
+            steps.append(StepItem(seq.token_ids[start : start + n], start, seq.block_table, item.samples,
+                                  -1 if ref is None else slots[ref]))
+        key = tuple(slots)
+        session = self._session(lora=bool(key))
+        if key and key != session.bound_stack:
+            weights = [self.adapters.weights(ref) for ref in key]
+            for name, array in self.stacks.get(key, weights).items():
+                session.binding.bind_cpu_input(name, array)
+            session.bound_stack = key
+        logits, new_kv, plan = self._run(session, self.plan(steps))
+        if plan.real_rows is None:
+            new_kv = new_kv[:, : plan.real_tokens]
+        else:
+            new_kv = new_kv[:, torch.from_numpy(plan.real_rows).to(self.device)]
+        self._write_kv(new_kv, plan.slot_mapping[: plan.real_tokens])
+        return logits
+
+    def plan(self, steps: list[StepItem], pad_single_row: bool | None = None) -> StepPlan:
+        cfg = self.cfg
+        pad = self.pad_single_row if pad_single_row is None else pad_single_row
+        if self.spec.flavour == "ort":
+            return plan_gqa_step(steps, self.cache.block_size, cfg.num_kv_heads, pad)
+        return plan_step(steps, self.cache.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.sliding_window, pad)
+
+    def _run(self, session: _Session, plan: StepPlan):
+        cfg = self.cfg
+        binding = session.binding
+        if not session.has_lora_inputs:
+            plan.inputs.pop("lora_index", None)
+        for name, array in plan.inputs.items():
+            binding.bind_cpu_input(name, array)
+        dev, idx = self._ort_device()
+        rows = len(plan.sampling_items)
+        logits = torch.empty(rows, cfg.vocab_size, dtype=torch.float32, device=self.device)
+        new_kv = torch.empty(cfg.num_layers, plan.num_tokens, 2 * cfg.kv_size, dtype=self.cache.data.dtype,
+                             device=self.device)
+        if rows:
+            binding.bind_output("logits", dev, idx, np.float32, list(logits.shape), logits.data_ptr())
+        else:
+            binding.bind_output("logits", dev, idx)
+        binding.bind_output("new_kv", dev, idx, _onnx_type(new_kv.dtype), list(new_kv.shape), new_kv.data_ptr())
+        session.inference.run_with_iobinding(binding)
+        return logits, new_kv, plan
+
+    def _write_kv(self, new_kv: torch.Tensor, slot_mapping: np.ndarray) -> None:
+        cfg = self.cfg
+        layers, t = new_kv.shape[0], new_kv.shape[1]
+        src = new_kv.view(layers, t, 2, cfg.num_kv_heads, cfg.head_dim).permute(0, 2, 1, 3, 4)
+        index = torch.from_numpy(slot_mapping).to(self.device)
+        self.cache.data.index_copy_(2, index, src)
+
+    # -- scoring (benchmarks, accuracy reports) -------------------------------------------------
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [n, vocab] at every position of one fresh sequence, base model; the KV cache
+        is neither read (every key is new) nor written."""
+        n = len(token_ids)
+        blocks = -(-n // self.cache.block_size)
+        item = StepItem(list(token_ids), 0, [0] * blocks, True)
+        plan = self.plan([item], pad_single_row=False)
+        plan.inputs["logit_rows"] = np.arange(n, dtype=np.int64)
+        plan.inputs.pop("lora_index")
+        session = self._session(lora=False)
+        for name, array in plan.inputs.items():
+            session.binding.bind_cpu_input(name, array)
+        session.binding.bind_output("logits", *self._ort_device())
+        session.binding.bind_output("new_kv", *self._ort_device())
+        session.inference.run_with_iobinding(session.binding)
+        return torch.from_numpy(session.binding.copy_outputs_to_cpu()[0]).float()
+
+
+@dataclass
+class _Session:
+    """One ONNX Runtime session with its bindings (the KV cache bound once, by pointer)."""
+
+    path: Path
+    inference: Any
+    binding: Any
+    has_lora_inputs: bool
+    bound_stack: tuple[Hashable, ...] | None = None
+
+
+def _onnx_type(dtype: torch.dtype) -> int:
+    return KV_DTYPES[_TORCH_TO_KV[dtype]]

@@ -1,0 +1,112 @@
+"""Block-wise weight-only quantisation of linear weights (int8, int4) for the ONNX graphs.
+
+Two packings of the same numbers: ONNX Runtime's `MatMulNBits` (com.microsoft, uint8 blobs with
+explicit zero points) and the standard `DequantizeLinear` with block-wise INT4/INT8 (opset 21),
+which TensorRT reads as weight-only quantisation. Owns only numpy arithmetic; no graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+QUANTIZATIONS = ("none", "int8", "int4")
+BLOCK_SIZE = 32  # along K; the block size of llama.cpp's Q4_0/Q4_1, so the error is comparable
+
+
+def bits_of(quantization: str) -> int:
+    if quantization not in ("int8", "int4"):
+        raise ValueError(f"unknown weight quantisation {quantization!r}; use one of {QUANTIZATIONS}")
+    return 8 if quantization == "int8" else 4
+
+
+@dataclass
+class NBitsWeight:
+    """A weight [N, K] (nn.Linear layout) as `MatMulNBits` inputs and attributes."""
+
+    packed: np.ndarray  # uint8 [N, K / block, block * bits / 8]
+    scales: np.ndarray  # float32 [N * K / block]
+    zero_points: np.ndarray | None  # uint8 [N * ceil(K / block * bits / 8)]; None = 2^(bits-1)
+    n: int
+    k: int
+    bits: int
+    block_size: int
+
+
+def _blocks(weight: np.ndarray, block_size: int) -> np.ndarray:
+    n, k = weight.shape
+    if k % block_size:
+        raise ValueError(f"K={k} is not a multiple of the quantisation block {block_size}")
+    return weight.reshape(n, k // block_size, block_size).astype(np.float32)
+
+
+def quantize_asymmetric(weight: np.ndarray, bits: int, block_size: int = BLOCK_SIZE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-block min/max quantisation (like llama.cpp's Q4_1): q in [0, 2^bits - 1],
+    w ~ (q - zero) * scale. Returns (q uint8 [N, blocks, block], scale [N, blocks], zero uint8)."""
+    blocks = _blocks(weight, block_size)
+    qmax = (1 << bits) - 1
+    lo = np.minimum(blocks.min(axis=-1), 0.0)  # keep 0 exactly representable
+    hi = np.maximum(blocks.max(axis=-1), 0.0)
+    scale = (hi - lo) / qmax
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    zero = np.clip(np.round(-lo / scale), 0, qmax)
+    q = np.clip(np.round(blocks / scale[..., None] + zero[..., None]), 0, qmax)
+    return q.astype(np.uint8), scale, zero.astype(np.uint8)
+
+
+def quantize_symmetric(weight: np.ndarray, bits: int, block_size: int = BLOCK_SIZE) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block abs-max quantisation: q in [-(2^(bits-1) - 1), 2^(bits-1) - 1], w ~ q * scale.
+    Returns (q int8 [N, blocks, block], scale [N, blocks])."""
+    blocks = _blocks(weight, block_size)
+    qmax = (1 << (bits - 1)) - 1
+    scale = np.abs(blocks).max(axis=-1) / qmax
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    q = np.clip(np.round(blocks / scale[..., None]), -qmax, qmax)
+    return q.astype(np.int8), scale
+
+
+def pack_nbits(weight: np.ndarray, bits: int, block_size: int = BLOCK_SIZE, symmetric: bool = False) -> NBitsWeight:
+    """Quantise `weight` [N, K] and lay it out as `MatMulNBits` expects: per output row, blocks
+    of K; for 4 bits two values per byte, the even element in the low nibble. Symmetric blocks
+    carry no zero points (the op's default, 2^(bits-1), applies)."""
+    n, k = weight.shape
+    blocks = k // block_size
+    if symmetric:
+        qs, scale = quantize_symmetric(weight, bits, block_size)
+        q = (qs.astype(np.int16) + (1 << (bits - 1))).astype(np.uint8)
+        zero = np.full((n, blocks), 1 << (bits - 1), np.uint8)
+    else:
+        q, scale, zero = quantize_asymmetric(weight, bits, block_size)
+    if bits == 4:
+        packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+        if blocks % 2:
+            zero = np.concatenate([zero, np.zeros((n, 1), np.uint8)], axis=1)
+        zero_packed = (zero[:, 0::2] | (zero[:, 1::2] << 4)).astype(np.uint8)
+    else:
+        packed = q
+        zero_packed = zero
+    zero_points = None if symmetric else zero_packed.reshape(-1)
+    return NBitsWeight(packed, scale.reshape(-1), zero_points, n, k, bits, block_size)
+
+
+def dequantize_nbits(w: NBitsWeight) -> np.ndarray:
+    """The float weight [N, K] that `MatMulNBits` computes with (tests and error reports)."""
+    blocks = w.k // w.block_size
+    if w.bits == 4:
+        q = np.empty((w.n, blocks, w.block_size), np.uint8)
+        q[..., 0::2] = w.packed & 0x0F
+        q[..., 1::2] = w.packed >> 4
+        if w.zero_points is None:
+            zero = np.full((w.n, blocks), 8, np.uint8)
+        else:
+            zp = w.zero_points.reshape(w.n, -1)
+            zero = np.empty((w.n, zp.shape[1] * 2), np.uint8)
+            zero[:, 0::2] = zp & 0x0F
+            zero[:, 1::2] = zp >> 4
+            zero = zero[:, :blocks]
+    else:
+        q = w.packed
+        zero = np.full((w.n, blocks), 128, np.uint8) if w.zero_points is None else w.zero_points.reshape(w.n, blocks)
+    scale = w.scales.reshape(w.n, blocks)
+    return ((q.astype(np.float32) - zero[..., None]) * scale[..., None]).reshape(w.n, w.k)

@@ -1,0 +1,203 @@
+"""Turns the scheduler's batch into the index tensors of the exported step graph.
+
+Pure numpy: which cache rows each sequence attends to, where this step's new keys land, the
+additive mask, and which rows yield logits. Shared by the ONNX Runtime and TensorRT backends;
+knows nothing about sessions or adapters' weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MASKED = float(np.finfo(np.float32).min)  # exp() of it is exactly 0, like -inf, but never NaN
+
+
+@dataclass
+class StepItem:
+    """One sequence's part of a step: `tokens` are fed at positions start, start+1, ..."""
+
+    tokens: list[int]
+    start: int
+    block_table: list[int]
+    samples: bool
+    lora_slot: int = -1  # index into the step's stacked adapters; -1 = base model
+
+
+@dataclass
+class StepPlan:
+    inputs: dict[str, np.ndarray]
+    slot_mapping: np.ndarray  # [T] cache slot of each new token (for writing new_kv back)
+    num_tokens: int  # T, the rows of new_kv
+    real_tokens: int  # leading rows that belong to the batch (the rest duplicate a lone row)
+    sampling_items: list[int] = field(default_factory=list)  # item index of each logits row
+    real_rows: np.ndarray | None = None  # rows of new_kv that are real tokens (None: the first real_tokens)
+    present: int = 0  # GroupQueryAttention's present length (the "ort" graph)
+
+
+def split_groups(q_lens: list[int], max_waste: float = 2.0) -> list[list[int]]:
+    """Item indices per graph run: all decode rows together, prefill chunks grouped so the padded
+    query grid stays within `max_waste` x their real tokens (a mixed batch padded to its longest
+    chunk would spend most of its attention on padding)."""
+    decodes = [i for i, n in enumerate(q_lens) if n == 1]
+    prefills = sorted((i for i, n in enumerate(q_lens) if n > 1), key=lambda i: -q_lens[i])
+    groups: list[list[int]] = [decodes] if decodes else []
+    current: list[int] = []
+    for i in prefills:
+        longest = q_lens[current[0]] if current else q_lens[i]
+        if current and longest * (len(current) + 1) > max_waste * (sum(q_lens[j] for j in current) + q_lens[i]):
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def plan_step(
+    items: list[StepItem],
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    sliding_window: int | None = None,
+    pad_single_row: bool = True,
+) -> StepPlan:
+    """Index tensors for one graph run over `items` (see docs/onnx.md for each input)."""
+    real_tokens = sum(len(it.tokens) for it in items)
+    if pad_single_row and real_tokens == 1:
+        # A lone row would take the matrix-vector kernels, whose rounding differs from the
+        # matrix paths a batch takes; a duplicate keeps greedy output batch-invariant.
+        items = [items[0], StepItem(items[0].tokens, items[0].start, items[0].block_table, False, items[0].lora_slot)]
+    group = num_heads // num_kv_heads
+    q_lens = np.array([len(it.tokens) for it in items])
+    starts = np.array([it.start for it in items])
+    ctx = starts + q_lens
+    if sliding_window is None:
+        first = np.zeros_like(starts)
+    else:
+        first = np.maximum(0, starts - sliding_window + 1)
+    b, s, w = len(items), int(q_lens.max()), int((ctx - first).max())
+    t = int(q_lens.sum())
+    row0 = np.concatenate([[0], np.cumsum(q_lens)[:-1]])
+
+    # Cache slot of key position first+j of each sequence (0 where past its context).
+    slots = np.zeros((b, w), np.int64)
+    for i, it in enumerate(items):
+        pos = np.arange(first[i], ctx[i])
+        table = np.asarray(it.block_table, np.int64)
+        slots[i, : len(pos)] = table[pos // block_size] * block_size + pos % block_size
+    heads_kv = np.arange(num_kv_heads)
+    kv_index = slots[:, None, :] * num_kv_heads + heads_kv[None, :, None]  # [B, KVH, W]
+
+    # Query grid [B, G, S]: chunk index s of sequence b (padding repeats its last token).
+    s_idx = np.minimum(np.arange(s)[None, :], q_lens[:, None] - 1)  # [B, S]
+    tok = row0[:, None] + s_idx  # flat token row
+    qpos = starts[:, None] + s_idx  # [B, S]
+    gi = np.arange(group)
+    heads_q = heads_kv[None, :, None, None] * group + gi[None, None, :, None]  # [1, KVH, G, 1]
+    q_index = (tok[:, None, None, :] * num_heads + heads_q).reshape(b, num_kv_heads, group * s)
+
+    key_pos = first[:, None] + np.arange(w)[None, :]  # [B, W]
+    allowed = key_pos[:, None, :] <= qpos[:, :, None]  # [B, S, W]
+    if sliding_window is not None:
+        allowed &= key_pos[:, None, :] > qpos[:, :, None] - sliding_window
+    bias = np.where(allowed, 0.0, MASKED).astype(np.float32)
+    attn_bias = np.broadcast_to(bias[:, None], (b, group, s, w)).reshape(b, 1, group * s, w)
+
+    seq_of = np.repeat(np.arange(b), q_lens)  # [T]
+    chunk_of = np.arange(t) - row0[seq_of]
+    pos_of = starts[seq_of] + chunk_of
+    new_kv_index = np.stack(
+        [np.repeat(seq_of, num_kv_heads), np.tile(heads_kv, t), np.repeat(pos_of - first[seq_of], num_kv_heads)],
+        axis=1,
+    )
+    heads_all = np.arange(num_heads)
+    h_kv, g_in = heads_all // group, heads_all % group
+    out_index = ((seq_of[:, None] * num_kv_heads + h_kv[None, :]) * group + g_in[None, :]) * s + chunk_of[:, None]
+
+    sampling = [i for i, it in enumerate(items) if it.samples]
+    logit_rows = np.array([row0[i] + q_lens[i] - 1 for i in sampling], np.int64)
+    slot_mapping = np.concatenate([
+        slots[i, starts[i] - first[i] : ctx[i] - first[i]] for i in range(b)
+    ])
+    lora_index = np.repeat(np.array([it.lora_slot for it in items], np.int64), q_lens)
+    inputs = {
+        "input_ids": np.array([tok_id for it in items for tok_id in it.tokens], np.int64),
+        "positions": pos_of.astype(np.int64),
+        "q_index": np.ascontiguousarray(q_index, np.int64),
+        "kv_index": np.ascontiguousarray(kv_index, np.int64),
+        "new_kv_index": np.ascontiguousarray(new_kv_index, np.int64),
+        "attn_bias": np.ascontiguousarray(attn_bias),
+        "out_index": np.ascontiguousarray(out_index, np.int64),
+        "logit_rows": logit_rows,
+        "lora_index": lora_index,
+    }
+    return StepPlan(inputs, slot_mapping.astype(np.int64), t, real_tokens, sampling)
+
+
+def split_groups_gqa(q_lens: list[int], starts: list[int], max_waste: float = 2.0) -> list[list[int]]:
+    """Groups for the GroupQueryAttention graph, whose rows must share one query length unless
+    none has a past: decode rows together, first chunks of prompts grouped (padded to the
+    longest within `max_waste`), and each continuation chunk alone."""
+    firsts = [i for i, n in enumerate(q_lens) if n > 1 and starts[i] == 0]
+    groups = [[i for i, n in enumerate(q_lens) if n == 1]]
+    groups += [[firsts[j] for j in g] for g in split_groups([q_lens[i] for i in firsts], max_waste)]
+    groups += [[i] for i, n in enumerate(q_lens) if n > 1 and starts[i] > 0]
+    return [g for g in groups if g]
+
+
+def plan_gqa_step(
+    items: list[StepItem], block_size: int, num_kv_heads: int, pad_single_row: bool = True
+) -> StepPlan:
+    """Inputs of the "ort" graph: rows [B, S] (shorter first chunks padded with their last
+    token), each row's past slots for ONNX Runtime's GroupQueryAttention (see docs/onnx.md)."""
+    real_tokens = sum(len(it.tokens) for it in items)
+    if pad_single_row and real_tokens == 1:
+        items = [items[0], StepItem(items[0].tokens, items[0].start, items[0].block_table, False, items[0].lora_slot)]
+    b = len(items)
+    q_lens = np.array([len(it.tokens) for it in items])
+    starts = np.array([it.start for it in items])
+    s = int(q_lens.max())
+    if s > 1 and b > 1 and starts.any():
+        raise ValueError("rows with a past must be run one at a time when they feed several tokens")
+    ctx = starts + q_lens
+    total = int(ctx.max())
+    # The past buffer is as long as the longest context ("static cache": ONNX Runtime then
+    # keeps each row's seqlens_k + 1 - S past entries and writes the new ones after them).
+    past = present = total
+
+    def slot(i: int, pos: np.ndarray) -> np.ndarray:
+        table = np.asarray(items[i].block_table, np.int64)
+        return table[pos // block_size] * block_size + pos % block_size
+
+    heads = np.arange(num_kv_heads)
+    past_slots = np.zeros((b, past), np.int64)
+    ids = np.zeros((b, s), np.int64)
+    lora_index = np.zeros((b, s), np.int64)
+    for i, it in enumerate(items):
+        past_slots[i, : starts[i]] = slot(i, np.arange(starts[i]))
+        ids[i, : q_lens[i]] = it.tokens
+        ids[i, q_lens[i] :] = it.tokens[-1]
+        lora_index[i] = it.lora_slot
+    s_idx = np.minimum(np.arange(s)[None, :], q_lens[:, None] - 1)  # [B, S]
+    pos = (starts[:, None] + s_idx).reshape(-1)  # [B*S] position of each (padded) row
+    row_seq = np.repeat(np.arange(b), s)
+    new_kv_index = np.stack(
+        [np.broadcast_to(row_seq[:, None], (b * s, num_kv_heads)),
+         np.broadcast_to(heads[None, :], (b * s, num_kv_heads)),
+         np.broadcast_to(pos[:, None], (b * s, num_kv_heads))], axis=-1)
+    real = (np.arange(s)[None, :] < q_lens[:, None]).reshape(-1)
+    real_rows = np.nonzero(real)[0][:real_tokens]
+    sampling = [i for i, it in enumerate(items) if it.samples]
+    inputs = {
+        "input_ids": ids,
+        "kv_index": np.ascontiguousarray(past_slots[:, None, :] * num_kv_heads + heads[None, :, None]),
+        "seqlens_k": (ctx - 1).astype(np.int32),
+        "total_sequence_length": np.array(total, np.int32),
+        "new_kv_index": np.ascontiguousarray(new_kv_index, np.int64),
+        "logit_rows": np.array([i * s + q_lens[i] - 1 for i in sampling], np.int64),
+        "lora_index": lora_index,
+    }
+    slot_mapping = np.concatenate([slot(row_seq[r], pos[r : r + 1]) for r in real_rows]) if len(real_rows) else np.zeros(0, np.int64)
+    return StepPlan(inputs, slot_mapping, b * s, real_tokens, sampling, real_rows, present)

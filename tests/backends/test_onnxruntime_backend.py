@@ -1,0 +1,110 @@
+"""The ONNX Runtime backend against the torch reference on the tiny model: logits within 1e-3
+and identical greedy output for 20 prompts with two adapters (and base rows) in one continuous
+batch, for both graph flavours; batch invariance; the export cache; weight-only quantisation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+
+from edge_runtime import Engine, SamplingParams  # noqa: E402
+from edge_runtime.backends import make_backend  # noqa: E402
+from edge_runtime.backends.onnx_export import export_step, read_meta  # noqa: E402
+from edge_runtime.backends.onnx_graph import GraphSpec  # noqa: E402
+from edge_runtime.backends.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
+from edge_runtime.backends.step_inputs import StepItem, split_groups_gqa  # noqa: E402
+from edge_runtime.config import EngineConfig  # noqa: E402
+from edge_runtime.model.config import ModelConfig  # noqa: E402
+from tests.backends.helpers import PROMPTS, make_engine, run_recording, two_adapters  # noqa: E402
+
+USERS = [("alice", "bob", None)[i % 3] for i in range(len(PROMPTS))]
+# Small prefill chunks, so batches mix decode rows with first and continuation chunks.
+CONFIG = dict(dtype="float32", kv_cache_bytes=4 << 20, max_batched_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    adapters = two_adapters(ModelConfig.from_dir(tiny_model_dir))
+    engine = make_engine(tiny_model_dir, "torch", adapters, **CONFIG)
+    logits, tokens = run_recording(engine, PROMPTS, USERS, SamplingParams(max_tokens=10, ignore_eos=True))
+    return adapters, logits, tokens
+
+
+@pytest.mark.parametrize("flavour", ["ort", "standard"])
+def test_logits_within_1e3_and_greedy_identical_with_two_adapters_in_one_batch(
+    tiny_model_dir, tmp_path, reference, flavour
+):
+    adapters, ref_logits, ref_tokens = reference
+    engine = make_engine(tiny_model_dir, "torch", adapters, onnx_cache_dir=str(tmp_path), **CONFIG)
+    engine.backend = OnnxRuntimeBackend(engine.model, engine.cache, engine.adapters, flavour=flavour,
+                                        cache_dir=tmp_path)
+    logits, tokens = run_recording(engine, PROMPTS, USERS, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert len(logits) == len(ref_logits)
+    worst = max((a - b).abs().max().item() for a, b in zip(logits, ref_logits, strict=True))
+    assert worst < 1e-3
+    assert tokens == ref_tokens
+    assert True in engine.backend._sessions  # the adapters' rows ran through the LoRA graph
+    assert engine.stats()["backend"] == "onnxruntime"
+
+
+def test_engine_selects_the_backend_from_config(tiny_model_dir, tmp_path):
+    engine = Engine.load(str(tiny_model_dir), backend="onnxruntime", onnx_cache_dir=str(tmp_path), **CONFIG)
+    assert isinstance(engine.backend, OnnxRuntimeBackend)
+    out = engine.generate("Hello, how are you", SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.candidates[0].token_ids) == 4
+    with pytest.raises(ValueError, match="unknown backend"):
+        make_backend(EngineConfig(backend="tvm"), engine.model, engine.cache, None)
+
+
+def test_a_row_decodes_the_same_alone_and_in_a_batch(tiny_model_dir, tmp_path):
+    engine = Engine.load(str(tiny_model_dir), backend="onnxruntime", onnx_cache_dir=str(tmp_path), **CONFIG)
+    backend = engine.backend
+    torch.manual_seed(0)
+    engine.cache.data.normal_()  # any cached context: the point is that rows never mix
+    session = backend._session(lora=False)
+    alone = [StepItem([100], 20, [0, 1], True)]
+    crowd = alone + [StepItem([50 + i], 10 + i, [2 + i], True) for i in range(5)]
+    a = backend._run(session, backend.plan(alone))[0]
+    b = backend._run(session, backend.plan(crowd))[0][:1]
+    assert torch.equal(a, b)
+
+
+def test_export_is_cached_per_model_and_spec(tiny_model_dir, tmp_path):
+    engine = Engine.load(str(tiny_model_dir), **CONFIG)
+    path = export_step(engine.model, GraphSpec(), tmp_path)
+    stamp = path.stat().st_mtime_ns
+    assert export_step(engine.model, GraphSpec(), tmp_path) == path
+    assert path.stat().st_mtime_ns == stamp
+    int4 = export_step(engine.model, GraphSpec(quantization="int4"), tmp_path)
+    assert int4.parent != path.parent
+    meta = read_meta(int4)
+    assert meta["spec"]["quantization"] == "int4" and len(meta["model_hash"]) == 32
+
+
+@pytest.mark.parametrize("quantization,tolerance", [("int8", 0.05), ("int4", 0.5)])
+def test_weight_only_quantization_stays_close_to_float(tiny_model_dir, tmp_path, quantization, tolerance):
+    engine = Engine.load(str(tiny_model_dir), **CONFIG)
+    ids = engine.tokenizer.hf.encode("The quick brown fox jumps over the lazy dog.")
+    full = OnnxRuntimeBackend(engine.model, engine.cache, None, cache_dir=tmp_path).score(ids)
+    quant = OnnxRuntimeBackend(engine.model, engine.cache, None, quantization=quantization, cache_dir=tmp_path).score(ids)
+    error = (full - quant).abs().max().item()
+    assert 0 < error < tolerance
+
+
+def test_bfloat16_kv_cache_is_bound_as_is(tiny_model_dir, tmp_path):
+    engine = Engine.load(str(tiny_model_dir), backend="onnxruntime", onnx_cache_dir=str(tmp_path),
+                         **{**CONFIG, "dtype": "bfloat16"})
+    assert engine.cache.data.dtype == torch.bfloat16
+    out = engine.generate(["Hello", "What is the capital of France?"], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert all(len(o.candidates[0].token_ids) == 6 for o in out)
+    assert torch.isfinite(engine.cache.data.float()).all()
+
+
+def test_groups_keep_continuation_chunks_alone():
+    # decode rows together; first chunks together; a chunk with a past runs by itself
+    groups = split_groups_gqa([1, 1, 8, 6, 5, 1], [9, 4, 0, 0, 3, 7])
+    assert groups == [[0, 1, 5], [2, 3], [4]]
+    assert np.concatenate(groups).size == 6
