@@ -28,6 +28,7 @@ def make_backend(config: EngineConfig, model: LlamaModel, cache: KVCache, adapte
         return OnnxRuntimeBackend(
             model, cache, adapters, quantization=config.onnx_quantization,
             cache_dir=config.onnx_cache_dir or None, num_threads=config.num_threads,
+            max_batch=config.max_num_seqs, max_tokens=config.max_batched_tokens, max_context=config.max_context,
         )
     if name == "tensorrt":
         from trt_plugins.backend import TensorRTBackend

@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from edge_runtime.backends.quantize import BLOCK_SIZE, bits_of, pack_nbits, quantize_symmetric
 from edge_runtime.model.llama import LlamaModel
 
-GRAPH_VERSION = 3  # bump when the graph's inputs, outputs or numerics change (part of the cache key)
+GRAPH_VERSION = 4  # bump when the graph's inputs, outputs or numerics change (part of the cache key)
 OPSET = 21  # block-wise DequantizeLinear (INT4 weight-only) needs 21
 IR_VERSION = 10  # the newest IR that ONNX Runtime 1.18+ and TensorRT 10 both read
 FLAVOURS = ("ort", "standard")
@@ -380,6 +380,13 @@ class _StepWriter:
             opsets.append(helper.make_opsetid("com.microsoft", 1))
         proto = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION,
                                   producer_name="mace-edge", producer_version=str(GRAPH_VERSION))
+        helper.set_model_props(proto, {
+            "graph_version": str(GRAPH_VERSION), "flavour": self.spec.flavour,
+            "quantization": self.spec.quantization, "lora": str(int(self.spec.lora)),
+            "layers": str(cfg.num_layers), "heads": str(cfg.num_heads), "kv_heads": str(cfg.num_kv_heads),
+            "group": str(cfg.num_heads // cfg.num_kv_heads), "head_dim": str(cfg.head_dim),
+            "vocab": str(cfg.vocab_size),
+        })
         return proto
 
 

@@ -80,6 +80,9 @@ class OnnxRuntimeBackend:
         num_threads: int = 0,
         pad_single_row: bool = False,
         providers: list | None = None,
+        max_batch: int = 32,
+        max_tokens: int = 256,
+        max_context: int = 0,
     ) -> None:
         self.model = model
         self.cfg = model.cfg
@@ -99,6 +102,7 @@ class OnnxRuntimeBackend:
         self.spec = GraphSpec(quantization=quantization, flavour=flavour, kv_dtype=kv_dtype)
         self.cache_dir = cache_dir
         self.num_threads = num_threads
+        self.max_batch, self.max_tokens, self.max_context = max_batch, max_tokens, max_context
         self.stacks = LoraStackCache(self.cfg)
         # Two graphs of one export family: without LoRA nodes (batches where no row has an
         # adapter; 16 fewer nodes per layer, ~1.8 ms a step on 2 cores) and with them. Each is
@@ -119,12 +123,27 @@ class OnnxRuntimeBackend:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             if self.num_threads:
                 options.intra_op_num_threads = self.num_threads
-            inference = ort.InferenceSession(str(path), options, providers=self.providers)
+            inference = ort.InferenceSession(str(path), options, providers=self._providers_for(path))
             log.info("onnxruntime backend: %s on %s", path.parent.name, inference.get_providers())
             session = _Session(path, inference, inference.io_binding(), has_lora_inputs=lora)
             self._bind_cache(session.binding)
             self._sessions[lora] = session
         return session
+
+    def _providers_for(self, path: Path) -> list:
+        """TensorRT EP gets one explicit shape profile (trt_plugins.profiles), so it never
+        rebuilds engines when a step's shapes change."""
+        out = []
+        for p in self.providers:
+            if isinstance(p, tuple) and p[0] == "TensorrtExecutionProvider":
+                from trt_plugins.profiles import StepLimits, ort_trt_profile_options
+
+                limits = StepLimits(max_batch=self.max_batch, max_tokens=self.max_tokens,
+                                    max_context=self.max_context or self.cfg.max_position_embeddings,
+                                    cache_rows=self.cache.data.shape[2] * self.cfg.num_kv_heads)
+                p = (p[0], {**p[1], **ort_trt_profile_options(path, limits)})
+            out.append(p)
+        return out
 
     @property
     def session(self):
@@ -224,11 +243,7 @@ class OnnxRuntimeBackend:
         return logits, new_kv, plan
 
     def _write_kv(self, new_kv: torch.Tensor, slot_mapping: np.ndarray) -> None:
-        cfg = self.cfg
-        layers, t = new_kv.shape[0], new_kv.shape[1]
-        src = new_kv.view(layers, t, 2, cfg.num_kv_heads, cfg.head_dim).permute(0, 2, 1, 3, 4)
-        index = torch.from_numpy(slot_mapping).to(self.device)
-        self.cache.data.index_copy_(2, index, src)
+        write_new_kv(self.cache, new_kv, slot_mapping)
 
     # -- scoring (benchmarks, accuracy reports) -------------------------------------------------
 
@@ -260,6 +275,14 @@ class _Session:
     binding: Any
     has_lora_inputs: bool
     bound_stack: tuple[Hashable, ...] | None = None
+
+
+def write_new_kv(cache: KVCache, new_kv: torch.Tensor, slot_mapping: np.ndarray) -> None:
+    """Store a run's keys/values, new_kv [layers, T, 2 * kv_heads * head_dim], at their slots."""
+    layers, t = new_kv.shape[0], new_kv.shape[1]
+    heads, d = cache.data.shape[3], cache.data.shape[4]
+    src = new_kv.reshape(layers, t, 2, heads, d).permute(0, 2, 1, 3, 4)
+    cache.data.index_copy_(2, torch.from_numpy(slot_mapping).to(cache.data.device), src)
 
 
 def _onnx_type(dtype: torch.dtype) -> int:
