@@ -92,6 +92,12 @@ class EngineThread:
         self.latencies_s: deque[float] = deque(maxlen=512)  # written by the engine thread only
         self.snapshot = EngineSnapshot()
         self.model_info: dict[str, Any] = {}
+        # Published by the engine thread every `stats_every_s` (replaced whole, never mutated), so
+        # `status` never waits behind a long iteration.
+        self.stats: dict[str, Any] = {}
+        self.stats_latencies_s: list[float] = []
+        self.stats_at = 0.0
+        self.stats_every_s = 0.5
 
     # -- loop side ------------------------------------------------------------------------------
 
@@ -166,7 +172,11 @@ class EngineThread:
             self._stopping = True
             self._loop.call_soon_threadsafe(_settle, self._ready, None, exc)
             return
-        self.model_info = _model_info(engine)
+        try:
+            self.model_info = _model_info(engine)
+        except Exception:  # informational only
+            log.exception("reading model facts failed")
+        self._publish_stats(engine, force=True)
         self._loop.call_soon_threadsafe(_settle, self._ready, engine, None)
         failures = 0
         while not self._stopping:
@@ -191,10 +201,21 @@ class EngineThread:
             self.snapshot = EngineSnapshot(
                 len(engine.scheduler.waiting), len(engine.scheduler.running), len(engine.requests),
                 engine.iterations, engine.last_iteration_s)
+            self._publish_stats(engine)
             self._flush()
         self._drain(engine, block=False)  # answer calls that raced with stop()
         self._flush()
         self._reject_leftovers()
+
+    def _publish_stats(self, engine: Engine, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.stats_at >= self.stats_every_s:
+            self.stats_at = now
+            try:
+                self.stats = engine.stats()
+            except Exception:  # status is a view; it must never take the engine loop down
+                log.exception("reading engine stats failed")
+            self.stats_latencies_s = list(self.latencies_s)
 
     def _drain(self, engine: Engine, block: bool) -> None:
         try:

@@ -181,8 +181,9 @@ async def run(config: DaemonConfig, reload_config: Any = None) -> int:
     code = 0
     if starting.done() and starting.exception() is not None:
         exc = starting.exception()
-        log.error("the model could not be loaded: %s", exc)
-        notifier.status(f"model failed to load: {exc}")
+        what = "the model could not be loaded" if service.state == "failed" else "start-up failed"
+        log.error("%s: %s", what, exc)
+        notifier.status(f"{what}: {exc}")
         code = 1
     elif starting.done():
         log.info("serving %s on %s (ready in %.1f s)", service.model_name, ", ".join(endpoints),

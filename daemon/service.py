@@ -322,10 +322,15 @@ class Service:
         params = SamplingParams(**args.sampling_kwargs(self.config.server.default_max_tokens))
         adapter, label = self.fine_tuner.resolve_adapter(args.user, args.adapter if args.user else "base")
         self.ops_in_flight += 1
+        timer = None
+        if args.timeout_s is not None:  # counted from arrival: admission waits count too
+            timer = asyncio.get_running_loop().call_later(args.timeout_s, self.cancel, call, "timeout")
         try:
             await self._admit(call)
             return await self._run_generation(args, params, adapter, label, call)
         finally:
+            if timer is not None:
+                timer.cancel()
             self.ops_in_flight -= 1
 
     async def _admit(self, call: GenerateCall) -> None:
@@ -364,9 +369,6 @@ class Service:
         call.engine_id = interaction_id
         self.calls.add(call)
         self.counters["generate"] += 1
-        timer = None
-        if args.timeout_s is not None:
-            timer = asyncio.get_running_loop().call_later(args.timeout_s, self.cancel, call, "timeout")
         try:
             await self.engine.submit(interaction_id, args.prompt, params, call, adapter)
             output, aborted, error = await call.done
@@ -374,8 +376,6 @@ class Service:
             self.counters["generate_failed"] += 1
             raise
         finally:
-            if timer is not None:
-                timer.cancel()
             self.calls.discard(call)
         if error is not None or output is None:
             self.counters["generate_failed"] += 1
@@ -489,12 +489,10 @@ class Service:
         }
         stats: dict[str, Any] = {}
         latencies: list[float] = []
-        if self.engine is not None and self.state in ("serving", "draining") and self.engine.alive:
-            try:
-                stats, latencies = await asyncio.wait_for(
-                    self.engine.call(lambda e: (e.stats(), list(self.engine.latencies_s))), 2.0)
-            except (asyncio.TimeoutError, MaceError) as exc:
-                stats = {"error": f"the engine did not answer: {exc or 'timed out after 2 s'}"}
+        if self.engine is not None and self.engine.stats:
+            stats = dict(self.engine.stats)
+            stats["stats_age_s"] = round(time.monotonic() - self.engine.stats_at, 3)
+            latencies = self.engine.stats_latencies_s
         info = self.engine.model_info if self.engine is not None else {}
         out["model"] = {k: stats.get(k) for k in ("model", "backend", "device", "dtype", "max_context")}
         out["model"].update(info)

@@ -32,11 +32,12 @@ class DaemonProcess:
     """One `maced` child process with its own state and socket folders."""
 
     def __init__(self, root: Path, model: str | Path, *, extra_args: list[str] | None = None,
-                 env: dict[str, str] | None = None, engine_flags: list[str] | None = None) -> None:
+                 env: dict[str, str] | None = None, engine_flags: list[str] | None = None,
+                 run_dir: Path | None = None) -> None:
         self.root = root
         self.state_dir = root / "state"
         # Short path: Unix socket paths are limited to 107 bytes and pytest's tmp paths are long.
-        self.run_dir = Path(f"/tmp/mace-t-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+        self.run_dir = run_dir or Path(f"/tmp/mace-t-{os.getpid()}-{time.monotonic_ns() % 10**9}")
         self.socket = self.run_dir / "maced.sock"
         self.endpoint = f"ipc://{self.socket}"
         self.log_path = root / "maced.log"
@@ -97,11 +98,11 @@ def start_daemon(tmp_path: Path, tiny_model: Path) -> Iterator:
 
     def start(*, extra_args: list[str] | None = None, env: dict[str, str] | None = None,
               ready: bool = True, model: str | Path | None = None,
-              engine_flags: list[str] | None = None) -> DaemonProcess:
+              engine_flags: list[str] | None = None, run_dir: Path | None = None) -> DaemonProcess:
         root = tmp_path / f"d{len(started)}"
         root.mkdir()
         d = DaemonProcess(root, model or tiny_model, extra_args=extra_args, env=env,
-                          engine_flags=engine_flags)
+                          engine_flags=engine_flags, run_dir=run_dir)
         started.append(d)
         if ready:
             d.wait_ready()

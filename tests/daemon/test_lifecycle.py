@@ -13,7 +13,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from daemon.client import Client, RemoteError
+from daemon.client import Client, ClientError, RemoteError
 from edge_runtime.feedback import FeedbackStore
 from tests.daemon.conftest import free_tcp_port
 
@@ -108,6 +108,8 @@ def test_sigterm_drains_streams_and_loses_no_acknowledged_feedback(start_daemon)
     threads = [threading.Thread(target=stream_forever) for _ in range(4)]
     for t in threads:
         t.start()
+    survivor = Client(d.endpoint, timeout_s=5, connect_timeout_s=5, retries=3)
+    first_pid = survivor.status()["daemon"]["pid"]
     time.sleep(1.0)
     code, took = d.stop()
     for t in threads:
@@ -118,6 +120,19 @@ def test_sigterm_drains_streams_and_loses_no_acknowledged_feedback(start_daemon)
         exported = store.export_user("dora")
     stored = {(i["request_id"], len(i["feedback"])) for i in exported["interactions"]}
     assert stored == {(iid, 1) for iid, _ in acked}
+
+    # A client of the old process keeps working once a new daemon listens on the same socket:
+    # idempotent operations are resent on a fresh connection until one answers.
+    second = start_daemon(run_dir=d.run_dir, ready=False)
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            status = survivor.status()
+            break
+        except ClientError:
+            assert time.monotonic() < deadline, second.log()
+    survivor.close()
+    assert status["daemon"]["pid"] not in (first_pid, None)
 
 
 def test_admission_rejects_under_memory_pressure_on_a_loopback_tcp_endpoint(start_daemon) -> None:

@@ -143,7 +143,7 @@ _values = st.recursive(
     max_leaves=12)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.sampled_from(OPS + ("bogus",)), st.dictionaries(
     st.sampled_from(["prompt", "messages", "max_tokens", "temperature", "n", "stop", "user", "feedback",
                      "interaction_id", "granted", "version", "target", "stream", "seed", "junk"]),
