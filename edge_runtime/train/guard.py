@@ -56,13 +56,14 @@ def publish_guarded(
     heldout: Sequence[PairLike | PairTokens],
     guard: RegressionGuard | None = None,
     candidate: LoraWeights | None = None,
-    reset_on_reject: bool = True,
+    reset_on_reject: bool = False,
     **info: Any,
 ) -> tuple[GuardDecision, AdapterRef | None]:
     """Evaluate `candidate` (default: the trainer's current weights) against the user's served
-    version on `heldout`; publish it as the next version if the guard accepts. On rejection (with
-    `reset_on_reject`) the trainer restarts from the served weights, so training does not keep
-    building on the regression."""
+    version on `heldout`; publish it as the next version if the guard accepts. On rejection the
+    served version stays. Training goes on from the candidate by default: in online DPO the
+    pairs that correct a regression come from the regressed policy, so discarding it would also
+    discard the correction (`reset_on_reject=True` restarts from the served weights instead)."""
     guard = guard or RegressionGuard()
     candidate = candidate if candidate is not None else trainer.snapshot()
     served = registry.newest(user)

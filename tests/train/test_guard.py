@@ -44,12 +44,13 @@ def test_improving_candidate_is_published_and_a_regression_is_not(tiny4, tiny4_t
     flipped = [PreferenceRecord(p.prompt, p.rejected, p.chosen) for p in pairs]
     for _ in range(6):
         trainer.train(flipped)
-    decision, ref = publish_guarded(registry, trainer, "alice", pairs, RegressionGuard(0.0, 0.0))
+    decision, ref = publish_guarded(registry, trainer, "alice", pairs, RegressionGuard(0.0, 0.0),
+                                    reset_on_reject=True)
     assert not decision.accepted and ref is None
     assert registry.newest("alice") == AdapterRef("alice", 1)
     event = registry.events("alice")[-1]
     assert event["kind"] == "rejected" and event["serving"] == 1 and "fell" in event["reason"]
-    # Training continues from the served weights, not from the rejected candidate.
+    # Asked to, training restarts from the served weights, not from the rejected candidate.
     served = registry.weights(AdapterRef("alice", 1))
     assert all(torch.equal(trainer.weights.b[k].detach(), served.b[k]) for k in served.keys())
 
@@ -70,3 +71,15 @@ def test_guard_compares_against_the_served_version_not_the_base(tiny4, tiny4_tok
     decision, _ = publish_guarded(registry, trainer, "alice", pairs, RegressionGuard(tolerance, tolerance))
     assert decision.before == decision.after  # nothing trained since v1: identical metrics
     assert decision.accepted
+
+
+def test_by_default_training_continues_from_a_rejected_candidate(tiny4, tiny4_tokenizer, pairs):
+    registry = AdapterRegistry(None, tiny4.cfg)
+    trainer = _trainer(tiny4, tiny4_tokenizer)
+    publish_guarded(registry, trainer, "alice", pairs)
+    for _ in range(6):
+        trainer.train([PreferenceRecord(p.prompt, p.rejected, p.chosen) for p in pairs])
+    candidate = trainer.snapshot()
+    decision, ref = publish_guarded(registry, trainer, "alice", pairs, RegressionGuard(0.0, 0.0))
+    assert not decision.accepted and registry.newest("alice").version == 1
+    assert all(torch.equal(trainer.weights.b[k].detach(), candidate.b[k]) for k in candidate.keys())
