@@ -1,0 +1,68 @@
+"""tools/bench_alignment.py: the simulated user's feedback rules, and the replay mode end to end
+on the tiny model (JSON, Markdown and plot written)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from edge_runtime.outputs import CandidateOutput
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_alignment.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_alignment", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_alignment"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _candidate(text: str, reason: str = "stop") -> CandidateOutput:
+    return CandidateOutput(0, text, [], reason)
+
+
+def test_sign_off_user_is_strict_about_spam_and_empty_answers(bench):
+    user = bench.SignOffUser("sam", "Cheers, Sam!")
+    assert user.satisfied("Paris is the capital.\n\nCheers, Sam!")
+    assert not user.satisfied("Cheers, Sam!\n\nCheers, Sam!")  # spam
+    assert not user.satisfied("Cheers, Sam!")  # no answer
+    assert not user.satisfied("Cheers, Sam! Paris is the capital.")  # not at the end
+    assert user.edit("Cheers, Sam! Paris. Cheers, Sam!") is None  # no answer before the sign-off
+    assert user.edit("Paris is it. Cheers, Sam! Cheers, Sam!") == "Paris is it.\n\nCheers, Sam!"
+
+
+def test_feedback_prefers_a_choice_then_an_edit_and_ignores_cut_off_answers(bench):
+    user = bench.SignOffUser("sam", "Cheers, Sam!")
+    prompt = ({"role": "user", "content": "Capital of France?"},)
+    good, plain = "It is Paris.\n\nCheers, Sam!", "It is Paris."
+    choice = user.feedback(prompt, [_candidate(plain), _candidate(good)])
+    assert (choice.chosen, choice.rejected) == (good, plain)
+    edit = user.feedback(prompt, [_candidate(plain), _candidate("It is Lyon.")])
+    assert (edit.chosen, edit.rejected) == (good, plain)
+    assert user.feedback(prompt, [_candidate(plain, "length")]) is None  # cut off: no ending to judge
+    spam = user.feedback(prompt, [_candidate("It is Paris.\n\nCheers, Sam!\n\nCheers, Sam!\n\nChe", "length")])
+    assert spam.chosen == good
+
+
+def test_replay_mode_writes_json_markdown_and_plot(bench, tiny_model_dir, tmp_path):
+    rows = [{"prompt": f"Question {i}?", "chosen": "The user asks and the assistant answers.",
+             "rejected": "No."} for i in range(6)]
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "result"
+    threads = torch.get_num_threads()  # the tool pins its own thread count
+    bench.main(["--model", str(tiny_model_dir), "--replay", str(data), "--pairs", "4", "--heldout-prompts", "2",
+                "--eval-every", "2", "--accumulation", "2", "--lr", "3e-3", "--out", str(out)])
+    torch.set_num_threads(threads)
+    result = json.loads(Path(f"{out}.json").read_text())
+    assert [h["pairs"] for h in result["history"]] == [0, 2, 4]
+    assert result["summary"]["heldout"] == 2
+    assert Path(f"{out}.png").stat().st_size > 0 and "Win rate" in Path(f"{out}.md").read_text()

@@ -1,0 +1,495 @@
+"""Personalisation benchmark: online DPO of one user's LoRA adapter from simulated feedback on the
+model's own answers, with an untouched user served from the same engine batches.
+
+Each simulated user's preference is a known function of the text. The default, a sign-off (the
+user wants answers that end with their phrase), is one that length does not decide: the preferred
+answer is the longer one, so summed log-probs start against it. Each round the engine samples two
+candidates per prompt under the trained user's newest adapter version; the user picks the one that
+ends with the sign-off, or edits an answer to add it (the feedback store's "choice" and "edit"
+rules). Every pair runs through the staged DPO task; at checkpoints the adapter is published
+through the regression guard and both users are measured: held-out win rate and CLPD (MACE sec.
+3.1) and the share of greedy generations that satisfy the preference (plotted like MACE Fig. 2).
+
+    .venv/bin/python tools/bench_alignment.py                    # default model, ~300 pairs
+    .venv/bin/python tools/bench_alignment.py --replay hh.jsonl  # replay local HH-RLHF/SHP pairs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from edge_runtime.config import EngineConfig  # noqa: E402
+from edge_runtime.engine import Engine  # noqa: E402
+from edge_runtime.lora import LoraSettings  # noqa: E402
+from edge_runtime.model.weights import load_llama  # noqa: E402
+from edge_runtime.outputs import CandidateOutput, RequestOutput  # noqa: E402
+from edge_runtime.sampling import SamplingParams  # noqa: E402
+from edge_runtime.train import AdapterTrainer, DPOSettings, PreferenceRecord  # noqa: E402
+from edge_runtime.train.costs import StageCostModel  # noqa: E402
+from edge_runtime.train.dpo import AlignmentMetrics  # noqa: E402
+from edge_runtime.train.guard import RegressionGuard, publish_guarded  # noqa: E402
+from edge_runtime.train.optim import OptimizerSettings  # noqa: E402
+
+RESULTS = ROOT / "tools" / "results"
+
+# Short-answer questions (with BRIEF appended, ~90% of sampled answers end within 32 tokens), so
+# a sign-off is visible. Items are split between training, held-out pairs and greedy evaluation.
+BRIEF = " Answer in one short sentence."
+FAMILIES: dict[str, tuple[str, list[str]]] = {
+    "capital": ("What is the capital of {}?", [
+        "France", "Japan", "Italy", "Spain", "Canada", "Egypt", "Kenya", "Peru", "Norway", "Germany", "Brazil",
+        "India", "China", "Mexico", "Greece", "Turkey", "Sweden", "Poland", "Chile", "Cuba", "Ireland",
+        "Portugal", "Austria", "Russia", "Thailand", "Vietnam", "Argentina", "Australia", "Finland",
+        "Denmark", "Morocco", "Nigeria", "Ghana", "Iceland", "Hungary", "Belgium", "Colombia", "Iran",
+        "Iraq", "Israel", "Jordan", "Nepal", "Pakistan", "Qatar", "Romania", "Scotland", "Senegal",
+        "Switzerland", "Ukraine", "Venezuela", "Wales", "Zambia", "Bolivia", "Croatia", "Estonia",
+        "Ethiopia", "Jamaica", "Kuwait", "Latvia", "Lebanon", "Malaysia", "Mongolia", "Netherlands",
+        "Panama", "Paraguay", "Philippines", "Serbia", "Singapore", "Slovakia", "Sudan", "Syria", "Tunisia",
+        "Uganda", "Uruguay", "Yemen", "Zimbabwe", "Algeria", "Angola", "Armenia", "Bulgaria"]),
+    "legs": ("How many legs does a {} have?", [
+        "dog", "cat", "bird", "ant", "horse", "cow", "duck", "spider", "beetle", "chicken", "goat", "sheep",
+        "frog", "lion", "tiger", "bee", "fly", "crab", "pig", "rabbit", "mouse", "deer", "bear", "camel"]),
+    "opposite": ("What is the opposite of the word '{}'?", [
+        "hot", "fast", "happy", "up", "light", "early", "open", "strong", "tall", "rich", "full", "loud",
+        "young", "wet", "hard", "clean", "inside", "left", "begin", "win", "buy", "push", "day", "north"]),
+    "french": ("How do you say '{}' in French?", [
+        "hello", "thank you", "cat", "water", "good night", "bread", "friend", "house", "dog", "apple",
+        "book", "school", "sun", "moon", "car", "red", "blue", "cheese", "milk", "yes", "no", "please"]),
+    "math": ("What is {}?", [
+        "2 plus 3", "7 plus 5", "10 minus 4", "6 times 2", "9 plus 9", "12 minus 5", "3 times 3", "8 plus 1",
+        "4 plus 4", "15 minus 7", "5 times 5", "20 minus 1", "11 plus 11", "6 plus 7", "9 minus 3",
+        "2 times 8", "14 plus 6", "30 minus 10", "7 times 3", "100 minus 1"]),
+}
+
+
+@dataclass
+class SignOffUser:
+    """Wants a real answer signed off once with `phrase`; fixes an answer by signing it.
+
+    Strict on purpose: a policy that spams the phrase, or answers with the phrase alone, does
+    not satisfy this user (a lenient "ends with" check rewards that collapse)."""
+
+    name: str
+    phrase: str
+
+    @property
+    def preference(self) -> str:
+        return f"an answer signed off once with {self.phrase!r}"
+
+    def body(self, text: str) -> str:
+        """The answer before the first sign-off (what this user would keep)."""
+        return text.split(self.phrase, 1)[0].strip()
+
+    def satisfied(self, text: str) -> bool:
+        text = text.rstrip()
+        return text.endswith(self.phrase) and text.count(self.phrase) == 1 and len(self.body(text).split()) >= 2
+
+    def edit(self, text: str) -> str | None:
+        body = self.body(text)
+        return f"{body}\n\n{self.phrase}" if len(body.split()) >= 2 else None
+
+    def judged(self, candidate: CandidateOutput) -> bool:
+        """Finished answers are judged; a cut-off one only if it already shows the sign-off (then
+        it is repeated or followed by more text, whatever the rest would have been)."""
+        text = candidate.text.strip()
+        return bool(text) and (candidate.finish_reason == "stop" or self.phrase in text)
+
+    def feedback(self, prompt: tuple[dict[str, str], ...], candidates: Sequence[CandidateOutput]) -> PreferenceRecord | None:
+        """Choice when the candidates differ on the preference, else an edit of one that lacks it."""
+        judged = [c for c in candidates if self.judged(c)]
+        good = [c for c in judged if self.satisfied(c.text)]
+        bad = [c for c in judged if not self.satisfied(c.text)]
+        if good and bad:
+            return PreferenceRecord(prompt, good[0].text, bad[0].text)
+        for candidate in bad:
+            edited = self.edit(candidate.text)
+            if edited is not None:
+                return PreferenceRecord(prompt, edited, candidate.text)
+        return None
+
+
+def chat(text: str) -> tuple[dict[str, str], ...]:
+    return ({"role": "user", "content": text},)
+
+
+def split_prompts(seed: int, heldout_items: int, eval_items: int) -> tuple[list, list, list]:
+    """Per family, items go to held-out pairs, greedy evaluation, or training (disjoint)."""
+    rng = random.Random(seed)
+    train, heldout, evaluation = [], [], []
+    for template, items in FAMILIES.values():
+        items = items[:]
+        rng.shuffle(items)
+        share = len(items) / sum(len(v[1]) for v in FAMILIES.values())
+        h = max(1, round(heldout_items * share))
+        e = max(1, round(eval_items * share))
+        heldout += [chat(template.format(x) + BRIEF) for x in items[:h]]
+        evaluation += [chat(template.format(x) + BRIEF) for x in items[h:h + e]]
+        train += [chat(template.format(x) + BRIEF) for x in items[h + e:]]
+    rng.shuffle(train)
+    return train, heldout, evaluation
+
+
+def run_requests(engine: Engine, prompts: Sequence[Any], params: SamplingParams, adapters: Sequence[str | None]) -> list[RequestOutput]:
+    """All prompts in one continuous batch, each under its own adapter (None: base model)."""
+    ids = [engine.add_request(list(p), params, adapter=a) for p, a in zip(prompts, adapters, strict=True)]
+    done: dict[str, RequestOutput] = {}
+    while len(done) < len(ids):
+        for out in engine.step():
+            done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+def build_pairs(user: SignOffUser, prompts: Sequence[Any], outputs: Sequence[RequestOutput]) -> list[PreferenceRecord]:
+    pairs = [user.feedback(p, o.candidates) for p, o in zip(prompts, outputs, strict=True)]
+    return [p for p in pairs if p is not None]
+
+
+def metrics_dict(m: AlignmentMetrics) -> dict[str, float]:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in m.as_dict().items()}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def online(args: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(args.seed)
+    t_start = time.perf_counter()
+    path = args.model or _default_model_path()
+    model = load_llama(path, dtype=torch.float32)
+    from edge_runtime.model.tokenizer import Tokenizer
+
+    config = EngineConfig(kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=64, max_batched_tokens=512)
+    engine = Engine(model, Tokenizer(path), config, name=Path(path).name)
+    trained = SignOffUser(args.user, args.signoff)
+    untouched = SignOffUser(args.untouched_user, args.untouched_signoff)
+    costs = StageCostModel.profile(model, LoraSettings(rank=args.rank, alpha=2 * args.rank))
+    trainer = AdapterTrainer(
+        model, engine.tokenizer, LoraSettings(rank=args.rank, alpha=2 * args.rank),
+        DPOSettings(beta=args.beta, window_tokens=args.window_tokens, layers_per_group=args.layers_per_group,
+                    optimizer=OptimizerSettings(learning_rate=args.lr, accumulation_steps=args.accumulation)),
+        costs=costs,
+    )
+    guard = RegressionGuard(args.guard_win_rate_tolerance, args.guard_clpd_tolerance)
+    train_prompts, heldout_prompts, eval_prompts = split_prompts(args.seed, args.heldout_prompts, args.eval_prompts)
+    sample = SamplingParams(n=2, temperature=args.temperature, top_p=0.95, max_tokens=args.max_new_tokens, seed=args.seed)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.eval_new_tokens)
+
+    # Held-out pairs from the base model's own answers, judged by each user; the first few of
+    # the trained user's go to the guard, the rest measure alignment.
+    t0 = time.perf_counter()
+    base_outputs = run_requests(engine, heldout_prompts, sample, [None] * len(heldout_prompts))
+    trained_pairs = build_pairs(trained, heldout_prompts, base_outputs)
+    untouched_pairs = build_pairs(untouched, heldout_prompts, base_outputs)
+    guard_pairs, trained_eval = trained_pairs[: args.guard_pairs], trained_pairs[args.guard_pairs:]
+    setup_s = time.perf_counter() - t0
+    print(f"held-out pairs: {len(trained_eval)} (+{len(guard_pairs)} guard) for {trained.name}, "
+          f"{len(untouched_pairs)} for {untouched.name}; {setup_s:.0f}s", flush=True)
+
+    history: list[dict[str, Any]] = []
+    initial_untouched: list[list[int]] | None = None
+    base_answers: list[str] | None = None  # the trained user's greedy answers before training
+    eval_seconds = 0.0
+
+    def checkpoint(pairs_done: int) -> None:
+        nonlocal initial_untouched, base_answers, eval_seconds
+        t = time.perf_counter()
+        record: dict[str, Any] = {"pairs": pairs_done}
+        if pairs_done > 0:
+            trainer.flush()
+            decision, ref = publish_guarded(engine.adapters, trainer, trained.name, guard_pairs, guard,
+                                            trained_pairs=pairs_done)
+            record["guard"] = {"accepted": decision.accepted, "reason": decision.reason,
+                               "version": None if ref is None else ref.version}
+        served = engine.adapters.newest(trained.name)
+        served_weights = None if served is None else engine.adapters.weights(served)
+        t_score = time.perf_counter()
+        m_trained = trainer.evaluate(trained_eval, served_weights)
+        score_s = (time.perf_counter() - t_score) / max(1, len(trained_eval))
+        m_untouched = trainer.evaluate(untouched_pairs, None)  # served by the base: no adapter
+        # Both users' greedy answers in the same engine batches.
+        outs = run_requests(engine, list(eval_prompts) * 2, greedy,
+                            [trained.name] * len(eval_prompts) + [untouched.name] * len(eval_prompts))
+        mine, theirs = outs[: len(eval_prompts)], outs[len(eval_prompts):]
+        untouched_ids = [o.candidates[0].token_ids for o in theirs]
+        if initial_untouched is None:
+            initial_untouched = untouched_ids
+            base_answers = [o.candidates[0].text.strip() for o in mine]
+        # Personalised, not degenerate: the signed answer's body is still the base model's answer.
+        kept = sum(trained.body(o.candidates[0].text) == b for o, b in zip(mine, base_answers, strict=True))
+        record.update({
+            "served_version": None if served is None else served.version,
+            "trained": {**metrics_dict(m_trained),
+                        "share": round(sum(trained.satisfied(o.candidates[0].text) for o in mine) / len(mine), 4),
+                        "answer_kept": round(kept / len(mine), 4)},
+            "untouched": {**metrics_dict(m_untouched),
+                          "share": round(sum(untouched.satisfied(o.candidates[0].text) for o in theirs) / len(theirs), 4),
+                          "greedy_unchanged": untouched_ids == initial_untouched},
+            "score_stage_s_per_pair": round(score_s, 4),
+            "elapsed_s": round(time.perf_counter() - t_start, 1),
+            "examples": [o.candidates[0].text for o in mine[:4]],
+        })
+        eval_seconds += time.perf_counter() - t
+        history.append(record)
+        tr, un = record["trained"], record["untouched"]
+        print(f"[{pairs_done:4d} pairs] v{record['served_version']} {trained.name}: win {tr['win_rate']:.3f} "
+              f"CLPD {tr['clpd']:+.2f} share {tr['share']:.2f} | {untouched.name}: win {un['win_rate']:.3f} "
+              f"share {un['share']:.2f} unchanged {un['greedy_unchanged']} | {record['elapsed_s']:.0f}s", flush=True)
+        print("    e.g.", record["examples"][:2], flush=True)
+
+    checkpoint(0)
+    pairs_done = 0
+    train_seconds = 0.0
+    generate_seconds = 0.0
+    stage_seconds: dict[str, float] = {}
+    rounds = 0
+    cursor = 0
+    max_held = 0
+    while pairs_done < args.pairs and rounds < args.max_rounds:
+        rounds += 1
+        prompts = [train_prompts[(cursor + i) % len(train_prompts)] for i in range(args.round_prompts)]
+        cursor += args.round_prompts
+        t = time.perf_counter()
+        fresh = SamplingParams(n=2, temperature=args.temperature, top_p=0.95, max_tokens=args.max_new_tokens,
+                               seed=args.seed * 100_003 + rounds)  # new draws when prompts come round again
+        outputs = run_requests(engine, prompts, fresh, [trained.name] * len(prompts))
+        generate_seconds += time.perf_counter() - t
+        for pair in build_pairs(trained, prompts, outputs):
+            if pairs_done >= args.pairs:
+                break
+            task = trainer.task(pair, score=False)
+            t = time.perf_counter()
+            while not task.done:
+                task.run_next()
+                max_held = max(max_held, task.held_bytes)
+            train_seconds += time.perf_counter() - t
+            for kind, s in task.seconds_by_kind().items():
+                stage_seconds[kind] = stage_seconds.get(kind, 0.0) + s
+            pairs_done += 1
+            if pairs_done % args.eval_every == 0 or pairs_done == args.pairs:
+                checkpoint(pairs_done)
+    if history[-1]["pairs"] != pairs_done:
+        checkpoint(pairs_done)
+
+    first, last = history[0], history[-1]
+    summary = {
+        "pairs": pairs_done,
+        "rounds": rounds,
+        "base_win_rate": first["trained"]["win_rate"],
+        "trained_win_rate": last["trained"]["win_rate"],
+        "base_clpd": first["trained"]["clpd"],
+        "trained_clpd": last["trained"]["clpd"],
+        "base_share": first["trained"]["share"],
+        "trained_share": last["trained"]["share"],
+        "base_answer_kept": first["trained"]["answer_kept"],
+        "trained_answer_kept": last["trained"]["answer_kept"],
+        "untouched_greedy_unchanged": all(h["untouched"]["greedy_unchanged"] for h in history),
+        "train_s_per_pair": round(train_seconds / max(1, pairs_done), 3),
+        "stage_s_per_pair": {k: round(v / max(1, pairs_done), 3) for k, v in stage_seconds.items()},
+        "score_stage_s_per_pair": last["score_stage_s_per_pair"],
+        "generate_s_per_pair": round(generate_seconds / max(1, pairs_done), 3),
+        "wall_s_per_pair": round((time.perf_counter() - t_start - eval_seconds - setup_s) / max(1, pairs_done), 3),
+        "total_s": round(time.perf_counter() - t_start, 1),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "max_activation_bytes_estimate": max_held,
+        "adapter_state_bytes": trainer.persistent_bytes,
+        "bar": {
+            "win_rate_ge_0.85": last["trained"]["win_rate"] >= 0.85,
+            "share_at_least_doubles": last["trained"]["share"] >= 2 * first["trained"]["share"] and last["trained"]["share"] > 0,
+            "untouched_unchanged": all(h["untouched"]["greedy_unchanged"] for h in history),
+        },
+    }
+    return {
+        "mode": "online",
+        "model": str(path),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("func",)},
+        "users": {"trained": vars(trained) | {"preference": trained.preference},
+                  "untouched": vars(untouched) | {"preference": untouched.preference}},
+        "heldout_pairs": {"trained": len(trained_eval), "guard": len(guard_pairs), "untouched": len(untouched_pairs)},
+        "threads": torch.get_num_threads(),
+        "cost_model": costs.as_dict(),
+        "summary": summary,
+        "history": history,
+        "adapter_events": engine.adapters.events(trained.name),
+    }
+
+
+def replay(args: argparse.Namespace) -> dict[str, Any]:
+    """Train one user on the first `--pairs` records of a local HH-RLHF/SHP file; measure win
+    rate and CLPD on the next `--heldout-pairs` records as training proceeds."""
+    from edge_runtime.model.tokenizer import Tokenizer
+    from edge_runtime.train.datasets import load_preferences
+
+    path = args.model or _default_model_path()
+    model = load_llama(path, dtype=torch.float32)
+    data = load_preferences(args.replay, args.format, limit=args.pairs + args.heldout_prompts)
+    train, heldout = data.records[: args.pairs], data.records[args.pairs:]
+    if not train or not heldout:
+        raise SystemExit(f"{args.replay}: need more than {args.pairs} usable pairs (got {len(data.records)})")
+    trainer = AdapterTrainer(
+        model, Tokenizer(path), LoraSettings(rank=args.rank, alpha=2 * args.rank),
+        DPOSettings(beta=args.beta, window_tokens=args.window_tokens, layers_per_group=args.layers_per_group,
+                    max_prompt_tokens=256, max_completion_tokens=128,
+                    optimizer=OptimizerSettings(learning_rate=args.lr, accumulation_steps=args.accumulation)),
+    )
+    history = [{"pairs": 0, "trained": metrics_dict(trainer.evaluate(heldout, None))}]
+    t0 = time.perf_counter()
+    for i, pair in enumerate(train, 1):
+        trainer.task(pair, score=False).run()
+        if i % args.eval_every == 0 or i == len(train):
+            trainer.flush()
+            history.append({"pairs": i, "trained": metrics_dict(trainer.evaluate(heldout, trainer.weights)),
+                            "elapsed_s": round(time.perf_counter() - t0, 1)})
+            print(history[-1], flush=True)
+    return {"mode": "replay", "file": str(args.replay), "format": data.format, "skipped": dict(data.skipped),
+            "settings": {k: v for k, v in vars(args).items() if k != "func"}, "history": history,
+            "summary": {"pairs": len(train), "heldout": len(heldout),
+                        "base_win_rate": history[0]["trained"]["win_rate"],
+                        "trained_win_rate": history[-1]["trained"]["win_rate"],
+                        "train_s_per_pair": round((time.perf_counter() - t0) / len(train), 3),
+                        "peak_rss_mb": round(peak_rss_mb(), 1)}}
+
+
+def _default_model_path() -> str:
+    from edge_runtime.model.source import resolve_model
+
+    return str(resolve_model(None).path)
+
+
+def write_report(result: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    plot(result, Path(f"{out}.png"))
+    Path(f"{out}.md").write_text(markdown(result))
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    history = result["history"]
+    xs = [h["pairs"] for h in history]
+    panels = [("win_rate", "win rate"), ("clpd", "CLPD (nats)")]
+    if result["mode"] == "online":
+        panels.append(("share", "greedy answers with the preference"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        ax.plot(xs, [h["trained"][key] for h in history], "o-", label="trained user (online DPO)")
+        if "untouched" in history[0]:
+            ax.plot(xs, [h["untouched"][key] for h in history], "s--", label="untouched user")
+        ax.axhline(history[0]["trained"][key], color="grey", lw=0.8, ls=":", label="base model")
+        ax.set_xlabel("feedback pairs")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("MACE-edge personalisation: alignment over time (cf. MACE Fig. 2)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    s = result["summary"]
+    lines = [f"# Personalisation benchmark ({result['mode']})", ""]
+    if result["mode"] == "online":
+        users = result["users"]
+        lines += [
+            f"Model `{Path(result['model']).name}`, fp32, {result['threads']} thread(s). Trained user "
+            f"`{users['trained']['name']}`: {users['trained']['preference']}; untouched user "
+            f"`{users['untouched']['name']}`: {users['untouched']['preference']} (never trained). "
+            f"Held-out pairs: {result['heldout_pairs']['trained']} (+{result['heldout_pairs']['guard']} for the guard).",
+            "",
+            "| | base | after training |",
+            "|---|---|---|",
+            f"| held-out win rate | {s['base_win_rate']:.3f} | {s['trained_win_rate']:.3f} |",
+            f"| held-out CLPD | {s['base_clpd']:+.2f} | {s['trained_clpd']:+.2f} |",
+            f"| greedy answers with the preference | {s['base_share']:.2f} | {s['trained_share']:.2f} |",
+            f"| greedy answer body = base greedy answer | {s['base_answer_kept']:.2f} | {s['trained_answer_kept']:.2f} |",
+            "",
+            f"- feedback pairs: {s['pairs']} ({s['rounds']} rounds of self-generated candidates)",
+            f"- untouched user's greedy outputs unchanged at every checkpoint: {s['untouched_greedy_unchanged']}",
+            f"- train time per pair (staged forward + backward + AdamW): {s['train_s_per_pair']} s "
+            f"(by stage: {s['stage_s_per_pair']}); score stage: {s['score_stage_s_per_pair']} s",
+            f"- candidate generation per pair: {s['generate_s_per_pair']} s; wall per pair without "
+            f"evaluation: {s['wall_s_per_pair']} s; total run {s['total_s']} s",
+            f"- peak RSS {s['peak_rss_mb']} MB (fp32 model, KV cache, trainer); estimated peak activations "
+            f"{s['max_activation_bytes_estimate'] / 2**20:.1f} MiB; adapter + grads + Adam {s['adapter_state_bytes'] / 2**20:.1f} MiB",
+            f"- bar: {s['bar']}",
+            "",
+            "| pairs | version | win rate | CLPD | share | answer kept | untouched win | untouched share | untouched unchanged | guard |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for h in result["history"]:
+            guard = h.get("guard", {})
+            lines.append(
+                f"| {h['pairs']} | {h['served_version']} | {h['trained']['win_rate']:.3f} | {h['trained']['clpd']:+.2f} "
+                f"| {h['trained']['share']:.2f} | {h['trained']['answer_kept']:.2f} | {h['untouched']['win_rate']:.3f} | {h['untouched']['share']:.2f} "
+                f"| {h['untouched']['greedy_unchanged']} | {guard.get('reason', '-')} |")
+        lines += ["", "Greedy answers of the trained user at the end:", ""]
+        lines += [f"- {json.dumps(t)}" for t in result["history"][-1]["examples"]]
+    else:
+        lines += [f"File `{result['file']}` ({result['format']}), skipped {result['skipped']}.", "",
+                  f"Win rate {s['base_win_rate']:.3f} -> {s['trained_win_rate']:.3f} on {s['heldout']} held-out "
+                  f"pairs after {s['pairs']} pairs; {s['train_s_per_pair']} s per pair; peak RSS {s['peak_rss_mb']} MB."]
+    lines += ["", f"Plot: `{Path(result.get('plot', 'bench_alignment.png')).name}`", ""]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="HF model directory (default: the default model)")
+    p.add_argument("--replay", type=Path, help="HH-RLHF / SHP / explicit JSONL file to replay instead")
+    p.add_argument("--format", default="auto", help="replay file format: auto, hh, shp, explicit")
+    p.add_argument("--pairs", type=int, default=300, help="feedback pairs to train on")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--round-prompts", type=int, default=16, help="prompts per round of candidates")
+    p.add_argument("--max-rounds", type=int, default=200)
+    p.add_argument("--heldout-prompts", type=int, default=44)
+    p.add_argument("--guard-pairs", type=int, default=10)
+    p.add_argument("--eval-prompts", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--eval-new-tokens", type=int, default=40)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--user", default="sam")
+    p.add_argument("--signoff", default="Cheers, Sam!")
+    p.add_argument("--untouched-user", default="una")
+    p.add_argument("--untouched-signoff", default="Best wishes, Una.")
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--beta", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--accumulation", type=int, default=4)
+    p.add_argument("--window-tokens", type=int, default=128)
+    p.add_argument("--layers-per-group", type=int, default=6)
+    p.add_argument("--guard-win-rate-tolerance", type=float, default=0.05)
+    p.add_argument("--guard-clpd-tolerance", type=float, default=1.0)
+    p.add_argument("--kv-cache-mb", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1 by default: on a shared CPU a 2-thread GEMM waits for a descheduled thread)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS / "bench_alignment")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    result = replay(args) if args.replay else online(args)
+    result["plot"] = f"{args.out}.png"
+    write_report(result, args.out)
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
