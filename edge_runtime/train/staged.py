@@ -128,9 +128,18 @@ class DPOFineTuneTask:
         """Estimated activation bytes this task holds right now (a memory-ledger entry)."""
         return self._held if self._acts is not None else 0
 
+    @property
+    def can_abandon(self) -> bool:
+        """True until the first backward stage has run (after that, gradients are partly in)."""
+        first_backward = next(i for i, s in enumerate(self.stages) if s.kind is StageKind.BACKWARD)
+        return self._cursor <= first_backward
+
     def abandon(self) -> None:
         """Drop held activations (first to go when memory shrinks); the task restarts at its
-        first forward window, and the adapter is free for another task meanwhile."""
+        first forward window, and the adapter is free for another task meanwhile. Refused once
+        the backward has begun: it frees memory group by group anyway."""
+        if not self.can_abandon:
+            raise RuntimeError("the backward of this pair has begun; run it to the end instead of abandoning")
         self._acts = None
         self._held = 0
         self.trainer.release(self)

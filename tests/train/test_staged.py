@@ -110,6 +110,12 @@ def test_abandoned_task_recomputes_to_the_same_gradients(tiny4, tiny4_tokenizer,
     assert task.held_bytes > 0
     task.abandon()  # memory pressure: drop activations
     assert task.held_bytes == 0 and task.next_stage().name.startswith("forward[prompt 0:")
+    while task.next_stage().kind is not StageKind.BACKWARD:
+        task.run_next()
+    task.run_next()
+    assert not task.can_abandon  # one group's gradients are in: a restart would count them twice
+    with pytest.raises(RuntimeError, match="backward of this pair has begun"):
+        task.abandon()
     while task.next_stage().kind is not StageKind.OPTIMIZER:
         task.run_next()
     got = [p.grad.clone() for p in trainer.weights.parameters()]
