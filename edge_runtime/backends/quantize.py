@@ -42,11 +42,13 @@ def _blocks(weight: np.ndarray, block_size: int) -> np.ndarray:
 
 
 def quantize_asymmetric(weight: np.ndarray, bits: int, block_size: int = BLOCK_SIZE) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-block min/max quantisation (like llama.cpp's Q4_1): q in [0, 2^bits - 1],
-    w ~ (q - zero) * scale. Returns (q uint8 [N, blocks, block], scale [N, blocks], zero uint8)."""
+    """Per-block min/max quantisation with an integer zero point: q in [0, 2^bits - 1],
+    w ~ (q - zero) * scale, the range widened to hold 0 exactly. (Float zero points would give
+    llama.cpp's Q4_1 grid exactly, but ONNX Runtime then dequantises on every call: 3 tok/s
+    instead of 55 measured.) Returns (q uint8 [N, blocks, block], scale [N, blocks], zero uint8)."""
     blocks = _blocks(weight, block_size)
     qmax = (1 << bits) - 1
-    lo = np.minimum(blocks.min(axis=-1), 0.0)  # keep 0 exactly representable
+    lo = np.minimum(blocks.min(axis=-1), 0.0)
     hi = np.maximum(blocks.max(axis=-1), 0.0)
     scale = (hi - lo) / qmax
     scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
@@ -84,8 +86,7 @@ def pack_nbits(weight: np.ndarray, bits: int, block_size: int = BLOCK_SIZE, symm
             zero = np.concatenate([zero, np.zeros((n, 1), np.uint8)], axis=1)
         zero_packed = (zero[:, 0::2] | (zero[:, 1::2] << 4)).astype(np.uint8)
     else:
-        packed = q
-        zero_packed = zero
+        packed, zero_packed = q, zero
     zero_points = None if symmetric else zero_packed.reshape(-1)
     return NBitsWeight(packed, scale.reshape(-1), zero_points, n, k, bits, block_size)
 
@@ -97,16 +98,14 @@ def dequantize_nbits(w: NBitsWeight) -> np.ndarray:
         q = np.empty((w.n, blocks, w.block_size), np.uint8)
         q[..., 0::2] = w.packed & 0x0F
         q[..., 1::2] = w.packed >> 4
-        if w.zero_points is None:
-            zero = np.full((w.n, blocks), 8, np.uint8)
-        else:
-            zp = w.zero_points.reshape(w.n, -1)
-            zero = np.empty((w.n, zp.shape[1] * 2), np.uint8)
-            zero[:, 0::2] = zp & 0x0F
-            zero[:, 1::2] = zp >> 4
-            zero = zero[:, :blocks]
     else:
         q = w.packed
-        zero = np.full((w.n, blocks), 128, np.uint8) if w.zero_points is None else w.zero_points.reshape(w.n, blocks)
+    if w.zero_points is None:
+        zero = np.full((w.n, blocks), 1 << (w.bits - 1), np.uint8)
+    elif w.bits == 4:
+        zp = w.zero_points.reshape(w.n, -1)
+        zero = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(w.n, -1)[:, :blocks]
+    else:
+        zero = w.zero_points.reshape(w.n, blocks)
     scale = w.scales.reshape(w.n, blocks)
-    return ((q.astype(np.float32) - zero[..., None]) * scale[..., None]).reshape(w.n, w.k)
+    return ((q.astype(np.float32) - zero[..., None].astype(np.float32)) * scale[..., None]).reshape(w.n, w.k)
