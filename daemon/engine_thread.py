@@ -88,7 +88,12 @@ class EngineThread:
         # Engine-thread-only state below.
         self._sinks: dict[str, GenerationSink] = {}
         self._events: dict[str, list[TokenEvent]] = {}
-        self._outbox: list[Callable[[], None]] = []
+        self._outbox: list[Callable[[], None] | _Tokens] = []
+        # Handed to the loop: the engine thread appends, the loop swaps it out. A wake-up is
+        # scheduled only when it was empty, so a busy loop gets one batch of many iterations
+        # (and each stream one message for several tokens) instead of falling further behind.
+        self._mailbox: list[Callable[[], None] | _Tokens] = []
+        self._mailbox_lock = threading.Lock()
         self.latencies_s: deque[float] = deque(maxlen=512)  # written by the engine thread only
         self.snapshot = EngineSnapshot()
         self.model_info: dict[str, Any] = {}
@@ -251,7 +256,7 @@ class EngineThread:
         if sink is None:
             return
         if events:
-            self._outbox.append(lambda: sink.on_tokens(events))
+            self._outbox.append(_Tokens(sink, events))
         self._outbox.append(lambda: sink.on_finished(output, aborted, error))
 
     def _fail_all(self, engine: Engine, exc: Exception) -> None:
@@ -267,15 +272,39 @@ class EngineThread:
         for request_id, events in self._events.items():
             sink = self._sinks.get(request_id)
             if sink is not None and events:
-                self._outbox.append(lambda sink=sink, events=events: sink.on_tokens(events))
+                self._outbox.append(_Tokens(sink, events))
         self._events = {}
         if not self._outbox:
             return
         batch, self._outbox = self._outbox, []
-        try:
-            self._loop.call_soon_threadsafe(_run_batch, batch)
-        except RuntimeError:  # the loop is closed: the process is exiting anyway
-            pass
+        with self._mailbox_lock:
+            wake = not self._mailbox
+            self._mailbox.extend(batch)
+        if wake:
+            try:
+                self._loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # the loop is closed: the process is exiting anyway
+                pass
+
+    def _deliver(self) -> None:
+        """On the loop: run everything the engine thread handed over, tokens merged per stream."""
+        with self._mailbox_lock:
+            batch, self._mailbox = self._mailbox, []
+        merged: dict[int, _Tokens] = {}
+        items: list[Callable[[], None] | _Tokens] = []
+        for item in batch:
+            if isinstance(item, _Tokens):
+                first = merged.get(id(item.sink))
+                if first is not None:  # same stream, later iteration: ride along, order kept
+                    first.events.extend(item.events)
+                    continue
+                merged[id(item.sink)] = item = _Tokens(item.sink, list(item.events))
+            elif merged:
+                # A finish (or a command result) seals the streams before it: their tokens
+                # must reach the client before their final reply.
+                merged.clear()
+            items.append(item)
+        _run_batch(items)
 
     def _reject_leftovers(self) -> None:
         """Commands queued after the thread stopped still get an answer."""
@@ -292,10 +321,19 @@ class EngineThread:
                     return
 
 
-def _run_batch(batch: list[Callable[[], None]]) -> None:
+@dataclass(eq=False)
+class _Tokens:
+    sink: GenerationSink
+    events: list[TokenEvent]
+
+
+def _run_batch(batch: list[Callable[[], None] | _Tokens]) -> None:
     for item in batch:
         try:
-            item()
+            if isinstance(item, _Tokens):
+                item.sink.on_tokens(item.events)
+            else:
+                item()
         except Exception:  # one broken consumer must not starve the others of their tokens
             log.exception("delivering engine results failed")
 

@@ -66,11 +66,18 @@ class GenerateCall:
         self.cancel_reason: str | None = None
 
     def on_tokens(self, events: list[TokenEvent]) -> None:
+        """One message per candidate per delivery: when the loop falls behind the engine, the
+        tokens of several iterations travel together instead of as a backlog of messages."""
         if self.on_token is None:
             return
+        texts: dict[int, list[str]] = {}
+        last_ids: dict[int, int | None] = {}
         for event in events:
             if event.text:  # "" while a multi-byte character is incomplete: nothing to show yet
-                self.on_token(event.index, event.text, event.token_id)
+                texts.setdefault(event.index, []).append(event.text)
+                last_ids[event.index] = event.token_id
+        for index, parts in texts.items():
+            self.on_token(index, "".join(parts), last_ids[index])
 
     def on_finished(self, output: RequestOutput | None, aborted: str | None,
                     error: BaseException | None) -> None:

@@ -27,6 +27,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import psutil  # noqa: E402
+
 from daemon.client import AsyncClient, Client, ClientError  # noqa: E402
 
 PROMPT = "Write one sentence about the sea."
@@ -46,6 +48,9 @@ class LevelResult:
     requests: int
     wall_s: float
     samples: list[Sample] = field(default_factory=list, repr=False)
+    # CPU seconds spent (daemon + client processes, or the one in-process engine): unlike wall
+    # time, barely moved by other load on a shared machine, so the API's cost shows through.
+    cpu_s: float | None = None
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(s.latency_s for s in self.samples)
@@ -61,6 +66,7 @@ class LevelResult:
             "latency_mean_ms": round(statistics.fmean(lat) * 1000, 2),
             "ttft_p50_ms": round(_pct(ttft, 0.50) * 1000, 2) if ttft else None,
             "ttft_p99_ms": round(_pct(ttft, 0.99) * 1000, 2) if ttft else None,
+            "cpu_ms_per_token": round(self.cpu_s * 1000 / tokens, 3) if self.cpu_s and tokens else None,
         }
 
 
@@ -74,7 +80,10 @@ def _pct(sorted_values: list[float], q: float) -> float:
 # -- through the daemon ----------------------------------------------------------------------------
 
 
-async def daemon_level(endpoint: str, concurrency: int, total: int, max_tokens: int, stream: bool) -> LevelResult:
+async def daemon_level(endpoint: str, concurrency: int, total: int, max_tokens: int, stream: bool,
+                       daemon_pid: int | None) -> LevelResult:
+    daemon = psutil.Process(daemon_pid) if daemon_pid else None
+    cpu0 = time.process_time() + (sum(daemon.cpu_times()[:2]) if daemon else 0.0)
     remaining = total
     samples: list[Sample] = []
 
@@ -98,7 +107,9 @@ async def daemon_level(endpoint: str, concurrency: int, total: int, max_tokens: 
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return LevelResult("daemon", concurrency, total, time.perf_counter() - start, samples)
+    wall = time.perf_counter() - start
+    cpu = time.process_time() + (sum(daemon.cpu_times()[:2]) if daemon else 0.0) - cpu0
+    return LevelResult("daemon", concurrency, total, wall, samples, cpu if daemon else None)
 
 
 def spawn_daemon(model: str, workdir: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
@@ -148,6 +159,7 @@ def in_process_level(engine: Any, concurrency: int, total: int, max_tokens: int)
         engine.add_request(PROMPT, params, request_id=rid, on_token=on_token)
 
     start = time.perf_counter()
+    cpu0 = time.process_time()
     for _ in range(min(concurrency, total)):
         issue()
     while len(samples) < total:
@@ -158,7 +170,8 @@ def in_process_level(engine: Any, concurrency: int, total: int, max_tokens: int)
             samples.append(Sample(now - started.pop(rid), ttft, len(out.candidates[0].token_ids)))
             if issued < total:
                 issue()
-    return LevelResult("in-process", concurrency, total, time.perf_counter() - start, samples)
+    return LevelResult("in-process", concurrency, total, time.perf_counter() - start, samples,
+                       time.process_time() - cpu0)
 
 
 def load_in_process(model: str, overrides: dict[str, str], warmup: int, max_tokens: int) -> Any:
@@ -187,19 +200,20 @@ def render_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              f"max({meta['requests']}, 2 x concurrency) requests per level after {meta['warmup']} warm-up requests",
              f"- daemon: `maced` over {meta['transport']}, one SDK AsyncClient (own socket) per concurrent client",
              f"- measured {meta['date']}; load average (1/5/15 min) {meta['loadavg']}", "",
-             "| concurrency | mode | req/s | tok/s | p50 latency ms | p99 latency ms | p50 TTFT ms | p99 TTFT ms |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| concurrency | mode | req/s | tok/s | p50 latency ms | p99 latency ms | p50 TTFT ms | p99 TTFT ms | CPU ms/token |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['mode']} | {r['requests_per_s']} | {r['tokens_per_s']} | "
-                     f"{r['latency_p50_ms']} | {r['latency_p99_ms']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} |")
+                     f"{r['latency_p50_ms']} | {r['latency_p99_ms']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
+                     f"{r['cpu_ms_per_token']} |")
     overhead = meta.get("overhead", [])
     if overhead:
         lines += ["", "API overhead (daemon minus in-process at the same concurrency):", "",
-                  "| concurrency | p50 latency +ms | p50 +ms per token | p99 latency +ms | throughput ratio |",
-                  "|---:|---:|---:|---:|---:|"]
+                  "| concurrency | p50 latency +ms | p50 +ms per token | p99 latency +ms | throughput ratio | CPU +ms per token |",
+                  "|---:|---:|---:|---:|---:|---:|"]
         for o in overhead:
             lines.append(f"| {o['concurrency']} | {o['p50_ms']} | {o['p50_ms_per_token']} | {o['p99_ms']} | "
-                         f"{o['throughput_ratio']} |")
+                         f"{o['throughput_ratio']} | {o['cpu_ms_per_token']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -253,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         # both alike (the idle one of the two costs nothing meanwhile).
         for level in levels:
             total = max(args.requests, 2 * level)
-            result = asyncio.run(daemon_level(endpoint, level, total, args.max_tokens, stream))
+            result = asyncio.run(daemon_level(endpoint, level, total, args.max_tokens, stream,
+                                              proc.pid if proc is not None else None))
             rows.append(result.summary())
             print(json.dumps(rows[-1]), flush=True)
             if engine is not None:
@@ -275,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
                              "p50_ms": round(d["latency_p50_ms"] - e["latency_p50_ms"], 2),
                              "p99_ms": round(d["latency_p99_ms"] - e["latency_p99_ms"], 2),
                              "p50_ms_per_token": round((d["latency_p50_ms"] - e["latency_p50_ms"]) / args.max_tokens, 3),
-                             "throughput_ratio": round(d["requests_per_s"] / e["requests_per_s"], 3)})
+                             "throughput_ratio": round(d["requests_per_s"] / e["requests_per_s"], 3),
+                             "cpu_ms_per_token": (round(d["cpu_ms_per_token"] - e["cpu_ms_per_token"], 3)
+                                                  if d["cpu_ms_per_token"] and e["cpu_ms_per_token"] else None)})
     meta = {
         "model": model_info.get("model"), "model_label": "tiny random model" if args.model == "tiny" else model_info.get("model"),
         "device": model_info.get("device"), "dtype": model_info.get("dtype"),
