@@ -49,6 +49,7 @@ class GraphSpec:
     accuracy_level: int = 4
     lora: bool = True  # per-row LoRA inputs; False = a base-model-only graph (fewer nodes)
     symmetric: bool = False  # MatMulNBits without zero points (onnxruntime-genai's choice)
+    head_bits: int = 8  # the tied embedding / LM head when quantised: 8 (Q8_0 grid) or 4
 
     def __post_init__(self) -> None:
         if self.quantization not in ("none", "int8", "int4"):
@@ -62,7 +63,8 @@ class GraphSpec:
     def tag(self) -> str:
         lora = "" if self.lora else "-nolora"
         sym = "-sym" if self.symmetric and self.quantization != "none" else ""
-        return f"{self.flavour}-{self.quantization}{sym}-kv{self.kv_dtype}-acc{self.accuracy_level}{lora}"
+        head = f"-head{self.head_bits}" if self.head_bits != 8 and self.quantization != "none" else ""
+        return f"{self.flavour}-{self.quantization}{sym}{head}-kv{self.kv_dtype}-acc{self.accuracy_level}{lora}"
 
 
 class _Graph:
@@ -153,18 +155,18 @@ class _StepWriter:
         g, model = self.g, self.model
         if not self._tied_quantized():
             return g.op("Gather", [g.init("embed.weight", _np(model.embed)), ids], axis=0)
-        q = pack_nbits(_np(model.embed), 8, symmetric=True)
-        self.tied_head = (q, g.init("embed.qweight", q.packed.reshape(q.n, q.k)),
+        q = pack_nbits(_np(model.embed), self.spec.head_bits, symmetric=True)
+        self.tied_head = (q, g.init("embed.qweight", q.packed.reshape(q.n, q.k * q.bits // 8)),
                           g.init("embed.scales", q.scales.reshape(q.n, -1)))
         return g.op("GatherBlockQuantized", [self.tied_head[1], ids, self.tied_head[2]],
-                    domain="com.microsoft", bits=8, block_size=q.block_size, gather_axis=0, quantize_axis=1)
+                    domain="com.microsoft", bits=q.bits, block_size=q.block_size, gather_axis=0, quantize_axis=1)
 
     def lm_head(self, rows: str) -> str:
         if not self._tied_quantized():
             return self.linear(rows, self.model.lm_head_weight(), None, "lm_head")
         q, packed, scales = self.tied_head
-        blob = self.g.op("Reshape", [packed, self.g.const([q.n, q.k // q.block_size, q.block_size])])
-        return self.g.op("MatMulNBits", [rows, blob, scales], domain="com.microsoft", K=q.k, N=q.n, bits=8,
+        blob = self.g.op("Reshape", [packed, self.g.const([q.n, q.k // q.block_size, q.block_size * q.bits // 8])])
+        return self.g.op("MatMulNBits", [rows, blob, scales], domain="com.microsoft", K=q.k, N=q.n, bits=q.bits,
                          block_size=q.block_size, accuracy_level=self.spec.accuracy_level)
 
     def rms_norm(self, x: str, weight: torch.Tensor, name: str, skip: str | None = None) -> tuple[str, str]:

@@ -167,37 +167,42 @@ def plan_gqa_step(
     # keeps each row's seqlens_k + 1 - S past entries and writes the new ones after them).
     past = present = total
 
-    def slot(i: int, pos: np.ndarray) -> np.ndarray:
-        table = np.asarray(items[i].block_table, np.int64)
-        return table[pos // block_size] * block_size + pos % block_size
+    # Every row's block table padded into one array, so slots come from one vectorised lookup
+    # (this runs once per decode step: per-row Python here costs tokens/s).
+    width = max(len(it.block_table) for it in items)
+    tables = np.zeros((b, width), np.int64)
+    for i, it in enumerate(items):
+        tables[i, : len(it.block_table)] = it.block_table
+
+    def slots_at(rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        return tables[rows, pos // block_size] * block_size + pos % block_size
 
     heads = np.arange(num_kv_heads)
-    past_slots = np.zeros((b, past), np.int64)
-    ids = np.zeros((b, s), np.int64)
-    lora_index = np.zeros((b, s), np.int64)
-    for i, it in enumerate(items):
-        past_slots[i, : starts[i]] = slot(i, np.arange(starts[i]))
-        ids[i, : q_lens[i]] = it.tokens
-        ids[i, q_lens[i] :] = it.tokens[-1]
-        lora_index[i] = it.lora_slot
+    grid = np.arange(past)[None, :]
+    rows_b = np.arange(b)[:, None]
+    past_slots = np.where(grid < starts[:, None], slots_at(rows_b, np.minimum(grid, np.maximum(ctx[:, None] - 1, 0))), 0)
     s_idx = np.minimum(np.arange(s)[None, :], q_lens[:, None] - 1)  # [B, S]
+    if s == 1:
+        ids = np.array([[it.tokens[0]] for it in items], np.int64)
+    else:
+        ids = np.array([list(it.tokens) + [it.tokens[-1]] * (s - len(it.tokens)) for it in items], np.int64)
+    lora_index = np.repeat(np.array([[it.lora_slot] for it in items], np.int64), s, axis=1)
     pos = (starts[:, None] + s_idx).reshape(-1)  # [B*S] position of each (padded) row
     row_seq = np.repeat(np.arange(b), s)
-    new_kv_index = np.stack(
-        [np.broadcast_to(row_seq[:, None], (b * s, num_kv_heads)),
-         np.broadcast_to(heads[None, :], (b * s, num_kv_heads)),
-         np.broadcast_to(pos[:, None], (b * s, num_kv_heads))], axis=-1)
-    real = (np.arange(s)[None, :] < q_lens[:, None]).reshape(-1)
-    real_rows = np.nonzero(real)[0][:real_tokens]
+    new_kv_index = np.empty((b * s, num_kv_heads, 3), np.int64)
+    new_kv_index[..., 0] = row_seq[:, None]
+    new_kv_index[..., 1] = heads[None, :]
+    new_kv_index[..., 2] = pos[:, None]
+    real_rows = np.nonzero((np.arange(s)[None, :] < q_lens[:, None]).reshape(-1))[0][:real_tokens]
     sampling = [i for i, it in enumerate(items) if it.samples]
     inputs = {
         "input_ids": ids,
-        "kv_index": np.ascontiguousarray(past_slots[:, None, :] * num_kv_heads + heads[None, :, None]),
+        "kv_index": past_slots[:, None, :] * num_kv_heads + heads[None, :, None],
         "seqlens_k": (ctx - 1).astype(np.int32),
         "total_sequence_length": np.array(total, np.int32),
-        "new_kv_index": np.ascontiguousarray(new_kv_index, np.int64),
+        "new_kv_index": new_kv_index,
         "logit_rows": np.array([i * s + q_lens[i] - 1 for i in sampling], np.int64),
         "lora_index": lora_index,
     }
-    slot_mapping = np.concatenate([slot(row_seq[r], pos[r : r + 1]) for r in real_rows]) if len(real_rows) else np.zeros(0, np.int64)
+    slot_mapping = slots_at(row_seq[real_rows], pos[real_rows])
     return StepPlan(inputs, slot_mapping, b * s, real_tokens, sampling, real_rows, present)
