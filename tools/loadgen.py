@@ -199,7 +199,8 @@ def render_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              f"(ignore_eos), greedy, {'streamed' if meta['stream'] else 'whole'} replies; "
              f"max({meta['requests']}, 2 x concurrency) requests per level after {meta['warmup']} warm-up requests",
              f"- daemon: `maced` over {meta['transport']}, one SDK AsyncClient (own socket) per concurrent client",
-             f"- measured {meta['date']}; load average (1/5/15 min) {meta['loadavg']}", "",
+             f"- measured {meta['date']}; load average (1/5/15 min) {meta['loadavg']}",
+             f"- command: `{meta['command']}`", "",
              "| concurrency | mode | req/s | tok/s | p50 latency ms | p99 latency ms | p50 TTFT ms | p99 TTFT ms | CPU ms/token |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "loadavg": f"{loadavg_start} at the start, {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end",
-        "overhead": overhead,
+        "overhead": overhead, "command": " ".join(["tools/loadgen.py", *(argv if argv is not None else sys.argv[1:])]),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
