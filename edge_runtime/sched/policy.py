@@ -1,8 +1,9 @@
 """Scheduling policies: which pending work goes into the next iteration's bin.
 
-The scheduler turns sequences into `Task`s (a decode step, a prefill chunk) and asks the
-policy for an ordering; the scheduler then fills the bin in that order within its token and KV
-budgets. Policies see costs and ages, never model code.
+The scheduler turns sequences and fine-tune jobs into `Task`s (a decode step, a prefill chunk,
+fine-tune stages) and hands them with the iteration's `Bin` (latency, memory, KV and token
+capacity) to the policy's `pack`. Every policy, MACE and each baseline, fills that same slot.
+Policies see costs and ages, never model code.
 """
 
 from __future__ import annotations
@@ -10,30 +11,59 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from edge_runtime.sequence import Sequence
+
+if TYPE_CHECKING:
+    from edge_runtime.sched.bins import Bin
+    from edge_runtime.sched.finetune import FineTuneJob
 
 
 class TaskKind(enum.Enum):
     DECODE = "decode"
     PREFILL = "prefill"
+    FINETUNE = "finetune"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Task:
     kind: TaskKind
-    seq: Sequence
-    arrival: float  # when the owning request arrived
+    arrival: float  # when the owning request (or preference pair) arrived: FIFO order
+    enqueued: float  # when it last made progress or arrived: the waiting time that ages it
+    seq: Sequence | None = None
+    job: FineTuneJob | None = None
+    remaining: int = 1  # tokens still to feed (inference) or stages still to run (fine-tune)
+    context: int = 0  # tokens already in the KV cache (inference)
+
+    @property
+    def is_inference(self) -> bool:
+        return self.kind is not TaskKind.FINETUNE
 
     @property
     def remaining_tokens(self) -> int:
-        return self.seq.num_tokens - self.seq.num_computed
+        return self.remaining if self.is_inference else 0
 
 
 class Policy(ABC):
-    """Orders tasks; the first ones get the bin. `victim` picks whom to preempt under KV pressure."""
+    """Orders tasks and packs the iteration's bin. `victim` picks whom to preempt under KV or
+    memory pressure."""
 
     name: str = "policy"
+    # Policies that drop the MACE latency budget (throughput-first baselines) set this False; the
+    # scheduler then gives them an unbounded latency capacity.
+    uses_latency_budget: bool = True
+
+    def __init__(self, **params: Any) -> None:
+        unknown = set(params) - set(self.defaults())
+        if unknown:
+            raise ValueError(f"unknown parameter(s) for policy {self.name!r}: {', '.join(sorted(unknown))}; "
+                             f"known: {', '.join(sorted(self.defaults())) or 'none'}")
+        self.params = {**self.defaults(), **params}
+
+    @classmethod
+    def defaults(cls) -> dict[str, float]:
+        return {}
 
     @abstractmethod
     def priority(self, task: Task, now: float) -> float:
@@ -42,34 +72,46 @@ class Policy(ABC):
     def order(self, tasks: list[Task], now: float) -> list[Task]:
         return sorted(tasks, key=lambda t: self.priority(t, now), reverse=True)
 
+    def pack(self, tasks: list[Task], bin: Bin, now: float) -> None:
+        """Fill `bin` from `tasks`. Default: greedy in `order`, each task taking the largest
+        piece that fits (a prefill chunk, a run of stages)."""
+        for task in self.order(tasks, now):
+            if bin.full:
+                break
+            amount = bin.largest_fit(task)
+            if amount:
+                bin.add(task, amount)
+
     def victim(self, running: list[Sequence], now: float) -> Sequence:
-        """The running sequence to preempt when blocks run out: by default the newest arrival,
-        so work that has waited longest keeps its progress."""
+        """The running sequence to preempt when blocks or memory run out: by default the newest
+        arrival, so work that has waited longest keeps its progress."""
         return max(running, key=lambda s: (s.arrival, s.seq_id))
 
-    def stop_at_first_misfit(self) -> bool:
-        """Whether a prefill that does not fit blocks those behind it (strict arrival order)."""
-        return True
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, **self.params}
 
 
 class FCFSPolicy(Policy):
     """First come, first served, with running decodes ahead of new prefills (as in vLLM's
     default continuous batching): every running stream advances one token per iteration, and
-    waiting prompts are admitted in arrival order as the token budget allows."""
+    waiting prompts are admitted in arrival order as the token budget allows. A prompt that does
+    not fit blocks those behind it. Fine-tune stages, which the original has no notion of, queue
+    in arrival order with the prompts, one stage per job per iteration, with no latency budget."""
 
     name = "fcfs"
+    uses_latency_budget = False
 
     def priority(self, task: Task, now: float) -> float:
         rank = 1.0 if task.kind is TaskKind.DECODE else 0.0
         # Earlier arrival = higher priority within a rank; arrival times are far below 1e9.
         return rank * 1e12 - task.arrival
 
-
-POLICIES: dict[str, type[Policy]] = {"fcfs": FCFSPolicy}
-
-
-def make_policy(name: str) -> Policy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown scheduling policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
+    def pack(self, tasks: list[Task], bin: Bin, now: float) -> None:
+        for task in self.order(tasks, now):
+            if bin.full:
+                break
+            amount = bin.largest_fit(task, max_stages=1)
+            if amount:
+                bin.add(task, amount)
+            elif task.kind is TaskKind.PREFILL:
+                break  # strict arrival order

@@ -1,37 +1,28 @@
-"""Builds each iteration's batch: decode steps and prefill chunks, within a token budget and the
-free KV blocks, in the order the policy gives; preempts (to be recomputed) when blocks run out;
-and after the forward, records what was computed and registers full blocks in the prefix cache.
+"""Builds each iteration's bin: turns running and waiting sequences and queued fine-tune jobs into
+tasks, lets the policy pack them within the latency budget, the ledger's free memory and the free
+KV blocks, allocates blocks for what was packed, and afterwards records progress (computed
+tokens, prefix-cache blocks, re-queue times). Sheds memory for the ledger when asked.
 """
 
 from __future__ import annotations
 
+import math
+import time
+import weakref
 from collections import deque
-from dataclasses import dataclass
+from typing import Any
 
+from edge_runtime.errors import AdmissionRejected
 from edge_runtime.kv.block_pool import BlockPool, block_hash
+from edge_runtime.memory import MemoryKind, MemoryLedger
+from edge_runtime.sched.batch import Batch, ScheduledSeq, ScheduledStages
+from edge_runtime.sched.bins import Bin
+from edge_runtime.sched.cost_model import CostModel
+from edge_runtime.sched.finetune import FineTuneJob, FineTuneQueue
 from edge_runtime.sched.policy import Policy, Task, TaskKind
 from edge_runtime.sequence import SeqStatus, Sequence
 
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_tokens: int  # new tokens fed this iteration
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so its last row yields a token."""
-        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
-
-
-@dataclass
-class Batch:
-    items: list[ScheduledSeq]
-    preempted: list[Sequence]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(i.num_tokens for i in self.items)
+__all__ = ["Batch", "ScheduledSeq", "ScheduledStages", "Scheduler"]
 
 
 class Scheduler:
@@ -39,22 +30,59 @@ class Scheduler:
         self,
         pool: BlockPool,
         policy: Policy,
+        costs: CostModel,
+        ledger: MemoryLedger,
+        *,
         max_batched_tokens: int = 256,
         max_num_seqs: int = 32,
+        latency_budget_s: float = math.inf,
+        slo_tbt_s: float = math.inf,
+        slo_ttft_factor: float = 5.0,
     ) -> None:
         self.pool = pool
         self.policy = policy
+        self.costs = costs
+        self.ledger = ledger
         self.max_batched_tokens = max_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.latency_budget_s = latency_budget_s
+        self.slo_tbt_s = slo_tbt_s
+        self.slo_ttft_factor = slo_ttft_factor
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.finetune = FineTuneQueue()
+        self.finetune_paused: str | None = None  # why fine-tuning is held back (admission, user)
+        self._last_token: dict[int, float] = {}  # seq_id -> when it last got a token
+        self._trainers: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        self._shed_preempted: list[Sequence] = []
+        self._now = 0.0
         self.num_preemptions = 0
+        self.overhead_s = 0.0  # wall time of the last schedule() (the scheduler's own cost)
+        ledger.register_shedder(MemoryKind.ACTIVATIONS, self._shed_activations)
+        ledger.register_shedder(MemoryKind.PREFIX_CACHE, self._shed_prefix_cache)
+        ledger.register_shedder(MemoryKind.KV, self._shed_sequences)
 
     # -- queue management -------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+
+    def add_finetune(self, job: FineTuneJob) -> None:
+        """Queue a job. A trainer seen for the first time brings its optimizer state into the
+        ledger; room is made first (shedding), and the job is refused if there is none."""
+        trainer = job.work.trainer
+        key = id(trainer)
+        if trainer is not None and key not in self._trainers:
+            need = int(getattr(trainer, "persistent_bytes", 0))
+            if need > self.ledger.free and not self.ledger.reclaim(need).satisfied:
+                raise AdmissionRejected(
+                    f"no memory for another adapter's optimizer state ({need / 2**20:.1f} MiB): the budget is "
+                    f"{self.ledger.budget / 2**20:.0f} MiB and {self.ledger.used / 2**20:.0f} MiB are in use",
+                    retry_after_s=5.0, reason="memory")
+            self._trainers[key] = trainer
+            self.ledger.set(MemoryKind.OPTIMIZER, f"trainer-{key}", need)
+        self.finetune.add(job)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.FINISHED:
@@ -67,11 +95,12 @@ class Scheduler:
             except ValueError:
                 pass
         self._release(seq)
+        self._last_token.pop(seq.seq_id, None)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.finetune.jobs and not self.finetune_paused))
 
     def blocks_needed(self, seq: Sequence, new_tokens: int) -> int:
         size = self.pool.block_size
@@ -118,47 +147,174 @@ class Scheduler:
         first = seq.request.seqs[0]
         return first.status is SeqStatus.FINISHED or first.num_computed >= first.num_prompt
 
+    # -- memory ------------------------------------------------------------------------------
+
+    def sync_memory(self) -> int:
+        """Bring the ledger's KV, prefix-cache, activation and optimizer entries up to date;
+        returns the number of free blocks that still cache a prefix."""
+        pool, per_block, ledger = self.pool, self.costs.kv_block_bytes, self.ledger
+        cached_free = self._cached_free()
+        changes = [(MemoryKind.KV, "blocks", pool.num_used * per_block),
+                   (MemoryKind.PREFIX_CACHE, "blocks", cached_free * per_block)]
+        jobs = self.finetune.jobs
+        # Retired or cancelled jobs drop out; the rest report what they hold now.
+        changes += [(MemoryKind.ACTIVATIONS, key, 0) for key in ledger.entries(MemoryKind.ACTIVATIONS).keys() - jobs.keys()]
+        changes += [(MemoryKind.ACTIVATIONS, job.job_id, job.work.held_bytes) for job in jobs.values()]
+        known = {f"trainer-{key}": trainer for key, trainer in list(self._trainers.items())}
+        changes += [(MemoryKind.OPTIMIZER, key, 0) for key in ledger.entries(MemoryKind.OPTIMIZER).keys() - known.keys()]
+        changes += [(MemoryKind.OPTIMIZER, key, int(getattr(trainer, "persistent_bytes", 0)))
+                    for key, trainer in known.items()]
+        ledger.update(changes)
+        return cached_free
+
+    def _cached_free(self) -> int:
+        """Free blocks that still hold a prefix: every cached block but those sequences hold.
+        O(blocks held) where `BlockPool.num_cached_free` walks the whole free list, which costs
+        more than the rest of an iteration's scheduling at thousands of blocks."""
+        hash_of = self.pool.hash_of
+        held = {b for s in self.running for b in s.block_table if hash_of[b] is not None}
+        return len(self.pool.cached) - len(held)
+
+    def _shed_activations(self, want: int) -> int:
+        """Fine-tune jobs give back their held activations, lowest priority first."""
+        holding = self.finetune.holding()
+        holding.sort(key=lambda job: self.policy.priority(self._job_task(job), self._now))
+        freed = 0
+        for job in holding:
+            if freed >= want:
+                break
+            freed += self.finetune.abandon(job)
+            self.ledger.drop(MemoryKind.ACTIVATIONS, job.job_id)
+        return freed
+
+    def _shed_prefix_cache(self, want: int) -> int:
+        per_block = self.costs.kv_block_bytes
+        dropped = self.pool.evict_cached(-(-want // per_block))
+        self.sync_memory()
+        return dropped * per_block
+
+    def _shed_sequences(self, want: int) -> int:
+        """Preempt (to recompute later) the policy's victims until `want` bytes are free."""
+        before = self.ledger.held()
+        while self.running and before - self.ledger.held() < want:
+            victim = self.policy.victim(self.running, self._now)
+            self._preempt(victim)
+            self._shed_preempted.append(victim)
+            # Its full blocks stay cached (reusable on readmission) unless the bytes are needed.
+            self.sync_memory()
+            short = want - (before - self.ledger.held())
+            if short > 0:
+                self._shed_prefix_cache(short)
+        return before - self.ledger.held()
+
     # -- one iteration ----------------------------------------------------------------------
 
+    def _job_task(self, job: FineTuneJob) -> Task:
+        return Task(TaskKind.FINETUNE, job.arrival, job.enqueued, job=job, remaining=len(job.work.remaining()))
+
+    def _make_room_for_decodes(self) -> None:
+        """Running streams need their next block (and a little activation memory) before the
+        policy packs: take it from the pool, or shed in ledger order (fine-tune activations,
+        adapters, prefix cache, then the policy's victims) until they have it."""
+        per_token = self.costs.inference_bytes(1, True)
+        while True:
+            decodes = [s for s in self.running if not s.in_prefill]
+            need = sum(self.blocks_needed(s, 1) for s in decodes)
+            fresh = min(need, self.pool.num_free - self._cached_free())
+            short = fresh * self.costs.kv_block_bytes + len(decodes) * per_token - self.ledger.free
+            if need <= self.pool.num_free and short <= 0:
+                return
+            progressed = False
+            if short > 0:
+                progressed = self.ledger.reclaim(short).freed_bytes > 0
+            if self.running and self.blocks_short():
+                victim = self.policy.victim(self.running, self._now)
+                self._preempt(victim)
+                self._shed_preempted.append(victim)
+                self.sync_memory()
+                progressed = True
+            if not progressed:
+                return  # nothing left to shed: the bin holds what still fits
+
+    def blocks_short(self) -> bool:
+        """Whether the running streams' next tokens need more blocks than the pool has free."""
+        return sum(self.blocks_needed(s, 1) for s in self.running if not s.in_prefill) > self.pool.num_free
+
+    def _tasks(self) -> list[Task]:
+        prefill, decode = TaskKind.PREFILL, TaskKind.DECODE
+        last_token = self._last_token
+        tasks = []
+        for s in self.running:
+            left = s.num_tokens - s.num_computed
+            if left > 1:
+                tasks.append(Task(prefill, s.arrival, s.arrival, seq=s, remaining=left, context=s.num_computed))
+            else:
+                tasks.append(Task(decode, s.arrival, last_token.get(s.seq_id, s.arrival), seq=s, remaining=1,
+                                  context=s.num_computed))
+        for s in self.waiting:
+            if self._ready(s):
+                tasks.append(Task(prefill, s.arrival, s.arrival, seq=s, remaining=s.num_tokens - s.num_computed,
+                                  context=s.num_computed))
+        if not self.finetune_paused:
+            tasks += [self._job_task(job) for job in self.finetune.runnable()]
+        return tasks
+
     def schedule(self, now: float) -> Batch:
-        tasks = [
-            Task(TaskKind.PREFILL if s.in_prefill else TaskKind.DECODE, s, s.arrival) for s in self.running
-        ]
-        tasks += [Task(TaskKind.PREFILL, s, s.arrival) for s in self.waiting if self._ready(s)]
-        budget = self.max_batched_tokens
+        started = time.perf_counter()
+        self._now = now
+        self.ledger.release_reservation()
+        self._shed_preempted = []
+        cached_free = self.sync_memory()
+        self._make_room_for_decodes()
+        if self._shed_preempted:
+            cached_free = self.sync_memory()
+        bin = Bin(
+            self.costs,
+            latency_budget_s=self.latency_budget_s if self.policy.uses_latency_budget else math.inf,
+            memory_bytes=max(0, self.ledger.free),
+            free_blocks=self.pool.num_free,
+            fresh_blocks=self.pool.num_free - cached_free,
+            token_budget=self.max_batched_tokens,
+            max_seqs=self.max_num_seqs,
+            block_size=self.pool.block_size,
+            slo_tbt_s=self.slo_tbt_s,
+            slo_ttft_factor=self.slo_ttft_factor,
+        )
+        self.policy.pack(self._tasks(), bin, now)
+        items = self._admit(bin)
+        stages = [ScheduledStages(p.task.job, p.amount) for p in bin.finetune if p.task.job is not None]
+        if not items and not stages and self.running:
+            # Nothing could move (blocks or memory held by partly prefilled prompts): give the
+            # policy's victim's blocks back so the others can progress next iteration.
+            victim = self.policy.victim(self.running, now)
+            self._preempt(victim)
+            self._shed_preempted.append(victim)
+        self.sync_memory()
+        transient = sum(self.costs.inference_bytes(i.num_tokens, i.samples) for i in items)
+        transient += sum(p.memory_bytes for p in bin.finetune)
+        self.ledger.reserve(transient)
+        batch = Batch(items, self._shed_preempted, stages, planned_forward_s=bin.forward_s,
+                      planned_s=bin.latency_s, reserved_bytes=transient)
+        self.overhead_s = time.perf_counter() - started
+        return batch
+
+    def _admit(self, bin: Bin) -> list[ScheduledSeq]:
+        """Allocate blocks for the packed inference work (prefix-cache hits first)."""
         items: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
-        chosen: set[int] = set()
-        for task in self.policy.order(tasks, now):
-            seq = task.seq
-            if seq.status is SeqStatus.WAITING and seq in preempted:
-                continue
-            if budget <= 0 or len(items) >= self.max_num_seqs:
-                break
+        for placement in bin.inference:
+            seq = placement.task.seq
+            assert seq is not None
             fresh = seq.status is SeqStatus.WAITING
             if fresh and not seq.block_table:
                 self._match_prefix(seq)
                 metrics = seq.request.metrics
                 if metrics is not None and seq.index == 0 and seq.preemptions == 0:
                     metrics.cached_prompt_tokens = seq.num_computed
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = min(placement.amount, seq.num_tokens - seq.num_computed)
             need = self.blocks_needed(seq, n)
-            while need > self.pool.num_free:
-                victims = [s for s in self.running if s is not seq and id(s) not in chosen]
-                if fresh or not victims:
-                    break
-                victim = self.policy.victim(victims, now)
-                self._preempt(victim)
-                preempted.append(victim)
-            if need > self.pool.num_free:
+            if n <= 0 or need > self.pool.num_free:
                 if fresh:
                     self._release(seq)  # give back matched prefix blocks; retry later
-                    if self.policy.stop_at_first_misfit():
-                        break
-                    continue
-                # A running sequence with no one left to preempt: recompute it later.
-                self._preempt(seq)
-                preempted.append(seq)
                 continue
             for _ in range(need):
                 seq.block_table.append(self.pool.allocate())
@@ -167,16 +323,18 @@ class Scheduler:
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
             items.append(ScheduledSeq(seq, n))
-            chosen.add(id(seq))
-            budget -= n
-        return Batch(items, preempted)
+        return items
 
-    def commit(self, batch: Batch) -> None:
-        """Advance computed counts and register newly full blocks in the prefix cache."""
+    def commit(self, batch: Batch, now: float) -> None:
+        """Advance computed counts, register newly full blocks in the prefix cache, note when
+        each stream got its token (its decode task's re-queue time), release the iteration's
+        memory reservation and record the activations fine-tune stages now hold."""
         size = self.pool.block_size
         for item in batch.items:
             seq = item.seq
             seq.num_computed += item.num_tokens
+            if item.samples:
+                self._last_token[seq.seq_id] = now
             full = seq.num_computed // size
             salt = seq.request.adapter_key
             while len(seq.block_hashes) < full:
@@ -185,3 +343,6 @@ class Scheduler:
                 h = block_hash(parent, seq.token_ids[i * size : (i + 1) * size], salt)
                 self.pool.register(seq.block_table[i], h)
                 seq.block_hashes.append(h)
+        self.ledger.release_reservation()
+        for scheduled in batch.finetune:
+            self.ledger.set(MemoryKind.ACTIVATIONS, scheduled.job.job_id, scheduled.job.work.held_bytes)

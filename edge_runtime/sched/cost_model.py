@@ -1,0 +1,352 @@
+"""Latency and memory of the work an iteration can hold, on this machine and model: a forward's
+cost is linear in new tokens, attended (query, key) pairs and LM-head rows; fine-tune stages are
+priced by their own estimates (`edge_runtime.train.costs`). Both are measured at start-up (cached
+per model shape + device + dtype + backend) and corrected online by moving averages of
+observed / predicted time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edge_runtime.kv.block_pool import BlockPool
+from edge_runtime.model.config import ModelConfig
+from edge_runtime.sched.batch import Batch, ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ForwardCoefficients:
+    """seconds(forward) = base + token * new tokens + attend * (query, key) pairs + logit * rows."""
+
+    base_s: float
+    token_s: float
+    attend_s: float
+    logit_s: float
+
+    def seconds(self, tokens: int, attended: int, rows: int) -> float:
+        return self.base_s + self.token_s * tokens + self.attend_s * attended + self.logit_s * rows
+
+    @classmethod
+    def nominal(cls, cfg: ModelConfig) -> ForwardCoefficients:
+        """An order-of-magnitude guess (2 CPU cores, ~50 GFLOP/s) for when no calibration ran;
+        the online correction takes over from the first iterations."""
+        flops = 50e9
+        per_token = 2 * cfg.num_layers * (cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+                                          + 3 * cfg.hidden_size * cfg.intermediate_size)
+        per_pair = 4 * cfg.num_layers * cfg.q_size
+        return cls(2e-3, per_token / flops, per_pair / flops, 2 * cfg.hidden_size * cfg.vocab_size / flops)
+
+
+def attended_pairs(context: int, new: int) -> int:
+    """(query, key) pairs of `new` causal queries after `context` cached tokens."""
+    return new * context + new * (new + 1) // 2
+
+
+@dataclass
+class Correction:
+    """Moving average of observed / predicted seconds, so a profile taken on a quiet (or busy)
+    machine follows what the machine does now."""
+
+    alpha: float
+    scale: float = 1.0
+    error: float = 0.0  # moving average of |observed / predicted - 1|
+    samples: int = 0
+
+    def observe(self, raw_estimate: float, observed: float) -> None:
+        """`raw_estimate`: the prediction before this correction was applied."""
+        if raw_estimate <= 0 or observed <= 0:
+            return
+        ratio = min(10.0, max(0.1, observed / raw_estimate))
+        miss = abs(observed / (raw_estimate * self.scale) - 1.0)
+        # A running mean over the first 1/alpha samples, then an exponential average: the prior
+        # (a profile taken at another load level) counts as one sample, not as the truth.
+        self.samples += 1
+        a = max(self.alpha, 1.0 / (self.samples + 1))
+        self.error = (1 - a) * self.error + a * miss
+        self.scale = (1 - a) * self.scale + a * ratio
+
+
+@dataclass
+class CostModel:
+    """What the scheduler asks: marginal latency and memory of a decode step, a prefill chunk
+    or fine-tune stages, and the fixed cost of running a forward at all."""
+
+    forward: ForwardCoefficients
+    kv_block_bytes: int
+    block_size: int
+    activation_bytes_per_token: int  # transient activations of one token through the forward
+    logits_bytes_per_row: int
+    ema_alpha: float = 0.2
+    source: str = "nominal"  # "calibrated", "cached" or "nominal"
+    forward_fix: Correction = field(init=False)
+    stage_fix: dict[str, Correction] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.forward_fix = Correction(self.ema_alpha)
+        self.stage_fix = {}
+
+    # -- inference ---------------------------------------------------------------------------
+
+    @property
+    def forward_base_s(self) -> float:
+        return self.forward.base_s * self.forward_fix.scale
+
+    def inference_s(self, context: int, new: int, samples: bool) -> float:
+        """Marginal seconds of feeding `new` tokens after `context` cached ones (one sequence)."""
+        f = self.forward
+        s = f.token_s * new + f.attend_s * attended_pairs(context, new) + (f.logit_s if samples else 0.0)
+        return s * self.forward_fix.scale
+
+    def inference_bytes(self, new: int, samples: bool) -> int:
+        return self.activation_bytes_per_token * new + (self.logits_bytes_per_row if samples else 0)
+
+    def unloaded_prefill_s(self, prompt_tokens: int) -> float:
+        """A lone prompt's prefill forward (first token), as calibrated: the unit of the TTFT SLO."""
+        return self.forward.seconds(prompt_tokens, attended_pairs(0, prompt_tokens), 1)
+
+    def unloaded_decode_s(self, context: int = 256) -> float:
+        return self.forward.seconds(1, context + 1, 1)
+
+    def observe_forward(self, planned_s: float, observed_s: float) -> None:
+        """`planned_s`: what this model predicted for the forward (correction included)."""
+        self.forward_fix.observe(planned_s / self.forward_fix.scale, observed_s)
+
+    # -- fine-tune stages --------------------------------------------------------------------
+
+    def stage_s(self, kind: str, estimate_s: float) -> float:
+        fix = self.stage_fix.get(kind)
+        return estimate_s * (fix.scale if fix is not None else 1.0)
+
+    def observe_stage(self, kind: str, estimate_s: float, observed_s: float) -> None:
+        fix = self.stage_fix.get(kind)
+        if fix is None:
+            fix = self.stage_fix[kind] = Correction(self.ema_alpha)
+        fix.observe(estimate_s, observed_s)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "forward": asdict(self.forward),
+            "forward_scale": round(self.forward_fix.scale, 4),
+            "forward_error": round(self.forward_fix.error, 4),
+            "stage_scale": {k: round(v.scale, 4) for k, v in self.stage_fix.items()},
+            "stage_error": {k: round(v.error, 4) for k, v in self.stage_fix.items()},
+        }
+
+
+def activation_sizes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes per token, bytes per logits row) a forward holds at its widest point: the MLP's
+    gate/up/act tensors plus the residual stream and attention projections of one layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_token = elem * (4 * cfg.hidden_size + 3 * cfg.intermediate_size + cfg.q_size + 2 * cfg.kv_size)
+    per_row = 4 * cfg.vocab_size + elem * cfg.vocab_size
+    return per_token, per_row
+
+
+# -- calibration ------------------------------------------------------------------------------
+
+
+@dataclass
+class _ProbeRequest:
+    adapter: Any = None
+    adapter_key: str = ""
+
+
+@dataclass
+class _ProbeSeq:
+    """Just enough of a `Sequence` for a backend to run a synthetic batch."""
+
+    token_ids: list[int]
+    num_computed: int
+    block_table: list[int]
+    request: _ProbeRequest = field(default_factory=_ProbeRequest)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+# (sequences, cached context per sequence, new tokens per sequence): decode batches of several
+# widths and depths, prefill chunks, and one mixed batch, so every coefficient is pinned down.
+SHAPES: tuple[tuple[tuple[int, int, int], ...], ...] = (
+    ((1, 16, 1),), ((1, 256, 1),), ((4, 64, 1),), ((8, 128, 1),), ((16, 32, 1),), ((16, 256, 1),),
+    ((1, 0, 16),), ((1, 0, 64),), ((1, 0, 192),), ((1, 128, 64),),
+    ((1, 0, 64), (8, 128, 1)),
+)
+
+
+def measure_forward(execute: Callable[[Batch], Any], pool: BlockPool, vocab: int, repeats: int = 3,
+                    seed: int = 0) -> list[tuple[int, int, int, float]]:
+    """Time each shape through the real backend (writing scratch K/V into free blocks, returned
+    afterwards). Returns rows of (tokens, attended pairs, logit rows, seconds); shapes that do not
+    fit the pool are skipped."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    size = pool.block_size
+    for shape in SHAPES:
+        blocks_needed = sum(n * -(-(ctx + new) // size) for n, ctx, new in shape)
+        if blocks_needed > pool.num_free:
+            continue
+        taken: list[int] = []
+        items = []
+        for n, ctx, new in shape:
+            for _ in range(n):
+                table = [pool.allocate() for _ in range(-(-(ctx + new) // size))]
+                taken += table
+                ids = torch.randint(0, vocab, (ctx + new,), generator=gen).tolist()
+                items.append(ScheduledSeq(_ProbeSeq(ids, ctx, table), new))  # type: ignore[arg-type]
+        batch = Batch(items, [])
+        try:
+            execute(batch)  # warm-up: allocator growth, kernel choice
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                execute(batch)
+                times.append(time.perf_counter() - t0)
+        finally:
+            for block in taken:
+                pool.release(block)
+        tokens = sum(n * new for n, _, new in shape)
+        attended = sum(n * attended_pairs(ctx, new) for n, ctx, new in shape)
+        logit_rows = sum(n for n, _, _ in shape)
+        # The median of a few runs: the minimum flatters a machine shared with other work.
+        rows.append((tokens, attended, logit_rows, statistics.median(times)))
+    return rows
+
+
+def fit_forward(rows: list[tuple[int, int, int, float]]) -> ForwardCoefficients:
+    """Non-negative least squares on relative error (small decodes matter as much as long
+    prefills): drop the most negative coefficient and refit until none is negative."""
+    import numpy as np
+
+    x = np.array([[1.0, t, a, r] for t, a, r, _ in rows])
+    y = np.array([s for *_, s in rows])
+    w = 1.0 / y
+    active = [0, 1, 2, 3]
+    coef = np.zeros(4)
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if (sol >= 0).all():
+            coef = np.zeros(4)
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return ForwardCoefficients(*(float(c) for c in coef))
+
+
+def fingerprint(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, backend: str, block_size: int,
+                extra: str = "") -> str:
+    """What the costs depend on: the model's shape (not its weights), the machine and the dtype."""
+    if device.type == "cuda":
+        machine = torch.cuda.get_device_name(device)
+    else:
+        machine = _cpu_name() + f"/threads={torch.get_num_threads()}"
+    parts = [cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads,
+             cfg.num_kv_heads, cfg.head_dim, str(dtype), device.type, machine, backend, block_size, extra]
+    return hashlib.blake2b(repr(parts).encode(), digest_size=10).hexdigest()
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cached(path: Path | None, build: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
+    """The JSON at `path` if it is there and current, else `build()` written atomically there.
+    Returns (values, whether they came from the cache)."""
+    if path is not None and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("version") == CACHE_VERSION:
+                return data["values"], True
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("ignoring unreadable cost cache %s: %s", path, exc)
+    values = build()
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"version": CACHE_VERSION, "values": values}, indent=1))
+            os.replace(tmp, path)
+        except OSError as exc:  # a read-only state dir costs a re-profile next start, nothing else
+            log.warning("cannot write cost cache %s: %s", path, exc)
+    return values, False
+
+
+def cache_path(cache_dir: str | None, name: str) -> Path | None:
+    """`cache_dir` None: <state dir>/costs; "": no cache (profile at every start)."""
+    if cache_dir == "":
+        return None
+    if cache_dir is None:
+        from edge_runtime.paths import state_dir
+
+        return state_dir() / "costs" / name
+    return Path(cache_dir) / name
+
+
+def load_cost_model(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend_name: str,
+    execute: Callable[[Batch], Any],
+    pool: BlockPool,
+    kv_block_bytes: int,
+    *,
+    mode: str = "auto",
+    cache_dir: str | None = None,
+    ema_alpha: float = 0.2,
+) -> CostModel:
+    """The forward's cost model: `mode` "auto" loads this machine's cached calibration or runs
+    one (a few seconds: ~11 synthetic batches through the real backend, before any request);
+    "off" starts from nominal figures and relies on the online correction alone."""
+    per_token, per_row = activation_sizes(cfg, dtype)
+    coefficients, source = ForwardCoefficients.nominal(cfg), "nominal"
+    if mode not in ("auto", "off"):
+        raise ValueError(f"unknown cost profile mode {mode!r}; use 'auto' or 'off'")
+    if mode == "auto":
+        key = fingerprint(cfg, device, dtype, backend_name, pool.block_size)
+
+        def calibrate() -> dict[str, Any]:
+            started = time.perf_counter()
+            rows = measure_forward(execute, pool, cfg.vocab_size)
+            fitted = fit_forward(rows) if len(rows) >= 4 else ForwardCoefficients.nominal(cfg)
+            log.info("calibrated the forward cost model in %.1f s: %s", time.perf_counter() - started, fitted)
+            return asdict(fitted)
+
+        values, hit = cached(cache_path(cache_dir, f"forward-{key}.json"), calibrate)
+        coefficients, source = ForwardCoefficients(**values), "cached" if hit else "calibrated"
+    return CostModel(coefficients, kv_block_bytes, pool.block_size, per_token, per_row, ema_alpha, source)
+
+
+def load_stage_costs(model: Any, settings: Any, *, cache_dir: str | None = None, backend_name: str = "torch",
+                     block_size: int = 16) -> Any:
+    """The fine-tune stages' `StageCostModel` for these LoRA settings, profiled once per machine
+    (`StageCostModel.profile`, seconds) and cached like the forward's calibration."""
+    from edge_runtime.train.costs import StageCostModel
+
+    key = fingerprint(model.cfg, model.device, model.dtype, backend_name, block_size, extra=repr(settings))
+    values, _ = cached(cache_path(cache_dir, f"stages-{key}.json"),
+                       lambda: StageCostModel.profile(model, settings).as_dict())
+    return StageCostModel(**values)

@@ -1,0 +1,189 @@
+"""Fine-tune jobs as the scheduler sees them: one staged update (a preference pair's DPO step on
+a user's adapter), its arrival, its DPO loss (a priority input), its stage costs, and which
+adapter it holds between its first forward and its optimizer stage. Runs no stage itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from edge_runtime.train.costs import StageEstimate
+
+
+class StageLike(Protocol):
+    kind: Any  # an enum whose .value names the stage kind ("score", "forward", ...)
+    name: str
+    seconds: float | None
+
+    def estimate(self) -> StageEstimate: ...
+
+
+class FineTuneWork(Protocol):
+    """What a staged fine-tune task offers (`edge_runtime.train.staged.DPOFineTuneTask` does)."""
+
+    trainer: Any  # jobs of one trainer hold its adapter one at a time (forward..optimizer)
+    done: bool
+    held_bytes: int
+
+    def next_stage(self) -> StageLike | None: ...
+
+    def remaining(self) -> list[StageLike]: ...
+
+    def run_next(self) -> StageLike: ...
+
+    def abandon(self) -> None: ...
+
+
+# Kinds that need the adapter exclusively: between a task's forward and its optimizer stage the
+# autograd graph references the LoRA leaves (see AdapterTrainer.claim).
+_EXCLUSIVE = {"forward", "backward", "optimizer"}
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    kind: str
+    seconds: float  # the stage's own estimate (before the scheduler's online correction)
+    memory_bytes: int  # transient peak plus the activations it adds to what the job holds
+
+
+@dataclass(eq=False)
+class FineTuneJob:
+    job_id: str
+    work: FineTuneWork
+    arrival: float
+    enqueued: float  # when it last ran a stage (or arrived): the waiting time that ages it
+    dpo_loss: float | None = None  # L_DPO for MACE's gamma term; from the score stage if not given
+    user: str | None = None
+    on_done: Callable[[FineTuneJob], None] | None = None
+    stages_run: int = 0
+    seconds: float = 0.0
+    finished_at: float | None = None
+    abandoned: int = 0
+    error: str | None = None
+    _costs: dict[int, StageCost] = field(default_factory=dict, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.work.done or self.error is not None
+
+    @property
+    def next_kind(self) -> str | None:
+        stage = self.work.next_stage()
+        return None if stage is None else stage.kind.value
+
+    def stage_costs(self, limit: int) -> list[StageCost]:
+        """Costs of the next `limit` stages, each estimated once (estimates are arithmetic on
+        the stage's shape, so re-asking every iteration would only cost scheduler time)."""
+        out = []
+        for stage in self.work.remaining()[:limit]:
+            cost = self._costs.get(id(stage))
+            if cost is None:
+                est = stage.estimate()
+                held_growth = max(0, est.held_bytes - self.work.held_bytes)
+                cost = StageCost(stage.kind.value, est.seconds, int(est.peak_bytes + held_growth))
+                self._costs[id(stage)] = cost
+            out.append(cost)
+        return out
+
+    def estimate_s(self, stage: StageLike) -> float:
+        """The stage's own latency estimate (before the scheduler's online correction)."""
+        cost = self._costs.get(id(stage))
+        return cost.seconds if cost is not None else stage.estimate().seconds
+
+    def loss_for_priority(self) -> float:
+        if self.dpo_loss is not None:
+            return self.dpo_loss
+        score = getattr(self.work, "score", None)
+        if score is not None:
+            # Computed once: DPOScore.loss goes through torch, too slow for every iteration.
+            self.dpo_loss = float(score.loss)
+            return self.dpo_loss
+        return math.log(2.0)  # the DPO loss of an adapter that does not yet prefer either answer
+
+
+class FineTuneQueue:
+    """Jobs in arrival order, and which job holds each trainer's adapter."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, FineTuneJob] = {}
+        self.owners: dict[int, FineTuneJob] = {}  # id(trainer) -> job between forward and optimizer
+        self.finished: list[FineTuneJob] = []
+        self.pairs_done = 0
+        self.stages_run = 0
+        self.seconds = 0.0
+        self.failed = 0
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def add(self, job: FineTuneJob) -> None:
+        if job.job_id in self.jobs:
+            raise ValueError(f"fine-tune job {job.job_id!r} is already queued")
+        self.jobs[job.job_id] = job
+
+    def runnable(self) -> list[FineTuneJob]:
+        """Jobs whose next stage may run now: any score stage; otherwise at most one job per
+        trainer, the one holding its adapter or, if none does, the earliest arrival."""
+        out = []
+        taken: set[int] = set()
+        for job in self.jobs.values():
+            kind = job.next_kind
+            if kind is None:
+                continue
+            if kind not in _EXCLUSIVE:
+                out.append(job)
+                continue
+            key = id(job.work.trainer)
+            owner = self.owners.get(key)
+            if owner is job or (owner is None and key not in taken):
+                taken.add(key)
+                out.append(job)
+        return out
+
+    def before_stage(self, job: FineTuneJob, kind: str) -> None:
+        if kind in _EXCLUSIVE:
+            self.owners[id(job.work.trainer)] = job
+
+    def after_stage(self, job: FineTuneJob, seconds: float, now: float) -> None:
+        job.stages_run += 1
+        job.seconds += seconds
+        job.enqueued = now
+        self.stages_run += 1
+        self.seconds += seconds
+        if job.work.done:
+            self.retire(job, now)
+
+    def retire(self, job: FineTuneJob, now: float, error: str | None = None) -> None:
+        self.jobs.pop(job.job_id, None)
+        self._release(job)
+        job.finished_at = now
+        if error is not None:
+            job.error = error
+            self.failed += 1
+        else:
+            self.pairs_done += 1
+        self.finished.append(job)
+        del self.finished[:-256]  # recent history only; counters keep the totals
+        if job.on_done is not None:
+            job.on_done(job)
+
+    def abandon(self, job: FineTuneJob) -> int:
+        """Drop the job's held activations (memory pressure); it restarts at its first forward.
+        Returns the bytes given back."""
+        held = job.work.held_bytes
+        job.work.abandon()
+        job.abandoned += 1
+        job._costs.clear()  # held-state-dependent estimates are stale now
+        self._release(job)
+        return held
+
+    def _release(self, job: FineTuneJob) -> None:
+        key = id(job.work.trainer)
+        if self.owners.get(key) is job:
+            del self.owners[key]
+
+    def holding(self) -> list[FineTuneJob]:
+        return [job for job in self.jobs.values() if job.work.held_bytes > 0]
