@@ -27,7 +27,16 @@ class EngineConfig:
     max_batched_tokens: int = 256  # tokens per iteration (prefill chunking)
     max_num_seqs: int = 32
     enable_prefix_cache: bool = True
-    policy: str = "fcfs"
+    policy: str = "fcfs"  # "mace" | "fcfs" | "periodic" | "continuous" | "fifo" | "token-level" | "apt"
+    policy_params: dict[str, float] = field(default_factory=dict)  # overrides of the policy's defaults
+    slo_tbt_ms: float = 0.0  # time between tokens; 0 = slo_tbt_factor x a calibrated unloaded decode step
+    slo_tbt_factor: float = 5.0
+    slo_ttft_factor: float = 5.0  # TTFT SLO = this x the prompt's unloaded prefill (MACE paper, sec. 6.3)
+    iteration_budget_fraction: float = 0.8  # share of the TBT SLO one iteration's bin may fill
+    memory_budget_bytes: int = 0  # ledger budget; 0 = weights + KV cache + adapters + finetune_memory_bytes
+    finetune_memory_bytes: int = 256 << 20  # room the derived budget leaves for fine-tuning
+    cost_profile: str = "auto"  # "auto": calibrate once per machine and cache; "off": nominal + online
+    cost_cache_dir: str | None = None  # None = <state dir>/costs; "" = calibrate at every start
     max_prompt_chars: int = 200_000
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -1,13 +1,16 @@
 """The engine: requests in, tokens out, one iteration at a time.
 
-`step()` is the whole algorithm: schedule a bin of decode steps and prefill chunks, run it,
-sample, and commit the results (stream tokens, stop, free blocks). Not thread-safe: the daemon
-calls it from one engine thread and hands work in through queues.
+`step()` is the whole algorithm (MACE's Algorithm 1): pack a bin of decode steps, prefill
+chunks and fine-tune stages, run it, sample, and commit the results (stream tokens, stop, free
+blocks, re-queue what is unfinished). Not thread-safe: the daemon calls it from one engine thread
+and hands work in through queues.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -26,16 +29,20 @@ from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.kv.cache import KVCache, bytes_per_block
 from edge_runtime.lora.registry import AdapterRef, AdapterRegistry
 from edge_runtime.lora.weights import LoraWeights
+from edge_runtime.memory import MemoryKind, MemoryLedger, ShedReport
 from edge_runtime.model.llama import LlamaModel
 from edge_runtime.model.tokenizer import ChatMessages, Tokenizer
 from edge_runtime.model.weights import load_llama
 from edge_runtime.outputs import RequestMetrics, RequestOutput, TokenEvent
 from edge_runtime.sampling import SamplingParams, sample_next
-from edge_runtime.sched.policy import make_policy
-from edge_runtime.sched.scheduler import Scheduler
+from edge_runtime.sched.cost_model import load_cost_model, load_stage_costs
+from edge_runtime.sched.finetune import FineTuneJob, FineTuneWork
+from edge_runtime.sched.registry import make_policy
+from edge_runtime.sched.scheduler import Batch, Scheduler
 from edge_runtime.sequence import Request, SeqStatus, Sequence
 
 Prompt = str | ChatMessages
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -59,9 +66,6 @@ class Engine:
             self.max_context = min(self.max_context, config.max_context)
         self.cache = KVCache(cfg, num_blocks, config.block_size, model.dtype, model.device)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache)
-        self.scheduler = Scheduler(
-            self.pool, make_policy(config.policy), config.max_batched_tokens, config.max_num_seqs
-        )
         # Per-user LoRA versions; without a root (config.extra["adapters_root"]) they live in memory.
         self.adapters = adapters or AdapterRegistry(
             config.extra.get("adapters_root"), cfg, model.dtype, model.device,
@@ -69,9 +73,25 @@ class Engine:
         )
         self.adapters.preload()
         self.backend = make_backend(config, model, self.cache, self.adapters)
+        self.clock = time.monotonic  # the one scheduling clock (tests may substitute a fake)
+        self.costs = load_cost_model(cfg, model.dtype, model.device, self.backend.name, self.backend.execute,
+                                     self.pool, per_block, mode=config.cost_profile,
+                                     cache_dir=config.cost_cache_dir)
+        self.ledger = MemoryLedger(self._memory_budget_bytes())
+        self.ledger.set(MemoryKind.WEIGHTS, "model", _weights_bytes(model))
+        self.ledger.register_shedder(MemoryKind.ADAPTERS, self._shed_adapters)
+        slo_tbt_s = (config.slo_tbt_ms / 1000 if config.slo_tbt_ms > 0
+                     else config.slo_tbt_factor * self.costs.unloaded_decode_s())
+        self.scheduler = Scheduler(
+            self.pool, make_policy(config.policy, config.policy_params), self.costs, self.ledger,
+            max_batched_tokens=config.max_batched_tokens, max_num_seqs=config.max_num_seqs,
+            latency_budget_s=config.iteration_budget_fraction * slo_tbt_s, slo_tbt_s=slo_tbt_s,
+            slo_ttft_factor=config.slo_ttft_factor,
+        )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
+        self._job_ids = itertools.count()
         self.iterations = 0
         self.tokens_generated = 0
         self.last_iteration_s = 0.0
@@ -103,6 +123,17 @@ class Engine:
             available = min(available, free)  # on Jetson both views share one DRAM
         return int(min(self.config.kv_cache_max_bytes, available * self.config.kv_cache_fraction))
 
+    def _memory_budget_bytes(self) -> int:
+        """The ledger's budget until telemetry sets one: what the engine holds by construction
+        (weights, the KV cache, the adapter cache), one full iteration's activations, and the
+        configured room for fine-tuning."""
+        if self.config.memory_budget_bytes:
+            return self.config.memory_budget_bytes
+        forward = (self.costs.inference_bytes(self.config.max_batched_tokens, False)
+                   + self.config.max_num_seqs * self.costs.logits_bytes_per_row)
+        return (_weights_bytes(self.model) + self.cache.nbytes + self.adapters.cache.capacity_bytes
+                + forward + self.config.finetune_memory_bytes)
+
     # -- requests ---------------------------------------------------------------------------
 
     def add_request(
@@ -131,7 +162,7 @@ class Engine:
                 f"prompt has {len(ids)} tokens; this engine holds at most {self.max_context - 1} "
                 "prompt tokens per sequence (model limit and KV cache size)"
             )
-        now = time.monotonic()
+        now = self.clock()
         pinned = self._pin_adapter(adapter)
         request = Request(request_id, text, ids, params, now, on_token=on_token, adapter=pinned,
                           adapter_key=pinned.key if pinned is not None else "")
@@ -157,11 +188,12 @@ class Engine:
             if seq.status is not SeqStatus.FINISHED:
                 self.scheduler.finish(seq, "abort")
                 self._emit(seq, "", None, finished=True)
-        request.metrics.finish_time = time.monotonic()
+        request.metrics.finish_time = self.clock()
         return request.output()
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Requests in flight, or fine-tune jobs queued (and not paused)."""
+        return bool(self.requests) or self.scheduler.has_work()
 
     # -- adapters ---------------------------------------------------------------------------
 
@@ -180,25 +212,146 @@ class Engine:
         """Stop serving the user's newest version (or all newer than `to_version`)."""
         return self.adapters.rollback(user, to_version, reason)
 
+    # -- fine-tuning and memory -------------------------------------------------------------
+
+    def add_finetune(
+        self,
+        task: FineTuneWork,
+        *,
+        user: str | None = None,
+        dpo_loss: float | None = None,
+        arrival: float | None = None,
+        job_id: str | None = None,
+        on_done: Callable[[FineTuneJob], None] | None = None,
+    ) -> str:
+        """Queue one staged fine-tune task (e.g. `AdapterTrainer.task(pair)`); the policy packs its
+        stages into iterations beside inference. `dpo_loss` seeds MACE's gamma * L_DPO term until
+        the task's score stage measures it; `arrival` is on the engine clock (default now);
+        `on_done(job)` runs on the engine thread when the last stage ran (or the job failed:
+        `job.error`). Returns the job id."""
+        job_id = job_id or f"ft-{next(self._job_ids)}"
+        now = self.clock()
+        job = FineTuneJob(job_id, task, arrival if arrival is not None else now,
+                          arrival if arrival is not None else now, dpo_loss, user, on_done)
+        self.scheduler.add_finetune(job)
+        return job_id
+
+    def cancel_finetune(self, job_id: str | None = None, *, user: str | None = None) -> int:
+        """Drop one queued job, or every job of `user` (erasure): activations are freed and the
+        adapter released. Returns how many were dropped."""
+        jobs = [j for j in list(self.scheduler.finetune.jobs.values())
+                if (job_id is not None and j.job_id == job_id) or (user is not None and j.user == user)]
+        for job in jobs:
+            self._drop_job(job, "cancelled")
+        return len(jobs)
+
+    def _drop_job(self, job: FineTuneJob, reason: str) -> None:
+        queue = self.scheduler.finetune
+        try:
+            if job.work.held_bytes or queue.owners.get(id(job.work.trainer)) is job:
+                queue.abandon(job)
+        finally:
+            queue.retire(job, self.clock(), error=reason)
+            self.ledger.drop(MemoryKind.ACTIVATIONS, job.job_id)
+
+    def pause_finetune(self, reason: str) -> None:
+        """Stop scheduling fine-tune stages (admission says shed) and give activations back."""
+        self.scheduler.finetune_paused = reason
+        for job in self.scheduler.finetune.holding():
+            self.scheduler.finetune.abandon(job)
+        self.scheduler.sync_memory()
+
+    def resume_finetune(self) -> None:
+        self.scheduler.finetune_paused = None
+
+    def set_memory_budget(self, nbytes: int) -> ShedReport:
+        """New ledger budget (from telemetry: `MemoryBudget.ledger_capacity_bytes(
+        engine.ledger.held())`); sheds now, in ARCHITECTURE.md order, if what is held no longer
+        fits. Call on the engine thread."""
+        self.scheduler.sync_memory()
+        self.ledger.set(MemoryKind.ADAPTERS, "cache", self.adapters.cache.nbytes)
+        return self.ledger.set_budget(nbytes)
+
+    def _shed_adapters(self, want: int) -> int:
+        """Idle cached adapter versions go (pinned ones, serving requests, stay)."""
+        cache = self.adapters.cache
+        freed = cache.shrink(max(0, cache.nbytes - want))
+        self.ledger.set(MemoryKind.ADAPTERS, "cache", cache.nbytes)
+        return freed
+
+    def stage_costs(self, settings: Any = None) -> Any:
+        """This machine's fine-tune stage cost model (`StageCostModel`) for LoRA `settings`
+        (default `LoraSettings()`), profiled once and cached: pass it to `AdapterTrainer(costs=)`."""
+        from edge_runtime.lora.config import LoraSettings
+
+        return load_stage_costs(self.model, settings or LoraSettings(), cache_dir=self.config.cost_cache_dir,
+                                backend_name=self.backend.name, block_size=self.config.block_size)
+
+    def finetune_stats(self) -> dict[str, Any]:
+        queue = self.scheduler.finetune
+        return {
+            "finetune_queued": len(queue),
+            "finetune_pairs_done": queue.pairs_done,
+            "finetune_failed": queue.failed,
+            "finetune_stages_run": queue.stages_run,
+            "finetune_seconds": round(queue.seconds, 3),
+            "finetune_paused": self.scheduler.finetune_paused,
+        }
+
     # -- the iteration ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run, sample, commit. Returns the requests it finished."""
-        start = time.monotonic()
+        """One iteration, Algorithm 1 in plain words: by priority, pack this iteration's bin
+        (decode steps, prefill chunks, fine-tune stages) within the latency budget and the
+        ledger's free memory; run the forward; run the fine-tune stages; commit: advance
+        sequences, stream and sample tokens, re-queue unfinished work with its new waiting time.
+        Returns the requests it finished."""
+        start = self.clock()
+        self.ledger.set(MemoryKind.ADAPTERS, "cache", self.adapters.cache.nbytes)
         batch = self.scheduler.schedule(start)
-        if not batch.items:
+        if batch.empty:
+            self.ledger.release_reservation()
             return []
         sampling = [item.seq for item in batch.items if item.samples]
-        logits = self.backend.execute(batch).cpu()
-        self.scheduler.commit(batch)
-        finished = self._commit_tokens(sampling, logits)
+        logits = self._run_forward(batch)
+        self._run_finetune(batch)
+        self.scheduler.commit(batch, self.clock())
+        finished = self._commit_tokens(sampling, logits) if logits is not None else []
         self.iterations += 1
-        self.last_iteration_s = time.monotonic() - start
+        self.last_iteration_s = self.clock() - start
         return finished
+
+    def _run_forward(self, batch: Batch) -> torch.Tensor | None:
+        if not batch.items:
+            return None
+        started = time.perf_counter()
+        logits = self.backend.execute(batch).cpu()
+        self.costs.observe_forward(batch.planned_forward_s, time.perf_counter() - started)
+        return logits
+
+    def _run_finetune(self, batch: Batch) -> None:
+        queue = self.scheduler.finetune
+        for scheduled in batch.finetune:
+            job = scheduled.job
+            for _ in range(scheduled.num_stages):
+                stage = job.work.next_stage()
+                if stage is None:
+                    break
+                kind = stage.kind.value
+                estimate_s = job.estimate_s(stage)
+                queue.before_stage(job, kind)
+                try:
+                    job.work.run_next()
+                except Exception as exc:  # a failing update must not take inference down with it
+                    log.exception("fine-tune job %s failed in stage %s", job.job_id, stage.name)
+                    self._drop_job(job, f"{stage.name} failed: {exc}")
+                    break
+                self.costs.observe_stage(kind, estimate_s, stage.seconds or 0.0)
+                queue.after_stage(job, stage.seconds or 0.0, self.clock())
 
     def _commit_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
         done: list[RequestOutput] = []
-        now = time.monotonic()
+        now = self.clock()
         for row, seq in enumerate(seqs):
             params = seq.params
             token = sample_next(logits[row], params, seq.generator)
@@ -306,8 +459,21 @@ class Engine:
             "iterations": self.iterations,
             "tokens_generated": self.tokens_generated,
             "last_iteration_ms": round(self.last_iteration_s * 1000, 3),
+            "scheduler_overhead_ms": round(self.scheduler.overhead_s * 1000, 4),
+            "slo_tbt_ms": round(self.scheduler.slo_tbt_s * 1000, 3),
+            "iteration_budget_ms": (round(self.scheduler.latency_budget_s * 1000, 3)
+                                    if math.isfinite(self.scheduler.latency_budget_s) else None),
+            "policy_params": self.scheduler.policy.params,
+            **self.finetune_stats(),
             **self.adapters.stats(),
+            "memory": self.ledger.snapshot(),
+            "cost_model": self.costs.describe(),
         }
+
+
+def _weights_bytes(model: LlamaModel) -> int:
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
