@@ -1,0 +1,155 @@
+"""A model-free harness for scheduler tests: real scheduler, policies, bins and ledger; fake
+sequences (a token per sampling step), fake fine-tune work with declared stage costs, and a
+clock that advances by each iteration's planned latency."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from edge_runtime.kv.block_pool import BlockPool
+from edge_runtime.memory import MemoryKind, MemoryLedger
+from edge_runtime.sampling import SamplingParams
+from edge_runtime.sched.batch import Batch
+from edge_runtime.sched.cost_model import CostModel, ForwardCoefficients
+from edge_runtime.sched.finetune import FineTuneJob
+from edge_runtime.sched.policy import Policy
+from edge_runtime.sched.scheduler import Scheduler
+from edge_runtime.sequence import Request, Sequence
+from edge_runtime.train.costs import StageEstimate
+
+KV_BLOCK_BYTES = 4096
+WEIGHTS_BYTES = 1 << 20
+
+
+class Kind(enum.Enum):
+    SCORE = "score"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+@dataclass(eq=False)
+class FakeStage:
+    kind: Kind
+    name: str
+    est: StageEstimate
+    seconds: float | None = None
+
+    def estimate(self) -> StageEstimate:
+        return self.est
+
+
+class FakeTrainer:
+    persistent_bytes = 8192
+
+
+@dataclass(eq=False)
+class FakeWork:
+    trainer: FakeTrainer
+    stages: list[FakeStage]
+    cursor: int = 0
+    held_bytes: int = 0
+    score: object = None
+
+    @property
+    def done(self) -> bool:
+        return self.cursor >= len(self.stages)
+
+    def next_stage(self) -> FakeStage | None:
+        return None if self.done else self.stages[self.cursor]
+
+    def remaining(self) -> list[FakeStage]:
+        return self.stages[self.cursor :]
+
+    def run_next(self) -> FakeStage:
+        stage = self.stages[self.cursor]
+        stage.seconds = stage.est.seconds
+        self.held_bytes = stage.est.held_bytes
+        self.cursor += 1
+        return stage
+
+    def abandon(self) -> None:
+        self.held_bytes = 0
+        first_forward = next(i for i, s in enumerate(self.stages) if s.kind is Kind.FORWARD)
+        self.cursor = min(self.cursor, first_forward)
+
+
+def fake_work(trainer: FakeTrainer, forwards: int = 2, backwards: int = 2, stage_s: float = 0.01,
+              held_per_forward: int = 32 * 1024, peak: int = 16 * 1024) -> FakeWork:
+    stages = [FakeStage(Kind.SCORE, "score", StageEstimate(stage_s, peak, 0))]
+    for i in range(forwards):
+        stages.append(FakeStage(Kind.FORWARD, f"forward{i}", StageEstimate(stage_s, peak + held_per_forward,
+                                                                             held_per_forward * (i + 1))))
+    total = held_per_forward * forwards
+    for i in range(backwards):
+        left = total - total * (i + 1) // backwards
+        stages.append(FakeStage(Kind.BACKWARD, f"backward{i}", StageEstimate(stage_s, peak, left)))
+    stages.append(FakeStage(Kind.OPTIMIZER, "optimizer", StageEstimate(stage_s / 10, 1024, 0)))
+    return FakeWork(trainer, stages)
+
+
+def make_costs(block_size: int = 16) -> CostModel:
+    # ~1 ms per forward plus 0.2 ms per token: a decode batch of 16 costs ~4 ms.
+    return CostModel(ForwardCoefficients(1e-3, 2e-4, 1e-7, 5e-5), KV_BLOCK_BYTES, block_size, 512, 1024)
+
+
+@dataclass
+class Sim:
+    policy: Policy
+    budget: int = WEIGHTS_BYTES + (2 << 20)
+    num_blocks: int = 256
+    block_size: int = 16
+    latency_budget_s: float = 0.02
+    max_num_seqs: int = 16
+    max_batched_tokens: int = 128
+    now: float = 0.0
+    finished: list[Sequence] = field(default_factory=list)
+    stage_log: list[tuple[float, str]] = field(default_factory=list)  # (time, job id) per stage run
+
+    def __post_init__(self) -> None:
+        self.pool = BlockPool(self.num_blocks, self.block_size)
+        self.costs = make_costs(self.block_size)
+        self.ledger = MemoryLedger(self.budget)
+        self.ledger.set(MemoryKind.WEIGHTS, "model", WEIGHTS_BYTES)
+        self.scheduler = Scheduler(self.pool, self.policy, self.costs, self.ledger,
+                                   max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs,
+                                   latency_budget_s=self.latency_budget_s, slo_tbt_s=2 * self.latency_budget_s)
+        self._ids = itertools.count()
+        self.trainers = [FakeTrainer(), FakeTrainer()]
+
+    def add_request(self, prompt_len: int, max_tokens: int, token: int = 7) -> Sequence:
+        n = next(self._ids)
+        prompt = [token + (i % 5) for i in range(prompt_len)]
+        request = Request(f"r{n}", "", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), self.now)
+        seq = Sequence(n, request, 0, list(prompt), decoder=None)  # type: ignore[arg-type]
+        request.seqs.append(seq)
+        self.scheduler.add(seq)
+        return seq
+
+    def add_job(self, trainer: int = 0, **shape: float) -> FineTuneJob:
+        job = FineTuneJob(f"ft{next(self._ids)}", fake_work(self.trainers[trainer], **shape), self.now, self.now)
+        self.scheduler.add_finetune(job)
+        return job
+
+    def step(self) -> Batch:
+        batch = self.scheduler.schedule(self.now)
+        elapsed = batch.planned_s if not batch.empty else 1e-3
+        queue = self.scheduler.finetune
+        for scheduled in batch.finetune:
+            job = scheduled.job
+            for _ in range(scheduled.num_stages):
+                queue.before_stage(job, job.next_kind or "")
+                stage = job.work.run_next()
+                self.stage_log.append((self.now, job.job_id))
+                queue.after_stage(job, stage.seconds or 0.0, self.now + elapsed)
+        sampling = [item.seq for item in batch.items if item.samples]
+        self.scheduler.commit(batch, self.now + elapsed)
+        for seq in sampling:
+            seq.token_ids.append(3)
+            if seq.num_generated >= seq.params.max_tokens:
+                self.scheduler.finish(seq, "length")
+                self.finished.append(seq)
+        self.now += elapsed
+        return batch

@@ -1,0 +1,221 @@
+"""Co-serving on the engine (tiny random llama, fast): greedy outputs do not change when DPO
+fine-tuning runs in the same iterations, fine-tune jobs complete under every policy, the ledger
+holds on a randomised workload with budget changes, shedding follows ARCHITECTURE.md, and the
+forward cost model is calibrated once and then read from its cache. One slow test repeats the
+invariant on the default model."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from edge_runtime import Engine, SamplingParams
+from edge_runtime.errors import AdmissionRejected
+from edge_runtime.lora import LoraSettings
+from edge_runtime.lora.weights import LoraWeights
+from edge_runtime.memory import MemoryKind
+from edge_runtime.train import AdapterTrainer, DPOSettings, PreferenceRecord
+from edge_runtime.train.optim import OptimizerSettings
+
+PROMPTS = [f"Question {i}: what do you know about {topic}?" for i, topic in
+           enumerate(["rivers", "the moon", "bread", "chess", "rain", "owls", "glass", "maps"])]
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def chat(text: str) -> tuple[dict[str, str], ...]:
+    return ({"role": "user", "content": text},)
+
+
+PAIRS = [
+    PreferenceRecord(chat("What is the capital of France?"), "Paris is the capital of France.", "Lyon."),
+    PreferenceRecord(chat("Hello, how are you today?"), "I am fine, thank you for asking.", "Go away."),
+    PreferenceRecord(chat("Write a line about the sea."), "The sea is wide and calm tonight.", "No."),
+    PreferenceRecord(chat("Is my data kept on the device?"), "Yes, your data stays on this device.", "Maybe"),
+]
+
+
+def make_engine(model_dir: Path, cache_dir: Path, **overrides) -> Engine:
+    settings = {"dtype": "float32", "kv_cache_bytes": 8 << 20, "block_size": 8, "cost_cache_dir": str(cache_dir)}
+    settings.update(overrides)
+    return Engine.load(str(model_dir), **settings)
+
+
+def trainer_for(engine: Engine, seed: int = 0) -> AdapterTrainer:
+    dpo = DPOSettings(window_tokens=8, layers_per_group=1, seed=seed, optimizer=OptimizerSettings(accumulation_steps=1))
+    return AdapterTrainer(engine.model, engine.tokenizer, lora=LoraSettings(rank=4, alpha=8), dpo=dpo)
+
+
+def run_all(engine: Engine, limit: int = 20000) -> None:
+    for _ in range(limit):
+        if not engine.has_unfinished():
+            return
+        engine.step()
+    raise AssertionError("the engine did not finish its work")
+
+
+@pytest.fixture(scope="module")
+def cost_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("costs")
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model_dir: Path, cost_cache: Path) -> list[list[int]]:
+    engine = make_engine(tiny_model_dir, cost_cache, enable_prefix_cache=False)
+    return [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("policy", ["mace", "token-level", "continuous", "apt"])
+def test_greedy_output_unchanged_when_finetuning_colocated(tiny_model_dir: Path, cost_cache: Path, alone, policy) -> None:
+    engine = make_engine(tiny_model_dir, cost_cache, policy=policy, enable_prefix_cache=False, slo_tbt_ms=5000)
+    trainer = trainer_for(engine)
+    jobs = [engine.add_finetune(trainer.task(pair), user="alice") for pair in PAIRS]
+    shared = []
+    schedule = engine.scheduler.schedule
+
+    def observe(now):
+        batch = schedule(now)
+        shared.append(bool(batch.items) and bool(batch.finetune))
+        return batch
+
+    engine.scheduler.schedule = observe
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    outputs = {}
+    for _ in range(20000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+    assert [outputs[i] for i in ids] == alone
+    stats = engine.stats()
+    assert stats["finetune_pairs_done"] == len(jobs) and stats["finetune_failed"] == 0
+    assert trainer.pairs_trained == len(jobs)
+    assert any(shared), "no iteration held inference and fine-tuning together"
+    assert engine.ledger.peak_used <= engine.ledger.budget
+
+
+def test_finetuning_changes_the_adapter_but_not_the_base(tiny_model_dir: Path, cost_cache: Path) -> None:
+    engine = make_engine(tiny_model_dir, cost_cache, policy="mace")
+    trainer = trainer_for(engine)
+    before = {k: v.clone() for k, v in trainer.weights.b.items()}
+    base = [p.detach().clone() for p in engine.model.parameters()]
+    done = []
+    for pair in PAIRS[:2]:
+        engine.add_finetune(trainer.task(pair), on_done=done.append)
+    run_all(engine)
+    assert [job.error for job in done] == [None, None] and all(job.stages_run > 3 for job in done)
+    assert any((trainer.weights.b[k] - before[k]).abs().max() > 0 for k in before)
+    assert all((p == q).all() for p, q in zip(engine.model.parameters(), base, strict=True))
+    assert engine.ledger.held(MemoryKind.ACTIVATIONS) == 0
+    assert engine.ledger.held(MemoryKind.OPTIMIZER) == trainer.persistent_bytes
+
+
+@pytest.mark.parametrize("seed, policy", enumerate(["mace", "fcfs", "periodic", "continuous", "fifo", "token-level", "apt"]))
+def test_engine_ledger_never_exceeded_with_random_work_and_budgets(tiny_model_dir: Path, cost_cache: Path, seed: int,
+                                                                   policy: str) -> None:
+    rng = random.Random(seed)
+    params = {"period_s": 0.01} if policy == "periodic" else {}
+    engine = make_engine(tiny_model_dir, cost_cache, policy=policy, policy_params=params, kv_cache_bytes=1 << 20)
+    trainers = [trainer_for(engine, seed=s) for s in range(2)]
+    for t in trainers:
+        engine.add_finetune(t.task(PAIRS[0]))
+    floor = engine.ledger.floor
+    roomy = engine.ledger.budget
+    for _ in range(60):
+        roll = rng.random()
+        if roll < 0.3:
+            n = rng.choice([4, 12, 24])
+            engine.add_request(rng.choice(PROMPTS) * rng.randint(1, 3), SamplingParams(max_tokens=n, ignore_eos=True))
+        elif roll < 0.45:
+            engine.add_finetune(rng.choice(trainers).task(rng.choice(PAIRS)))
+        elif roll < 0.55:
+            report = engine.set_memory_budget(rng.randint(floor + (64 << 10), roomy))
+            assert report.satisfied
+        for _ in range(rng.randint(1, 4)):
+            engine.step()
+            assert engine.ledger.peak_used <= engine.ledger.budget, engine.ledger.snapshot()
+    engine.set_memory_budget(roomy)
+    run_all(engine)
+    assert engine.pool.num_used == 0 and engine.ledger.held(MemoryKind.ACTIVATIONS) == 0
+    assert engine.stats()["finetune_failed"] == 0
+
+
+def test_budget_shrink_sheds_activations_then_adapters_then_prefix_cache(tiny_model_dir: Path, cost_cache: Path) -> None:
+    # FIFO with one stage per fine-tune iteration, so the job is seen holding activations.
+    engine = make_engine(tiny_model_dir, cost_cache, policy="fifo", policy_params={"ft_batch": 1})
+    settings = LoraSettings(rank=4, alpha=8)
+    for user in ("bob", "carol"):
+        engine.publish_adapter(user, LoraWeights.init(engine.model.cfg, settings, seed=1))
+    engine.generate(PROMPTS[:3], GREEDY)  # leaves their prompts in the prefix cache
+    trainer = trainer_for(engine)
+    engine.add_finetune(trainer.task(PAIRS[1]))
+    for _ in range(50):
+        engine.step()
+        if engine.ledger.held(MemoryKind.ACTIVATIONS):
+            break
+    engine.scheduler.sync_memory()
+    held = {kind: engine.ledger.held(kind) for kind in MemoryKind}
+    assert held[MemoryKind.ADAPTERS] > 0 and held[MemoryKind.PREFIX_CACHE] > 0
+
+    report = engine.set_memory_budget(engine.ledger.held() - held[MemoryKind.ACTIVATIONS] - 1)
+    assert list(report.freed) == ["activations", "adapters"] and report.satisfied
+    report = engine.set_memory_budget(engine.ledger.held() - engine.ledger.held(MemoryKind.ADAPTERS) - 1)
+    assert list(report.freed)[-1] == "prefix_cache" and report.satisfied
+    assert engine.ledger.held(MemoryKind.WEIGHTS) == held[MemoryKind.WEIGHTS]
+    # The abandoned job restarts from its first forward window and still finishes.
+    engine.set_memory_budget(engine.ledger.floor + (64 << 20))
+    run_all(engine)
+    assert engine.stats()["finetune_pairs_done"] == 1
+
+
+def test_a_trainer_that_does_not_fit_is_refused(tiny_model_dir: Path, cost_cache: Path) -> None:
+    engine = make_engine(tiny_model_dir, cost_cache)
+    engine.set_memory_budget(engine.ledger.held() + 1024)
+    with pytest.raises(AdmissionRejected, match="optimizer state"):
+        engine.add_finetune(trainer_for(engine).task(PAIRS[0]))
+
+
+def test_cost_model_is_calibrated_once_then_cached(tiny_model_dir: Path, tmp_path: Path) -> None:
+    first = make_engine(tiny_model_dir, tmp_path)
+    second = make_engine(tiny_model_dir, tmp_path)
+    assert first.costs.source == "calibrated" and second.costs.source == "cached"
+    assert first.costs.forward == second.costs.forward
+    assert list(tmp_path.glob("forward-*.json"))
+    off = make_engine(tiny_model_dir, tmp_path, cost_profile="off")
+    assert off.costs.source == "nominal"
+    # The online correction follows what the machine does.
+    off.generate(PROMPTS[:2], GREEDY)
+    assert off.costs.forward_fix.samples > 0
+
+
+def test_pause_and_cancel_finetune(tiny_model_dir: Path, cost_cache: Path) -> None:
+    engine = make_engine(tiny_model_dir, cost_cache, policy="mace")
+    trainer = trainer_for(engine)
+    first = engine.add_finetune(trainer.task(PAIRS[0]), user="dave")
+    engine.add_finetune(trainer.task(PAIRS[1]), user="erin")
+    engine.pause_finetune("admission: shed_finetune")
+    assert not engine.has_unfinished() and engine.step() == []
+    assert engine.stats()["finetune_paused"] == "admission: shed_finetune"
+    assert engine.cancel_finetune(user="dave") == 1 and engine.cancel_finetune(first) == 0
+    engine.resume_finetune()
+    run_all(engine)
+    stats = engine.stats()
+    assert stats["finetune_pairs_done"] == 1 and stats["finetune_failed"] == 1
+
+
+@pytest.mark.slow
+def test_greedy_output_unchanged_with_colocated_finetuning_default_model(default_model_dir: Path, tmp_path: Path) -> None:
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS[:3]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine = Engine.load(str(default_model_dir), kv_cache_bytes=64 << 20, policy="mace", enable_prefix_cache=False)
+    alone = [o.token_ids for o in engine.generate(prompts, params)]
+    trainer = AdapterTrainer(engine.model, engine.tokenizer, dpo=DPOSettings(window_tokens=32, layers_per_group=10))
+    engine.add_finetune(trainer.task(PAIRS[0]))
+    ids = [engine.add_request(p, params) for p in prompts]
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out.token_ids
+    assert [outputs[i] for i in ids] == alone
+    assert engine.stats()["finetune_pairs_done"] == 1
