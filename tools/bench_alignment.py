@@ -205,16 +205,31 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
     base_answers: list[str] | None = None  # the trained user's greedy answers before training
     eval_seconds = 0.0
 
+    publishes: list[dict[str, Any]] = []
+    served_metrics: AlignmentMetrics | None = None
+
+    def publish(pairs_done: int) -> None:
+        """Continuous retraining (MACE sec. 3.1): every round's update is offered to the guard,
+        so the candidates of the next round come from (nearly) the policy being trained."""
+        nonlocal served_metrics, eval_seconds
+        t = time.perf_counter()
+        trainer.flush()
+        decision, ref = publish_guarded(engine.adapters, trainer, trained.name, guard_pairs, guard,
+                                        served_metrics=served_metrics, trained_pairs=pairs_done)
+        if decision.accepted:
+            served_metrics = decision.after
+        publishes.append({"pairs": pairs_done, "accepted": decision.accepted, "reason": decision.reason,
+                          "version": None if ref is None else ref.version,
+                          "before": decision.before and metrics_dict(decision.before),
+                          "after": decision.after and metrics_dict(decision.after)})
+        eval_seconds += time.perf_counter() - t
+
     def checkpoint(pairs_done: int) -> None:
         nonlocal initial_untouched, base_answers, eval_seconds
         t = time.perf_counter()
         record: dict[str, Any] = {"pairs": pairs_done}
-        if pairs_done > 0:
-            trainer.flush()
-            decision, ref = publish_guarded(engine.adapters, trainer, trained.name, guard_pairs, guard,
-                                            trained_pairs=pairs_done)
-            record["guard"] = {"accepted": decision.accepted, "reason": decision.reason,
-                               "version": None if ref is None else ref.version}
+        if publishes:
+            record["guard"] = publishes[-1]
         served = engine.adapters.newest(trained.name)
         served_weights = None if served is None else engine.adapters.weights(served)
         t_score = time.perf_counter()
@@ -259,6 +274,7 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
     rounds = 0
     cursor = 0
     max_held = 0
+    next_checkpoint = args.eval_every
     while pairs_done < args.pairs and rounds < args.max_rounds:
         rounds += 1
         prompts = [train_prompts[(cursor + i) % len(train_prompts)] for i in range(args.round_prompts)]
@@ -280,8 +296,10 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
             for kind, s in task.seconds_by_kind().items():
                 stage_seconds[kind] = stage_seconds.get(kind, 0.0) + s
             pairs_done += 1
-            if pairs_done % args.eval_every == 0 or pairs_done == args.pairs:
-                checkpoint(pairs_done)
+        publish(pairs_done)
+        if pairs_done >= next_checkpoint or pairs_done >= args.pairs:
+            checkpoint(pairs_done)
+            next_checkpoint = (pairs_done // args.eval_every + 1) * args.eval_every
     if history[-1]["pairs"] != pairs_done:
         checkpoint(pairs_done)
 
@@ -289,6 +307,8 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
     summary = {
         "pairs": pairs_done,
         "rounds": rounds,
+        "versions_published": sum(p["accepted"] for p in publishes),
+        "guard_rejections": sum(not p["accepted"] for p in publishes),
         "base_win_rate": first["trained"]["win_rate"],
         "trained_win_rate": last["trained"]["win_rate"],
         "base_clpd": first["trained"]["clpd"],
@@ -324,6 +344,7 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
         "cost_model": costs.as_dict(),
         "summary": summary,
         "history": history,
+        "publishes": publishes,
         "adapter_events": engine.adapters.events(trained.name),
     }
 
@@ -422,7 +443,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"| greedy answers with the preference | {s['base_share']:.2f} | {s['trained_share']:.2f} |",
             f"| greedy answer body = base greedy answer | {s['base_answer_kept']:.2f} | {s['trained_answer_kept']:.2f} |",
             "",
-            f"- feedback pairs: {s['pairs']} ({s['rounds']} rounds of self-generated candidates)",
+            f"- feedback pairs: {s['pairs']} ({s['rounds']} rounds of self-generated candidates; each round's update "
+            f"offered to the guard: {s['versions_published']} versions published, {s['guard_rejections']} rejected)",
             f"- untouched user's greedy outputs unchanged at every checkpoint: {s['untouched_greedy_unchanged']}",
             f"- train time per pair (staged forward + backward + AdamW): {s['train_s_per_pair']} s "
             f"(by stage: {s['stage_s_per_pair']}); score stage: {s['score_stage_s_per_pair']} s",
@@ -432,15 +454,17 @@ def markdown(result: dict[str, Any]) -> str:
             f"{s['max_activation_bytes_estimate'] / 2**20:.1f} MiB; adapter + grads + Adam {s['adapter_state_bytes'] / 2**20:.1f} MiB",
             f"- bar: {s['bar']}",
             "",
-            "| pairs | version | win rate | CLPD | share | answer kept | untouched win | untouched share | untouched unchanged | guard |",
+            "| pairs | served | win rate | CLPD | share | answer kept | untouched win | untouched share | untouched unchanged | last guard decision |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for h in result["history"]:
-            guard = h.get("guard", {})
+            guard = h.get("guard")
+            verdict = "-" if not guard else (f"v{guard['version']} published" if guard["accepted"]
+                                             else f"kept served ({guard['reason']})")
             lines.append(
                 f"| {h['pairs']} | {h['served_version']} | {h['trained']['win_rate']:.3f} | {h['trained']['clpd']:+.2f} "
                 f"| {h['trained']['share']:.2f} | {h['trained']['answer_kept']:.2f} | {h['untouched']['win_rate']:.3f} | {h['untouched']['share']:.2f} "
-                f"| {h['untouched']['greedy_unchanged']} | {guard.get('reason', '-')} |")
+                f"| {h['untouched']['greedy_unchanged']} | {verdict} |")
         lines += ["", "Greedy answers of the trained user at the end:", ""]
         lines += [f"- {json.dumps(t)}" for t in result["history"][-1]["examples"]]
     else:

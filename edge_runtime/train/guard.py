@@ -57,13 +57,16 @@ def publish_guarded(
     guard: RegressionGuard | None = None,
     candidate: LoraWeights | None = None,
     reset_on_reject: bool = False,
+    served_metrics: AlignmentMetrics | None = None,
     **info: Any,
 ) -> tuple[GuardDecision, AdapterRef | None]:
     """Evaluate `candidate` (default: the trainer's current weights) against the user's served
     version on `heldout`; publish it as the next version if the guard accepts. On rejection the
     served version stays. Training goes on from the candidate by default: in online DPO the
     pairs that correct a regression come from the regressed policy, so discarding it would also
-    discard the correction (`reset_on_reject=True` restarts from the served weights instead)."""
+    discard the correction (`reset_on_reject=True` restarts from the served weights instead).
+    `served_metrics`: the served version's metrics on these same pairs, if already known (a
+    version is immutable, so callers publishing often can skip re-evaluating it)."""
     guard = guard or RegressionGuard()
     candidate = candidate if candidate is not None else trainer.snapshot()
     served = registry.newest(user)
@@ -71,7 +74,7 @@ def publish_guarded(
     if len(heldout) < guard.min_heldout_pairs:
         decision = GuardDecision(True, f"only {len(heldout)} held-out pairs; published unguarded", None, None)
     else:
-        before = trainer.evaluate(heldout, served_weights)
+        before = served_metrics if served_metrics is not None else trainer.evaluate(heldout, served_weights)
         after = trainer.evaluate(heldout, candidate)
         decision = guard.check(before, after)
     if decision.accepted:
