@@ -298,7 +298,6 @@ class EngineFineTuner:
             self.versions_rejected += 1
             log.info("adapter candidate for %s rejected: %s", user, decision["reason"])
             return
-        self.versions_published += 1
         log.info("published adapter %s trained on %d pair(s)", ref.key, len(pair_ids))
         if path is not None:
             try:
@@ -308,6 +307,8 @@ class EngineFineTuner:
                 # make sure the engine forgets the version too.
                 log.warning("adapter %s withdrawn: %s", ref.key, exc)
                 await self.forget(user)
+                return
+        self.versions_published += 1  # counted once the store knows it (what status reports)
 
 
 def forget_user_adapters(engine: Engine, user: str) -> None:

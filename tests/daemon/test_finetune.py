@@ -27,9 +27,10 @@ def test_feedback_trains_publishes_serves_rolls_back_and_forgets_an_adapter(star
             r = c.generate(prompt, max_tokens=6, n=2, temperature=1.0, seed=3, user="gina")
             assert r.recorded and r.adapter is None
             c.choose("gina", r.interaction_id, 1)
-        adapters = wait_for(lambda: c.adapters("gina"))
+        # Published (served) first, then registered with the store; status counts it after both.
+        status = wait_for(lambda: (s := c.status())["finetune"]["versions_published"] and s)
+        adapters = c.adapters("gina")
         assert [(a["version"], a["active"], a["pairs"]) for a in adapters] == [(1, True, 2)]
-        status = c.status()
         assert status["finetune"]["versions_published"] == 1 and status["finetune"]["pairs_trained"] == 2
         assert status["feedback"]["pairs_trained"] == 2 and status["feedback"]["adapter_versions"] == 1
         assert status["adapters"]["versions_served"] == 1
