@@ -35,7 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text (streamed unless --no-stream)")
     g.add_argument("prompt", help="the prompt; '-' reads stdin")
-    g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    # Instruct models answer a user message; a bare prompt is only continued as text (SmolLM2
+    # answers a bare question with end-of-sequence at once), so chat is the default.
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message (the default)")
+    g.add_argument("--raw", action="store_true", help="send the prompt as raw text to continue, no chat template")
     g.add_argument("--system", help="system message (implies --chat)")
     g.add_argument("--max-tokens", type=int)
     g.add_argument("--temperature", type=float)
@@ -156,7 +159,7 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     params: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature,
                               "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "n": args.n,
                               "stop": args.stop, "user": args.user, "adapter": "base" if args.base else None}
-    if args.chat or args.system:
+    if args.system or not args.raw:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": text})
         prompt: dict[str, Any] = {"messages": messages}
