@@ -41,9 +41,12 @@ def macectl_status(endpoint: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_default_model_end_to_end(start_daemon) -> None:
-    d = start_daemon(model=default_model_dir(), engine_flags=[], extra_args=[
+    # One torch thread: on a small shared CPU box, OpenMP workers that spin while preempted make
+    # every iteration many times slower (tools/results/loadgen-threads2.md).
+    d = start_daemon(model=default_model_dir(), engine_flags=["--set", "engine.num_threads=1"], extra_args=[
         "--set", "finetune.pairs_per_version=2", "--set", "finetune.idle_s=0.5",
-        "--set", "feedback.heldout_fraction=0.0"])
+        "--set", "feedback.heldout_fraction=0.0"], ready=False)
+    d.wait_ready(timeout_s=300)
     with d.client() as c:
         for user in USERS:
             c.consent(user)
@@ -106,7 +109,8 @@ def test_default_model_end_to_end(start_daemon) -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         status = macectl_status(d.endpoint)
-        if status["finetune"]["versions_published"] >= 1:
+        # The engine's own counters are a snapshot refreshed every half second: wait for both.
+        if status["finetune"]["versions_published"] >= 1 and status["adapters"]["versions_served"] >= 1:
             break
         time.sleep(2)
     assert status["finetune"]["versions_published"] >= 1, status["finetune"]
