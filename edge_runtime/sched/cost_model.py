@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -225,9 +224,23 @@ def measure_forward(execute: Callable[[Batch], Any], pool: BlockPool, vocab: int
         tokens = sum(n * new for n, _, new in shape)
         attended = sum(n * attended_pairs(ctx, new) for n, ctx, new in shape)
         logit_rows = sum(n for n, _, _ in shape)
-        # The median of a few runs: the minimum flatters a machine shared with other work.
-        rows.append((tokens, attended, logit_rows, statistics.median(times)))
+        # The fastest of a few runs: on a machine shared with other work, slower runs measure
+        # the others; the online correction adds today's contention back.
+        rows.append((tokens, attended, logit_rows, min(times)))
     return rows
+
+
+def fit_error(coefficients: ForwardCoefficients, rows: list[tuple[int, int, int, float]]) -> float:
+    """Largest relative miss of the fit on the measured shapes."""
+    return max(abs(coefficients.seconds(t, a, r) / s - 1.0) for t, a, r, s in rows)
+
+
+def machine_busy() -> bool:
+    """More runnable work than CPUs: measurements now describe the other work as much as ours."""
+    try:
+        return os.getloadavg()[0] > 1.25 * (os.cpu_count() or 1)
+    except OSError:
+        return False
 
 
 def fit_forward(rows: list[tuple[int, int, int, float]]) -> ForwardCoefficients:
@@ -272,22 +285,24 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def cached(path: Path | None, build: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
-    """The JSON at `path` if it is there and current, else `build()` written atomically there.
-    Returns (values, whether they came from the cache)."""
+def cached(path: Path | None, build: Callable[[], tuple[dict[str, Any], bool, bool]]) -> tuple[dict[str, Any], bool]:
+    """The JSON at `path` if it is there and current, else `build()` -> (values, worth keeping,
+    provisional), written atomically when worth keeping. A provisional entry (measured on an
+    oversubscribed machine) is used while the machine stays busy and measured again on the
+    first quiet start. Returns (values, whether they came from the cache)."""
     if path is not None and path.is_file():
         try:
             data = json.loads(path.read_text())
-            if data.get("version") == CACHE_VERSION:
+            if data.get("version") == CACHE_VERSION and not (data.get("provisional") and not machine_busy()):
                 return data["values"], True
         except (OSError, ValueError, KeyError) as exc:
             log.warning("ignoring unreadable cost cache %s: %s", path, exc)
-    values = build()
-    if path is not None:
+    values, keep, provisional = build()
+    if path is not None and keep:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"version": CACHE_VERSION, "values": values}, indent=1))
+            tmp.write_text(json.dumps({"version": CACHE_VERSION, "provisional": provisional, "values": values}, indent=1))
             os.replace(tmp, path)
         except OSError as exc:  # a read-only state dir costs a re-profile next start, nothing else
             log.warning("cannot write cost cache %s: %s", path, exc)
@@ -328,12 +343,20 @@ def load_cost_model(
     if mode == "auto":
         key = fingerprint(cfg, device, dtype, backend_name, pool.block_size)
 
-        def calibrate() -> dict[str, Any]:
+        def calibrate() -> tuple[dict[str, Any], bool, bool]:
             started = time.perf_counter()
+            busy = machine_busy()
             rows = measure_forward(execute, pool, cfg.vocab_size)
-            fitted = fit_forward(rows) if len(rows) >= 4 else ForwardCoefficients.nominal(cfg)
-            log.info("calibrated the forward cost model in %.1f s: %s", time.perf_counter() - started, fitted)
-            return asdict(fitted)
+            if len(rows) < 4:
+                return asdict(ForwardCoefficients.nominal(cfg)), False, False
+            fitted = fit_forward(rows)
+            miss = fit_error(fitted, rows)
+            busy = busy or machine_busy()
+            # A fit that misses its own measurements by more than their size is not kept; one
+            # taken while the machine was oversubscribed is kept only until a quiet start.
+            log.info("calibrated the forward cost model in %.1f s (largest miss %.0f%%%s): %s",
+                     time.perf_counter() - started, 100 * miss, ", machine busy" if busy else "", fitted)
+            return asdict(fitted), miss < 1.0, busy
 
         values, hit = cached(cache_path(cache_dir, f"forward-{key}.json"), calibrate)
         coefficients, source = ForwardCoefficients(**values), "cached" if hit else "calibrated"
@@ -347,6 +370,10 @@ def load_stage_costs(model: Any, settings: Any, *, cache_dir: str | None = None,
     from edge_runtime.train.costs import StageCostModel
 
     key = fingerprint(model.cfg, model.device, model.dtype, backend_name, block_size, extra=repr(settings))
-    values, _ = cached(cache_path(cache_dir, f"stages-{key}.json"),
-                       lambda: StageCostModel.profile(model, settings).as_dict())
+    def profile() -> tuple[dict[str, Any], bool, bool]:
+        busy = machine_busy()
+        values = StageCostModel.profile(model, settings).as_dict()
+        return values, True, busy or machine_busy()
+
+    values, _ = cached(cache_path(cache_dir, f"stages-{key}.json"), profile)
     return StageCostModel(**values)
