@@ -28,7 +28,9 @@ def test_feedback_trains_publishes_serves_rolls_back_and_forgets_an_adapter(star
             assert r.recorded and r.adapter is None
             c.choose("gina", r.interaction_id, 1)
         # Published (served) first, then registered with the store; status counts it after both.
-        status = wait_for(lambda: (s := c.status())["finetune"]["versions_published"] and s)
+        # The engine thread publishes its stats after its next turn: wait for its counter too.
+        status = wait_for(lambda: (s := c.status())["finetune"]["versions_published"]
+                          and s["adapters"]["versions_served"] and s)
         adapters = c.adapters("gina")
         assert [(a["version"], a["active"], a["pairs"]) for a in adapters] == [(1, True, 2)]
         assert status["finetune"]["versions_published"] == 1 and status["finetune"]["pairs_trained"] == 2
