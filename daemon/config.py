@@ -60,6 +60,15 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
+class HttpSettings:
+    """The OpenAI-compatible HTTP gateway (daemon/gateway.py, docs/gateway.md)."""
+
+    bind: str = "127.0.0.1:8000"  # HOST:PORT ("[::1]:8000" for IPv6); "" = no HTTP endpoint
+    api_keys: str = ""  # comma-separated bearer keys; any non-loopback bind requires keys
+    api_key_file: str = ""  # a file with one key per line ('#' starts a comment)
+
+
+@dataclass(frozen=True)
 class FeedbackSettings:
     enabled: bool = True
     db_path: str = ""  # "" = <state_dir>/feedback.sqlite3
@@ -82,6 +91,7 @@ class FineTuneSettings:
 _SECTIONS: dict[str, tuple[type, ...]] = {
     "daemon": (DaemonSettings,),
     "server": (ServerSettings,),
+    "http": (HttpSettings,),
     "engine": (EngineConfig,),
     "telemetry": (TelemetryConfig,),
     "feedback": (FeedbackSettings, FeedbackStoreConfig),
@@ -95,10 +105,13 @@ RELOADABLE = frozenset({
     "server.admission_wait_s", "admission.min_dwell_s", "admission.stale_after_s",
     "admission.retry_after_s", "admission.power_budget_mw", "finetune.enabled",
     "finetune.pairs_per_version", "finetune.idle_s", "finetune.guard",
+    "http.api_keys", "http.api_key_file",
 })
 # Short names people already know, besides the generic MACE_<SECTION>_<KEY>.
 _ENV_ALIASES = {"MACE_STATE_DIR": "daemon.state_dir", "MACE_MODEL": "engine.model",
                 "MACE_LOG_LEVEL": "daemon.log_level"}
+# Never printed by --print-config.
+_SECRETS = frozenset({"http.api_keys"})
 _SCALARS = {"str": str, "int": int, "float": float, "bool": bool}
 
 
@@ -202,6 +215,7 @@ class DaemonConfig:
         self.file = file
         self.daemon: DaemonSettings = self._build("daemon", DaemonSettings)
         self.server: ServerSettings = self._build("server", ServerSettings)
+        self.http: HttpSettings = self._build("http", HttpSettings)
         self.engine: EngineConfig = self._build("engine", EngineConfig)
         self.telemetry: TelemetryConfig = self._build("telemetry", TelemetryConfig)
         self.feedback: FeedbackSettings = self._build("feedback", FeedbackSettings)
@@ -212,6 +226,7 @@ class DaemonConfig:
             self.admission_config: AdmissionConfig = self._build("admission", AdmissionConfig)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        self.http_api_keys: frozenset[str] = self._read_api_keys()
         self._check()
 
     def _build(self, section: str, owner: type) -> Any:
@@ -250,6 +265,27 @@ class DaemonConfig:
     def curve_enabled(self) -> bool:
         return bool(self.server.curve_secret_key)
 
+    @property
+    def http_address(self) -> tuple[str, int] | None:
+        """(host, port) of the HTTP gateway, or None when it is off."""
+        return parse_http_bind(self.http.bind) if self.http.bind else None
+
+    def _read_api_keys(self) -> frozenset[str]:
+        keys = [k.strip() for k in self.http.api_keys.split(",") if k.strip()]
+        if self.http.api_key_file:
+            path = Path(self.http.api_key_file).expanduser()
+            try:
+                text = path.read_text(encoding="utf-8")
+            except OSError as exc:
+                raise ConfigError(f"http.api_key_file {path}: {exc.strerror}") from None
+            keys += [line.split("#", 1)[0].strip() for line in text.splitlines()]
+        keys = [k for k in keys if k]
+        short = [k for k in keys if len(k) < 16 or any(c.isspace() for c in k)]
+        if short:
+            raise ConfigError(f"{len(short)} HTTP API key(s) are shorter than 16 characters or contain "
+                              "spaces; use long random keys (e.g. `openssl rand -hex 24`)")
+        return frozenset(keys)
+
     def endpoints(self) -> list[str]:
         found = [ipc_endpoint(self.ipc_path)] if self.ipc_path is not None else []
         return found + ([self.server.tcp] if self.server.tcp else [])
@@ -278,6 +314,16 @@ class DaemonConfig:
                     f"server.tcp {s.tcp} is reachable from other machines; refusing to serve it "
                     "without encryption and client authentication. Bind tcp://127.0.0.1:PORT, or set "
                     "server.curve_secret_key and server.curve_authorized_keys (CURVE)")
+        if self.http.bind:
+            try:
+                host, _ = parse_http_bind(self.http.bind)
+            except ValueError as exc:
+                raise ConfigError(f"http.bind: {exc}") from None
+            if not is_loopback(host) and not self.http_api_keys:
+                raise ConfigError(
+                    f"http.bind {self.http.bind} is reachable from other machines; refusing to serve "
+                    "it without API keys. Bind 127.0.0.1:PORT, or set http.api_keys / "
+                    "http.api_key_file (clients send 'Authorization: Bearer KEY')")
         if self.curve_enabled and not s.curve_authorized_keys:
             raise ConfigError("server.curve_secret_key needs server.curve_authorized_keys (a folder "
                               "of the clients' public keys): CURVE without it would admit anyone")
@@ -313,9 +359,22 @@ class DaemonConfig:
             origin = self.sources[setting.name]
             if value is None:
                 lines.append(f"# {setting.key} = (unset)  # {origin}")
+            elif setting.name in _SECRETS and value:
+                lines.append(f"# {setting.key} = (set, hidden)  # {origin}")
             else:
                 lines.append(f"{setting.key} = {_toml_value(value)}  # {origin}")
         return "\n".join(lines) + "\n"
+
+
+def parse_http_bind(bind: str) -> tuple[str, int]:
+    """'HOST:PORT' or '[V6]:PORT' -> (host, port); ValueError with a readable message otherwise."""
+    host, sep, port = bind.strip().rpartition(":")
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT such as 127.0.0.1:8000 (PORT 0 = any free port); got {bind!r}")
+    return host, int(port)
 
 
 def _toml_value(value: Any) -> str:

@@ -24,7 +24,7 @@ log = logging.getLogger("maced")
 _SHORTCUTS = {
     "model": "engine.model", "ipc": "server.ipc", "tcp": "server.tcp", "state_dir": "daemon.state_dir",
     "log_level": "daemon.log_level", "log_format": "daemon.log_format", "device": "engine.device",
-    "dtype": "engine.dtype", "telemetry_replay": "telemetry.replay_file",
+    "dtype": "engine.dtype", "telemetry_replay": "telemetry.replay_file", "http": "http.bind",
 }
 _SYSLOG_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3,
                     logging.CRITICAL: 2}
@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="'default', an HF model directory or a .gguf file")
     p.add_argument("--ipc", metavar="PATH", help="ipc socket path ('auto', or '' for none)")
     p.add_argument("--tcp", metavar="ENDPOINT", help="e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--http", metavar="HOST:PORT", help="OpenAI-compatible HTTP gateway (default "
+                   "127.0.0.1:8000; '' for none; beyond loopback it needs http.api_keys)")
     p.add_argument("--state-dir", metavar="DIR")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     p.add_argument("--log-format", choices=("auto", "text", "json", "journal"))
@@ -139,9 +141,26 @@ async def run(config: DaemonConfig, reload_config: Any = None) -> int:
         notifier.status(f"cannot listen: {exc}")
         context.destroy(linger=0)
         return 1
+    gateway = None
+    if config.http_address is not None:
+        from daemon.gateway import HttpGateway
+
+        gateway = HttpGateway(config, service)
+        try:
+            http_endpoint = gateway.bind()
+        except OSError as exc:
+            log.error("cannot listen on HTTP %s: %s", config.http.bind, exc)
+            notifier.status(f"cannot listen on HTTP {config.http.bind}: {exc}")
+            await server.close()
+            context.destroy(linger=0)
+            return 1
+        service.http = gateway
+        endpoints.append(http_endpoint + "/v1")
     log.info("listening on %s (protocol v1); loading model %s", ", ".join(endpoints),
              config.engine.model or "default")
     serving = asyncio.create_task(server.serve(), name="server")
+    if gateway is not None:
+        gateway.start()  # same event loop; uvicorn's own signal handling is off
 
     stop = asyncio.Event()
     stop_signal: list[str] = []
@@ -196,6 +215,8 @@ async def run(config: DaemonConfig, reload_config: Any = None) -> int:
         starting.cancel()
     t0 = time.monotonic()
     await service.shutdown()
+    if gateway is not None:
+        await gateway.close()
     await server.close()
     serving.cancel()
     for task in (serving, stopping, fatal, starting):

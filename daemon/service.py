@@ -23,6 +23,7 @@ from daemon.admission import AdmissionController, AdmissionSignals, AdmissionSta
 from daemon.config import DaemonConfig
 from daemon.engine_thread import EngineThread
 from daemon.finetune import BaseModelOnly, FineTuner
+from daemon.metrics import DaemonMetrics
 from daemon.protocol import (
     PROTOCOL_VERSION,
     AdaptersListArgs,
@@ -56,18 +57,26 @@ _ABORTS = {
 
 
 class GenerateCall:
-    """One generate in flight: the server holds it to cancel it; the engine thread completes it."""
+    """One generate in flight: the front (ZeroMQ server or HTTP gateway) holds it to cancel it;
+    the engine thread completes it. `api` names the front in the daemon's metrics."""
 
-    def __init__(self, on_token: TokenCallback | None = None) -> None:
+    def __init__(self, on_token: TokenCallback | None = None, api: str = "zmq") -> None:
         self.on_token = on_token
+        self.api = api
         self.done: asyncio.Future[tuple[RequestOutput | None, str | None, BaseException | None]] = (
             asyncio.get_running_loop().create_future())
         self.engine_id: str | None = None
         self.cancel_reason: str | None = None
+        self.arrived = time.monotonic()
+        self.first_token_at: float | None = None
+        self.metrics: DaemonMetrics | None = None  # set by Service.generate
+        self._last_at: dict[int, float] = {}
 
     def on_tokens(self, events: list[TokenEvent]) -> None:
         """One message per candidate per delivery: when the loop falls behind the engine, the
         tokens of several iterations travel together instead of as a backlog of messages."""
+        if self.metrics is not None:
+            self._observe(events)
         if self.on_token is None:
             return
         texts: dict[int, list[str]] = {}
@@ -83,6 +92,30 @@ class GenerateCall:
                     error: BaseException | None) -> None:
         if not self.done.done():
             self.done.set_result((output, aborted, error))
+
+    def _observe(self, events: list[TokenEvent]) -> None:
+        """TTFT, inter-token gaps and the tokens/s window, as the event loop receives tokens."""
+        assert self.metrics is not None
+        counts: dict[int, int] = {}
+        for event in events:
+            if event.token_id is not None:
+                counts[event.index] = counts.get(event.index, 0) + 1
+        if not counts:
+            return
+        now = time.monotonic()
+        metrics, api = self.metrics, self.api
+        if self.first_token_at is None:
+            self.first_token_at = now
+            metrics.ttft.labels(api).observe(now - self.arrived)
+        itl = metrics.itl.labels(api)
+        for index, k in counts.items():
+            last = self._last_at.get(index)
+            self._last_at[index] = now
+            if last is not None:  # a candidate's first delivery has no gap before it
+                gap = (now - last) / k
+                for _ in range(k):
+                    itl.observe(gap)
+        metrics.tokens_arrived(now, sum(counts.values()))
 
 
 def load_engine(config: DaemonConfig) -> Engine:
@@ -126,6 +159,8 @@ class Service:
         self.admission_queued = 0
         self.counters = {"generate": 0, "generate_failed": 0, "interactions_recorded": 0,
                          "feedback": 0, "cancelled": 0}
+        self.metrics = DaemonMetrics()
+        self.http: Any = None  # the HTTP gateway when one serves (its summary goes into status)
         self.fatal = asyncio.Event()  # set when the engine is broken: the process must exit
         self.fatal_reason = ""
         self._tasks: list[asyncio.Task[Any]] = []
@@ -319,6 +354,26 @@ class Service:
             self.engine.abort(call.engine_id, reason)
 
     async def generate(self, args: GenerateArgs, call: GenerateCall) -> dict[str, Any]:
+        """Run one generate for any front; its outcome and timings go into the metrics."""
+        call.metrics = self.metrics
+        outcome = "internal"
+        result: dict[str, Any] | None = None
+        try:
+            result = await self._generate(args, call)
+            outcome = "ok"
+            return result
+        except (ProtocolError, MaceError) as exc:
+            outcome = exc.code
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            usage = result["usage"] if result is not None else {}
+            self.metrics.finished(call.api, outcome, time.monotonic() - call.arrived,
+                                  usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+
+    async def _generate(self, args: GenerateArgs, call: GenerateCall) -> dict[str, Any]:
         self._require("serving")
         from edge_runtime.sampling import SamplingParams
 
@@ -517,6 +572,8 @@ class Service:
         finetune = self.fine_tuner.status()
         out["finetune"] = finetune
         out["alignment"] = finetune.get("alignment", {})
+        if self.http is not None:
+            out["http"] = self.http.summary()
         out["adapters"] = {"trainer": self.fine_tuner.name,
                            "users": stats.get("adapter_users", 0),
                            "versions_served": stats.get("adapter_versions", 0),

@@ -45,7 +45,8 @@ class DaemonProcess:
                 "--state-dir", str(self.state_dir), "--log-format", "text",
                 *(TINY_ENGINE_FLAGS if engine_flags is None else engine_flags), *(extra_args or [])]
         child_env = {k: v for k, v in os.environ.items() if not k.startswith("MACE_")}
-        child_env.update({"PYTHONUNBUFFERED": "1", "MACE_TELEMETRY_INTERVAL_S": "0.5"})
+        # No HTTP gateway unless a test asks for one (its default port would clash between daemons).
+        child_env.update({"PYTHONUNBUFFERED": "1", "MACE_TELEMETRY_INTERVAL_S": "0.5", "MACE_HTTP_BIND": ""})
         child_env.update(env or {})
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(args, cwd=REPO, env=child_env, stdout=self._log,

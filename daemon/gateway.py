@@ -1,0 +1,700 @@
+"""The OpenAI-compatible HTTP gateway: `/v1/models`, `/v1/chat/completions`, `/v1/completions`
+(whole or streamed as server-sent events), a preference-feedback extension, user rights,
+`/health` and Prometheus `/metrics`, served by uvicorn on the daemon's own event loop.
+
+Only a mapping. Every request becomes the same validated `GenerateArgs`/`FeedbackArgs` the
+ZeroMQ server builds (`daemon.protocol.parse_request`) and goes to the same `Service` methods, so
+admission control, typed errors, per-user adapters, interaction recording and feedback storage
+are the SDK's. Completion ids are the daemon's interaction ids. docs/gateway.md describes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import re
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Literal
+
+import uvicorn
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from daemon.config import DaemonConfig
+from daemon.metrics import CONTENT_TYPE
+from daemon.protocol import GenerateArgs, ProtocolError, parse_request
+from daemon.service import VERSION, GenerateCall, Service
+from edge_runtime.errors import MaceError
+
+log = logging.getLogger(__name__)
+
+# Daemon error code -> HTTP status. The body carries the code itself in `error.code`.
+STATUS = {
+    "bad_request": 400, "bad_message": 400, "unsupported_version": 400, "unknown_op": 400,
+    "too_large": 413, "duplicate_id": 409, "busy": 429, "admission_rejected": 429,
+    "not_ready": 503, "shutting_down": 503, "store_unavailable": 503, "model_unavailable": 503,
+    "cancelled": 499, "timeout": 504, "unknown_request": 404, "unknown_user": 404,
+    "adapter_unavailable": 404, "model_not_found": 404, "not_found": 404, "consent_required": 403,
+    "duplicate_feedback": 409, "duplicate_request": 409, "not_supported": 501, "internal": 500,
+    "invalid_api_key": 401, "method_not_allowed": 405,
+}
+# HTTP status -> OpenAI's error `type`.
+ERROR_TYPE = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+    413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled_error",
+    500: "server_error", 501: "not_supported_error", 503: "service_unavailable_error",
+    504: "timeout_error",
+}
+# What the OpenAI API defaults to where the native protocol differs (it samples at 1.0).
+OPENAI_DEFAULT_TEMPERATURE = 1.0
+MODEL_ALIAS = "default"
+_PARAM = re.compile(r"'([A-Za-z_]+)'")
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class GatewayError(Exception):
+    """An error reply in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, code: str, message: str, *, param: str | None = None,
+                 retry_after_s: float | None = None, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+        self.details = details
+
+    @property
+    def status(self) -> int:
+        return STATUS.get(self.code, 500)
+
+    @classmethod
+    def from_exc(cls, exc: BaseException) -> GatewayError:
+        if isinstance(exc, GatewayError):
+            return exc
+        if isinstance(exc, ProtocolError):
+            param = None
+            if exc.code == "bad_request":
+                found = _PARAM.search(exc.message)
+                param = found.group(1) if found else None
+            return cls(exc.code, exc.message, param=param, retry_after_s=exc.retry_after_s,
+                       details=exc.details)
+        if isinstance(exc, MaceError):
+            return cls(exc.code, str(exc), retry_after_s=getattr(exc, "retry_after_s", None))
+        log.error("HTTP request failed", exc_info=exc)
+        return cls("internal", f"{type(exc).__name__}: {exc}")
+
+    def body(self) -> dict[str, Any]:
+        error: dict[str, Any] = {"message": self.message, "type": ERROR_TYPE.get(self.status, "server_error"),
+                                 "param": self.param, "code": self.code}
+        if self.retry_after_s is not None:
+            error["retry_after_s"] = self.retry_after_s
+        if self.details:
+            error["details"] = self.details
+        return {"error": error}
+
+    def response(self) -> Response:
+        headers: dict[str, str] = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+            headers["Retry-After-Ms"] = str(max(1, round(self.retry_after_s * 1000)))
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return _json(self.body(), self.status, headers)
+
+
+# -- request bodies (shape only; values are checked by daemon.protocol, as for the SDK) ----------
+
+
+class _Body(BaseModel):
+    # Fields other servers add are ignored; OpenAI fields we cannot honour are refused by name.
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Part(_Body):
+    type: str
+    text: str | None = None
+
+
+class _Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[_Part] | None = None
+    tool_calls: list[Any] | None = None
+
+
+class _StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str
+    max_tokens: int | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    user: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Extensions (send them with the client's extra_body).
+    top_k: int | None = None
+    ignore_eos: bool | None = None
+    adapter: str | int | None = None  # "latest" (default with `user`), "base", or a version
+    record: bool | None = None  # store the interaction for feedback (default: when `user` consented)
+
+    def unsupported(self) -> list[str]:
+        """Known OpenAI parameters set to something this daemon cannot do."""
+        bad = [name for name in ("frequency_penalty", "presence_penalty") if getattr(self, name)]
+        if self.logit_bias:
+            bad.append("logit_bias")
+        return bad
+
+
+class ChatRequest(_Sampling):
+    messages: list[_Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        bad += [n for n in ("logprobs", "top_logprobs", "tools", "functions") if getattr(self, n)]
+        bad += [n for n in ("tool_choice", "function_call") if getattr(self, n) not in (None, "none")]
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            bad.append("response_format")
+        return bad
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        bad += [n for n in ("echo", "suffix", "logprobs") if getattr(self, n)]
+        if self.best_of not in (None, 1) and self.best_of != (self.n or 1):
+            bad.append("best_of")
+        return bad
+
+
+class FeedbackRequest(_Body):
+    model_config = ConfigDict(extra="forbid")
+    id: str  # the completion id (= the daemon's interaction id)
+    user: str
+    kind: str  # choice, thumbs, rating or edit
+    chosen: int | None = None
+    candidate: int | None = None
+    up: bool | None = None
+    stars: int | None = None
+    text: str | None = None
+
+
+class ConsentRequest(_Body):
+    granted: bool = True
+
+
+# -- the app ------------------------------------------------------------------------------------
+
+
+class Gateway:
+    """The ASGI app and its handlers over one Service."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.in_flight = 0
+        self.requests = 0
+        self.errors: dict[str, int] = {}
+        routes = [
+            ("/health", self.health, "GET"),
+            ("/metrics", self.metrics, "GET"),
+            ("/v1/models", self.models, "GET"),
+            ("/v1/models/{model:path}", self.model, "GET"),
+            ("/v1/chat/completions", self.chat_completions, "POST"),
+            ("/v1/completions", self.completions, "POST"),
+            ("/v1/feedback", self.feedback, "POST"),
+            ("/v1/users/{user}/consent", self.consent, "POST"),
+            ("/v1/users/{user}/export", self.export, "GET"),
+            ("/v1/users/{user}/adapters", self.adapters, "GET"),
+            ("/v1/users/{user}", self.forget, "DELETE"),
+        ]
+        self.app = Starlette(
+            routes=[Route(path, self._answering_errors(fn), methods=[method]) for path, fn, method in routes],
+            exception_handlers={HTTPException: self._on_http_error})
+
+    @property
+    def config(self) -> DaemonConfig:
+        return self.service.config  # SIGHUP swaps it (API keys are reloadable)
+
+    def summary(self) -> dict[str, Any]:
+        return {"requests": self.requests, "generates_in_flight": self.in_flight,
+                "errors": dict(self.errors)}
+
+    # -- errors and auth ------------------------------------------------------------------------
+
+    def _answering_errors(self, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        """Every failure becomes an OpenAI-shaped error reply with its status."""
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except Exception as exc:
+                return self._error(GatewayError.from_exc(exc))
+
+        return endpoint
+
+    def _error(self, error: GatewayError) -> Response:
+        self.errors[error.code] = self.errors.get(error.code, 0) + 1
+        return error.response()
+
+    async def _on_http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 405:
+            return self._error(GatewayError("method_not_allowed",
+                                            f"{request.method} is not allowed on {request.url.path}"))
+        return self._error(GatewayError("not_found", f"no route {request.method} {request.url.path}; "
+                                        "see docs/gateway.md"))
+
+    def _authorize(self, request: Request) -> None:
+        keys = self.config.http_api_keys
+        if not keys:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        token = token.strip()
+        # Compare against every key, each in constant time, so timing reveals nothing.
+        ok = False
+        for key in keys:
+            ok |= hmac.compare_digest(token.encode(), key.encode())
+        if scheme.lower() != "bearer" or not ok:
+            raise GatewayError("invalid_api_key", "missing or invalid API key: send "
+                               "'Authorization: Bearer KEY' with a key from http.api_keys")
+
+    async def _read(self, request: Request, model: type[BaseModel]) -> Any:
+        self._authorize(request)
+        self.requests += 1
+        limit = self.config.server.max_message_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise GatewayError("too_large", f"request body of {declared} bytes exceeds the limit of {limit}")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise GatewayError("too_large", f"request body exceeds the limit of {limit} bytes")
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise GatewayError("bad_request", f"the body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise GatewayError("bad_request", "the body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"])
+            raise GatewayError("bad_request", f"{loc or 'body'}: {first['msg']}"
+                               + (f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""),
+                               param=loc or None) from None
+
+    # -- health and metrics ---------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        health = self.service.health()
+        return _json(health, 200 if health["ok"] else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        self._authorize(request)
+        status = await self.service.status()
+        adapters: list[dict[str, Any]] = []
+        if self.service.state == "serving":
+            with contextlib.suppress(Exception):  # a view: never fail the scrape over it
+                adapters = await asyncio.wait_for(self.service.fine_tuner.adapters(None), 2.0)
+        return Response(self.service.metrics.render(status, adapters), media_type=CONTENT_TYPE)
+
+    # -- models ---------------------------------------------------------------------------------
+
+    def _model_card(self) -> dict[str, Any]:
+        started = time.time() - (time.monotonic() - self.service.started_at)
+        return {"id": self.service.model_name, "object": "model", "created": int(started),
+                "owned_by": "mace-edge"}
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        data = [self._model_card()] if self.service.model_name else []
+        return _json({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        self._authorize(request)
+        self._check_model(request.path_params["model"])
+        return _json(self._model_card())
+
+    def _check_model(self, name: str) -> None:
+        served = self.service.model_name
+        if not served:  # still loading: the generate answers not_ready
+            return
+        if name not in (served, MODEL_ALIAS):
+            raise GatewayError("model_not_found", f"model {name!r} is not served here; this daemon "
+                               f"serves {served!r} (per-user adapters are chosen by `user`, not by "
+                               "model)", param="model")
+
+    # -- generation -----------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        body: ChatRequest = await self._read(request, ChatRequest)
+        messages = []
+        for i, m in enumerate(body.messages):
+            if m.role in ("tool", "function") or m.tool_calls:
+                raise GatewayError("bad_request", f"messages.{i}: tool and function messages are not "
+                                   "supported", param=f"messages.{i}.role")
+            if isinstance(m.content, list):
+                parts = []
+                for j, part in enumerate(m.content):
+                    if part.type != "text" or part.text is None:
+                        raise GatewayError("bad_request", f"messages.{i}.content.{j}: only text parts "
+                                           f"are supported; got {part.type!r}",
+                                           param=f"messages.{i}.content")
+                    parts.append(part.text)
+                content = "\n".join(parts)
+            else:
+                content = m.content or ""
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await self._generate(request, body, "chat", {"messages": messages}, max_tokens)
+
+    async def completions(self, request: Request) -> Response:
+        body: CompletionRequest = await self._read(request, CompletionRequest)
+        prompt = body.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise GatewayError("bad_request", "prompt: give one string (batches of prompts and "
+                                   "token-id prompts are not supported)", param="prompt")
+            prompt = prompt[0]
+        return await self._generate(request, body, "text", {"prompt": prompt}, body.max_tokens)
+
+    async def _generate(self, request: Request, body: _Sampling, kind: str, prompt: dict[str, Any],
+                        max_tokens: int | None) -> Response:
+        bad = body.unsupported()
+        if bad:
+            raise GatewayError("bad_request", f"not supported by this server: {', '.join(bad)}", param=bad[0])
+        self._check_model(body.model)
+        temperature = body.temperature if body.temperature is not None else OPENAI_DEFAULT_TEMPERATURE
+        message = {"v": 1, "id": "http", "op": "generate", **prompt, "max_tokens": max_tokens,
+                   "temperature": temperature, "top_p": body.top_p, "n": body.n, "stop": body.stop,
+                   "seed": body.seed, "user": body.user, "top_k": body.top_k,
+                   "ignore_eos": body.ignore_eos, "adapter": body.adapter, "record": body.record}
+        args: GenerateArgs = parse_request({k: v for k, v in message.items() if v is not None}).args
+        limit = self.config.server.max_inflight
+        if self.in_flight >= limit:
+            raise GatewayError("busy", f"too many HTTP generations in flight (at most {limit}); retry "
+                               "shortly", retry_after_s=0.5)
+        reply = _Reply(kind, self.service.model_name or body.model)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await self._stream(request, args, reply, include_usage)
+        self.in_flight += 1
+        try:
+            call = GenerateCall(None, api="http")
+            result = await self._until_done_or_gone(request, call, self.service.generate(args, call))
+        finally:
+            self.in_flight -= 1
+        return _json(reply.whole(result), headers=_adapter_header(result))
+
+    async def _until_done_or_gone(self, request: Request, call: GenerateCall, work: Any) -> Any:
+        """Run `work`; if the client disconnects first, cancel its generation (as for ZeroMQ
+        clients that go away) and let it unwind."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not task.done():
+            self.service.cancel(call, "client_gone")
+        return await task
+
+    async def _stream(self, request: Request, args: GenerateArgs, reply: _Reply,
+                      include_usage: bool) -> Response:
+        """Hold the response until the first token (or an error) so that admission refusals and
+        bad requests still get their HTTP status; then stream server-sent events."""
+        tokens: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+        call = GenerateCall(lambda index, text, _id: tokens.put_nowait((index, text)), api="http")
+        self.in_flight += 1
+        task = asyncio.ensure_future(self.service.generate(args, call))
+        task.add_done_callback(self._generation_ended)
+        first = asyncio.ensure_future(tokens.get())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, first, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not first.done():
+            first.cancel()
+        pending = [first.result()] if first.done() and not first.cancelled() else []
+        if not pending and not task.done():  # the client went away while waiting
+            self.service.cancel(call, "client_gone")
+        if not pending and (not task.done() or task.exception() is not None):
+            await task  # raises the typed error, answered with its HTTP status
+        reply.id = call.engine_id or ""  # the interaction id, set once the engine took the request
+        return StreamingResponse(self._events(task, call, tokens, pending, reply, include_usage),
+                                 media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    async def _events(self, task: asyncio.Future[dict[str, Any]], call: GenerateCall,
+                      tokens: asyncio.Queue[tuple[int, str]], pending: list[tuple[int, str]],
+                      reply: _Reply, include_usage: bool) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                while not tokens.empty():
+                    pending.append(tokens.get_nowait())
+                if pending:
+                    # Everything that arrived meanwhile goes out in one write.
+                    yield b"".join(_sse(reply.delta(index, text)) for index, text in pending)
+                    pending.clear()
+                    continue
+                if task.done():
+                    break
+                waiter = asyncio.ensure_future(tokens.get())
+                try:
+                    await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not waiter.done():
+                        waiter.cancel()
+                if waiter.done() and not waiter.cancelled():
+                    pending.append(waiter.result())
+            exc = task.exception()
+            if exc is not None:
+                # Headers are gone: the error travels as an event (the openai client raises it).
+                yield _sse(GatewayError.from_exc(exc).body())
+                return
+            result = task.result()
+            yield b"".join(_sse(chunk) for chunk in reply.finals(result, include_usage))
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not task.done():  # the client disconnected mid-stream
+                self.service.cancel(call, "client_gone")
+
+    def _generation_ended(self, task: asyncio.Future[Any]) -> None:
+        self.in_flight -= 1
+        if not task.cancelled():
+            task.exception()  # retrieved here; the stream reports it
+
+    # -- feedback and user rights ---------------------------------------------------------------
+
+    async def feedback(self, request: Request) -> Response:
+        body: FeedbackRequest = await self._read(request, FeedbackRequest)
+        fields = body.model_dump(exclude={"id", "user"}, exclude_none=True)
+        args = parse_request({"v": 1, "id": "http", "op": "feedback", "user": body.user,
+                              "interaction_id": body.id, "feedback": fields}).args
+        ack = await self.service.feedback(args)
+        return _json({"object": "feedback", "id": ack["feedback_id"], "completion_id": body.id,
+                      "user": body.user, "pair_ids": ack["pair_ids"], "durable": ack["durable"]})
+
+    def _user_args(self, request: Request, op: str, **extra: Any) -> Any:
+        return parse_request({"v": 1, "id": "http", "op": op, "user": request.path_params["user"],
+                              **extra}).args
+
+    async def consent(self, request: Request) -> Response:
+        body: ConsentRequest = await self._read(request, ConsentRequest)
+        return _json(await self.service.users_consent(
+            self._user_args(request, "users.consent", granted=body.granted)))
+
+    async def export(self, request: Request) -> Response:
+        self._authorize(request)
+        return _json(await self.service.users_export(self._user_args(request, "users.export")))
+
+    async def forget(self, request: Request) -> Response:
+        self._authorize(request)
+        return _json(await self.service.users_forget(self._user_args(request, "users.forget")))
+
+    async def adapters(self, request: Request) -> Response:
+        self._authorize(request)
+        args = self._user_args(request, "adapters.list")
+        return _json({"object": "list", "data": (await self.service.adapters_list(args))["adapters"]})
+
+
+class _Reply:
+    """Builds OpenAI response objects from the daemon's generate result."""
+
+    def __init__(self, kind: str, model: str) -> None:
+        self.kind = kind  # "chat" or "text"
+        self.model = model
+        self.created = int(time.time())
+        self.id = ""  # the interaction id: known once the generation finished
+        self._started: set[int] = set()
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": f"mace-edge-{VERSION}", "choices": choices, **extra}
+
+    def delta(self, index: int, text: str) -> dict[str, Any]:
+        if self.kind == "text":
+            return self._chunk([{"index": index, "text": text, "finish_reason": None, "logprobs": None}])
+        delta = {"content": text}
+        if index not in self._started:
+            self._started.add(index)
+            delta = {"role": "assistant", "content": text}
+        return self._chunk([{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}])
+
+    def finals(self, result: dict[str, Any], include_usage: bool) -> Iterator[dict[str, Any]]:
+        self.id = result["interaction_id"]
+        for c in result["candidates"]:
+            if self.kind == "text":
+                choice = {"index": c["index"], "text": "", "finish_reason": _finish(c), "logprobs": None}
+            else:
+                delta = {} if c["index"] in self._started else {"role": "assistant", "content": ""}
+                choice = {"index": c["index"], "delta": delta, "finish_reason": _finish(c), "logprobs": None}
+            yield self._chunk([choice], mace=_extension(result))
+        if include_usage:
+            yield self._chunk([], usage=_usage(result))
+
+    def whole(self, result: dict[str, Any]) -> dict[str, Any]:
+        self.id = result["interaction_id"]
+        choices = []
+        for c in result["candidates"]:
+            if self.kind == "chat":
+                choices.append({"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                                "finish_reason": _finish(c), "logprobs": None})
+            else:
+                choices.append({"index": c["index"], "text": c["text"], "finish_reason": _finish(c),
+                                "logprobs": None})
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "system_fingerprint": f"mace-edge-{VERSION}", "choices": choices,
+                "usage": _usage(result), "mace": _extension(result)}
+
+
+def _finish(candidate: dict[str, Any]) -> str:
+    return "length" if candidate.get("finish_reason") == "length" else "stop"
+
+
+def _usage(result: dict[str, Any]) -> dict[str, Any]:
+    u = result["usage"]
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": u.get("cached_prompt_tokens", 0)}}
+
+
+def _extension(result: dict[str, Any]) -> dict[str, Any]:
+    """What the daemon adds: the adapter that served, whether feedback can refer to this id."""
+    ext = {"interaction_id": result["interaction_id"], "adapter": result["adapter"],
+           "recorded": result["recorded"], "timing": result.get("timing", {})}
+    if result.get("record_note"):
+        ext["record_note"] = result["record_note"]
+    return ext
+
+
+def _adapter_header(result: dict[str, Any]) -> dict[str, str]:
+    return {"X-Mace-Adapter": result["adapter"] or "base"}
+
+
+def _json(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    body = json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode()
+    return Response(body, status, headers, media_type="application/json")
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body has been read, so `receive` only reports that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# -- serving ------------------------------------------------------------------------------------
+
+
+class _Uvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # maced owns SIGTERM/SIGINT (drain) and SIGHUP (reload); uvicorn must not take them.
+        yield
+
+    def install_signal_handlers(self) -> None:  # the same hook in uvicorn < 0.29
+        return None
+
+
+class HttpGateway:
+    """Binds the HTTP socket up front (errors surface before the model loads), then serves the
+    app with uvicorn on the running event loop until `close()`."""
+
+    def __init__(self, config: DaemonConfig, service: Service,
+                 app_factory: Callable[[Service], Gateway] = Gateway) -> None:
+        self.config = config
+        self.gateway = app_factory(service)
+        self.socket: socket.socket | None = None
+        self.endpoint = ""
+        self._server: _Uvicorn | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return {"endpoint": self.endpoint, "auth": bool(self.config.http_api_keys), **self.gateway.summary()}
+
+    def bind(self) -> str:
+        address = self.config.http_address
+        assert address is not None
+        host, port = address
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, sockaddr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(2048)
+        except OSError:
+            sock.close()
+            raise
+        self.socket = sock
+        bound_host, bound_port = sock.getsockname()[:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        self.endpoint = f"http://{shown}:{bound_port}"
+        return self.endpoint
+
+    def start(self) -> None:
+        assert self.socket is not None
+        config = uvicorn.Config(
+            self.gateway.app, http="h11", ws="none", lifespan="off", log_config=None,
+            log_level="warning", access_log=False, server_header=False, proxy_headers=False,
+            timeout_graceful_shutdown=2, timeout_keep_alive=5)
+        self._server = _Uvicorn(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[self.socket]), name="http")
+
+    async def close(self, timeout_s: float = 3.0) -> None:
+        """Stop accepting, let open responses end (they were already cancelled by the drain),
+        then force the rest."""
+        if self._server is None or self._task is None:
+            if self.socket is not None:
+                self.socket.close()
+            return
+        self._server.should_exit = True
+        done, _ = await asyncio.wait({self._task}, timeout=timeout_s)
+        if not done:
+            self._server.force_exit = True
+            self._task.cancel()
+        with contextlib.suppress(BaseException):
+            await self._task
