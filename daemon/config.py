@@ -84,7 +84,9 @@ class AdmissionSettings:
 class FineTuneSettings:
     enabled: bool = True  # continual DPO on consented users' preference pairs
     pairs_per_version: int = 4  # publish a new adapter version after this many trained pairs
-    idle_s: float = 1.0  # train only after inference has been idle this long
+    # Ignored since the engine's scheduler packs fine-tune stages beside inference (it used to
+    # hold training back until inference had idled this long); kept so config files still load.
+    idle_s: float = 1.0
     guard: bool = True  # publish only if held-out win rate / CLPD did not regress
 
 
@@ -186,9 +188,15 @@ def _schema() -> dict[str, Setting]:
                     default = f.default_factory()
                 else:
                     continue
+                default = _DAEMON_DEFAULTS.get(f"{section}.{f.name}", default)
                 setting = Setting(section, f.name, owner, _SCALARS[kinds[0]], optional, default)
                 settings.setdefault(setting.name, setting)
     return settings
+
+
+# Where the daemon's default differs from the library's: the daemon co-serves inference and
+# fine-tuning, so its engine schedules with MACE (the library's default is plain FCFS).
+_DAEMON_DEFAULTS = {"engine.policy": "mace"}
 
 
 SCHEMA = _schema()

@@ -193,14 +193,10 @@ class Service:
         if not self._custom_tuner:
             from daemon.training import EngineFineTuner
 
-            tuner = EngineFineTuner(self.engine, self.store, self.config.finetune, self._inference_idle)
+            tuner = EngineFineTuner(self.engine, self.store, self.config.finetune)
             tuner.start()
             self.fine_tuner = tuner
         self.state = "serving"
-
-    def _inference_idle(self) -> bool:
-        snap = self.engine.snapshot if self.engine is not None else None
-        return not self.calls and self.admission_queued == 0 and (snap is None or snap.in_flight == 0)
 
     def _open_store(self) -> tuple[FeedbackStore, AsyncFeedbackStore]:
         from edge_runtime.feedback import AsyncFeedbackStore, FeedbackStore

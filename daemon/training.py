@@ -1,8 +1,16 @@
 """Per-user adapters served and trained inside the daemon: the engine's adapter registry for
 serving, listing, rollback and erasure, and continual DPO on consented users' pairs.
 
-Until the engine's scheduler packs fine-tune stages into its own iterations, this runs one stage
-per engine-thread command and only while inference is idle, so a request waits at most one stage.
+Training is the engine's own work, not a side loop: each preference pair ready for a user
+becomes a staged fine-tune task (`AdapterTrainer.task(pair)`) handed to `Engine.add_finetune`,
+and the engine's scheduler (MACE by default) packs its stages into iterations beside decode
+steps and prefill chunks, within the latency budget and the memory ledger. This module decides
+which pairs to hand over, records finished pairs in the store, and publishes a new adapter
+version through the regression guard once a user has `pairs_per_version` trained pairs.
+
+A user's pairs go to the engine in batches of at most `pairs_per_version`; the next batch waits
+until the current one has finished and been published, so a published version is never taken
+in the middle of an update.
 """
 
 from __future__ import annotations
@@ -10,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,63 +29,92 @@ from edge_runtime.errors import MaceError
 if TYPE_CHECKING:
     from edge_runtime.engine import Engine
     from edge_runtime.feedback import FeedbackStore, PreferencePair
-    from edge_runtime.train.staged import DPOFineTuneTask
+    from edge_runtime.sched.finetune import FineTuneJob
     from edge_runtime.train.trainer import AdapterTrainer
 
 log = logging.getLogger(__name__)
+
+# A pair whose update fails this many times is left pending in the store and not retried by
+# this process (a broken pair must not keep the engine busy forever).
+MAX_ATTEMPTS = 3
 
 
 @dataclass
 class _UserProgress:
     trained_pair_ids: list[int] = field(default_factory=list)  # since the last published version
+    in_flight: dict[int, str] = field(default_factory=dict)  # pair id -> engine job id
+    publishing: bool = False
+
+
+@dataclass(frozen=True)
+class _Done:
+    """A fine-tune job's end, handed from the engine thread to the event loop."""
+
+    user: str
+    pair_id: int
+    job_id: str
+    loss: float | None
+    error: str | None
+    stages: int
+    seconds: float
+    generation: int  # the trainer's generation when the job was queued (a reset bumps it)
 
 
 class EngineFineTuner:
-    """FineTuner backed by the engine's AdapterRegistry, with idle-time DPO when enabled."""
+    """FineTuner backed by the engine: its AdapterRegistry serves, its scheduler trains."""
 
-    name = "idle-dpo"
+    name = "engine"
 
     def __init__(self, engine: EngineThread, store: FeedbackStore | None, settings: FineTuneSettings,
-                 inference_idle: Callable[[], bool], poll_s: float = 0.25) -> None:
+                 poll_s: float = 0.25) -> None:
         self.engine = engine
         self.store = store
         self.settings = settings
-        self.inference_idle = inference_idle
         self.poll_s = poll_s
         self.paused_reason: str | None = None
-        self.state = "idle"
-        self.current: dict[str, Any] | None = None
+        self.pairs_queued = 0  # handed to the engine, in total
         self.pairs_trained = 0
+        self.pairs_cancelled = 0
         self.versions_published = 0
         self.versions_rejected = 0
         self.last_loss: float | None = None
         self.last_decision: dict[str, Any] | None = None
         self.errors = 0
+        self.publishing: str | None = None  # the user whose candidate is being guarded now
         self._trainers: dict[str, AdapterTrainer] = {}  # touched on the engine thread only
+        self._stage_costs: Any = None  # engine thread only
         self._progress: dict[str, _UserProgress] = {}
-        self._task: DPOFineTuneTask | None = None
+        self._attempts: dict[int, int] = {}
         self._forgotten: set[str] = set()
-        self._busy_since = time.monotonic()
+        self._generation: dict[str, int] = {}  # per user; bumped when the trainer is reset
+        self._done: asyncio.Queue[_Done] = asyncio.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_task: asyncio.Task[None] | None = None
+        self._look_at = 0.0  # when the store is read for pending pairs next (monotonic)
         self._stopping = False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         if self.store is not None and self._loop_task is None:
             self._loop_task = asyncio.create_task(self._train_loop(), name="finetune")
 
     async def checkpoint(self) -> None:
-        """Shutdown: drop a half-done pair (it stays pending) and publish what was trained since
-        the last version, so no trained pair is lost with the process."""
+        """Shutdown: cancel the queued updates (their pairs stay pending in the store) and
+        publish what was trained since the last version, so no trained pair is lost."""
         self._stopping = True
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
-        if self._task is not None:
-            task, self._task = self._task, None
-            await self.engine.call(lambda e: task.abandon())
+        if self.engine.alive:
+            try:
+                await self.engine.call(_cancel_all)
+            except MaceError:
+                pass  # the engine is gone: nothing is queued any more
+        await self._handle_done()
         for user, progress in list(self._progress.items()):
+            progress.in_flight.clear()
             if progress.trained_pair_ids:
                 try:
                     await self._publish(user)
@@ -120,7 +156,12 @@ class EngineFineTuner:
         def roll(engine: Engine) -> dict[str, Any]:
             now = engine.rollback_adapter(user, version, reason="rollback requested through the API")
             trainer = self._trainers.get(user)
-            if trainer is not None:  # keep training from what is served, not from the retired tip
+            if trainer is not None:
+                # Keep training from what is served, not from the retired tip: updates queued
+                # on the old weights are cancelled (their pairs stay pending and are trained
+                # again from the rolled-back version).
+                engine.cancel_finetune(user=user)
+                self._generation[user] = self._generation.get(user, 0) + 1
                 self._reset_trainer(engine, user, trainer)
             return {"user": user, "serving": None if now is None else now.version}
 
@@ -131,10 +172,25 @@ class EngineFineTuner:
 
     def status(self) -> dict[str, Any]:
         decision = self.last_decision or {}
+        stats = self.engine.stats  # the engine thread's last published snapshot
+        in_flight = {user: sorted(p.in_flight) for user, p in self._progress.items() if p.in_flight}
+        if self.paused_reason:
+            state = "paused"
+        elif self.publishing:
+            state = "publishing"
+        elif in_flight:
+            state = "training"
+        else:
+            state = "idle"
         return {
             "available": True, "trainer": self.name, "enabled": self.settings.enabled,
-            "state": "paused" if self.paused_reason else self.state, "paused": self.paused_reason,
-            "current": self.current, "pairs_trained": self.pairs_trained,
+            "state": state, "paused": self.paused_reason,
+            "policy": stats.get("policy"),
+            "current": in_flight or None,
+            "pairs_queued": sum(len(p) for p in in_flight.values()),
+            "pairs_trained": self.pairs_trained, "pairs_cancelled": self.pairs_cancelled,
+            "stages_run": stats.get("finetune_stages_run", 0),
+            "finetune_seconds": stats.get("finetune_seconds", 0.0),
             "versions_published": self.versions_published, "versions_rejected": self.versions_rejected,
             "pairs_per_version": self.settings.pairs_per_version, "last_loss": self.last_loss,
             "errors": self.errors, "last_guard": decision or None,
@@ -142,120 +198,176 @@ class EngineFineTuner:
         }
 
     def memory_bytes(self) -> dict[str, int]:
-        trainers = list(self._trainers.values())
-        task = self._task
-        return {"lora_training_state": sum(t.persistent_bytes for t in trainers),
-                "finetune_activations": task.held_bytes if task is not None else 0}
+        memory = self.engine.stats.get("memory") or {}
+        return {"lora_training_state": int(memory.get("optimizer_bytes", 0)),
+                "finetune_activations": int(memory.get("activations_bytes", 0))}
 
     # -- events from the service ----------------------------------------------------------------
 
     def on_feedback(self, user: str, pair_ids: tuple[int, ...]) -> None:
         self._forgotten.discard(user)
+        self._look_at = 0.0  # new pairs: look at the store on the next turn
 
     async def forget(self, user: str) -> None:
-        """Before the store erases the user: drop their trainer, running task and every adapter
-        version the engine holds, so nothing of theirs is served or trained again."""
+        """Before the store erases the user: cancel their queued updates, drop their trainer and
+        every adapter version the engine holds, so nothing of theirs is served or trained again."""
         self._forgotten.add(user)
         self._progress.pop(user, None)
 
         def purge(engine: Engine) -> None:
-            task = self._task
-            if task is not None and self.current and self.current.get("user") == user:
-                task.abandon()
-                self._task = None
+            engine.cancel_finetune(user=user)
             self._trainers.pop(user, None)
             forget_user_adapters(engine, user)
 
         await self.engine.call(purge)
 
     def pause(self, reason: str) -> None:
+        """Admission says shed fine-tuning: the engine stops scheduling stages and gives the
+        activations back (queued updates stay queued and resume later)."""
         self.paused_reason = reason
-        task = self._task
-        if task is not None and self.engine.alive:
-            # Shed first: activations are the first thing to go when memory or power is short.
-            self.engine.call(lambda e: task.abandon())
+        if self.engine.alive:
+            self.engine.call(lambda e: e.pause_finetune(reason))
 
     def resume(self) -> None:
         self.paused_reason = None
+        self._look_at = 0.0
+        if self.engine.alive:
+            self.engine.call(lambda e: e.resume_finetune())
 
     # -- training -------------------------------------------------------------------------------
 
-    def _may_run(self) -> bool:
-        now = time.monotonic()
-        if not self.inference_idle():
-            self._busy_since = now
-            return False
-        return (self.settings.enabled and self.paused_reason is None and not self._stopping
-                and now - self._busy_since >= self.settings.idle_s)
-
     async def _train_loop(self) -> None:
-        assert self.store is not None
         while True:
-            await asyncio.sleep(self.poll_s)
-            if not self._may_run():
-                continue
             try:
-                pairs = await asyncio.to_thread(self.store.next_pairs, None, 16)
-                await self._train_round(pairs)
+                try:
+                    first = await asyncio.wait_for(self._done.get(), self.poll_s)
+                except asyncio.TimeoutError:
+                    first = None
+                await self._handle_done(first)
+                now = time.monotonic()
+                if first is not None:
+                    self._look_at = 0.0  # a batch may have ended: look for the next one
+                if self.settings.enabled and not self._stopping and now >= self._look_at:
+                    # Otherwise the store is read only every few seconds (pairs of users that
+                    # were busy, settings re-enabled by a reload).
+                    self._look_at = now + 5.0
+                    await self._feed()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 # Training is best effort beside serving: log, count, and keep serving.
                 self.errors += 1
-                self.state = "idle"
                 log.exception("fine-tuning round failed")
                 await asyncio.sleep(5.0)
 
-    async def _train_round(self, pairs: list[PreferencePair]) -> None:
-        assert self.store is not None
-        if not pairs:
-            for user, progress in list(self._progress.items()):
-                if progress.trained_pair_ids:  # nothing left to add: publish what there is
-                    await self._publish(user)
-            return
-        user = pairs[0].user_id
-        for pair in (p for p in pairs if p.user_id == user):
-            if user in self._forgotten:
-                return
-            loss = await self._train_pair(user, pair)
-            if loss is None:
-                return  # interrupted: the pair stays pending
-            await asyncio.to_thread(self.store.mark_trained, pair.id, loss)
-            progress = self._progress.setdefault(user, _UserProgress())
-            progress.trained_pair_ids.append(pair.id)
+    async def _handle_done(self, first: _Done | None = None) -> None:
+        """Record finished updates in the store; publish users whose batch is complete."""
+        done = [first] if first is not None else []
+        while not self._done.empty():
+            done.append(self._done.get_nowait())
+        touched: set[str] = set()
+        for item in done:
+            progress = self._progress.get(item.user)
+            if progress is None or item.user in self._forgotten:
+                continue  # erased meanwhile
+            progress.in_flight.pop(item.pair_id, None)
+            touched.add(item.user)
+            if item.error is None and item.generation != self._generation.get(item.user, 0):
+                # Finished on weights a rollback has since replaced: its update is gone, so
+                # the pair stays pending and is trained again.
+                item = _Done(item.user, item.pair_id, item.job_id, None, "cancelled", item.stages,
+                             item.seconds, item.generation)
+            if item.error is not None:
+                if item.error == "cancelled":
+                    self.pairs_cancelled += 1
+                else:
+                    self.errors += 1
+                    self._attempts[item.pair_id] = self._attempts.get(item.pair_id, 0) + 1
+                    log.warning("fine-tuning pair %d of %s failed: %s", item.pair_id, item.user, item.error)
+                continue
+            assert self.store is not None
+            try:
+                await asyncio.to_thread(self.store.mark_trained, item.pair_id, item.loss)
+            except MaceError as exc:  # erased between the update and now
+                log.info("pair %d of %s not recorded as trained: %s", item.pair_id, item.user, exc)
+                continue
+            progress.trained_pair_ids.append(item.pair_id)
             self.pairs_trained += 1
-            self.last_loss = loss
-            if len(progress.trained_pair_ids) >= self.settings.pairs_per_version:
+            self.last_loss = item.loss
+        for user in touched:
+            progress = self._progress.get(user)
+            if (progress is not None and not progress.in_flight and not self._stopping
+                    and len(progress.trained_pair_ids) >= self.settings.pairs_per_version):
                 await self._publish(user)
 
-    async def _train_pair(self, user: str, pair: PreferencePair) -> float | None:
-        self.state = "training"
-        self.current = {"user": user, "pair_id": pair.id, "stage": None}
-        try:
-            task = await self.engine.call(lambda e: self._trainer(e, user).task(pair))
-            self._task = task
-            while not task.done:
-                while not self._may_run():
-                    if self._stopping or user in self._forgotten:
-                        return None
-                    await asyncio.sleep(self.poll_s)
-                if self._task is not task:
-                    return None  # abandoned (paused or erased) meanwhile
-                stage = await self.engine.call(lambda e: task.run_next())
-                self.current["stage"] = stage.name
-            assert task.result is not None
-            return float(task.result.loss)
-        finally:
-            self._task = None
-            self.current = None
-            self.state = "idle"
+    async def _feed(self) -> None:
+        """Hand pairs ready for training to the engine: per user, a batch of up to
+        `pairs_per_version`, once the previous batch is done. With nothing left to train, a
+        user's trained-but-unpublished pairs are published."""
+        assert self.store is not None
+        if self.paused_reason is not None:
+            return
+        busy = {u for u, p in self._progress.items() if p.in_flight or p.publishing}
+        pairs = await asyncio.to_thread(self.store.next_pairs, None, 64)
+        batches: dict[str, list[PreferencePair]] = {}
+        for pair in pairs:
+            user = pair.user_id
+            if user in busy or user in self._forgotten or self._attempts.get(pair.id, 0) >= MAX_ATTEMPTS:
+                continue
+            progress = self._progress.setdefault(user, _UserProgress())
+            room = self.settings.pairs_per_version - len(progress.trained_pair_ids)
+            batch = batches.setdefault(user, [])
+            if len(batch) < max(1, room):
+                batch.append(pair)
+        if batches:
+            await self._queue(batches)
+        waiting = {p.user_id for p in pairs}
+        for user, progress in list(self._progress.items()):
+            if (user not in waiting and not progress.in_flight and not progress.publishing
+                    and progress.trained_pair_ids):
+                await self._publish(user)  # nothing left to add: publish what there is
+
+    async def _queue(self, batches: dict[str, list[PreferencePair]]) -> None:
+        loop = self._loop
+        assert loop is not None
+        done_queue = self._done
+
+        def queue(engine: Engine) -> dict[str, dict[int, str]]:
+            queued: dict[str, dict[int, str]] = {}
+            for user, pairs in batches.items():
+                trainer = self._trainer(engine, user)
+                generation = self._generation.get(user, 0)
+                for pair in pairs:
+                    def finished(job: FineTuneJob, user: str = user, pair_id: int = pair.id,
+                                 generation: int = generation) -> None:
+                        result = getattr(job.work, "result", None)
+                        loss = float(result.loss) if result is not None and job.error is None else None
+                        item = _Done(user, pair_id, job.job_id, loss, job.error, job.stages_run, job.seconds,
+                                     generation)
+                        try:
+                            loop.call_soon_threadsafe(done_queue.put_nowait, item)
+                        except RuntimeError:  # the loop is closed: the process is exiting
+                            pass
+
+                    job_id = engine.add_finetune(trainer.task(pair), user=user, on_done=finished)
+                    queued.setdefault(user, {})[pair.id] = job_id
+            return queued
+
+        queued = await self.engine.call(queue)
+        for user, jobs in queued.items():
+            self._progress.setdefault(user, _UserProgress()).in_flight.update(jobs)
+            self.pairs_queued += len(jobs)
 
     def _trainer(self, engine: Engine, user: str) -> AdapterTrainer:
         trainer = self._trainers.get(user)
         if trainer is None:
             from edge_runtime.train.trainer import AdapterTrainer
 
-            trainer = AdapterTrainer(engine.model, engine.tokenizer)
+            if self._stage_costs is None:
+                # This machine's stage costs (profiled once, then cached in the state dir), so
+                # the scheduler prices stages as they really run here.
+                self._stage_costs = engine.stage_costs()
+            trainer = AdapterTrainer(engine.model, engine.tokenizer, costs=self._stage_costs)
             self._reset_trainer(engine, user, trainer)
             self._trainers[user] = trainer
         return trainer
@@ -271,28 +383,30 @@ class EngineFineTuner:
     async def _publish(self, user: str) -> None:
         assert self.store is not None
         progress = self._progress.get(user)
-        if progress is None or not progress.trained_pair_ids or user in self._forgotten:
+        if progress is None or not progress.trained_pair_ids or user in self._forgotten or progress.publishing:
             return
         pair_ids = list(progress.trained_pair_ids)
-        heldout = await asyncio.to_thread(self.store.heldout_pairs, user)
-        self.state = "publishing"
-
-        def publish(engine: Engine) -> tuple[dict[str, Any], Any]:
-            from edge_runtime.train.guard import RegressionGuard, publish_guarded
-
-            trainer = self._trainers[user]
-            trainer.flush()  # apply a partly accumulated optimizer window before the snapshot
-            guard = RegressionGuard() if self.settings.guard else RegressionGuard(min_heldout_pairs=1 << 30)
-            decision, ref = publish_guarded(engine.adapters, trainer, user, heldout, guard,
-                                            pair_ids=pair_ids)
-            path = engine.adapters.path(ref) if ref is not None else None
-            return decision.as_dict(), (ref, path)
-
+        progress.publishing = True
+        self.publishing = user
         try:
+            heldout = await asyncio.to_thread(self.store.heldout_pairs, user)
+
+            def publish(engine: Engine) -> tuple[dict[str, Any], Any]:
+                from edge_runtime.train.guard import RegressionGuard, publish_guarded
+
+                trainer = self._trainers[user]
+                trainer.flush()  # apply a partly accumulated optimizer window before the snapshot
+                guard = RegressionGuard() if self.settings.guard else RegressionGuard(min_heldout_pairs=1 << 30)
+                decision, ref = publish_guarded(engine.adapters, trainer, user, heldout, guard,
+                                                pair_ids=pair_ids)
+                path = engine.adapters.path(ref) if ref is not None else None
+                return decision.as_dict(), (ref, path)
+
             decision, (ref, path) = await self.engine.call(publish)
         finally:
-            self.state = "idle"
-        progress.trained_pair_ids.clear()
+            progress.publishing = False
+            self.publishing = None
+        del progress.trained_pair_ids[: len(pair_ids)]
         self.last_decision = decision
         if ref is None:
             self.versions_rejected += 1
@@ -309,6 +423,11 @@ class EngineFineTuner:
                 await self.forget(user)
                 return
         self.versions_published += 1  # counted once the store knows it (what status reports)
+
+
+def _cancel_all(engine: Engine) -> int:
+    users = {job.user for job in engine.scheduler.finetune.jobs.values()}
+    return sum(engine.cancel_finetune(user=user) for user in users if user is not None)
 
 
 def forget_user_adapters(engine: Engine, user: str) -> None:

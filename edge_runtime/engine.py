@@ -38,7 +38,7 @@ from edge_runtime.sampling import SamplingParams, sample_next
 from edge_runtime.sched.cost_model import load_cost_model, load_stage_costs
 from edge_runtime.sched.finetune import FineTuneJob, FineTuneWork
 from edge_runtime.sched.registry import make_policy
-from edge_runtime.sched.scheduler import Batch, Scheduler
+from edge_runtime.sched.scheduler import Batch, Scheduler, must_finish
 from edge_runtime.sequence import Request, SeqStatus, Sequence
 
 Prompt = str | ChatMessages
@@ -238,15 +238,31 @@ class Engine:
 
     def cancel_finetune(self, job_id: str | None = None, *, user: str | None = None) -> int:
         """Drop one queued job, or every job of `user` (erasure): activations are freed and the
-        adapter released. Returns how many were dropped."""
+        adapter released; `on_done` sees `job.error == "cancelled"`. A job whose backward has
+        begun is run to its end instead (a torn update would leak into the adapter's next
+        step) and retires as done. Returns how many were dropped."""
         jobs = [j for j in list(self.scheduler.finetune.jobs.values())
                 if (job_id is not None and j.job_id == job_id) or (user is not None and j.user == user)]
+        dropped = 0
         for job in jobs:
-            self._drop_job(job, "cancelled")
-        return len(jobs)
+            dropped += not must_finish(job)
+            self._drop_job(job, "cancelled", finish=True)
+        return dropped
 
-    def _drop_job(self, job: FineTuneJob, reason: str) -> None:
+    def _drop_job(self, job: FineTuneJob, reason: str, finish: bool = False) -> None:
         queue = self.scheduler.finetune
+        if finish and must_finish(job):
+            # Its gradient is partly in the adapter's leaves: a torn update would leak into the
+            # next pair's optimizer step. Run the few stages left (backward groups, the
+            # optimizer) instead; it then retires as done, not dropped.
+            try:
+                self._finish_now(job)
+            except Exception as exc:
+                log.exception("fine-tune job %s failed while finishing", job.job_id)
+                if job.job_id in queue.jobs:
+                    queue.retire(job, self.clock(), error=f"{reason}; finishing failed: {exc}")
+            self.ledger.drop(MemoryKind.ACTIVATIONS, job.job_id)
+            return
         try:
             if job.work.held_bytes or queue.owners.get(id(job.work.trainer)) is job:
                 queue.abandon(job)
@@ -254,11 +270,23 @@ class Engine:
             queue.retire(job, self.clock(), error=reason)
             self.ledger.drop(MemoryKind.ACTIVATIONS, job.job_id)
 
+    def _finish_now(self, job: FineTuneJob) -> None:
+        queue = self.scheduler.finetune
+        while job.job_id in queue.jobs:
+            stage = job.work.next_stage()
+            if stage is None:
+                queue.retire(job, self.clock())
+                break
+            queue.before_stage(job, stage.kind.value)
+            job.work.run_next()
+            queue.after_stage(job, stage.seconds or 0.0, self.clock())
+
     def pause_finetune(self, reason: str) -> None:
         """Stop scheduling fine-tune stages (admission says shed) and give activations back."""
         self.scheduler.finetune_paused = reason
         for job in self.scheduler.finetune.holding():
-            self.scheduler.finetune.abandon(job)
+            if not must_finish(job):  # those run on to their optimizer stage, then wait
+                self.scheduler.finetune.abandon(job)
         self.scheduler.sync_memory()
 
     def resume_finetune(self) -> None:

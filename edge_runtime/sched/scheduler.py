@@ -25,6 +25,12 @@ from edge_runtime.sequence import SeqStatus, Sequence
 __all__ = ["Batch", "ScheduledSeq", "ScheduledStages", "Scheduler"]
 
 
+def must_finish(job: FineTuneJob) -> bool:
+    """A job whose backward has begun (gradients partly in the adapter's leaves) cannot give
+    its activations back and restart; it must run to its optimizer stage."""
+    return not job.work.done and not getattr(job.work, "can_abandon", True)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -100,7 +106,11 @@ class Scheduler:
         seq.finish_reason = reason
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or (self.finetune.jobs and not self.finetune_paused))
+        if self.waiting or self.running:
+            return True
+        if not self.finetune_paused:
+            return bool(self.finetune.jobs)
+        return any(must_finish(job) for job in self.finetune.jobs.values())
 
     def blocks_needed(self, seq: Sequence, new_tokens: int) -> int:
         size = self.pool.block_size
@@ -177,7 +187,7 @@ class Scheduler:
 
     def _shed_activations(self, want: int) -> int:
         """Fine-tune jobs give back their held activations, lowest priority first."""
-        holding = self.finetune.holding()
+        holding = [job for job in self.finetune.holding() if not must_finish(job)]
         holding.sort(key=lambda job: self.policy.priority(self._job_task(job), self._now))
         freed = 0
         for job in holding:
@@ -255,8 +265,12 @@ class Scheduler:
             if self._ready(s):
                 tasks.append(Task(prefill, s.arrival, s.arrival, seq=s, remaining=s.num_tokens - s.num_computed,
                                   context=s.num_computed))
-        if not self.finetune_paused:
-            tasks += [self._job_task(job) for job in self.finetune.runnable()]
+        runnable = self.finetune.runnable()
+        if self.finetune_paused:
+            # Paused (shed): only updates past their point of no return run on, to free what
+            # they hold; the rest gave their activations back and wait.
+            runnable = [job for job in runnable if must_finish(job)]
+        tasks += [self._job_task(job) for job in runnable]
         return tasks
 
     def schedule(self, now: float) -> Batch:

@@ -35,7 +35,7 @@ def test_health_and_status_describe_the_daemon(shared_daemon: DaemonProcess) -> 
     assert status["memory"]["ledger"]["kv_cache"] == 8 << 20
     assert status["admission"]["state"] in ("normal", "shed_finetune")
     assert status["feedback"]["open"] is True
-    assert status["finetune"]["available"] is True and status["finetune"]["trainer"] == "idle-dpo"
+    assert status["finetune"]["available"] is True and status["finetune"]["trainer"] == "engine"
 
 
 def test_generate_whole_with_n_candidates(shared_daemon: DaemonProcess) -> None:

@@ -44,7 +44,7 @@ def test_default_model_end_to_end(start_daemon) -> None:
     # One torch thread: on a small shared CPU box, OpenMP workers that spin while preempted make
     # every iteration many times slower (tools/results/loadgen-threads2.md).
     d = start_daemon(model=default_model_dir(), engine_flags=["--set", "engine.num_threads=1"], extra_args=[
-        "--set", "finetune.pairs_per_version=2", "--set", "finetune.idle_s=0.5",
+        "--set", "finetune.pairs_per_version=2",
         "--set", "feedback.heldout_fraction=0.0"], ready=False)
     d.wait_ready(timeout_s=300)
     with d.client() as c:
@@ -105,7 +105,7 @@ def test_default_model_end_to_end(start_daemon) -> None:
     assert status["feedback"]["interactions"] == total_acked
     assert status["model"]["model"] == "smollm2-135m-instruct"
 
-    # 3. DPO on the pairs publishes a new adapter version while the daemon idles.
+    # 3. The engine packs the pairs' DPO stages into its iterations; a new adapter version is published.
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         status = macectl_status(d.endpoint)
@@ -119,7 +119,7 @@ def test_default_model_end_to_end(start_daemon) -> None:
         adapters = c.adapters()
         trained_user = adapters[0]["user"]
         active = max(a["version"] for a in adapters if a["user"] == trained_user and a["active"])
-        # The idle-time trainer may publish again between the listing and the call: the request
+        # The trainer may publish again between the listing and the call: the request
         # must get the newest version at its admission, which is at least the one listed active.
         served = c.generate("Hi", max_tokens=2, user=trained_user).adapter
         name, _, version = (served or "").partition("@")

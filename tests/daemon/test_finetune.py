@@ -19,7 +19,7 @@ def wait_for(predicate, timeout_s: float = 60.0, every_s: float = 0.2):
 
 
 def test_feedback_trains_publishes_serves_rolls_back_and_forgets_an_adapter(start_daemon) -> None:
-    d = start_daemon(extra_args=["--set", "finetune.pairs_per_version=2", "--set", "finetune.idle_s=0.2",
+    d = start_daemon(extra_args=["--set", "finetune.pairs_per_version=2",
                                  "--set", "feedback.heldout_fraction=0.0"])
     with Client(d.endpoint, timeout_s=30) as c:
         c.consent("gina")
@@ -47,5 +47,43 @@ def test_feedback_trains_publishes_serves_rolls_back_and_forgets_an_adapter(star
         c.forget("gina")
         assert c.adapters("gina") == []
         assert not (d.state_dir / "adapters" / "gina").exists()
+    code, _ = d.stop()
+    assert code == 0
+
+
+def test_greedy_answers_unchanged_while_the_engine_fine_tunes(start_daemon) -> None:
+    """Fine-tune stages run inside the engine's iterations, beside inference: base-model greedy
+    answers served before, during and after an adapter's training are the same text."""
+    import threading
+
+    d = start_daemon(extra_args=["--set", "finetune.pairs_per_version=3", "--set", "feedback.heldout_fraction=0.0"])
+    prompt = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 12,
+              "temperature": 0.0, "ignore_eos": True}
+    with Client(d.endpoint, timeout_s=30) as c:
+        baseline = c.generate(**prompt).candidates[0].text
+        assert c.status()["finetune"]["policy"] == "mace"
+        answers: list[str] = []
+        stop = threading.Event()
+
+        def greedy_loop() -> None:
+            with Client(d.endpoint, timeout_s=30) as g:
+                while not stop.is_set():
+                    answers.append(g.generate(**prompt).candidates[0].text)
+
+        loop = threading.Thread(target=greedy_loop)
+        loop.start()
+        try:
+            c.consent("hana")
+            for i, text in enumerate(("Say hi", "Say bye", "Say thanks")):
+                r = c.generate(text, max_tokens=6, n=2, temperature=1.0, seed=i, user="hana")
+                c.choose("hana", r.interaction_id, 1)
+            status = wait_for(lambda: (s := c.status())["finetune"]["versions_published"] and s)
+        finally:
+            stop.set()
+            loop.join(60)
+        assert status["finetune"]["pairs_trained"] == 3 and status["finetune"]["trainer"] == "engine"
+        during = len(answers)
+        answers.append(c.generate(**prompt).candidates[0].text)
+    assert during >= 1 and set(answers) == {baseline}, (baseline, answers)
     code, _ = d.stop()
     assert code == 0
