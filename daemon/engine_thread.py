@@ -182,6 +182,8 @@ class EngineThread:
         except Exception:  # informational only
             log.exception("reading model facts failed")
         self._publish_stats(engine, force=True)
+        # Tokens of an iteration that also runs fine-tune stages go out before those stages.
+        engine.on_tokens_emitted = self._flush
         self._loop.call_soon_threadsafe(_settle, self._ready, engine, None)
         failures = 0
         while not self._stopping:

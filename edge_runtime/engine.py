@@ -95,6 +95,9 @@ class Engine:
         self.iterations = 0
         self.tokens_generated = 0
         self.last_iteration_s = 0.0
+        # Called (engine thread) once an iteration's tokens are emitted and before its
+        # fine-tune stages run, so a host can hand those tokens on without waiting for them.
+        self.on_tokens_emitted: Callable[[], None] | None = None
 
     # -- construction -----------------------------------------------------------------------
 
@@ -342,9 +345,15 @@ class Engine:
             return []
         sampling = [item.seq for item in batch.items if item.samples]
         logits = self._run_forward(batch)
-        self._run_finetune(batch)
-        self.scheduler.commit(batch, self.clock())
+        # The forward's tokens go out before the bin's fine-tune stages run: on one thread the
+        # stages delay the next token (the TBT the latency budget bounds), not this one.
+        self.scheduler.commit_inference(batch, self.clock())
         finished = self._commit_tokens(sampling, logits) if logits is not None else []
+        if batch.finetune:
+            if self.on_tokens_emitted is not None and sampling:
+                self.on_tokens_emitted()
+            self._run_finetune(batch)
+        self.scheduler.commit_finetune(batch)
         self.iterations += 1
         self.last_iteration_s = self.clock() - start
         return finished

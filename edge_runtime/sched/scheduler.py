@@ -340,9 +340,13 @@ class Scheduler:
         return items
 
     def commit(self, batch: Batch, now: float) -> None:
-        """Advance computed counts, register newly full blocks in the prefix cache, note when
-        each stream got its token (its decode task's re-queue time), release the iteration's
-        memory reservation and record the activations fine-tune stages now hold."""
+        """Both halves of an iteration's commit, for callers that ran the stages already."""
+        self.commit_inference(batch, now)
+        self.commit_finetune(batch)
+
+    def commit_inference(self, batch: Batch, now: float) -> None:
+        """After the forward: advance computed counts, register newly full blocks in the prefix
+        cache, note when each stream got its token (its decode task's re-queue time)."""
         size = self.pool.block_size
         for item in batch.items:
             seq = item.seq
@@ -357,6 +361,10 @@ class Scheduler:
                 h = block_hash(parent, seq.token_ids[i * size : (i + 1) * size], salt)
                 self.pool.register(seq.block_table[i], h)
                 seq.block_hashes.append(h)
+
+    def commit_finetune(self, batch: Batch) -> None:
+        """After the fine-tune stages: release the iteration's memory reservation and record
+        the activations the stages' jobs now hold."""
         self.ledger.release_reservation()
         for scheduled in batch.finetune:
             self.ledger.set(MemoryKind.ACTIVATIONS, scheduled.job.job_id, scheduled.job.work.held_bytes)
