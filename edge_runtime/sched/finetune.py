@@ -38,7 +38,8 @@ class FineTuneWork(Protocol):
 
 
 # Kinds that need the adapter exclusively: between a task's forward and its optimizer stage the
-# autograd graph references the LoRA leaves (see AdapterTrainer.claim).
+# autograd graph references the LoRA leaves (see AdapterTrainer.claim). The others ("score",
+# "reference": no-grad log-probs) run beside another job of the same adapter.
 _EXCLUSIVE = {"forward", "backward", "optimizer"}
 
 
@@ -115,6 +116,7 @@ class FineTuneQueue:
         self.stages_run = 0
         self.seconds = 0.0
         self.failed = 0
+        self._allowed: dict[str, int] = {}  # job id -> stages it may run, from the last `runnable`
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -125,23 +127,37 @@ class FineTuneQueue:
         self.jobs[job.job_id] = job
 
     def runnable(self) -> list[FineTuneJob]:
-        """Jobs whose next stage may run now: any score stage; otherwise at most one job per
-        trainer, the one holding its adapter or, if none does, the earliest arrival."""
+        """Jobs whose next stage may run now, and how many stages each may run in one iteration
+        (`stages_allowed`). Per trainer, one job may go into the adapter: the one holding it or,
+        if none does, the earliest arrival; it may run all its stages. Any other job may run the
+        leading stages that do not need the adapter (score, reference) and stops before the
+        first that does, since one iteration can hold several stages of a job."""
         out = []
         taken: set[int] = set()
+        self._allowed = {}
         for job in self.jobs.values():
-            kind = job.next_kind
-            if kind is None:
-                continue
-            if kind not in _EXCLUSIVE:
-                out.append(job)
+            remaining = job.work.remaining()
+            if not remaining:
                 continue
             key = id(job.work.trainer)
             owner = self.owners.get(key)
             if owner is job or (owner is None and key not in taken):
                 taken.add(key)
+                allowed = len(remaining)
+            else:
+                allowed = 0
+                while allowed < len(remaining) and remaining[allowed].kind.value not in _EXCLUSIVE:
+                    allowed += 1
+            if allowed:
+                self._allowed[job.job_id] = allowed
                 out.append(job)
         return out
+
+    def stages_allowed(self, job: FineTuneJob) -> int:
+        """The stages `job` may run in the coming iteration, as the last `runnable` call decided
+        (a job it did not list: all its remaining stages, e.g. for ranking it)."""
+        allowed = self._allowed.get(job.job_id)
+        return allowed if allowed is not None else len(job.work.remaining())
 
     def before_stage(self, job: FineTuneJob, kind: str) -> None:
         if kind in _EXCLUSIVE:

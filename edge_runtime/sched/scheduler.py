@@ -220,7 +220,7 @@ class Scheduler:
     # -- one iteration ----------------------------------------------------------------------
 
     def _job_task(self, job: FineTuneJob) -> Task:
-        return Task(TaskKind.FINETUNE, job.arrival, job.enqueued, job=job, remaining=len(job.work.remaining()))
+        return Task(TaskKind.FINETUNE, job.arrival, job.enqueued, job=job, remaining=self.finetune.stages_allowed(job))
 
     def _make_room_for_decodes(self) -> None:
         """Running streams need their next block (and a little activation memory) before the

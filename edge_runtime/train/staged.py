@@ -1,6 +1,8 @@
 """One pair's DPO update cut into stages the scheduler can fit into iteration budgets:
 
   score     no-grad reference (cached) and policy log-probs -> DPO loss (the pair's priority input)
+  reference (only without score, and only the first time a pair is seen) the base model's
+            log-probs with the adapter off; cached for good since the base is frozen
   forward   one token window through every layer with grad; each layer group's input is a
             detached leaf, so the graph is cut at group boundaries; the LM head is applied and
             differentiated per window right away, keeping only a [rows, hidden] gradient
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
 class StageKind(enum.Enum):
     SCORE = "score"
+    REFERENCE = "reference"
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
@@ -89,6 +92,9 @@ class DPOFineTuneTask:
         self.stages: list[Stage] = []
         if score:
             self.stages.append(Stage(StageKind.SCORE, "score", self._estimate_score, self._run_score))
+        elif not trainer.has_reference(tokens):
+            self.stages.append(Stage(StageKind.REFERENCE, "reference", self._estimate_reference,
+                                     lambda: trainer.reference_logps(tokens)))
         for w in self.windows:
             self.stages.append(Stage(StageKind.FORWARD, f"forward[{w.part} {w.start}:{w.stop}]",
                                      self._estimator_forward(w.index), self._runner_forward(w.index)))
@@ -160,6 +166,10 @@ class DPOFineTuneTask:
         return t.costs.score(self.tokens.num_rows, t.model.cfg.num_layers, self._scored_rows(),
                              with_reference=not t.has_reference(self.tokens))
 
+    def _estimate_reference(self) -> StageEstimate:
+        t = self.trainer
+        return t.costs.score(self.tokens.num_rows, t.model.cfg.num_layers, self._scored_rows(), with_reference=False)
+
     def _run_score(self) -> None:
         self.score = self.trainer.score_tokens(self.tokens)
 
@@ -184,7 +194,7 @@ class DPOFineTuneTask:
         trainer, model = self.trainer, self.trainer.model
         if j == 0:
             trainer.claim(self)
-            self.trainer.reference_logps(self.tokens)  # needed by the top backward group
+            self.trainer.reference_logps(self.tokens)  # needed by the top backward group (normally cached)
             n = len(self.groups)
             self._acts = _Activations(PairKV(model.cfg.num_layers), [[] for _ in range(n)], [[] for _ in range(n)])
             self._held = 0

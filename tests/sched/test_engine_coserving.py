@@ -248,3 +248,28 @@ def test_greedy_output_unchanged_with_colocated_finetuning_default_model(default
             outputs[out.request_id] = out.token_ids
     assert [outputs[i] for i in ids] == alone
     assert engine.stats()["finetune_pairs_done"] == 1
+
+
+def test_a_job_let_in_for_a_shared_stage_stops_before_the_adapter_another_job_holds(tiny_model_dir: Path,
+                                                                                      cost_cache: Path) -> None:
+    # A latency budget this loose lets a bin take every stage of a job if the queue allows it.
+    engine = make_engine(tiny_model_dir, cost_cache, policy="mace", slo_tbt_ms=10**7)
+    trainer = trainer_for(engine)
+    queue = engine.scheduler.finetune
+    holder = queue.jobs[engine.add_finetune(trainer.task(PAIRS[0], score=False))]
+    while holder.next_kind != "backward":  # into its forward windows, as the engine runs them
+        queue.before_stage(holder, holder.next_kind)
+        holder.work.run_next()
+    scored = queue.jobs[engine.add_finetune(trainer.task(PAIRS[1]))]  # score stage first
+    fresh = queue.jobs[engine.add_finetune(trainer.task(PAIRS[2], score=False))]  # reference stage first
+    assert [scored.next_kind, fresh.next_kind] == ["score", "reference"]
+    assert queue.runnable() == [holder, scored, fresh]
+    assert queue.stages_allowed(holder) == len(holder.work.remaining())
+    assert queue.stages_allowed(scored) == 1 and queue.stages_allowed(fresh) == 1
+    batch = engine.scheduler.schedule(engine.clock())
+    planned = {s.job.job_id: s.num_stages for s in batch.finetune}
+    assert planned[holder.job_id] == len(holder.work.remaining())
+    assert planned.get(scored.job_id, 0) <= 1 and planned.get(fresh.job_id, 0) <= 1
+    run_all(engine)  # plans afresh (the batch above was not run)
+    stats = engine.stats()
+    assert stats["finetune_failed"] == 0 and stats["finetune_pairs_done"] == 3 and trainer.pairs_trained == 3
