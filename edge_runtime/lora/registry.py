@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import threading
 import time
 from collections import Counter
@@ -69,6 +70,7 @@ class AdapterRegistry:
         self._memory: dict[AdapterRef, LoraWeights] = {}  # the only copy when root is None
         self._events: dict[str, list[dict[str, Any]]] = {}
         self._pins: Counter[AdapterRef] = Counter()
+        self._forgotten: set[AdapterRef] = set()  # erased, still pinned by in-flight requests
         self.cache: AdapterCache[AdapterRef, LoraWeights] = AdapterCache(
             cache_bytes, is_pinned=lambda ref: self._pins[ref] > 0
         )
@@ -160,6 +162,9 @@ class AdapterRegistry:
             self._pins[ref] -= 1
             if self._pins[ref] == 0:
                 del self._pins[ref]
+                if ref in self._forgotten:  # its user was erased while this request ran
+                    self._forgotten.discard(ref)
+                    self.cache.discard(ref)
 
     def pinned(self, ref: AdapterRef) -> int:
         with self._lock:
@@ -191,6 +196,8 @@ class AdapterRegistry:
         weights.check_shapes(self.model_cfg)
         with self._lock:
             ref = AdapterRef(user, self._highest.get(user, 0) + 1)
+            while ref in self._forgotten:  # numbering restarted after an erasure: skip live pins
+                ref = AdapterRef(user, ref.version + 1)
             path = self.path(ref)
             if path is None:
                 self._memory[ref] = weights.to(torch.float32, "cpu")
@@ -227,6 +234,28 @@ class AdapterRegistry:
             self.record_event(user, "rolled_back", retired=retire,
                               serving=None if now is None else now.version, reason=reason)
             return now
+
+    def forget(self, user: str) -> list[int]:
+        """Erase `user`: every version, the retire markers and the event log, in memory and on
+        disk. No request gets any of them again; a request already pinned to one finishes on its
+        cached weights, which are dropped at its release. Returns the versions forgotten."""
+        validate_user_id(user)
+        with self._lock:
+            numbers = set(range(1, self._highest.get(user, 0) + 1))
+            numbers |= {r.version for r in self._memory if r.user == user}
+            for number in numbers:
+                ref = AdapterRef(user, number)
+                self._memory.pop(ref, None)
+                self._bad.discard(ref)
+                if self._pins[ref] > 0:
+                    self._forgotten.add(ref)
+                else:
+                    self.cache.discard(ref)
+            for table in (self._versions, self._highest, self._retired, self._events):
+                table.pop(user, None)
+            if self.root is not None and (self.root / user).exists():
+                shutil.rmtree(self.root / user)
+            return sorted(numbers)
 
     # -- events ------------------------------------------------------------------------------
 

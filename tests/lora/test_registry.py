@@ -97,3 +97,29 @@ def test_chameleon_eviction_prefers_small_rare_stale_entries():
     assert "small-rare" not in cache
     assert all(k in cache for k in ("pinned", "big-popular", "newcomer"))
     assert cache.resize(40) > 0 and "pinned" in cache and len(cache) == 1
+
+
+def test_forget_erases_every_version_and_lets_in_flight_requests_finish(tiny_model, tmp_path):
+    registry = AdapterRegistry(tmp_path, tiny_model.cfg)
+    _publish(registry, "alice", 2)
+    _publish(registry, "bob", 1)
+    registry.rollback("alice")  # a retire marker on disk too
+    in_flight = registry.acquire("alice")
+    assert in_flight == AdapterRef("alice", 1)
+
+    assert registry.forget("alice") == [1, 2]
+    assert not (tmp_path / "alice").exists()
+    assert registry.newest("alice") is None and registry.versions("alice") == []
+    assert "alice" not in registry.users() and registry.events("alice") == []
+    with pytest.raises(AdapterError):
+        registry.pin(AdapterRef("alice", 2))
+    # The request that started on alice@1 keeps its weights until it releases them.
+    assert registry.weights(in_flight).settings.rank == 2
+    # A new adapter after the erasure does not take the number still pinned.
+    assert registry.publish("alice", random_adapter(tiny_model.cfg, LoraSettings(rank=2), seed=5)).version == 2
+    registry.release(in_flight)
+    assert in_flight not in registry.cache
+    assert registry.newest("bob") == AdapterRef("bob", 1)  # other users untouched
+
+    restarted = AdapterRegistry(tmp_path, tiny_model.cfg)
+    assert restarted.versions("alice") == [2] and restarted.versions("bob") == [1]
