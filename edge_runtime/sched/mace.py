@@ -93,6 +93,14 @@ class MacePolicy(Policy):
             if best is not None:
                 best.add(task, best.largest_fit(task) if task.kind is TaskKind.FINETUNE else task.remaining)
                 continue
+            if task.kind is TaskKind.DECODE and bin.latency_s > bin.latency_budget_s and bin.finetune:
+                # Bin 1 took a fine-tune stage longer than the whole budget (it had aged to the
+                # top): the budget is spent either way, and a decode step adds one row to the
+                # forward, whereas leaving it out makes its stream wait the stage and then a
+                # whole next iteration.
+                if bin.largest_fit(task, ignore_latency=True):
+                    bin.add(task, 1)
+                    continue
             piece = bin.largest_fit(task)
             if piece:
                 bin.add(task, piece)  # a chunk now beats the whole of it next iteration

@@ -212,3 +212,19 @@ def test_scheduler_overhead_under_a_millisecond_with_64_queued_tasks() -> None:
         samples.append(time.thread_time() - start)
     # sim.step() includes the fake execution around schedule(); the scheduler's share is less.
     assert statistics.median(samples) < 1e-3
+
+
+def test_decodes_ride_along_with_an_aged_stage_longer_than_the_budget() -> None:
+    sim = Sim(MacePolicy(delta_ft=50.0), latency_budget_s=0.02)  # ages past the decodes in ~0.05 s
+    for _ in range(3):
+        sim.add_request(16, 400)
+    sim.step()  # prefill the three prompts
+    job = sim.add_job(0, stage_s=0.05)  # every stage 2.5x the iteration budget
+    # Saturate: the stage cannot fit beside the decodes, so it waits until it has aged past them.
+    for _ in range(2000):
+        batch = sim.step()
+        if batch.finetune:
+            break
+    assert batch.finetune and batch.finetune[0].job is job and batch.finetune[0].num_stages == 1
+    # The budget was spent on the stage anyway: the three streams still got their tokens.
+    assert len(batch.items) == 3 and all(item.samples for item in batch.items)
