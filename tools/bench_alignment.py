@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import sys
@@ -169,6 +170,7 @@ def peak_rss_mb() -> float:
 def online(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]  # 1/5/15-minute; a shared machine slows every figure
     path = args.model or _default_model_path()
     model = load_llama(path, dtype=torch.float32)
     from edge_runtime.model.tokenizer import Tokenizer
@@ -250,9 +252,13 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
             "served_version": None if served is None else served.version,
             "trained": {**metrics_dict(m_trained),
                         "share": round(sum(trained.satisfied(o.candidates[0].text) for o in mine) / len(mine), 4),
+                        "satisfied": sum(trained.satisfied(o.candidates[0].text) for o in mine),
+                        "answers": len(mine),
                         "answer_kept": round(kept / len(mine), 4)},
             "untouched": {**metrics_dict(m_untouched),
                           "share": round(sum(untouched.satisfied(o.candidates[0].text) for o in theirs) / len(theirs), 4),
+                          "satisfied": sum(untouched.satisfied(o.candidates[0].text) for o in theirs),
+                          "answers": len(theirs),
                           "greedy_unchanged": untouched_ids == initial_untouched},
             "score_stage_s_per_pair": round(score_s, 4),
             "elapsed_s": round(time.perf_counter() - t_start, 1),
@@ -315,6 +321,8 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
         "trained_clpd": last["trained"]["clpd"],
         "base_share": first["trained"]["share"],
         "trained_share": last["trained"]["share"],
+        "base_satisfied": f"{first['trained']['satisfied']}/{first['trained']['answers']}",
+        "trained_satisfied": f"{last['trained']['satisfied']}/{last['trained']['answers']}",
         "base_answer_kept": first["trained"]["answer_kept"],
         "trained_answer_kept": last["trained"]["answer_kept"],
         "untouched_greedy_unchanged": all(h["untouched"]["greedy_unchanged"] for h in history),
@@ -341,6 +349,7 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
                   "untouched": vars(untouched) | {"preference": untouched.preference}},
         "heldout_pairs": {"trained": len(trained_eval), "guard": len(guard_pairs), "untouched": len(untouched_pairs)},
         "threads": torch.get_num_threads(),
+        "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
         "cost_model": costs.as_dict(),
         "summary": summary,
         "history": history,
@@ -440,16 +449,19 @@ def markdown(result: dict[str, Any]) -> str:
             "|---|---|---|",
             f"| held-out win rate | {s['base_win_rate']:.3f} | {s['trained_win_rate']:.3f} |",
             f"| held-out CLPD | {s['base_clpd']:+.2f} | {s['trained_clpd']:+.2f} |",
-            f"| greedy answers with the preference | {s['base_share']:.2f} | {s['trained_share']:.2f} |",
+            f"| greedy answers with the preference | {s['base_share']:.2f} ({s['base_satisfied']}) "
+            f"| {s['trained_share']:.2f} ({s['trained_satisfied']}) |",
             f"| greedy answer body = base greedy answer | {s['base_answer_kept']:.2f} | {s['trained_answer_kept']:.2f} |",
             "",
             f"- feedback pairs: {s['pairs']} ({s['rounds']} rounds of self-generated candidates; each round's update "
             f"offered to the guard: {s['versions_published']} versions published, {s['guard_rejections']} rejected)",
             f"- untouched user's greedy outputs unchanged at every checkpoint: {s['untouched_greedy_unchanged']}",
-            f"- train time per pair (staged forward + backward + AdamW): {s['train_s_per_pair']} s "
+            f"- train time per pair (staged reference + forward + backward + AdamW): {s['train_s_per_pair']} s "
             f"(by stage: {s['stage_s_per_pair']}); score stage: {s['score_stage_s_per_pair']} s",
             f"- candidate generation per pair: {s['generate_s_per_pair']} s; wall per pair without "
             f"evaluation: {s['wall_s_per_pair']} s; total run {s['total_s']} s",
+            f"- load average (1/5/15 min) at start {result['load_average']['start']}, at end "
+            f"{result['load_average']['end']} on {os.cpu_count()} CPUs",
             f"- peak RSS {s['peak_rss_mb']} MB (fp32 model, KV cache, trainer); estimated peak activations "
             f"{s['max_activation_bytes_estimate'] / 2**20:.1f} MiB; adapter + grads + Adam {s['adapter_state_bytes'] / 2**20:.1f} MiB",
             f"- bar: {s['bar']}",
