@@ -653,7 +653,8 @@ class HttpGateway:
         self._task: asyncio.Task[None] | None = None
 
     def summary(self) -> dict[str, Any]:
-        return {"endpoint": self.endpoint, "auth": bool(self.config.http_api_keys), **self.gateway.summary()}
+        return {"endpoint": self.endpoint, "auth": bool(self.gateway.config.http_api_keys),
+                **self.gateway.summary()}
 
     def bind(self) -> str:
         address = self.config.http_address

@@ -357,3 +357,27 @@ def test_a_non_loopback_bind_needs_api_keys(tmp_path: Path) -> None:
     assert allowed.returncode == 0 and "key-aaaa" not in allowed.stdout
     hidden = maced("--set", "http.api_keys=key-bbbbbbbbbbbbbbbbbbbb")
     assert hidden.returncode == 0 and "key-bbbb" not in hidden.stdout and "(set, hidden)" in hidden.stdout
+
+
+def test_http_settings_are_parsed_and_checked(tmp_path: Path) -> None:
+    from daemon.config import ConfigError, load_config
+
+    def config(*flags: tuple[str, str]) -> Any:
+        return load_config(None, {}, [(name, value, f"--set {name}") for name, value in flags])
+
+    assert config().http_address == ("127.0.0.1", 8000)
+    assert config(("http.bind", "[::1]:0")).http_address == ("::1", 0)
+    assert config(("http.bind", "")).http_address is None
+    for bad in ("8000", "localhost:http", "127.0.0.1:70000"):
+        with pytest.raises(ConfigError, match="http.bind"):
+            config(("http.bind", bad))
+    with pytest.raises(ConfigError, match="shorter than 16"):
+        config(("http.api_keys", "short"))
+    with pytest.raises(ConfigError, match="http.api_key_file"):
+        config(("http.api_key_file", str(tmp_path / "missing")))
+    keys = tmp_path / "keys"
+    keys.write_text("key-cccccccccccccccccccc  # laptop\n\nkey-dddddddddddddddddddd\n")
+    both = config(("http.bind", "0.0.0.0:8000"), ("http.api_key_file", str(keys)),
+                  ("http.api_keys", "key-eeeeeeeeeeeeeeeeeeee"))
+    assert both.http_api_keys == {"key-cccccccccccccccccccc", "key-dddddddddddddddddddd",
+                                  "key-eeeeeeeeeeeeeeeeeeee"}
