@@ -18,6 +18,10 @@ class EngineConfig:
     backend: str = "torch"  # "torch" | "onnxruntime" | "tensorrt" (see docs/onnx.md)
     onnx_quantization: str = "none"  # ONNX backends' weight-only quantisation: "none" | "int8" | "int4"
     onnx_cache_dir: str = ""  # exported graphs and TensorRT engines; "" = <state dir>/onnx
+    # ONNX Runtime's KV layout: "dense" (per-sequence rows GroupQueryAttention appends to in place,
+    # beside the paged cache) | "paged" (each step gathers the paged past); docs/onnx.md
+    onnx_kv_layout: str = "dense"
+    onnx_dense_kv_bytes: int = 0  # cap on the dense rows; 0 = the paged cache's positions in float32
     num_threads: int = 0  # CPU threads for torch; 0 = all cores
     block_size: int = 16  # tokens per KV block
     kv_cache_bytes: int = 0  # 0 = derive from kv_cache_fraction of available memory

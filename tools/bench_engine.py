@@ -377,6 +377,11 @@ def run_backends(args: argparse.Namespace) -> None:
             runners.append((f"onnxruntime {q if q != 'none' else 'float32'}", "ours",
                             our_runner(model_dir, args.tokens, threads, dtype="float32", backend="onnxruntime",
                                        onnx_quantization=q), (1, streams), args.rounds))
+        if args.paged_int4:
+            # The previous KV layout (each step gathers the paged past), for the comparison.
+            runners.append(("onnxruntime int4, paged KV layout", "ours",
+                            our_runner(model_dir, args.tokens, threads, dtype="float32", backend="onnxruntime",
+                                       onnx_quantization="int4", onnx_kv_layout="paged"), (1, streams), args.rounds))
     references = [r for r in args.references.split(",") if r]
     probe = Engine.load(str(model_dir), dtype="float32", kv_cache_bytes=16 << 20)
     texts = [probe.tokenizer.encode_prompt(p)[0] for p in story_prompts(streams)]
@@ -411,6 +416,7 @@ def run_backends(args: argparse.Namespace) -> None:
             row[f"decode_tok_s_{n}"] = round(max(values), 2)
             row[f"decode_tok_s_{n}_all_rounds"] = [round(v, 2) for v in values]
         result["runs"].append(row)
+    result["load_average_after_decode"] = os.getloadavg()[0]
     if args.accuracy:
         print("accuracy ...", flush=True)
         result["accuracy"] = accuracy_rows(model_dir, sorted(set(quantizations) | {"none", "int8", "int4"}, key=["none", "int8", "int4"].index), gguf, threads)
@@ -445,7 +451,8 @@ def write_backends_table(result: dict, path: Path) -> None:
     lines = [
         f"Default model ({result['model']}), {result['tokens']} generated tokens per stream, greedy; "
         f"{result['threads']} thread(s) for every runtime; {m['cores']} cores ({m['cpu']}), shared "
-        f"(load average {result['load_average_at_start']:.1f} at start). All rows measured in one run, "
+        f"(load average {result['load_average_at_start']:.1f} at start, "
+        f"{result.get('load_average_after_decode', float('nan')):.1f} after the decode rounds). All rows measured in one run, "
         f"round-robin, best of {result['rounds']} rounds (torch rows: 1).",
         "",
         f"| backend | runs inside | decode tok/s, 1 stream | decode tok/s, {streams} streams |",
@@ -509,6 +516,8 @@ def main() -> None:
     ap.add_argument("--gguf", default=None, help="the default model's GGUF for llama.cpp")
     ap.add_argument("--no-accuracy", dest="accuracy", action="store_false")
     ap.add_argument("--rounds", type=int, default=3, help="measurements per row (best kept); torch rows take one")
+    ap.add_argument("--paged-int4", action="store_true",
+                    help="add an onnxruntime int4 row with the paged KV layout (the dense layout is the default)")
     args = ap.parse_args()
     if args.backends:
         run_backends(args)

@@ -22,10 +22,11 @@ from onnx import TensorProto, helper, numpy_helper
 from edge_runtime.backends.quantize import BLOCK_SIZE, bits_of, pack_nbits, quantize_symmetric
 from edge_runtime.model.llama import LlamaModel
 
-GRAPH_VERSION = 8  # bump when the graph's inputs, outputs or numerics change (part of the cache key)
+GRAPH_VERSION = 9  # bump when the graph's inputs, outputs or numerics change (part of the cache key)
 OPSET = 21  # block-wise DequantizeLinear (INT4 weight-only) needs 21
 IR_VERSION = 10  # the newest IR that ONNX Runtime 1.18+ and TensorRT 10 both read
 FLAVOURS = ("ort", "standard")
+KV_LAYOUTS = ("paged", "dense")
 KV_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 
 # LoRA sites of one layer: fused projections and the PEFT targets that feed each, in column order.
@@ -50,6 +51,11 @@ class GraphSpec:
     lora: bool = True  # per-row LoRA inputs; False = a base-model-only graph (fewer nodes)
     symmetric: bool = False  # MatMulNBits without zero points (onnxruntime-genai's choice)
     head_bits: int = 8  # the tied embedding / LM head when quantised: 8 (Q8_0 grid) or 4
+    # "ort" flavour only. "paged": each layer gathers every row's past from the paged cache
+    # slabs (`kv_index`). "dense": each layer's past is a per-row contiguous float32 buffer
+    # [rows, kv_heads, capacity, head_dim], bound as both past and present of
+    # GroupQueryAttention, which appends the new keys in place (the backend owns the buffer).
+    kv_layout: str = "paged"
 
     def __post_init__(self) -> None:
         if self.quantization not in ("none", "int8", "int4"):
@@ -58,13 +64,18 @@ class GraphSpec:
             raise ValueError(f"unknown graph flavour {self.flavour!r}; use one of {FLAVOURS}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"unsupported KV cache dtype {self.kv_dtype!r}; use one of {tuple(KV_DTYPES)}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"unknown KV layout {self.kv_layout!r}; use one of {KV_LAYOUTS}")
+        if self.kv_layout == "dense" and self.flavour != "ort":
+            raise ValueError("the dense KV layout needs the 'ort' flavour (GroupQueryAttention)")
 
     @property
     def tag(self) -> str:
         lora = "" if self.lora else "-nolora"
         sym = "-sym" if self.symmetric and self.quantization != "none" else ""
         head = f"-head{self.head_bits}" if self.head_bits != 8 and self.quantization != "none" else ""
-        return f"{self.flavour}-{self.quantization}{sym}{head}-kv{self.kv_dtype}-acc{self.accuracy_level}{lora}"
+        dense = "-dense" if self.kv_layout == "dense" else ""
+        return f"{self.flavour}{dense}-{self.quantization}{sym}{head}-kv{self.kv_dtype}-acc{self.accuracy_level}{lora}"
 
 
 class _Graph:
@@ -106,6 +117,7 @@ class _StepWriter:
         self.spec = spec
         self.g = _Graph()
         self.ort = spec.flavour == "ort"
+        self.dense = spec.kv_layout == "dense"
 
     # -- primitives ---------------------------------------------------------------------------
 
@@ -225,6 +237,10 @@ class _StepWriter:
                 vi("lora_index", i64, ["rows", "row_tokens"]),
                 vi("lora_columns", i64, ["lora_rank"]),
             ]
+            if self.dense:
+                # No kv_index (each row's past is its own buffer) and no new_kv_index (the
+                # backend reads this step's keys/values from that buffer).
+                ins = [i for i in ins if i.name not in ("kv_index", "new_kv_index")]
         else:
             ins = self.flat_inputs()
         if not self.spec.lora:
@@ -236,8 +252,14 @@ class _StepWriter:
                 ins.append(vi(f"lora.{layer}.{site}.b", f, [f"lora_{site}_columns_x{k}", fan_out]))
         for layer in range(cfg.num_layers):
             for kind in ("key", "value"):
-                ins.append(vi(f"cache.{layer}.{kind}", kv_type, ["cache_rows", cfg.head_dim]))
+                if self.dense:
+                    ins.append(vi(f"past.{layer}.{kind}", f, self.dense_shape()))
+                else:
+                    ins.append(vi(f"cache.{layer}.{kind}", kv_type, ["cache_rows", cfg.head_dim]))
         return ins
+
+    def dense_shape(self) -> list:
+        return ["rows", self.cfg.num_kv_heads, "kv_capacity", self.cfg.head_dim]
 
     def flat_inputs(self) -> list[onnx.ValueInfoProto]:
         cfg = self.cfg
@@ -316,17 +338,25 @@ class _StepWriter:
         g, cfg = self.g, self.cfg
 
         def past(kind: str) -> str:
+            if self.dense:
+                return f"past.{layer}.{kind}"  # [B, KVH, capacity, d], this row's own buffer
             rows = g.op("Gather", [f"cache.{layer}.{kind}", "kv_index"], axis=0)  # [B, KVH, P, d]
             return rows if self.spec.kv_dtype == "float32" else g.op("Cast", [rows], to=TensorProto.FLOAT)
 
         window = -1 if cfg.sliding_window is None else cfg.sliding_window - 1
-        attn, present_k, present_v = g.op(
-            "GroupQueryAttention",
-            [qkv, "", "", past("key"), past("value"), "seqlens_k", "total_sequence_length",
-             self.cos_half, self.sin_half],
-            n_out=3, domain="com.microsoft", num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
-            scale=float(cfg.head_dim ** -0.5), do_rotary=1, rotary_interleaved=0, local_window_size=window,
-        )
+        inputs = [qkv, "", "", past("key"), past("value"), "seqlens_k", "total_sequence_length",
+                  self.cos_half, self.sin_half]
+        attrs = dict(domain="com.microsoft", num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
+                     scale=float(cfg.head_dim ** -0.5), do_rotary=1, rotary_interleaved=0, local_window_size=window)
+        if self.dense:
+            # present.* are graph outputs bound to the same memory as past.*: ONNX Runtime then
+            # shares the buffer and writes only this step's keys/values, at each row's position.
+            present_k, present_v = f"present.{layer}.key", f"present.{layer}.value"
+            self.g._count += 1
+            attn = f"GroupQueryAttention_{self.g._count}_0"
+            g.nodes.append(helper.make_node("GroupQueryAttention", inputs, [attn, present_k, present_v], **attrs))
+            return attn, None
+        attn, present_k, present_v = g.op("GroupQueryAttention", inputs, n_out=3, **attrs)
         new_k = g.op("GatherND", [present_k, "new_kv_index"])  # [B*S, KVH, d]
         new_v = g.op("GatherND", [present_v, "new_kv_index"])
         return attn, g.op("Concat", [new_k, new_v], axis=1)
@@ -362,15 +392,17 @@ class _StepWriter:
         rows = g.op("Gather", [flat, "logit_rows"], axis=0)  # [R, h]
         logits = self.lm_head(rows)
         g.nodes.append(helper.make_node("Reshape", [logits, g.const([-1, cfg.vocab_size])], ["logits"]))
-        new_kv = g.op("Reshape", [g.op("Concat", kv_out, axis=0), g.const([cfg.num_layers, -1, 2 * cfg.kv_size])])
-        if self.spec.kv_dtype != "float32":
-            new_kv = g.op("Cast", [new_kv], to=KV_DTYPES[self.spec.kv_dtype])
-        g.nodes.append(helper.make_node("Identity", [new_kv], ["new_kv"]))
-        outputs = [
-            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["logit_rows", cfg.vocab_size]),
-            helper.make_tensor_value_info("new_kv", KV_DTYPES[self.spec.kv_dtype],
-                                          [cfg.num_layers, "tokens", 2 * cfg.kv_size]),
-        ]
+        outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["logit_rows", cfg.vocab_size])]
+        if not self.dense:
+            new_kv = g.op("Reshape", [g.op("Concat", kv_out, axis=0), g.const([cfg.num_layers, -1, 2 * cfg.kv_size])])
+            if self.spec.kv_dtype != "float32":
+                new_kv = g.op("Cast", [new_kv], to=KV_DTYPES[self.spec.kv_dtype])
+            g.nodes.append(helper.make_node("Identity", [new_kv], ["new_kv"]))
+            outputs.append(helper.make_tensor_value_info("new_kv", KV_DTYPES[self.spec.kv_dtype],
+                                                         [cfg.num_layers, "tokens", 2 * cfg.kv_size]))
+        else:
+            outputs += [helper.make_tensor_value_info(f"present.{layer}.{kind}", TensorProto.FLOAT, self.dense_shape())
+                        for layer in range(cfg.num_layers) for kind in ("key", "value")]
         graph = helper.make_graph(g.nodes, "mace_edge_step", self.inputs(), outputs, g.inits)
         opsets = [helper.make_opsetid("", OPSET)]
         if self.ort:
@@ -380,6 +412,7 @@ class _StepWriter:
         helper.set_model_props(proto, {
             "graph_version": str(GRAPH_VERSION), "flavour": self.spec.flavour,
             "quantization": self.spec.quantization, "lora": str(int(self.spec.lora)),
+            "kv_layout": self.spec.kv_layout,
             "layers": str(cfg.num_layers), "heads": str(cfg.num_heads), "kv_heads": str(cfg.num_kv_heads),
             "group": str(cfg.num_heads // cfg.num_kv_heads), "head_dim": str(cfg.head_dim),
             "vocab": str(cfg.vocab_size),

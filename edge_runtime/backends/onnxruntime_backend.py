@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from edge_runtime.backends.dense_kv import DenseKV
 from edge_runtime.backends.lora_stack import LoraStackCache
 from edge_runtime.backends.onnx_export import export_step
 from edge_runtime.backends.onnx_graph import KV_DTYPES, GraphSpec
 from edge_runtime.backends.step_inputs import (
     StepItem,
     StepPlan,
+    plan_dense_step,
     plan_gqa_step,
     plan_step,
     split_groups,
@@ -83,6 +85,8 @@ class OnnxRuntimeBackend:
         max_batch: int = 32,
         max_tokens: int = 256,
         max_context: int = 0,
+        kv_layout: str = "dense",
+        dense_kv_bytes: int = 0,
     ) -> None:
         self.model = model
         self.cfg = model.cfg
@@ -99,7 +103,15 @@ class OnnxRuntimeBackend:
         if flavour is None:
             # TensorRT takes only standard ops; ONNX Runtime's own kernels prefer the fused ones.
             flavour = "standard" if "TensorrtExecutionProvider" in names else "ort"
-        self.spec = GraphSpec(quantization=quantization, flavour=flavour, kv_dtype=kv_dtype)
+        if flavour != "ort":
+            kv_layout = "paged"  # the dense layout is GroupQueryAttention's shared buffer
+        self.spec = GraphSpec(quantization=quantization, flavour=flavour, kv_dtype=kv_dtype, kv_layout=kv_layout)
+        # Dense layout: per-sequence rows beside the paged cache (dense_kv.py), at most
+        # `dense_kv_bytes` (0 = as many token positions as the paged cache has, in float32).
+        self.dense: DenseKV | None = None
+        if kv_layout == "dense":
+            limit = dense_kv_bytes or cache.data.shape[2] * DenseKV(cache, None, 0).token_bytes
+            self.dense = DenseKV(cache, limit, max_context or self.cfg.max_position_embeddings)
         self.cache_dir = cache_dir
         self.num_threads = num_threads
         self.max_batch, self.max_tokens, self.max_context = max_batch, max_tokens, max_context
@@ -126,7 +138,8 @@ class OnnxRuntimeBackend:
             inference = ort.InferenceSession(str(path), options, providers=self._providers_for(path))
             log.info("onnxruntime backend: %s on %s", path.parent.name, inference.get_providers())
             session = _Session(path, inference, inference.io_binding(), has_lora_inputs=lora)
-            self._bind_cache(session.binding)
+            if self.dense is None:
+                self._bind_cache(session.binding)
             self._sessions[lora] = session
         return session
 
@@ -173,6 +186,8 @@ class OnnxRuntimeBackend:
         if lora is not None:
             raise NotImplementedError("the ONNX backends take adapters from the registry, not an applier")
         refs = [item.seq.request.adapter if self.adapters is not None else None for item in batch.items]
+        if self.dense is not None:
+            return self._execute_dense(batch, refs)
         out: list[torch.Tensor | None] = [None] * len(batch.items)
         q_lens = [item.num_tokens for item in batch.items]
         if self.spec.flavour == "ort":
@@ -187,6 +202,108 @@ class OnnxRuntimeBackend:
         if not sampled:
             return torch.empty(0, self.cfg.vocab_size)
         return torch.stack(sampled)
+
+    def _execute_dense(self, batch: Batch, refs: list) -> torch.Tensor:
+        """Dense layout: decode rows in one run over rows [first, last] of the per-sequence
+        buffer (rows of sequences not in this step ride along idle), first chunks in runs of
+        consecutive rows, continuation chunks alone."""
+        dense = self.dense
+        assert dense is not None
+        items = batch.items
+        dense.release_stale(id(item.seq) for item in items)
+        q_lens = [item.num_tokens for item in items]
+        out: list[torch.Tensor | None] = [None] * len(items)
+        for group in split_groups_gqa(q_lens, [item.seq.num_computed for item in items]):
+            rows = dense.assign(items[i].seq for i in group)
+            order = sorted(range(len(group)), key=rows.__getitem__)
+            runs: list[list[tuple[int, int]]] = []
+            for k in order:
+                if runs and (q_lens[group[0]] == 1 or runs[-1][-1][1] == rows[k] - 1):
+                    runs[-1].append((group[k], rows[k]))
+                else:
+                    runs.append([(group[k], rows[k])])
+            for run in runs:
+                logits = self._run_dense_rows([items[i] for i, _ in run], [refs[i] for i, _ in run],
+                                              [r for _, r in run])
+                sampling = [i for i, _ in run if items[i].samples]
+                if len(sampling) == len(items) and sampling == list(range(len(items))):
+                    return logits  # the usual decode step: one run, rows already in batch order
+                for pos, i in enumerate(sampling):
+                    out[i] = logits[pos]
+        sampled = [t for t in out if t is not None]
+        if not sampled:
+            return torch.empty(0, self.cfg.vocab_size)
+        return torch.stack(sampled)
+
+    def _run_dense_rows(self, items: list, refs: list, rows: list[int]) -> torch.Tensor:
+        """One graph run over buffer rows [rows[0], rows[-1]] (`rows` ascending, one per item);
+        rows between them that have no item here run idle. Returns the sampling items' logits,
+        in `items` order."""
+        dense = self.dense
+        assert dense is not None
+        slots: dict[Hashable, int] = {}
+        for ref in refs:
+            if ref is not None and ref not in slots:
+                slots[ref] = len(slots)
+        first, last = rows[0], rows[-1]
+        by_row = dict(zip(rows, range(len(items)), strict=True))
+        steps, idle, real = [], [], []
+        for row in range(first, last + 1):
+            k = by_row.get(row)
+            if k is None:  # a running sequence not in this step: one harmless dummy token
+                steps.append(StepItem([0], dense.valid[row], [], False))
+                idle.append(True)
+                continue
+            item, ref = items[k], refs[k]
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed
+            steps.append(StepItem(seq.token_ids[start : start + n], start, seq.block_table, item.samples,
+                                  -1 if ref is None else slots[ref]))
+            idle.append(False)
+            real.append((row, seq.block_table, start, start + n))
+        capacity = max(st.start + len(st.tokens) for st in steps)
+        target, base = dense, first
+        if not dense.ensure(last + 1, capacity):
+            # Past the byte limit: this run gets a scratch buffer filled from the paged cache.
+            target, base = DenseKV(self.cache, None, capacity), 0
+            target.ensure(len(items), capacity)
+            target.assign(item.seq for item in items)
+            real = [(k, table, start, end) for k, (_, table, start, end) in enumerate(real)]
+            steps = [st for st, i in zip(steps, idle, strict=True) if not i]
+            idle = [False] * len(steps)
+        for row, table, start, _ in real:
+            target.fill(row, table, start)
+        key = tuple(slots)
+        session = self._session(lora=bool(key))
+        if key and key != session.bound_stack:
+            weights = [self.adapters.weights(ref) for ref in key]
+            for name, array in self.stacks.get(key, weights).items():
+                session.binding.bind_cpu_input(name, array)
+            session.bound_stack = key
+        plan = plan_dense_step(steps, idle, self.cache.block_size)
+        self._bind_dense(session, target, base, len(steps))
+        logits, _, plan = self._run(session, plan)
+        for row, _, _, end in real:
+            target.valid[row] = end
+        # This step's keys/values sit in the rows; the paged cache gets a copy at their slots.
+        width = plan.num_tokens // len(steps)
+        target.copy_to_cache(base + plan.real_rows // width, plan.real_positions, plan.slot_mapping)
+        return logits  # rows are sorted, so the sampling rows come in `items` order
+
+    def _bind_dense(self, session: _Session, dense: DenseKV, first: int, count: int) -> None:
+        """Bind rows [first, first + count) of `dense` as every layer's past and present."""
+        key = (dense.buffer.data_ptr(), dense.rows_capacity, dense.capacity, first, count)
+        if session.dense_key == key:
+            return
+        dev, idx = self._ort_device()
+        shape = [count, self.cfg.num_kv_heads, dense.capacity, self.cfg.head_dim]
+        binding = session.binding
+        for layer in range(self.cfg.num_layers):
+            for kv, kind in enumerate(("key", "value")):
+                ptr = dense.row_pointer(layer, kv, first)
+                binding.bind_input(f"past.{layer}.{kind}", dev, idx, np.float32, shape, ptr)
+                binding.bind_output(f"present.{layer}.{kind}", dev, idx, np.float32, shape, ptr)
+        session.dense_key = key
 
     def run_items(self, items: list, refs: list) -> torch.Tensor:
         """One graph run over scheduled items (all decode rows, or a group of prefill chunks)."""
@@ -232,13 +349,15 @@ class OnnxRuntimeBackend:
         dev, idx = self._ort_device()
         rows = len(plan.sampling_items)
         logits = torch.empty(rows, cfg.vocab_size, dtype=torch.float32, device=self.device)
-        new_kv = torch.empty(cfg.num_layers, plan.num_tokens, 2 * cfg.kv_size, dtype=self.cache.data.dtype,
-                             device=self.device)
         if rows:
             binding.bind_output("logits", dev, idx, np.float32, list(logits.shape), logits.data_ptr())
         else:
             binding.bind_output("logits", dev, idx)
-        binding.bind_output("new_kv", dev, idx, _onnx_type(new_kv.dtype), list(new_kv.shape), new_kv.data_ptr())
+        new_kv = None
+        if self.dense is None:  # the dense layout's new keys/values stay in its rows
+            new_kv = torch.empty(cfg.num_layers, plan.num_tokens, 2 * cfg.kv_size, dtype=self.cache.data.dtype,
+                                 device=self.device)
+            binding.bind_output("new_kv", dev, idx, _onnx_type(new_kv.dtype), list(new_kv.shape), new_kv.data_ptr())
         session.inference.run_with_iobinding(binding)
         return logits, new_kv, plan
 
@@ -254,16 +373,25 @@ class OnnxRuntimeBackend:
         n = len(token_ids)
         blocks = -(-n // self.cache.block_size)
         item = StepItem(list(token_ids), 0, [0] * blocks, True)
-        plan = self.plan([item], pad_single_row=False)
+        session = self._session(lora=False)
+        if self.dense is None:
+            plan = self.plan([item], pad_single_row=False)
+        else:  # a scratch row: the engine's rows and paged cache stay untouched
+            scratch = DenseKV(self.cache, None, n)
+            scratch.ensure(1, n)
+            plan = plan_dense_step([item], [False], self.cache.block_size)
+            self._bind_dense(session, scratch, 0, 1)
         plan.inputs["logit_rows"] = np.arange(n, dtype=np.int64)
         plan.inputs.pop("lora_index")
-        session = self._session(lora=False)
         for name, array in plan.inputs.items():
             session.binding.bind_cpu_input(name, array)
-        session.binding.bind_output("logits", *self._ort_device())
-        session.binding.bind_output("new_kv", *self._ort_device())
+        logits = torch.empty(n, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        dev, idx = self._ort_device()
+        session.binding.bind_output("logits", dev, idx, np.float32, list(logits.shape), logits.data_ptr())
+        if self.dense is None:
+            session.binding.bind_output("new_kv", dev, idx)
         session.inference.run_with_iobinding(session.binding)
-        return torch.from_numpy(session.binding.copy_outputs_to_cpu()[0]).float()
+        return logits.cpu()
 
 
 @dataclass
@@ -275,6 +403,7 @@ class _Session:
     binding: Any
     has_lora_inputs: bool
     bound_stack: tuple[Hashable, ...] | None = None
+    dense_key: tuple | None = None  # what the dense layout's past/present are bound to
 
 
 def write_new_kv(cache: KVCache, new_kv: torch.Tensor, slot_mapping: np.ndarray) -> None:

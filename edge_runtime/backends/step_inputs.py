@@ -34,6 +34,7 @@ class StepPlan:
     sampling_items: list[int] = field(default_factory=list)  # item index of each logits row
     real_rows: np.ndarray | None = None  # rows of new_kv that are real tokens (None: the first real_tokens)
     present: int = 0  # GroupQueryAttention's present length (the "ort" graph)
+    real_positions: np.ndarray | None = None  # position of each real row (the dense layout)
 
 
 def split_groups(q_lens: list[int], max_waste: float = 2.0) -> list[list[int]]:
@@ -206,3 +207,44 @@ def plan_gqa_step(
     }
     slot_mapping = slots_at(row_seq[real_rows], pos[real_rows])
     return StepPlan(inputs, slot_mapping, b * s, real_tokens, sampling, real_rows, present)
+
+
+def plan_dense_step(items: list[StepItem], idle: list[bool], block_size: int) -> StepPlan:
+    """Inputs of the "ort" graph with the dense KV layout. Row b of the run is row r0 + b of the
+    backend's per-sequence buffers; `idle[b]` marks a row whose sequence is not in this step
+    (it feeds one dummy token whose key lands past its valid context, where the next real token
+    overwrites it, and yields nothing). Rows with a past must all be single tokens, as for
+    `plan_gqa_step`; first chunks are padded with their last token."""
+    b = len(items)
+    q_lens = np.array([len(it.tokens) for it in items])
+    starts = np.array([it.start for it in items])
+    s = int(q_lens.max())
+    if s > 1 and b > 1 and starts.any():
+        raise ValueError("rows with a past must be run one at a time when they feed several tokens")
+    if s > 1 and any(idle):
+        raise ValueError("idle rows can only join single-token (decode) runs")
+    ctx = starts + q_lens
+    if s == 1:
+        ids = np.array([[it.tokens[0]] for it in items], np.int64)
+    else:
+        ids = np.array([list(it.tokens) + [it.tokens[-1]] * (s - len(it.tokens)) for it in items], np.int64)
+    s_idx = np.minimum(np.arange(s)[None, :], q_lens[:, None] - 1)
+    pos = (starts[:, None] + s_idx).reshape(-1)
+    row_seq = np.repeat(np.arange(b), s)
+    real = (np.arange(s)[None, :] < q_lens[:, None]) & ~np.asarray(idle, bool)[:, None]
+    real_rows = np.nonzero(real.reshape(-1))[0]
+    sampling = [i for i, it in enumerate(items) if it.samples and not idle[i]]
+    width = max(1, max(len(it.block_table) for it in items))
+    tables = np.zeros((b, width), np.int64)
+    for i, it in enumerate(items):
+        tables[i, : len(it.block_table)] = it.block_table
+    rows, at = row_seq[real_rows], pos[real_rows]
+    slot_mapping = tables[rows, at // block_size] * block_size + at % block_size
+    inputs = {
+        "input_ids": ids,
+        "seqlens_k": (ctx - 1).astype(np.int32),
+        "total_sequence_length": np.array(int(ctx.max()), np.int32),
+        "logit_rows": np.array([i * s + q_lens[i] - 1 for i in sampling], np.int64),
+        "lora_index": np.repeat(np.array([[it.lora_slot] for it in items], np.int64), s, axis=1),
+    }
+    return StepPlan(inputs, slot_mapping, b * s, len(real_rows), sampling, real_rows, int(ctx.max()), at)

@@ -33,14 +33,14 @@ def reference(tiny_model_dir):
     return adapters, logits, tokens
 
 
-@pytest.mark.parametrize("flavour", ["ort", "standard"])
+@pytest.mark.parametrize("flavour,kv_layout", [("ort", "dense"), ("ort", "paged"), ("standard", "paged")])
 def test_logits_within_1e3_and_greedy_identical_with_two_adapters_in_one_batch(
-    tiny_model_dir, tmp_path, reference, flavour
+    tiny_model_dir, tmp_path, reference, flavour, kv_layout
 ):
     adapters, ref_logits, ref_tokens = reference
     engine = make_engine(tiny_model_dir, "torch", adapters, onnx_cache_dir=str(tmp_path), **CONFIG)
     engine.backend = OnnxRuntimeBackend(engine.model, engine.cache, engine.adapters, flavour=flavour,
-                                        cache_dir=tmp_path)
+                                        cache_dir=tmp_path, kv_layout=kv_layout)
     logits, tokens = run_recording(engine, PROMPTS, USERS, SamplingParams(max_tokens=10, ignore_eos=True))
     assert len(logits) == len(ref_logits)
     worst = max((a - b).abs().max().item() for a, b in zip(logits, ref_logits, strict=True))
@@ -60,8 +60,8 @@ def test_engine_selects_the_backend_from_config(tiny_model_dir, tmp_path):
 
 
 def test_a_row_decodes_the_same_alone_and_in_a_batch(tiny_model_dir, tmp_path):
-    engine = Engine.load(str(tiny_model_dir), backend="onnxruntime", onnx_cache_dir=str(tmp_path), **CONFIG)
-    backend = engine.backend
+    engine = Engine.load(str(tiny_model_dir), **CONFIG)
+    backend = OnnxRuntimeBackend(engine.model, engine.cache, None, cache_dir=tmp_path, kv_layout="paged")
     torch.manual_seed(0)
     engine.cache.data.normal_()  # any cached context: the point is that rows never mix
     session = backend._session(lora=False)
@@ -108,3 +108,54 @@ def test_groups_keep_continuation_chunks_alone():
     groups = split_groups_gqa([1, 1, 8, 6, 5, 1], [9, 4, 0, 0, 3, 7])
     assert groups == [[0, 1, 5], [2, 3], [4]]
     assert np.concatenate(groups).size == 6
+
+
+def _dense_engine(tiny_model_dir, tmp_path, **backend_options):
+    engine = Engine.load(str(tiny_model_dir), **CONFIG)
+    engine.backend = OnnxRuntimeBackend(engine.model, engine.cache, engine.adapters, cache_dir=tmp_path,
+                                        kv_layout="dense", **backend_options)
+    return engine
+
+
+def test_dense_rows_follow_prefix_hits_and_finished_sequences(tiny_model_dir, tmp_path):
+    # A shared 3-block prefix: the second wave hits the prefix cache, so its rows are filled
+    # from the paged cache; sequences of different lengths finish apart, so rows are freed and
+    # compacted while others decode. Greedy output must match the torch backend throughout.
+    prefix = "The user asks and the assistant answers. " * 3
+    prompts = [prefix + p for p in PROMPTS[:6]]
+    params = [SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True) for i in range(6)]
+    torch_engine = Engine.load(str(tiny_model_dir), **CONFIG)
+    dense_engine = _dense_engine(tiny_model_dir, tmp_path)
+    for engine in (torch_engine, dense_engine):
+        engine.generate(prompts[:1], params[0])  # caches the prefix
+    want = [torch_engine.generate(p, q)[0].candidates[0].token_ids for p, q in zip(prompts, params, strict=True)]
+    ids = [dense_engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+    done = {}
+    while dense_engine.has_unfinished():
+        for out in dense_engine.step():
+            done[out.request_id] = out
+    assert [done[i].candidates[0].token_ids for i in ids] == want
+    assert dense_engine.stats()["prefix_cache_hit_blocks"] > 0
+    dense = dense_engine.backend.dense
+    dense.release_stale(())  # what the next step does first: finished sequences give their rows back
+    assert dense.owners == [] and dense.nbytes > 0  # the buffer stays for the next sequences
+
+
+def test_dense_runs_past_its_byte_limit_from_a_scratch_buffer(tiny_model_dir, tmp_path, reference):
+    adapters, ref_logits, ref_tokens = reference
+    engine = make_engine(tiny_model_dir, "torch", adapters, **CONFIG)
+    engine.backend = OnnxRuntimeBackend(engine.model, engine.cache, engine.adapters, cache_dir=tmp_path,
+                                        kv_layout="dense", dense_kv_bytes=1)
+    logits, tokens = run_recording(engine, PROMPTS, USERS, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert max((a - b).abs().max().item() for a, b in zip(logits, ref_logits, strict=True)) < 1e-3
+    assert tokens == ref_tokens
+    assert engine.backend.dense.nbytes == 0  # never allocated: every run used a scratch buffer
+
+
+def test_dense_score_leaves_the_engine_rows_alone(tiny_model_dir, tmp_path):
+    engine = Engine.load(str(tiny_model_dir), **CONFIG)
+    ids = engine.tokenizer.hf.encode("The quick brown fox jumps over the lazy dog.")
+    paged = OnnxRuntimeBackend(engine.model, engine.cache, None, cache_dir=tmp_path, kv_layout="paged").score(ids)
+    dense = OnnxRuntimeBackend(engine.model, engine.cache, None, cache_dir=tmp_path, kv_layout="dense")
+    assert (dense.score(ids) - paged).abs().max().item() < 1e-4
+    assert dense.dense.owners == [] and dense.dense.nbytes == 0
