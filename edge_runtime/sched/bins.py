@@ -176,6 +176,25 @@ class Bin:
             count += 1
         return count
 
+    def extend_stages(self, placement: Placement) -> int:
+        """Give a fine-tune placement of this bin as many of its job's following stages as still
+        fit (latency and memory); returns how many were added."""
+        task = placement.task
+        following = self._stage_costs(task, task.remaining)[placement.amount :]
+        seconds, nbytes, added = 0.0, 0, 0
+        for stage_s, stage_bytes in following:
+            if seconds + stage_s > self.free_latency_s or nbytes + stage_bytes > self.free_memory:
+                break
+            seconds += stage_s
+            nbytes += stage_bytes
+            added += 1
+        placement.amount += added
+        placement.latency_s += seconds
+        placement.memory_bytes += nbytes
+        self.latency_s += seconds
+        self.used_bytes += nbytes
+        return added
+
     def add(self, task: Task, amount: int) -> Placement:
         if task.kind is TaskKind.FINETUNE:
             stages = self._stage_costs(task, amount)

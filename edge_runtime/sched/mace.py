@@ -27,8 +27,10 @@ class MacePolicy(Policy):
     iteration budget derived from the TBT SLO) because one engine thread runs a bin's work in
     sequence, so the latency term measures how tightly a task fills the remaining budget rather
     than the divergence from the bin's longest parallel task. A prefill that fits no bin whole
-    may take a chunk of bin 1 (chunked prefill); a fine-tune job placed in a bin takes as many of
-    its consecutive stages as fit. At most `max_bins` bins are planned (a bound on scheduler
+    may take a chunk of bin 1 (chunked prefill). A fine-tune job placed in a bin takes its next
+    stage in priority order; once every task was dequeued, its following stages fill what bin 1
+    has left (an aged job thus runs ahead of inference by one stage per iteration, not by as
+    many stages as the budget holds). At most `max_bins` bins are planned (a bound on scheduler
     time; later bins are re-planned before they would run).
     """
 
@@ -91,13 +93,14 @@ class MacePolicy(Policy):
                 if score < best_score:
                     best, best_score = b, score
             if best is not None:
-                best.add(task, best.largest_fit(task) if task.kind is TaskKind.FINETUNE else task.remaining)
+                # A fine-tune job takes one stage in priority order; its following stages only
+                # fill what the inference placed after it leaves (below).
+                best.add(task, 1 if task.kind is TaskKind.FINETUNE else task.remaining)
                 continue
-            if task.kind is TaskKind.DECODE and bin.latency_s > bin.latency_budget_s and bin.finetune:
-                # Bin 1 took a fine-tune stage longer than the whole budget (it had aged to the
-                # top): the budget is spent either way, and a decode step adds one row to the
-                # forward, whereas leaving it out makes its stream wait the stage and then a
-                # whole next iteration.
+            if task.kind is TaskKind.DECODE and bin.finetune:
+                # A fine-tune stage that had aged past this stream took bin 1's budget first. The
+                # stream waits that stage either way; a decode step adds one row to the forward,
+                # whereas leaving it out makes the stream wait a whole next iteration as well.
                 if bin.largest_fit(task, ignore_latency=True):
                     bin.add(task, 1)
                     continue
@@ -111,3 +114,7 @@ class MacePolicy(Policy):
                     later.add(task, piece)
                     bins.append(later)
             # else: it waits; bins beyond max_bins would be re-planned before they run anyway
+        for placement in list(bin.finetune):  # in priority order
+            if bin.free_latency_s <= 0 or bin.free_memory <= 0:
+                break
+            bin.extend_stages(placement)

@@ -214,12 +214,13 @@ def test_scheduler_overhead_under_a_millisecond_with_64_queued_tasks() -> None:
     assert statistics.median(samples) < 1e-3
 
 
-def test_decodes_ride_along_with_an_aged_stage_longer_than_the_budget() -> None:
+@pytest.mark.parametrize("stage_s", [0.05, 0.019])  # longer than the budget; within it but not beside the decodes
+def test_decodes_ride_along_with_an_aged_stage(stage_s: float) -> None:
     sim = Sim(MacePolicy(delta_ft=50.0), latency_budget_s=0.02)  # ages past the decodes in ~0.05 s
     for _ in range(3):
         sim.add_request(16, 400)
     sim.step()  # prefill the three prompts
-    job = sim.add_job(0, stage_s=0.05)  # every stage 2.5x the iteration budget
+    job = sim.add_job(0, stage_s=stage_s)
     # Saturate: the stage cannot fit beside the decodes, so it waits until it has aged past them.
     for _ in range(2000):
         batch = sim.step()
@@ -228,3 +229,23 @@ def test_decodes_ride_along_with_an_aged_stage_longer_than_the_budget() -> None:
     assert batch.finetune and batch.finetune[0].job is job and batch.finetune[0].num_stages == 1
     # The budget was spent on the stage anyway: the three streams still got their tokens.
     assert len(batch.items) == 3 and all(item.samples for item in batch.items)
+
+
+def test_an_aged_fine_tune_job_takes_one_stage_ahead_of_a_prompt_and_fills_only_the_slack() -> None:
+    sim = Sim(MacePolicy(), latency_budget_s=0.02)
+    for _ in range(2):
+        sim.add_request(8, 50)
+    sim.step()
+    job = sim.add_job(0, stage_s=0.004)
+    sim.now += 3.0  # the job has aged past a fresh prompt (not past the decodes)
+    prompt = sim.add_request(64, 4)
+    tasks = {t.kind: t for t in sim.scheduler._tasks()}
+    policy = sim.policy
+    assert policy.priority(tasks[TaskKind.DECODE], sim.now) > policy.priority(tasks[TaskKind.FINETUNE], sim.now)
+    assert policy.priority(tasks[TaskKind.FINETUNE], sim.now) > policy.priority(
+        next(t for t in sim.scheduler._tasks() if t.seq is prompt), sim.now)
+    batch = sim.step()
+    # The job's stage goes first, but only one: the whole prompt still fits the budget after it.
+    assert [i.num_tokens for i in batch.items if i.seq is prompt] == [64]
+    assert batch.finetune and batch.finetune[0].job is job and batch.finetune[0].num_stages >= 1
+    assert batch.planned_s <= 0.02 + 1e-9
