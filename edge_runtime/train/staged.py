@@ -1,6 +1,8 @@
 """One pair's DPO update cut into stages the scheduler can fit into iteration budgets:
 
-  score     no-grad reference (cached) and policy log-probs -> DPO loss (the pair's priority input)
+  score     no-grad policy log-probs, one token window per stage (the windows the forward uses),
+            and the reference (cached) -> DPO loss (the pair's priority input); windowed so a
+            stage fits the slack of an iteration's latency budget like the forward windows do
   reference (only without score, and only the first time a pair is seen) the base model's
             log-probs with the adapter off; cached for good since the base is frozen
   forward   one token window through every layer with grad; each layer group's input is a
@@ -90,8 +92,12 @@ class DPOFineTuneTask:
         self._acts: _Activations | None = None
         self._held = 0  # estimated bytes held between forward and backward
         self.stages: list[Stage] = []
+        self._score_kv: PairKV | None = None  # between score windows
+        self._score_sums = torch.zeros(2, dtype=torch.float64)
         if score:
-            self.stages.append(Stage(StageKind.SCORE, "score", self._estimate_score, self._run_score))
+            for w in self.windows:
+                self.stages.append(Stage(StageKind.SCORE, f"score[{w.part} {w.start}:{w.stop}]",
+                                         self._estimator_score(w.index), self._runner_score(w.index)))
         elif not trainer.has_reference(tokens):
             self.stages.append(Stage(StageKind.REFERENCE, "reference", self._estimate_reference,
                                      lambda: trainer.reference_logps(tokens)))
@@ -161,17 +167,48 @@ class DPOFineTuneTask:
 
     # -- score -------------------------------------------------------------------------------
 
-    def _estimate_score(self) -> StageEstimate:
-        t = self.trainer
-        return t.costs.score(self.tokens.num_rows, t.model.cfg.num_layers, self._scored_rows(),
-                             with_reference=not t.has_reference(self.tokens))
+    def _estimator_score(self, j: int) -> Callable[[], StageEstimate]:
+        def estimate() -> StageEstimate:
+            t, w = self.trainer, self.windows[j]
+            layers = t.model.cfg.num_layers
+            est = t.costs.score(w.num_rows, layers, int(w.score_rows.numel()), with_reference=False)
+            if j == 0 and not t.has_reference(self.tokens):  # the first window also fills the cache
+                ref = t.costs.score(self.tokens.num_rows, layers, self._scored_rows(), with_reference=False)
+                est = StageEstimate(est.seconds + ref.seconds, max(est.peak_bytes, ref.peak_bytes), 0)
+            return est
+        return estimate
+
+    def _runner_score(self, j: int) -> Callable[[], None]:
+        return lambda: self._run_score(j)
+
+    def _run_score(self, j: int) -> None:
+        """Window j of the no-grad score. Score windows are not exclusive (another update of the
+        adapter may step between two of them); the loss they give is a priority input only."""
+        trainer, model = self.trainer, self.trainer.model
+        if j == 0:
+            trainer.reference_logps(self.tokens)
+            self._score_kv = PairKV(model.cfg.num_layers)
+            self._score_sums = torch.zeros(2, dtype=torch.float64)
+        kv = self._score_kv
+        if kv is None:
+            raise RuntimeError("score windows must run in order from the first")
+        win = self.windows[j]
+        device = model.device
+        with torch.no_grad():
+            ctx = kv.context(win, trainer.weights)
+            hidden = model.run_layers(model.embed_tokens(win.input_ids.to(device)), win.positions.to(device), ctx)
+            if win.score_rows.numel():
+                logp = token_logps(model, hidden.index_select(0, win.score_rows.to(device)), win.targets.to(device))
+                self._score_sums.index_add_(0, win.owners, logp.double().cpu())
+        if j == len(self.windows) - 1:
+            ref_c, ref_r = trainer.reference_logps(self.tokens)
+            self.score = DPOScore(float(self._score_sums[0]), float(self._score_sums[1]), ref_c, ref_r,
+                                  trainer.dpo.beta)
+            self._score_kv = None
 
     def _estimate_reference(self) -> StageEstimate:
         t = self.trainer
         return t.costs.score(self.tokens.num_rows, t.model.cfg.num_layers, self._scored_rows(), with_reference=False)
-
-    def _run_score(self) -> None:
-        self.score = self.trainer.score_tokens(self.tokens)
 
     def _scored_rows(self) -> int:
         return sum(int(w.score_rows.numel()) for w in self.windows)

@@ -265,11 +265,13 @@ def test_a_job_let_in_for_a_shared_stage_stops_before_the_adapter_another_job_ho
     assert [scored.next_kind, fresh.next_kind] == ["score", "reference"]
     assert queue.runnable() == [holder, scored, fresh]
     assert queue.stages_allowed(holder) == len(holder.work.remaining())
-    assert queue.stages_allowed(scored) == 1 and queue.stages_allowed(fresh) == 1
+    # A job let in for its (windowed) score may run all its score windows, nothing exclusive.
+    score_windows = sum(1 for st in scored.work.remaining() if st.kind.value == "score")
+    assert queue.stages_allowed(scored) == score_windows and queue.stages_allowed(fresh) == 1
     batch = engine.scheduler.schedule(engine.clock())
     planned = {s.job.job_id: s.num_stages for s in batch.finetune}
     assert planned[holder.job_id] == len(holder.work.remaining())
-    assert planned.get(scored.job_id, 0) <= 1 and planned.get(fresh.job_id, 0) <= 1
+    assert planned.get(scored.job_id, 0) <= score_windows and planned.get(fresh.job_id, 0) <= 1
     run_all(engine)  # plans afresh (the batch above was not run)
     stats = engine.stats()
     assert stats["finetune_failed"] == 0 and stats["finetune_pairs_done"] == 3 and trainer.pairs_trained == 3

@@ -74,6 +74,10 @@ def test_stages_run_in_order_with_estimates_and_release_their_memory(tiny4, tiny
     kinds = [s.kind for s in task.stages]
     assert kinds[0] is StageKind.SCORE and kinds[-1] is StageKind.OPTIMIZER
     assert kinds.count(StageKind.BACKWARD) == 2 and kinds.count(StageKind.FORWARD) == len(task.windows)
+    # The score is windowed like the forward (so each stage fits an iteration's slack) and gives
+    # the same loss as one unstaged no-grad pass.
+    assert kinds.count(StageKind.SCORE) == len(task.windows) > 1
+    whole = trainer.score_tokens(task.tokens)
     held = []
     while not task.done:
         estimate = task.next_stage().estimate()
@@ -82,6 +86,7 @@ def test_stages_run_in_order_with_estimates_and_release_their_memory(tiny4, tiny
         held.append(task.held_bytes)
     assert max(held) > 0 and held[-1] == 0
     assert task.score is not None and task.result is not None
+    assert task.score.loss == pytest.approx(whole.loss, rel=1e-5)
     # Before any step the policy is unchanged, so the score and the trained loss agree.
     assert task.score.loss == pytest.approx(task.result.loss, rel=1e-5)
     assert task.stepped and trainer.optimizer.steps == 1 and trainer.pairs_trained == 1
