@@ -145,6 +145,7 @@ class RunResult:
     snapshots: list[dict[str, Any]] = field(default_factory=list)
     loadavg: tuple[float, float, float] = (0.0, 0.0, 0.0)
     cost_model: dict[str, Any] = field(default_factory=dict)
+    trace: list[dict[str, Any]] = field(default_factory=list)  # per iteration (--iteration-log)
 
 
 def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx: dict[str, Any],
@@ -163,7 +164,12 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
                       if r["u"] < rate and t + trace["feedback_delay_s"] <= window_s)
     result = RunResult(policy, load, rate, window_s + drain_s, pairs_offered=len(feedback))
     stamps: dict[str, list[float]] = {}
-    pending: list[TokenEvent] = []
+    pending: list[tuple[TokenEvent, float]] = []
+
+    def emitted(event: TokenEvent) -> None:
+        # A token reaches its client when the engine emits it (after its forward; an
+        # iteration's fine-tune stages run after its tokens are out).
+        pending.append((event, engine.clock()))
     done_pairs: list[tuple[str, float, float]] = []
 
     timing = {"forward": 0.0}
@@ -176,6 +182,15 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
         return out
 
     engine.backend.execute = timed_execute
+    schedule = engine.scheduler.schedule
+    planned: list[Any] = []
+
+    def recorded_schedule(now):
+        batch = schedule(now)
+        planned.append(batch)
+        return batch
+
+    engine.scheduler.schedule = recorded_schedule
     next_request = next_pair = 0
     checkpoint_at = [window_s * (k + 1) / checkpoints for k in range(checkpoints)]
     meta: dict[str, dict[str, Any]] = {}
@@ -190,7 +205,7 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
             meta[rid] = {"arrival": at, "prompt": row["prompt"], "process": row["process"],
                          "max_tokens": row["max_tokens"]}
             engine.add_request(chat(prompts[row["prompt"]]), SamplingParams(max_tokens=row["max_tokens"], ignore_eos=True),
-                               request_id=rid, on_token=pending.append)
+                               request_id=rid, on_token=emitted)
             next_request += 1
         while next_pair < len(feedback) and feedback[next_pair][0] <= now:
             at, row = feedback[next_pair]
@@ -215,11 +230,13 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
             time.sleep(max(0.0, min([*upcoming, window_s + drain_s, now + 0.05]) - now))
             continue
         before = engine.iterations
+        planned.clear()
+        step_start, ft_before = now, engine.scheduler.finetune.seconds
         engine.step()
-        delivered = engine.clock()  # tokens reach clients when the iteration returns
-        for event in pending:
+        delivered = engine.clock()
+        for event, at in pending:
             if event.token_id is not None:
-                stamps.setdefault(event.request_id, []).append(delivered)
+                stamps.setdefault(event.request_id, []).append(at)
         pending.clear()
         if engine.iterations == before:
             time.sleep(0.002)  # nothing runnable now (e.g. periodic between windows)
@@ -227,6 +244,16 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
         result.overhead_s.append(engine.scheduler.overhead_s)
         sched = engine.scheduler
         result.queued.append(len(sched.waiting) + len(sched.running) + len(sched.finetune))
+        if planned:
+            batch = planned[-1]
+            result.trace.append({
+                "t": round(step_start, 4), "wall_s": round(delivered - step_start, 4),
+                "planned_s": round(batch.planned_s, 4), "planned_forward_s": round(batch.planned_forward_s, 4),
+                "decodes": sum(1 for i in batch.items if i.num_tokens == 1),
+                "prefill_tokens": sum(i.num_tokens for i in batch.items if i.num_tokens > 1),
+                "stages": sum(s.num_stages for s in batch.finetune),
+                "stages_s": round(sched.finetune.seconds - ft_before, 4),
+                "waiting": len(sched.waiting), "running": len(sched.running), "ft_jobs": len(sched.finetune)})
     end = engine.clock()
     while checkpoint_at:
         checkpoint_at.pop(0)
@@ -495,8 +522,14 @@ def main() -> None:
     parser.add_argument("--checkpoints", type=int, default=4)
     parser.add_argument("--ttft-factor", type=float, default=5.0)
     parser.add_argument("--tbt-factor", type=float, default=5.0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: on a machine shared with other work, 2 OpenMP threads "
+                             "measured 20x slower per decode step than 1 under contention)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 policies, 1 load, short windows")
     parser.add_argument("--out", default=str(RESULTS / "bench_coserve"))
+    parser.add_argument("--iteration-log", default=None,
+                        help="also write every run's per-iteration record (bin contents, planned vs wall "
+                             "seconds, queue lengths) to this JSON file")
     args = parser.parse_args()
     trace_path = TRACES / "coserve.json"
     if args.record:
@@ -515,6 +548,7 @@ def main() -> None:
     rates = [float(x) for x in args.retrain_rates.split(",")]
 
     t_setup = time.monotonic()
+    torch.set_num_threads(args.threads)
     # float32: on CPUs autograd in bfloat16 is several times slower than in float32 (measured
     # here: a pair's score stage 15 s vs 2.5 s), and the DPO benchmark trains in float32 too.
     probe = Engine.load(None, dtype="float32", policy="fcfs", kv_cache_bytes=64 << 20, enable_prefix_cache=False)
@@ -559,6 +593,10 @@ def main() -> None:
                   f"pairs {s['pairs_done']}/{s['pairs_offered']} sched {fmt(s['sched_overhead_mean_ms'])} ms "
                   f"load avg {run.loadavg[0]:.1f}", flush=True)
 
+    if args.iteration_log:
+        Path(args.iteration_log).write_text(json.dumps(
+            [{"policy": p, "load": x, "retrain_rate": r, "iterations": run.trace} for (p, x, r), run in runs.items()]))
+        print(f"wrote {args.iteration_log}", flush=True)
     t_eval = time.monotonic()
     sweep_runs = [run for (p, x, r), run in runs.items() if r == args.main_rate]
     evaluate_alignment(sweep_runs, ctx)
@@ -577,7 +615,8 @@ def main() -> None:
         return rows
 
     out: dict[str, Any] = {
-        "machine": f"{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+        "machine": f"{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+                   f"{args.threads} torch thread(s)",
         "model": ctx["name"], "dtype": str(model.dtype).removeprefix("torch."),
         "window_s": args.window, "drain_s": args.drain, "ttft_factor": args.ttft_factor, "tbt_factor": args.tbt_factor,
         "unloaded": asdict(unloaded), "policies": policies,
