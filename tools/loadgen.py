@@ -1,9 +1,13 @@
-"""Load generator: closed-loop clients through the SDK against a real `maced`, and the same load on
-an in-process Engine, so the cost of the API (ZeroMQ, msgpack, event loop, threads) is known.
+"""Load generator: closed-loop clients through the SDK against a real `maced`, optionally the same
+load through its OpenAI-compatible HTTP gateway with the official `openai` client, and the same
+load on an in-process Engine, so the cost of each API (ZeroMQ + msgpack, or HTTP + JSON + SSE,
+event loop, threads) is known.
 
   .venv/bin/python tools/loadgen.py                       # default model, spawns its own daemon
   .venv/bin/python tools/loadgen.py --model tiny          # tiny random model: overhead dominates
-  .venv/bin/python tools/loadgen.py --endpoint ipc:///run/mace-edge/maced.sock --no-in-process
+  .venv/bin/python tools/loadgen.py --http --tag http     # adds the HTTP gateway (openai client)
+  .venv/bin/python tools/loadgen.py --endpoint ipc:///run/mace-edge/maced.sock --no-in-process \
+      --http-url http://127.0.0.1:8000/v1
 
 Writes tools/results/loadgen[-<tag>].json and .md.
 """
@@ -43,7 +47,7 @@ class Sample:
 
 @dataclass
 class LevelResult:
-    mode: str  # "daemon" or "in-process"
+    mode: str  # "daemon" (ZeroMQ SDK), "http" (gateway, openai client) or "in-process"
     concurrency: int
     requests: int
     wall_s: float
@@ -51,6 +55,7 @@ class LevelResult:
     # CPU seconds spent (daemon + client processes, or the one in-process engine): unlike wall
     # time, barely moved by other load on a shared machine, so the API's cost shows through.
     cpu_s: float | None = None
+    daemon_cpu_s: float | None = None  # the daemon process's share of cpu_s (API modes)
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(s.latency_s for s in self.samples)
@@ -67,6 +72,8 @@ class LevelResult:
             "ttft_p50_ms": round(_pct(ttft, 0.50) * 1000, 2) if ttft else None,
             "ttft_p99_ms": round(_pct(ttft, 0.99) * 1000, 2) if ttft else None,
             "cpu_ms_per_token": round(self.cpu_s * 1000 / tokens, 3) if self.cpu_s and tokens else None,
+            "daemon_cpu_ms_per_token": (round(self.daemon_cpu_s * 1000 / tokens, 3)
+                                        if self.daemon_cpu_s is not None and tokens else None),
         }
 
 
@@ -83,7 +90,8 @@ def _pct(sorted_values: list[float], q: float) -> float:
 async def daemon_level(endpoint: str, concurrency: int, total: int, max_tokens: int, stream: bool,
                        daemon_pid: int | None) -> LevelResult:
     daemon = psutil.Process(daemon_pid) if daemon_pid else None
-    cpu0 = time.process_time() + (sum(daemon.cpu_times()[:2]) if daemon else 0.0)
+    daemon0 = sum(daemon.cpu_times()[:2]) if daemon else 0.0
+    cpu0 = time.process_time() + daemon0
     remaining = total
     samples: list[Sample] = []
 
@@ -108,17 +116,72 @@ async def daemon_level(endpoint: str, concurrency: int, total: int, max_tokens: 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - start
-    cpu = time.process_time() + (sum(daemon.cpu_times()[:2]) if daemon else 0.0) - cpu0
-    return LevelResult("daemon", concurrency, total, wall, samples, cpu if daemon else None)
+    daemon_cpu = (sum(daemon.cpu_times()[:2]) if daemon else 0.0) - daemon0
+    cpu = time.process_time() + daemon_cpu + daemon0 - cpu0
+    return LevelResult("daemon", concurrency, total, wall, samples, cpu if daemon else None,
+                       daemon_cpu if daemon else None)
 
 
-def spawn_daemon(model: str, workdir: Path, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+async def http_level(base_url: str, concurrency: int, total: int, max_tokens: int, stream: bool,
+                     daemon_pid: int | None) -> LevelResult:
+    """The same closed loop through the HTTP gateway, with the official openai client (one
+    AsyncOpenAI, i.e. its own connection pool, per concurrent client)."""
+    from openai import AsyncOpenAI
+
+    daemon = psutil.Process(daemon_pid) if daemon_pid else None
+    daemon0 = sum(daemon.cpu_times()[:2]) if daemon else 0.0
+    cpu0 = time.process_time() + daemon0
+    remaining = total
+    samples: list[Sample] = []
+    kwargs = {"model": "default", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
+
+    async def worker() -> None:
+        nonlocal remaining
+        async with AsyncOpenAI(base_url=base_url, api_key="loadgen", max_retries=0, timeout=600) as client:
+            while remaining > 0:
+                remaining -= 1
+                t0 = time.perf_counter()
+                ttft = None
+                if stream:
+                    tokens = 0
+                    response = await client.completions.create(
+                        **kwargs, stream=True, stream_options={"include_usage": True})
+                    async for chunk in response:
+                        if ttft is None and chunk.choices and chunk.choices[0].text:
+                            ttft = time.perf_counter() - t0
+                        if chunk.usage is not None:
+                            tokens = chunk.usage.completion_tokens
+                else:
+                    tokens = (await client.completions.create(**kwargs)).usage.completion_tokens
+                samples.append(Sample(time.perf_counter() - t0, ttft, tokens))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    daemon_cpu = (sum(daemon.cpu_times()[:2]) if daemon else 0.0) - daemon0
+    cpu = time.process_time() + daemon_cpu + daemon0 - cpu0
+    return LevelResult("http", concurrency, total, wall, samples, cpu if daemon else None,
+                       daemon_cpu if daemon else None)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_daemon(model: str, workdir: Path, extra: list[str],
+                 http_port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
     socket_path = Path(tempfile.mkdtemp(prefix="mace-lg-")) / "maced.sock"
     log = open(workdir / "maced.log", "wb")  # noqa: SIM115 - lives as long as the daemon
     env = {k: v for k, v in os.environ.items() if not k.startswith("MACE_")}
     env["PYTHONUNBUFFERED"] = "1"
+    http = f"127.0.0.1:{http_port}" if http_port else ""
     args = [sys.executable, "-m", "daemon.main", "--model", model, "--ipc", str(socket_path),
-            "--state-dir", str(workdir / "state"), "--set", "finetune.enabled=false", *extra]
+            "--state-dir", str(workdir / "state"), "--set", "finetune.enabled=false", "--http", http, *extra]
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     endpoint = f"ipc://{socket_path}"
     deadline = time.monotonic() + 600
@@ -199,23 +262,32 @@ def render_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
              f"(ignore_eos), greedy, {'streamed' if meta['stream'] else 'whole'} replies; "
              f"max({meta['requests']}, 2 x concurrency) requests per level after {meta['warmup']} warm-up requests",
              f"- daemon: `maced` over {meta['transport']}, one SDK AsyncClient (own socket) per concurrent client",
+             *([f"- http: the same daemon's OpenAI-compatible gateway, `POST /v1/completions`, one official "
+                f"`openai` AsyncOpenAI client (own connection pool) per concurrent client (openai "
+                f"{meta['openai']})"] if meta.get("http") else []),
              f"- measured {meta['date']}; load average (1/5/15 min) {meta['loadavg']}",
              f"- command: `{meta['command']}`", "",
-             "| concurrency | mode | req/s | tok/s | p50 latency ms | p99 latency ms | p50 TTFT ms | p99 TTFT ms | CPU ms/token |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| concurrency | mode | req/s | tok/s | p50 latency ms | p99 latency ms | p50 TTFT ms | p99 TTFT ms | CPU ms/token | of it daemon |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['concurrency']} | {r['mode']} | {r['requests_per_s']} | {r['tokens_per_s']} | "
                      f"{r['latency_p50_ms']} | {r['latency_p99_ms']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
-                     f"{r['cpu_ms_per_token']} |")
+                     f"{r['cpu_ms_per_token']} | {r.get('daemon_cpu_ms_per_token')} |")
     overhead = meta.get("overhead", [])
     if overhead:
-        lines += ["", "API overhead (daemon minus in-process at the same concurrency):", "",
-                  "| concurrency | p50 latency +ms | p50 +ms per token | p99 latency +ms | throughput ratio | CPU +ms per token |",
-                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += ["", "API overhead (API mode minus in-process at the same concurrency):", "",
+                  "| concurrency | mode | p50 latency +ms | p50 +ms per token | p99 latency +ms | p50 TTFT +ms | throughput ratio | CPU +ms per token |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|"]
         for o in overhead:
-            lines.append(f"| {o['concurrency']} | {o['p50_ms']} | {o['p50_ms_per_token']} | {o['p99_ms']} | "
-                         f"{o['throughput_ratio']} | {o['cpu_ms_per_token']} |")
+            lines.append(f"| {o['concurrency']} | {o['mode']} | {o['p50_ms']} | {o['p50_ms_per_token']} | {o['p99_ms']} | "
+                         f"{o['ttft_p50_ms']} | {o['throughput_ratio']} | {o['cpu_ms_per_token']} |")
     return "\n".join(lines) + "\n"
+
+
+def _openai_version() -> str:
+    import openai
+
+    return openai.__version__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--no-stream", action="store_true")
     p.add_argument("--no-in-process", action="store_true")
+    p.add_argument("--http", action="store_true",
+                   help="also run the load through the HTTP gateway with the openai client")
+    p.add_argument("--http-url", help="the gateway of a running daemon (with --endpoint), e.g. "
+                   "http://127.0.0.1:8000/v1; implies --http")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="engine setting for both modes, e.g. dtype=float32")
     p.add_argument("--out", default=str(REPO / "tools" / "results"))
@@ -255,23 +331,36 @@ def main(argv: list[str] | None = None) -> int:
         engine = load_in_process(model, overrides, args.warmup, args.max_tokens)
     proc = None
     endpoint = args.endpoint
+    http_url = args.http_url
+    use_http = args.http or http_url is not None
     if endpoint is None:
         extra = [x for kv in overrides.items() for x in ("--set", f"engine.{kv[0]}={kv[1]}")]
-        proc, endpoint = spawn_daemon(model, workdir, extra)
+        port = _free_port() if use_http else None
+        proc, endpoint = spawn_daemon(model, workdir, extra, port)
+        if port:
+            http_url = f"http://127.0.0.1:{port}/v1"
+    elif use_http and http_url is None:
+        raise SystemExit("--http with --endpoint needs --http-url")
+    pid = proc.pid if proc is not None else None
     rows: list[dict[str, Any]] = []
     try:
         with Client(endpoint, timeout_s=600) as c:
             for _ in range(args.warmup):
                 c.generate(PROMPT, max_tokens=args.max_tokens, ignore_eos=True)
             model_info = c.status()["model"]
-        # Both modes back to back per level, so a change in machine load between levels hits
-        # both alike (the idle one of the two costs nothing meanwhile).
+        if http_url is not None:
+            asyncio.run(http_level(http_url, 1, args.warmup, args.max_tokens, stream, None))
+        # All modes back to back per level, so a change in machine load between levels hits
+        # them alike (the idle ones cost nothing meanwhile).
         for level in levels:
             total = max(args.requests, 2 * level)
-            result = asyncio.run(daemon_level(endpoint, level, total, args.max_tokens, stream,
-                                              proc.pid if proc is not None else None))
+            result = asyncio.run(daemon_level(endpoint, level, total, args.max_tokens, stream, pid))
             rows.append(result.summary())
             print(json.dumps(rows[-1]), flush=True)
+            if http_url is not None:
+                rows.append(asyncio.run(http_level(http_url, level, total, args.max_tokens, stream,
+                                                   pid)).summary())
+                print(json.dumps(rows[-1]), flush=True)
             if engine is not None:
                 rows.append(in_process_level(engine, level, total, args.max_tokens).summary())
                 print(json.dumps(rows[-1]), flush=True)
@@ -283,11 +372,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     overhead = []
-    for level in levels:
-        d = next((r for r in rows if r["mode"] == "daemon" and r["concurrency"] == level), None)
+    for level, mode in ((level, mode) for level in levels for mode in ("daemon", "http")):
+        d = next((r for r in rows if r["mode"] == mode and r["concurrency"] == level), None)
         e = next((r for r in rows if r["mode"] == "in-process" and r["concurrency"] == level), None)
         if d and e:
-            overhead.append({"concurrency": level,
+            overhead.append({"concurrency": level, "mode": mode,
+                             "ttft_p50_ms": (round(d["ttft_p50_ms"] - e["ttft_p50_ms"], 2)
+                                             if d["ttft_p50_ms"] is not None and e["ttft_p50_ms"] is not None
+                                             else None),
                              "p50_ms": round(d["latency_p50_ms"] - e["latency_p50_ms"], 2),
                              "p99_ms": round(d["latency_p99_ms"] - e["latency_p99_ms"], 2),
                              "p50_ms_per_token": round((d["latency_p50_ms"] - e["latency_p50_ms"]) / args.max_tokens, 3),
@@ -302,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "loadavg": f"{loadavg_start} at the start, {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end",
+        "http": http_url is not None, "openai": _openai_version() if http_url is not None else None,
         "overhead": overhead, "command": " ".join(["tools/loadgen.py", *(argv if argv is not None else sys.argv[1:])]),
     }
     out = Path(args.out)
