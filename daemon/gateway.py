@@ -437,50 +437,39 @@ class Gateway:
                       include_usage: bool) -> Response:
         """Hold the response until the first token (or an error) so that admission refusals and
         bad requests still get their HTTP status; then stream server-sent events."""
-        tokens: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
-        call = GenerateCall(lambda index, text, _id: tokens.put_nowait((index, text)), api="http")
+        feed = _TokenFeed()
+        call = GenerateCall(feed.put, api="http")
         self.in_flight += 1
         task = asyncio.ensure_future(self.service.generate(args, call))
         task.add_done_callback(self._generation_ended)
-        first = asyncio.ensure_future(tokens.get())
+        task.add_done_callback(lambda _: feed.ready.set())
+        first = asyncio.ensure_future(feed.ready.wait())
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            await asyncio.wait({task, first, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-        if not first.done():
             first.cancel()
-        pending = [first.result()] if first.done() and not first.cancelled() else []
-        if not pending and not task.done():  # the client went away while waiting
+        if not feed.items and not task.done():  # the client went away while waiting
             self.service.cancel(call, "client_gone")
-        if not pending and (not task.done() or task.exception() is not None):
+        if not feed.items and (not task.done() or task.exception() is not None):
             await task  # raises the typed error, answered with its HTTP status
         reply.id = call.engine_id or ""  # the interaction id, set once the engine took the request
-        return StreamingResponse(self._events(task, call, tokens, pending, reply, include_usage),
+        return StreamingResponse(self._events(task, call, feed, reply, include_usage),
                                  media_type="text/event-stream", headers=_SSE_HEADERS)
 
-    async def _events(self, task: asyncio.Future[dict[str, Any]], call: GenerateCall,
-                      tokens: asyncio.Queue[tuple[int, str]], pending: list[tuple[int, str]],
+    async def _events(self, task: asyncio.Future[dict[str, Any]], call: GenerateCall, feed: _TokenFeed,
                       reply: _Reply, include_usage: bool) -> AsyncIterator[bytes]:
         try:
             while True:
-                while not tokens.empty():
-                    pending.append(tokens.get_nowait())
-                if pending:
+                items = feed.take()
+                if items:
                     # Everything that arrived meanwhile goes out in one write.
-                    yield b"".join(_sse(reply.delta(index, text)) for index, text in pending)
-                    pending.clear()
+                    yield b"".join(_sse(reply.delta(index, text)) for index, text in items)
                     continue
                 if task.done():
                     break
-                waiter = asyncio.ensure_future(tokens.get())
-                try:
-                    await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    if not waiter.done():
-                        waiter.cancel()
-                if waiter.done() and not waiter.cancelled():
-                    pending.append(waiter.result())
+                await feed.ready.wait()  # set by the next tokens or by the end of the generation
             exc = task.exception()
             if exc is not None:
                 # Headers are gone: the error travels as an event (the openai client raises it).
@@ -530,6 +519,24 @@ class Gateway:
         self._authorize(request)
         args = self._user_args(request, "adapters.list")
         return _json({"object": "list", "data": (await self.service.adapters_list(args))["adapters"]})
+
+
+class _TokenFeed:
+    """Tokens of one streamed generation, handed from the engine's deliveries to the response
+    (a list and an event: no task or queue getter per token)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, str]] = []
+        self.ready = asyncio.Event()
+
+    def put(self, index: int, text: str, token_id: int | None = None) -> None:
+        self.items.append((index, text))
+        self.ready.set()
+
+    def take(self) -> list[tuple[int, str]]:
+        items, self.items = self.items, []
+        self.ready.clear()
+        return items
 
 
 class _Reply:
