@@ -313,6 +313,13 @@ def _num(value: Any, unit: str = "", digits: int = 1) -> str:
     return f"{value}{unit}"
 
 
+def _http(http: dict[str, Any] | None) -> str:
+    if not http:
+        return "off"
+    return (f"{http.get('endpoint')}/v1 ({'API keys' if http.get('auth') else 'no keys'}, "
+            f"{http.get('generates_in_flight', 0)} generating)")
+
+
 def render_status(status: dict[str, Any], tokens_per_s: float | None = None) -> Any:
     """A rich renderable of the status reply (sections side by side where the terminal allows)."""
     from rich.columns import Columns
@@ -334,6 +341,7 @@ def render_status(status: dict[str, Any], tokens_per_s: float | None = None) -> 
     tables = [
         section("daemon", [("state", str(d.get("state"))), ("uptime", _num(d.get("uptime_s"), " s")),
                            ("pid", str(d.get("pid"))), ("endpoints", "\n".join(d.get("endpoints", []))),
+                           ("http", _http(status.get("http"))),
                            ("clients", str(srv.get("clients", "-"))),
                            ("requests", str(srv.get("requests_in_flight", "-")))]),
         section("model", [("model", str(m.get("model"))), ("backend", f"{m.get('backend')} on {m.get('device')}"),
