@@ -296,20 +296,24 @@ def test_metrics_cover_both_fronts(gw: Gateway) -> None:
     wait_for(lambda: gw.metrics()[("mace_engine_tokens_generated_total", ())] > 0, 10)
 
 
-def test_a_client_that_hangs_up_mid_stream_gets_its_generation_cancelled(gw: Gateway) -> None:
-    before = gw.metrics().get(("mace_requests_total", (("api", "http"), ("outcome", "cancelled"))), 0)
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_hangs_up_gets_its_generation_cancelled(gw: Gateway, stream: bool) -> None:
+    cancelled = ("mace_requests_total", (("api", "http"), ("outcome", "cancelled")))
+    before = gw.metrics().get(cancelled, 0)
     conn = http.client.HTTPConnection("127.0.0.1", gw.port, timeout=30)
     conn.request("POST", "/v1/completions", headers={"Authorization": f"Bearer {KEY}",
                                                      "Content-Type": "application/json"},
                  body=json.dumps({"model": "tiny", "prompt": "go on", "max_tokens": 100_000,
-                                  "ignore_eos": True, "stream": True}))
-    response = conn.getresponse()
-    assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
-    assert response.read1(64).startswith(b"data: ")
-    conn.sock.shutdown(2)  # hang up
+                                  "ignore_eos": True, "stream": stream}))
+    if stream:
+        response = conn.getresponse()
+        assert response.status == 200 and response.getheader("content-type").startswith("text/event-stream")
+        assert response.read1(64).startswith(b"data: ")
+    else:  # a whole reply: hang up while the daemon is still generating it
+        wait_for(lambda: gw.metrics().get(("mace_queue_depth", (("queue", "generates_in_flight"),)), 0) >= 1, 30)
+    conn.sock.shutdown(2)
     conn.close()
-    wait_for(lambda: gw.metrics().get(("mace_requests_total", (("api", "http"), ("outcome", "cancelled"))),
-                                      0) > before, 30)
+    wait_for(lambda: gw.metrics().get(cancelled, 0) > before, 30)
 
 
 def test_admission_rejection_is_a_429_with_retry_after(tmp_path: Path, tiny_model: Path) -> None:
