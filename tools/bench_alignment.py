@@ -10,7 +10,7 @@ rules). Every pair runs through the staged DPO task; at checkpoints the adapter 
 through the regression guard and both users are measured: held-out win rate and CLPD (MACE sec.
 3.1) and the share of greedy generations that satisfy the preference (plotted like MACE Fig. 2).
 
-    .venv/bin/python tools/bench_alignment.py                    # default model, ~300 pairs
+    .venv/bin/python tools/bench_alignment.py                    # default model, 100 pairs
     .venv/bin/python tools/bench_alignment.py --replay hh.jsonl  # replay local HH-RLHF/SHP pairs
 """
 
@@ -492,7 +492,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--model", help="HF model directory (default: the default model)")
     p.add_argument("--replay", type=Path, help="HH-RLHF / SHP / explicit JSONL file to replay instead")
     p.add_argument("--format", default="auto", help="replay file format: auto, hh, shp, explicit")
-    p.add_argument("--pairs", type=int, default=150, help="feedback pairs to train on (the bar allows <= 300)")
+    p.add_argument("--pairs", type=int, default=100,
+                   help="feedback pairs to train on (the bar allows <= 300; past ~90 most rounds yield no pair)")
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--round-prompts", type=int, default=16, help="prompts per round of candidates")
     p.add_argument("--max-rounds", type=int, default=200)
