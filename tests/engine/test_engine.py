@@ -183,3 +183,20 @@ def test_abort_frees_blocks_mid_generation(tiny_model_dir: Path) -> None:
     assert engine.pool.num_used > 0
     engine.abort(rid)
     assert engine.pool.num_used == 0 and not engine.has_unfinished()
+
+
+def test_batched_greedy_pick_matches_per_row_argmax() -> None:
+    """The engine's one-call greedy pick (numpy) chooses what `sample_next` (torch.argmax) does
+    row by row, ties included (the first maximal index), and steps aside for other dtypes."""
+    import torch
+
+    from edge_runtime.engine import _greedy_tokens
+    from edge_runtime.sampling import sample_next
+
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
+    logits[1, 10] = logits[1, 500] = logits[1].max() + 1.0  # a tie: the first index wins
+    logits[2] = 0.0  # all equal
+    greedy = SamplingParams()
+    assert _greedy_tokens(logits) == [sample_next(row, greedy, None) for row in logits]
+    assert _greedy_tokens(logits)[1] == 10 and _greedy_tokens(logits)[2] == 0
+    assert _greedy_tokens(logits.to(torch.bfloat16)) is None
