@@ -94,6 +94,7 @@ def test_sigterm_drains_streams_and_loses_no_acknowledged_feedback(start_daemon)
         c.consent("dora")
         for _ in range(5):
             r = c.generate("rate me", max_tokens=2, n=2, temperature=1.0, user="dora")
+            assert r.recorded, (r, d.log())  # the note says why an interaction was not stored
             acked.append((r.interaction_id, c.choose("dora", r.interaction_id, 1)["feedback_id"]))
 
     def stream_forever() -> None:
