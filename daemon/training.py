@@ -217,7 +217,7 @@ class EngineFineTuner:
         def purge(engine: Engine) -> None:
             engine.cancel_finetune(user=user)
             self._trainers.pop(user, None)
-            forget_user_adapters(engine, user)
+            engine.adapters.forget(user)  # versions, retire markers, events; in-flight rows finish
 
         await self.engine.call(purge)
 
@@ -428,26 +428,3 @@ class EngineFineTuner:
 def _cancel_all(engine: Engine) -> int:
     users = {job.user for job in engine.scheduler.finetune.jobs.values()}
     return sum(engine.cancel_finetune(user=user) for user in users if user is not None)
-
-
-def forget_user_adapters(engine: Engine, user: str) -> None:
-    """Make the engine forget every adapter version of `user` (cached weights included).
-
-    Uses `AdapterRegistry.forget` when the registry has it; until then it clears the registry's
-    per-user tables itself, because a cached version would otherwise keep being served after
-    its files were erased.
-    """
-    registry = engine.adapters
-    drop = getattr(registry, "forget", None)
-    if callable(drop):
-        drop(user)
-        return
-    from edge_runtime.lora.registry import AdapterRef
-
-    with registry._lock:  # stopgap over the registry's private tables; see the docstring
-        for version in range(1, registry._highest.get(user, 0) + 1):
-            registry.cache.discard(AdapterRef(user, version))
-        for ref in [r for r in registry._memory if r.user == user]:
-            del registry._memory[ref]
-        for table in (registry._versions, registry._highest, registry._retired, registry._events):
-            table.pop(user, None)
