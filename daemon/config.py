@@ -112,6 +112,9 @@ RELOADABLE = frozenset({
 # Short names people already know, besides the generic MACE_<SECTION>_<KEY>.
 _ENV_ALIASES = {"MACE_STATE_DIR": "daemon.state_dir", "MACE_MODEL": "engine.model",
                 "MACE_LOG_LEVEL": "daemon.log_level"}
+# Engine fields the daemon sets itself (adapters live under the state dir, where the feedback
+# store's erasure looks for them): not settings.
+_DAEMON_OWNED = frozenset({"engine.adapters_root"})
 # Never printed by --print-config.
 _SECRETS = frozenset({"http.api_keys"})
 _SCALARS = {"str": str, "int": int, "float": float, "bool": bool}
@@ -180,7 +183,7 @@ def _schema() -> dict[str, Setting]:
                 parts = [p.strip() for p in str(f.type).split("|")]
                 optional = "None" in parts
                 kinds = [p for p in parts if p != "None"]
-                if len(kinds) != 1 or kinds[0] not in _SCALARS:
+                if len(kinds) != 1 or kinds[0] not in _SCALARS or f"{section}.{f.name}" in _DAEMON_OWNED:
                     continue
                 if f.default is not MISSING:
                     default = f.default

@@ -123,8 +123,7 @@ def load_engine(config: DaemonConfig) -> Engine:
     from edge_runtime.engine import Engine
 
     # Adapters live beside the feedback store's idea of them: forget() deletes <root>/<user>/.
-    extra = {**config.engine.extra, "adapters_root": str(config.adapters_dir)}
-    return Engine.load(None, config.engine.replace(extra=extra))
+    return Engine.load(None, config.engine.replace(adapters_root=str(config.adapters_dir)))
 
 
 class Service:

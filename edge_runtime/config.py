@@ -42,6 +42,8 @@ class EngineConfig:
     cost_profile: str = "auto"  # "auto": calibrate once per machine and cache; "off": nominal + online
     cost_cache_dir: str | None = None  # None = <state dir>/costs; "" = calibrate at every start
     max_prompt_chars: int = 200_000
+    adapters_root: str = ""  # per-user LoRA versions (<root>/<user>/v<N>/); "" = in memory only
+    adapter_cache_bytes: int = 256 << 20  # loaded adapter versions kept (Chameleon-style cache)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def replace(self, **overrides: Any) -> EngineConfig:

@@ -66,10 +66,10 @@ class Engine:
             self.max_context = min(self.max_context, config.max_context)
         self.cache = KVCache(cfg, num_blocks, config.block_size, model.dtype, model.device)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache)
-        # Per-user LoRA versions; without a root (config.extra["adapters_root"]) they live in memory.
+        # Per-user LoRA versions; without a root (config.adapters_root) they live in memory.
         self.adapters = adapters or AdapterRegistry(
-            config.extra.get("adapters_root"), cfg, model.dtype, model.device,
-            cache_bytes=int(config.extra.get("adapter_cache_bytes", 256 << 20)), base_model=name,
+            config.adapters_root or None, cfg, model.dtype, model.device,
+            cache_bytes=config.adapter_cache_bytes, base_model=name,
         )
         self.adapters.preload()
         self.backend = make_backend(config, model, self.cache, self.adapters)
