@@ -274,12 +274,7 @@ class OnnxRuntimeBackend:
         for row, table, start, _ in real:
             target.fill(row, table, start)
         key = tuple(slots)
-        session = self._session(lora=bool(key))
-        if key and key != session.bound_stack:
-            weights = [self.adapters.weights(ref) for ref in key]
-            for name, array in self.stacks.get(key, weights).items():
-                session.binding.bind_cpu_input(name, array)
-            session.bound_stack = key
+        session = self._session_with_stack(key)
         plan = plan_dense_step(steps, idle, self.cache.block_size)
         self._bind_dense(session, target, base, len(steps))
         logits, _, plan = self._run(session, plan)
@@ -289,6 +284,17 @@ class OnnxRuntimeBackend:
         width = plan.num_tokens // len(steps)
         target.copy_to_cache(base + plan.real_rows // width, plan.real_positions, plan.slot_mapping)
         return logits  # rows are sorted, so the sampling rows come in `items` order
+
+    def _session_with_stack(self, key: tuple[Hashable, ...]) -> _Session:
+        """The session for this step (with LoRA inputs when any row has an adapter), its stacked
+        adapter inputs bound to `key`'s versions in slot order (rebound only when they change)."""
+        session = self._session(lora=bool(key))
+        if key and key != session.bound_stack:
+            weights = [self.adapters.weights(ref) for ref in key]
+            for name, array in self.stacks.get(key, weights).items():
+                session.binding.bind_cpu_input(name, array)
+            session.bound_stack = key
+        return session
 
     def _bind_dense(self, session: _Session, dense: DenseKV, first: int, count: int) -> None:
         """Bind rows [first, first + count) of `dense` as every layer's past and present."""
@@ -318,12 +324,7 @@ class OnnxRuntimeBackend:
             steps.append(StepItem(seq.token_ids[start : start + n], start, seq.block_table, item.samples,
                                   -1 if ref is None else slots[ref]))
         key = tuple(slots)
-        session = self._session(lora=bool(key))
-        if key and key != session.bound_stack:
-            weights = [self.adapters.weights(ref) for ref in key]
-            for name, array in self.stacks.get(key, weights).items():
-                session.binding.bind_cpu_input(name, array)
-            session.bound_stack = key
+        session = self._session_with_stack(key)
         logits, new_kv, plan = self._run(session, self.plan(steps))
         if plan.real_rows is None:
             new_kv = new_kv[:, : plan.real_tokens]

@@ -3,19 +3,8 @@ and erases it with the user."""
 
 from __future__ import annotations
 
-import time
-
 from daemon.client import Client
-
-
-def wait_for(predicate, timeout_s: float = 60.0, every_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise AssertionError("condition not met in time")
+from tests.daemon.conftest import wait_for
 
 
 def test_feedback_trains_publishes_serves_rolls_back_and_forgets_an_adapter(start_daemon) -> None:

@@ -9,7 +9,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.client import Client
-from tests.daemon.conftest import REPO, DaemonProcess, free_tcp_port
+from tests.daemon.conftest import REPO, DaemonProcess, free_tcp_port, wait_for
 
 openai = pytest.importorskip("openai")
 
@@ -68,16 +67,6 @@ def start_gateway(root: Path, tiny_model: Path, *, key: str | None = KEY, extra:
                            env=env)
     daemon.wait_ready()
     return Gateway(daemon, port, key)
-
-
-def wait_for(predicate: Any, timeout_s: float = 60.0, every_s: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.fixture(scope="module")
