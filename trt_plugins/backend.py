@@ -83,7 +83,8 @@ class TensorRTBackend:
     @torch.inference_mode()
     def execute(self, batch, lora: LoraApplier | None = None) -> torch.Tensor:
         if lora is not None:
-            raise NotImplementedError("the tensorrt backend takes adapters from the registry, not an applier")
+            raise ValueError("the tensorrt backend applies each row's pinned adapter from the registry; an explicit "
+                             "LoRA applier is a torch-backend argument")
         refs = [item.seq.request.adapter if self.adapters is not None else None for item in batch.items]
         out: list[torch.Tensor | None] = [None] * len(batch.items)
         for group in split_groups([item.num_tokens for item in batch.items]):

@@ -184,7 +184,8 @@ class OnnxRuntimeBackend:
         """Logits [rows that sample, vocab] in float32, in batch order; each item's pinned adapter
         version applies to its rows."""
         if lora is not None:
-            raise NotImplementedError("the ONNX backends take adapters from the registry, not an applier")
+            raise ValueError("the ONNX backends apply each row's pinned adapter from the registry; an explicit "
+                             "LoRA applier is a torch-backend argument")
         refs = [item.seq.request.adapter if self.adapters is not None else None for item in batch.items]
         if self.dense is not None:
             return self._execute_dense(batch, refs)

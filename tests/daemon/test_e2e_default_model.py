@@ -21,16 +21,6 @@ CLIENTS = 32
 USERS = [f"user{i}" for i in range(4)]
 
 
-def default_model_dir() -> str:
-    from edge_runtime.errors import ModelNotAvailable
-    from edge_runtime.model.source import resolve_model
-
-    try:
-        return str(resolve_model(None, allow_download=False, progress=False).path)
-    except ModelNotAvailable as exc:
-        pytest.skip(f"default model not cached ({exc}); run `make model`")
-
-
 def macectl_status(endpoint: str) -> dict:
     run = subprocess.run([sys.executable, "-m", "daemon.cli", "--endpoint", endpoint, "status", "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=60, env=os.environ.copy())
@@ -40,10 +30,10 @@ def macectl_status(endpoint: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_default_model_end_to_end(start_daemon) -> None:
+def test_default_model_end_to_end(start_daemon, default_model_dir) -> None:
     # One torch thread: on a small shared CPU box, OpenMP workers that spin while preempted make
     # every iteration many times slower (tools/results/loadgen-threads2.md).
-    d = start_daemon(model=default_model_dir(), engine_flags=["--set", "engine.num_threads=1"], extra_args=[
+    d = start_daemon(model=str(default_model_dir), engine_flags=["--set", "engine.num_threads=1"], extra_args=[
         "--set", "finetune.pairs_per_version=2",
         "--set", "feedback.heldout_fraction=0.0"], ready=False)
     d.wait_ready(timeout_s=300)
