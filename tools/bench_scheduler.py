@@ -10,7 +10,6 @@ like the default model's, so only the scheduler's own time is measured.
 from __future__ import annotations
 
 import argparse
-import enum
 import itertools
 import json
 import os
@@ -18,7 +17,6 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,67 +29,25 @@ from edge_runtime.sched.cost_model import CostModel, ForwardCoefficients  # noqa
 from edge_runtime.sched.finetune import FineTuneJob  # noqa: E402
 from edge_runtime.sched.registry import POLICIES, make_policy  # noqa: E402
 from edge_runtime.sched.scheduler import Scheduler  # noqa: E402
+from edge_runtime.sched.testing import FakeStage, FakeTrainer, FakeWork, Kind  # noqa: E402
 from edge_runtime.sequence import Request, Sequence  # noqa: E402
 from edge_runtime.train.costs import StageEstimate  # noqa: E402
 
 RESULTS = ROOT / "tools" / "results"
 
 
-class Kind(enum.Enum):
-    SCORE = "score"
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    OPTIMIZER = "optimizer"
-
-
-@dataclass(eq=False)
-class Stage:
-    kind: Kind
-    name: str
-    est: StageEstimate
-    seconds: float | None = None
-
-    def estimate(self) -> StageEstimate:
-        return self.est
-
-
-class Trainer:
+class Trainer(FakeTrainer):
     persistent_bytes = 4 << 20
 
 
-class Work:
+def pair_work(trainer: Trainer) -> FakeWork:
     """A pair's update as the scheduler sees it: score, 4 forward windows, 6 backward groups,
     optimizer, with the default model's order of magnitude of costs."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.stages = [Stage(Kind.SCORE, "score", StageEstimate(0.08, 8 << 20, 0))]
-        self.stages += [Stage(Kind.FORWARD, f"f{i}", StageEstimate(0.06, 12 << 20, (i + 1) * (8 << 20))) for i in range(4)]
-        self.stages += [Stage(Kind.BACKWARD, f"b{i}", StageEstimate(0.05, 4 << 20, (5 - i) * (5 << 20))) for i in range(6)]
-        self.stages += [Stage(Kind.OPTIMIZER, "opt", StageEstimate(0.002, 1 << 20, 0))]
-        self.cursor = 0
-        self.held_bytes = 0
-
-    @property
-    def done(self) -> bool:
-        return self.cursor >= len(self.stages)
-
-    def next_stage(self) -> Stage | None:
-        return None if self.done else self.stages[self.cursor]
-
-    def remaining(self) -> list[Stage]:
-        return self.stages[self.cursor :]
-
-    def run_next(self) -> Stage:
-        stage = self.stages[self.cursor]
-        self.held_bytes = stage.est.held_bytes
-        stage.seconds = stage.est.seconds
-        self.cursor += 1
-        return stage
-
-    def abandon(self) -> None:
-        self.held_bytes = 0
-        self.cursor = min(self.cursor, 1)
+    stages = [FakeStage(Kind.SCORE, "score", StageEstimate(0.08, 8 << 20, 0))]
+    stages += [FakeStage(Kind.FORWARD, f"f{i}", StageEstimate(0.06, 12 << 20, (i + 1) * (8 << 20))) for i in range(4)]
+    stages += [FakeStage(Kind.BACKWARD, f"b{i}", StageEstimate(0.05, 4 << 20, (5 - i) * (5 << 20))) for i in range(6)]
+    stages += [FakeStage(Kind.OPTIMIZER, "opt", StageEstimate(0.002, 1 << 20, 0))]
+    return FakeWork(trainer, stages)
 
 
 def default_model_costs() -> CostModel:
@@ -126,7 +82,7 @@ def measure(policy_name: str, queued: int, iterations: int) -> dict[str, float]:
             scheduler.add(seq)
         while len(scheduler.finetune) < n_jobs:
             n = next(ids)
-            scheduler.add_finetune(FineTuneJob(f"ft{n}", Work(trainers[n % 2]), now, now))
+            scheduler.add_finetune(FineTuneJob(f"ft{n}", pair_work(trainers[n % 2]), now, now))
         t_wall, t_cpu = time.perf_counter(), time.thread_time()
         batch = scheduler.schedule(now)
         t_cpu, t_wall = time.thread_time() - t_cpu, time.perf_counter() - t_wall

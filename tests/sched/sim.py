@@ -4,7 +4,6 @@ clock that advances by each iteration's planned latency."""
 
 from __future__ import annotations
 
-import enum
 import itertools
 from dataclasses import dataclass, field
 
@@ -16,78 +15,11 @@ from edge_runtime.sched.cost_model import CostModel, ForwardCoefficients
 from edge_runtime.sched.finetune import FineTuneJob
 from edge_runtime.sched.policy import Policy
 from edge_runtime.sched.scheduler import Scheduler
+from edge_runtime.sched.testing import FakeStage, FakeTrainer, FakeWork, Kind, fake_work  # noqa: F401
 from edge_runtime.sequence import Request, Sequence
-from edge_runtime.train.costs import StageEstimate
 
 KV_BLOCK_BYTES = 4096
 WEIGHTS_BYTES = 1 << 20
-
-
-class Kind(enum.Enum):
-    SCORE = "score"
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    OPTIMIZER = "optimizer"
-
-
-@dataclass(eq=False)
-class FakeStage:
-    kind: Kind
-    name: str
-    est: StageEstimate
-    seconds: float | None = None
-
-    def estimate(self) -> StageEstimate:
-        return self.est
-
-
-class FakeTrainer:
-    persistent_bytes = 8192
-
-
-@dataclass(eq=False)
-class FakeWork:
-    trainer: FakeTrainer
-    stages: list[FakeStage]
-    cursor: int = 0
-    held_bytes: int = 0
-    score: object = None
-
-    @property
-    def done(self) -> bool:
-        return self.cursor >= len(self.stages)
-
-    def next_stage(self) -> FakeStage | None:
-        return None if self.done else self.stages[self.cursor]
-
-    def remaining(self) -> list[FakeStage]:
-        return self.stages[self.cursor :]
-
-    def run_next(self) -> FakeStage:
-        stage = self.stages[self.cursor]
-        stage.seconds = stage.est.seconds
-        self.held_bytes = stage.est.held_bytes
-        self.cursor += 1
-        return stage
-
-    def abandon(self) -> None:
-        self.held_bytes = 0
-        first_forward = next(i for i, s in enumerate(self.stages) if s.kind is Kind.FORWARD)
-        self.cursor = min(self.cursor, first_forward)
-
-
-def fake_work(trainer: FakeTrainer, forwards: int = 2, backwards: int = 2, stage_s: float = 0.01,
-              held_per_forward: int = 32 * 1024, peak: int = 16 * 1024) -> FakeWork:
-    stages = [FakeStage(Kind.SCORE, "score", StageEstimate(stage_s, peak, 0))]
-    for i in range(forwards):
-        stages.append(FakeStage(Kind.FORWARD, f"forward{i}", StageEstimate(stage_s, peak + held_per_forward,
-                                                                             held_per_forward * (i + 1))))
-    total = held_per_forward * forwards
-    for i in range(backwards):
-        left = total - total * (i + 1) // backwards
-        stages.append(FakeStage(Kind.BACKWARD, f"backward{i}", StageEstimate(stage_s, peak, left)))
-    stages.append(FakeStage(Kind.OPTIMIZER, "optimizer", StageEstimate(stage_s / 10, 1024, 0)))
-    return FakeWork(trainer, stages)
 
 
 def make_costs(block_size: int = 16) -> CostModel:
