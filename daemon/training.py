@@ -138,10 +138,10 @@ class EngineFineTuner:
             out = []
             for name in ([user] if user else registry.users()):
                 newest = registry.newest(name)
+                # The event log is a file read: once per user, the last publish per version.
+                published = {e.get("version"): e for e in registry.events(name) if e.get("kind") == "published"}
                 for version in registry.versions(name):
-                    published = [e for e in registry.events(name)
-                                 if e.get("kind") == "published" and e.get("version") == version]
-                    info = published[-1] if published else {}
+                    info = published.get(version, {})
                     out.append({"user": name, "version": version, "created_at": info.get("time"),
                                 "pairs": len(info.get("pair_ids", [])),
                                 "heldout": info.get("heldout"),
