@@ -37,6 +37,8 @@ class EngineConfig:
     slo_tbt_factor: float = 5.0
     slo_ttft_factor: float = 5.0  # TTFT SLO = this x the prompt's unloaded prefill (MACE paper, sec. 6.3)
     iteration_budget_fraction: float = 0.8  # share of the TBT SLO one iteration's bin may fill
+    # ... and the most it may fill when the streams' banked TBT headroom allows (mace)
+    iteration_budget_max_fraction: float = 1.5
     memory_budget_bytes: int = 0  # ledger budget; 0 = weights + KV cache + adapters + finetune_memory_bytes
     finetune_memory_bytes: int = 256 << 20  # room the derived budget leaves for fine-tuning
     cost_profile: str = "auto"  # "auto": calibrate once per machine and cache; "off": nominal + online

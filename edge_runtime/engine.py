@@ -87,6 +87,7 @@ class Engine:
             max_batched_tokens=config.max_batched_tokens, max_num_seqs=config.max_num_seqs,
             latency_budget_s=config.iteration_budget_fraction * slo_tbt_s, slo_tbt_s=slo_tbt_s,
             slo_ttft_factor=config.slo_ttft_factor,
+            max_latency_budget_s=max(config.iteration_budget_fraction, config.iteration_budget_max_fraction) * slo_tbt_s,
         )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -504,6 +505,9 @@ class Engine:
             "slo_tbt_ms": round(self.scheduler.slo_tbt_s * 1000, 3),
             "iteration_budget_ms": (round(self.scheduler.latency_budget_s * 1000, 3)
                                     if math.isfinite(self.scheduler.latency_budget_s) else None),
+            # what the last iteration packed to (grows with the streams' TBT headroom under mace)
+            "last_iteration_budget_ms": (round(self.scheduler.iteration_budget_s * 1000, 3)
+                                         if math.isfinite(self.scheduler.iteration_budget_s) else None),
             "policy_params": self.scheduler.policy.params,
             **self.finetune_stats(),
             **self.adapters.stats(),

@@ -35,6 +35,7 @@ class MacePolicy(Policy):
     """
 
     name = "mace"
+    uses_slo_headroom = True
 
     @classmethod
     def defaults(cls) -> dict[str, float]:

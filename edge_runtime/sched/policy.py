@@ -53,6 +53,9 @@ class Policy(ABC):
     # Policies that drop the MACE latency budget (throughput-first baselines) set this False; the
     # scheduler then gives them an unbounded latency capacity.
     uses_latency_budget: bool = True
+    # Policies that may spend the streams' accumulated TBT headroom (see
+    # `Scheduler.headroom_budget`) get a latency budget that grows with it.
+    uses_slo_headroom: bool = False
 
     def __init__(self, **params: Any) -> None:
         unknown = set(params) - set(self.defaults())

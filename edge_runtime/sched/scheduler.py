@@ -44,6 +44,8 @@ class Scheduler:
         latency_budget_s: float = math.inf,
         slo_tbt_s: float = math.inf,
         slo_ttft_factor: float = 5.0,
+        max_latency_budget_s: float | None = None,
+        headroom_margin: float = 0.85,
     ) -> None:
         self.pool = pool
         self.policy = policy
@@ -54,6 +56,12 @@ class Scheduler:
         self.latency_budget_s = latency_budget_s
         self.slo_tbt_s = slo_tbt_s
         self.slo_ttft_factor = slo_ttft_factor
+        # The longest an iteration may grow by spending the streams' accumulated TBT headroom
+        # (policies with `uses_slo_headroom`); None = never beyond `latency_budget_s`.
+        self.max_latency_budget_s = latency_budget_s if max_latency_budget_s is None else max_latency_budget_s
+        self.headroom_margin = headroom_margin
+        self.iteration_budget_s = latency_budget_s  # the budget the last schedule() packed to
+        self._next_forward_s = 0.0  # the last planned forward: what the next token's forward may cost
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.finetune = FineTuneQueue()
@@ -282,9 +290,13 @@ class Scheduler:
         self._make_room_for_decodes()
         if self._shed_preempted:
             cached_free = self.sync_memory()
+        budget = self.latency_budget_s if self.policy.uses_latency_budget else math.inf
+        if self.policy.uses_slo_headroom:
+            budget = self.headroom_budget(now, budget)
+        self.iteration_budget_s = budget
         bin = Bin(
             self.costs,
-            latency_budget_s=self.latency_budget_s if self.policy.uses_latency_budget else math.inf,
+            latency_budget_s=budget,
             memory_bytes=max(0, self.ledger.free),
             free_blocks=self.pool.num_free,
             fresh_blocks=self.pool.num_free - cached_free,
@@ -307,10 +319,51 @@ class Scheduler:
         transient = sum(self.costs.inference_bytes(i.num_tokens, i.samples) for i in items)
         transient += sum(p.memory_bytes for p in bin.finetune)
         self.ledger.reserve(transient)
+        if items:
+            self._next_forward_s = bin.forward_s
         batch = Batch(items, self._shed_preempted, stages, planned_forward_s=bin.forward_s,
                       planned_s=bin.latency_s, reserved_bytes=transient)
         self.overhead_s = time.perf_counter() - started
         return batch
+
+    def headroom_budget(self, now: float, base: float) -> float:
+        """This iteration's latency budget grown by the TBT headroom every stream has built up.
+
+        The TBT SLO bounds a stream's *mean* time between tokens. A stream whose first token came
+        at t_first and that holds k tokens gets its (k+1)-th from this iteration's forward and its
+        next one at now + L + F (L: this iteration, forward and stages; F: the next forward). Its
+        mean gap stays within the SLO, with a safety margin m, as long as
+            L <= t_first + (k + 1) * m * SLO - now - F.
+        Holding that for every prefix keeps the mean within the SLO wherever the stream stops
+        (EOS at any token). A stream that gets no token this iteration counts k instead of k + 1;
+        one with no token yet needs its first gap alone to meet the SLO (L <= m * SLO). The
+        budget is the smallest such bound, at least `base` (the fixed share of the SLO) and at
+        most `max_latency_budget_s` (so a prompt arriving mid-iteration still meets its TTFT
+        SLO). Streams decoding fast (a small batch on an idle machine) thus bank headroom that
+        fine-tune stages too long for the fixed budget can spend."""
+        cap = self.max_latency_budget_s
+        if not (cap > base and math.isfinite(base) and math.isfinite(self.slo_tbt_s)):
+            return base
+        slo = self.headroom_margin * self.slo_tbt_s
+        step = self._next_forward_s
+        bound = cap
+        for seqs in (self.running, self.waiting):
+            for seq in seqs:
+                k = seq.num_generated
+                if k >= seq.params.max_tokens:
+                    continue
+                metrics = seq.request.metrics
+                first = None if metrics is None else metrics.first_token_time
+                if k == 0 or first is None:
+                    allowance = slo
+                else:
+                    gets = 1 if seq.status is SeqStatus.RUNNING and not seq.in_prefill else 0
+                    allowance = first + (k + gets) * slo - now - step
+                if allowance < bound:
+                    bound = allowance
+                    if bound <= base:
+                        return base
+        return bound
 
     def _admit(self, bin: Bin) -> list[ScheduledSeq]:
         """Allocate blocks for the packed inference work (prefix-cache hits first)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.memory import MemoryKind, MemoryLedger
+from edge_runtime.outputs import RequestMetrics
 from edge_runtime.sampling import SamplingParams
 from edge_runtime.sched.batch import Batch
 from edge_runtime.sched.cost_model import CostModel, ForwardCoefficients
@@ -36,9 +37,11 @@ class Sim:
     latency_budget_s: float = 0.02
     max_num_seqs: int = 16
     max_batched_tokens: int = 128
+    max_latency_budget_s: float | None = None  # > latency_budget_s: headroom-spending policies may grow to it
     now: float = 0.0
     finished: list[Sequence] = field(default_factory=list)
     stage_log: list[tuple[float, str]] = field(default_factory=list)  # (time, job id) per stage run
+    token_times: dict[int, list[float]] = field(default_factory=dict)  # seq id -> when each token went out
 
     def __post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks, self.block_size)
@@ -47,14 +50,16 @@ class Sim:
         self.ledger.set(MemoryKind.WEIGHTS, "model", WEIGHTS_BYTES)
         self.scheduler = Scheduler(self.pool, self.policy, self.costs, self.ledger,
                                    max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs,
-                                   latency_budget_s=self.latency_budget_s, slo_tbt_s=2 * self.latency_budget_s)
+                                   latency_budget_s=self.latency_budget_s, slo_tbt_s=2 * self.latency_budget_s,
+                                   max_latency_budget_s=self.max_latency_budget_s)
         self._ids = itertools.count()
         self.trainers = [FakeTrainer(), FakeTrainer()]
 
     def add_request(self, prompt_len: int, max_tokens: int, token: int = 7) -> Sequence:
         n = next(self._ids)
         prompt = [token + (i % 5) for i in range(prompt_len)]
-        request = Request(f"r{n}", "", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), self.now)
+        request = Request(f"r{n}", "", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), self.now,
+                          metrics=RequestMetrics(self.now, prompt_tokens=prompt_len))
         seq = Sequence(n, request, 0, list(prompt), decoder=None)  # type: ignore[arg-type]
         request.seqs.append(seq)
         self.scheduler.add(seq)
@@ -80,6 +85,10 @@ class Sim:
         self.scheduler.commit(batch, self.now + elapsed)
         for seq in sampling:
             seq.token_ids.append(3)
+            times = self.token_times.setdefault(seq.seq_id, [])
+            times.append(self.now + batch.planned_forward_s)  # tokens go out before the stages run
+            if seq.request.metrics.first_token_time is None:
+                seq.request.metrics.first_token_time = times[0]
             if seq.num_generated >= seq.params.max_tokens:
                 self.scheduler.finish(seq, "length")
                 self.finished.append(seq)

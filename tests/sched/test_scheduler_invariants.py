@@ -5,6 +5,7 @@ and a bin of 64 queued tasks is planned in well under a millisecond."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from edge_runtime.errors import AdmissionRejected
 from edge_runtime.memory import MemoryKind
 from edge_runtime.sched.mace import MacePolicy
-from edge_runtime.sched.policy import TaskKind
+from edge_runtime.sched.policy import FCFSPolicy, TaskKind
 from edge_runtime.sched.registry import POLICIES, make_policy
 from tests.sched.sim import KV_BLOCK_BYTES, WEIGHTS_BYTES, FakeTrainer, Sim
 
@@ -258,3 +259,51 @@ def test_an_aged_fine_tune_job_takes_one_stage_ahead_of_a_prompt_and_fills_only_
     assert [i.num_tokens for i in batch.items if i.seq is prompt] == [64]
     assert batch.finetune and batch.finetune[0].job is job and batch.finetune[0].num_stages >= 1
     assert batch.planned_s <= 0.02 + 1e-9
+
+
+def test_mace_spends_banked_tbt_headroom_and_keeps_every_stream_within_the_slo() -> None:
+    # Budget 20 ms of a 40 ms TBT SLO; stages of 30 ms never fit beside the decodes under the
+    # fixed budget. Streams decoding at ~2 ms a token bank headroom that the stages may spend.
+    sim = Sim(MacePolicy(), latency_budget_s=0.02, max_latency_budget_s=0.06)
+    slo = sim.scheduler.slo_tbt_s
+    seqs = [sim.add_request(16, 60) for _ in range(3)]
+    sim.step()
+    # Nothing banked yet: a stream's first gap alone must meet the SLO (with the margin).
+    assert sim.scheduler.iteration_budget_s == pytest.approx(sim.scheduler.headroom_margin * slo)
+    jobs = [sim.add_job(0, stage_s=0.03), sim.add_job(1, stage_s=0.03)]
+    grown = []
+    while sim.scheduler.has_work():
+        batch = sim.step()
+        if batch.finetune:
+            grown.append(sim.scheduler.iteration_budget_s)
+    assert all(job.work.done for job in jobs)
+    assert grown and max(grown) > 0.02 and max(grown) <= 0.06 + 1e-12
+    for seq in seqs:
+        times = sim.token_times[seq.seq_id]
+        assert len(times) == 60
+        # Every prefix of the stream (wherever it might have stopped) keeps its mean gap in the SLO.
+        for k in range(1, len(times)):
+            assert (times[k] - times[0]) / k <= slo + 1e-9
+
+
+def test_headroom_budget_is_the_tightest_streams_bound_and_never_below_the_fixed_share() -> None:
+    sim = Sim(MacePolicy(), latency_budget_s=0.02, max_latency_budget_s=0.06)
+    scheduler = sim.scheduler
+    slo = scheduler.headroom_margin * scheduler.slo_tbt_s
+    fast, slow = sim.add_request(8, 50), sim.add_request(8, 50)
+    sim.step()
+    for seq in (fast, slow):
+        seq.request.metrics.first_token_time = 1.0
+        seq.token_ids += [3] * 9  # 10 tokens out
+    scheduler._next_forward_s = 0.004
+    now = 1.0 + 9 * 0.002  # both had their first token at 1.0; 10 tokens each
+    bound = 1.0 + 11 * slo - now - 0.004  # k + 1 = 11 gaps after this iteration's token
+    assert scheduler.headroom_budget(now, 0.02) == pytest.approx(min(0.06, bound))
+    assert scheduler.headroom_budget(1.0 + 11 * slo, 0.02) == 0.02  # spent: back to the fixed share
+    late = sim.add_request(8, 50)  # no token yet: its first gap alone must meet the SLO
+    assert scheduler.headroom_budget(now, 0.02) == pytest.approx(max(0.02, min(slo, bound, 0.06)))
+    assert late.num_generated == 0
+    fcfs = Sim(FCFSPolicy(), max_latency_budget_s=0.06)
+    fcfs.add_request(8, 50)
+    fcfs.step()
+    assert math.isinf(fcfs.scheduler.iteration_budget_s)  # throughput-first policies: no budget at all
