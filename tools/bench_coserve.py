@@ -117,7 +117,7 @@ def measure_unloaded(engine: Engine, prompts: list[str], mean_tokens: float, tbt
         steps.append(time.perf_counter() - start)
     decode = statistics.median(steps[1:])
     start = time.perf_counter()
-    engine.add_finetune(trainer.task(pair))
+    engine.add_finetune(trainer.task(pair, score=False))
     while engine.has_unfinished():
         engine.step()
     pair_s = time.perf_counter() - start
@@ -214,7 +214,8 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
             def finished(job, at=at):
                 done_pairs.append((job.user, at, job.finished_at))
 
-            engine.add_finetune(trainer.task(pairs[row["pair"]]), user=row["user"], arrival=at, on_done=finished)
+            engine.add_finetune(trainer.task(pairs[row["pair"]], score=False), user=row["user"], arrival=at,
+                                on_done=finished)
             next_pair += 1
         while checkpoint_at and now >= checkpoint_at[0]:
             # Taken between iterations: after a long (blocking) iteration, later than planned;
@@ -248,6 +249,7 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
             batch = planned[-1]
             result.trace.append({
                 "t": round(step_start, 4), "wall_s": round(delivered - step_start, 4),
+                "budget_s": round(sched.iteration_budget_s, 4) if math.isfinite(sched.iteration_budget_s) else None,
                 "planned_s": round(batch.planned_s, 4), "planned_forward_s": round(batch.planned_forward_s, 4),
                 "decodes": sum(1 for i in batch.items if i.num_tokens == 1),
                 "prefill_tokens": sum(i.num_tokens for i in batch.items if i.num_tokens > 1),
@@ -314,6 +316,7 @@ def summarise(run: RunResult, unloaded: Unloaded, ttft_factor: float) -> dict[st
         "pairs_offered": run.pairs_offered, "pairs_done": len(run.pairs),
         "ft_pairs_per_s": len(run.pairs) / run.duration_s,
         "ft_pair_latency_p50_s": pct(pair_latency, 0.5),
+        "ft_pairs": [{k: round(v, 3) if isinstance(v, float) else v for k, v in p.items()} for p in run.pairs],
         "iterations": run.iterations,
         "sched_overhead_mean_ms": 1000 * statistics.mean(run.overhead_s) if run.overhead_s else None,
         "sched_overhead_p99_ms": 1000 * (pct(run.overhead_s, 0.99) or 0.0),

@@ -56,7 +56,7 @@ class FineTuneJob:
     work: FineTuneWork
     arrival: float
     enqueued: float  # when it last ran a stage (or arrived): the waiting time that ages it
-    dpo_loss: float | None = None  # L_DPO for MACE's gamma term; from the score stage if not given
+    dpo_loss: float | None = None  # L_DPO for MACE's gamma term; else the score stage's, else the adapter's expected
     user: str | None = None
     on_done: Callable[[FineTuneJob], None] | None = None
     stages_run: int = 0
@@ -102,6 +102,11 @@ class FineTuneJob:
             # Computed once: DPOScore.loss goes through torch, too slow for every iteration.
             self.dpo_loss = float(score.loss)
             return self.dpo_loss
+        # Not scored (yet): the adapter's expected loss (its recent pairs'), which moves as
+        # other pairs of the adapter train, so it is not cached.
+        expected = getattr(self.work.trainer, "expected_loss", None)
+        if isinstance(expected, float):
+            return expected
         return math.log(2.0)  # the DPO loss of an adapter that does not yet prefer either answer
 
 

@@ -7,6 +7,7 @@ reference policy is the same model with the adapter off, its log-probs cached pe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -60,6 +61,10 @@ class AdapterTrainer:
         self.reference = reference_cache if reference_cache is not None else ReferenceCache()
         self.pad_id = int(tokenizer.hf.pad_token_id if tokenizer.hf.pad_token_id is not None else 0)
         self.pairs_trained = 0
+        # Moving average of the DPO loss of the pairs this adapter trained on, each measured by
+        # its own forward (alpha 0.3): the estimate of a new pair's loss when its task skips the
+        # score stage. None until a pair was trained.
+        self.recent_loss: float | None = None
         self._active: DPOFineTuneTask | None = None
 
     # -- pairs and log-probs -----------------------------------------------------------------
@@ -99,7 +104,10 @@ class AdapterTrainer:
         return [(start, min(n, start + size)) for start in range(0, n, size)]
 
     def task(self, pair: PairLike | PairTokens, score: bool = True) -> DPOFineTuneTask:
-        """The staged update for one pair (see `staged.py`); the scheduler runs its stages."""
+        """The staged update for one pair (see `staged.py`); the scheduler runs its stages.
+        `score` adds the no-grad score stages that measure the pair's DPO loss under the current
+        adapter before training (MACE's priority input, exact); without them, priorities use
+        `expected_loss` and the update costs about a third less."""
         tokens = pair if isinstance(pair, PairTokens) else self.tokenize(pair)
         return DPOFineTuneTask(self, tokens, score=score, pair_id=getattr(pair, "pair_id", getattr(pair, "id", None)))
 
@@ -128,6 +136,15 @@ class AdapterTrainer:
     def finish(self, task: DPOFineTuneTask) -> None:
         self.release(task)
         self.pairs_trained += 1
+        if task.result is not None:
+            loss = task.result.loss
+            self.recent_loss = loss if self.recent_loss is None else 0.7 * self.recent_loss + 0.3 * loss
+
+    @property
+    def expected_loss(self) -> float:
+        """The DPO loss a new pair is expected to have under this adapter: exactly log 2 while
+        the adapter is untrained (policy = reference), then the recent pairs' moving average."""
+        return math.log(2.0) if self.recent_loss is None else self.recent_loss
 
     # -- snapshots ---------------------------------------------------------------------------
 

@@ -150,3 +150,21 @@ def test_reference_log_probs_are_computed_once_per_pair(tiny4, tiny4_tokenizer, 
     trainer.train(pairs[:2])
     trainer.train(pairs[:2])
     assert len(trainer.reference) == 2 and trainer.reference.misses == 2
+
+
+def test_unscored_tasks_are_ranked_by_the_adapters_expected_loss(tiny4, tiny4_tokenizer, pairs):
+    import math
+
+    from edge_runtime.sched.finetune import FineTuneJob
+
+    trainer = _trainer(tiny4, tiny4_tokenizer, window=4, group=2)
+    waiting = FineTuneJob("later", trainer.task(pairs[1], score=False), 0.0, 0.0)
+    assert trainer.recent_loss is None and waiting.loss_for_priority() == pytest.approx(math.log(2.0))
+    task = trainer.task(pairs[0], score=False)
+    assert all(s.kind is not StageKind.SCORE for s in task.stages)
+    result = task.run()
+    # The trained pair's loss, measured by its own forward, becomes the estimate for the next.
+    assert trainer.recent_loss == pytest.approx(result.loss)
+    assert waiting.loss_for_priority() == pytest.approx(result.loss)
+    second = trainer.task(pairs[1], score=False).run()
+    assert trainer.recent_loss == pytest.approx(0.7 * result.loss + 0.3 * second.loss)
