@@ -43,7 +43,11 @@ class PeriodicPolicy(Policy):
     def __init__(self, **params: float) -> None:
         super().__init__(**params)
         self._next_window: float | None = None
-        self._window: set[str] | None = None  # job ids being retrained in the open window
+        # When the open retraining window began: it runs every job queued by then. Jobs are
+        # named by their arrival, not collected when the window opens, because a job waiting
+        # behind another of the same adapter is not runnable (not among the tasks) until that
+        # one finishes.
+        self._window_start: float | None = None
 
     def priority(self, task: Task, now: float) -> float:
         return -task.arrival
@@ -53,19 +57,19 @@ class PeriodicPolicy(Policy):
         if self._next_window is None:
             self._next_window = now + period
         jobs = sorted((t for t in tasks if t.kind is TaskKind.FINETUNE), key=lambda t: t.arrival)
-        if self._window is None and now >= self._next_window:
+        if self._window_start is None and now >= self._next_window:
             if jobs:
-                self._window = {t.job.job_id for t in jobs if t.job is not None}
+                self._window_start = now
             else:
                 self._next_window = now + period
-        if self._window is not None:
-            pending = [t for t in jobs if t.job is not None and t.job.job_id in self._window]
+        if self._window_start is not None:
+            pending = [t for t in jobs if t.arrival <= self._window_start]
             if pending:
                 amount = bin.largest_fit(pending[0], ignore_latency=True)
                 if amount:
                     bin.add(pending[0], amount)
                 return  # inference waits for the retraining window
-            self._window = None
+            self._window_start = None
             self._next_window = now + period
         _pack_inference_fcfs(tasks, bin)
 

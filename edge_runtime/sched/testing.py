@@ -64,8 +64,8 @@ class FakeWork:
 
 
 def fake_work(trainer: FakeTrainer, forwards: int = 2, backwards: int = 2, stage_s: float = 0.01,
-              held_per_forward: int = 32 * 1024, peak: int = 16 * 1024) -> FakeWork:
-    stages = [FakeStage(Kind.SCORE, "score", StageEstimate(stage_s, peak, 0))]
+              held_per_forward: int = 32 * 1024, peak: int = 16 * 1024, score: bool = True) -> FakeWork:
+    stages = [FakeStage(Kind.SCORE, "score", StageEstimate(stage_s, peak, 0))] if score else []
     for i in range(forwards):
         stages.append(FakeStage(Kind.FORWARD, f"forward{i}", StageEstimate(stage_s, peak + held_per_forward,
                                                                              held_per_forward * (i + 1))))

@@ -307,3 +307,20 @@ def test_headroom_budget_is_the_tightest_streams_bound_and_never_below_the_fixed
     fcfs.add_request(8, 50)
     fcfs.step()
     assert math.isinf(fcfs.scheduler.iteration_budget_s)  # throughput-first policies: no budget at all
+
+
+def test_periodic_window_runs_every_job_queued_before_it_even_those_behind_another_of_their_adapter() -> None:
+    sim = Sim(make_policy("periodic", {"period_s": 0.05}), latency_budget_s=0.02)
+    sim.add_request(8, 200)
+    sim.step()
+    # Two unscored jobs of one adapter: the second is not runnable (not a task) until the first ends.
+    jobs = [sim.add_job(0, score=False) for _ in range(2)]
+    while not any(job.stages_run for job in jobs):
+        sim.step()
+    window_open = sim.now
+    tokens = []
+    while not all(job.work.done for job in jobs):
+        tokens.append(sum(1 for i in sim.step().items if i.samples))
+    assert sum(tokens) == 0  # inference waited for the whole window: both jobs ran in it
+    assert all(job.finished_at >= window_open for job in jobs)
+    assert sum(1 for i in sim.step().items if i.samples) == 1  # and resumes after it
