@@ -22,6 +22,7 @@ from edge_runtime.backends.lora_stack import LoraStackCache
 from edge_runtime.backends.onnx_export import export_step
 from edge_runtime.backends.onnx_graph import KV_DTYPES, GraphSpec
 from edge_runtime.backends.step_inputs import (
+    DecodeInputs,
     StepItem,
     StepPlan,
     plan_dense_step,
@@ -120,6 +121,7 @@ class OnnxRuntimeBackend:
         # adapter; 16 fewer nodes per layer, ~1.8 ms a step on 2 cores) and with them. Each is
         # opened on first use, so an engine that never serves adapters never loads the second.
         self._sessions: dict[bool, _Session] = {}
+        self._decode_inputs: DecodeInputs | None = None  # the dense layout's steady decode step
         self.model_path = self._session(lora=False).path
 
     # -- sessions and binding -------------------------------------------------------------------
@@ -211,6 +213,9 @@ class OnnxRuntimeBackend:
         dense = self.dense
         assert dense is not None
         items = batch.items
+        logits = self._decode_step(items, refs)
+        if logits is not None:
+            return logits
         dense.release_stale(id(item.seq) for item in items)
         q_lens = [item.num_tokens for item in items]
         out: list[torch.Tensor | None] = [None] * len(items)
@@ -235,6 +240,55 @@ class OnnxRuntimeBackend:
         if not sampled:
             return torch.empty(0, self.cfg.vocab_size)
         return torch.stack(sampled)
+
+    def _decode_step(self, items: list, refs: list) -> torch.Tensor | None:
+        """The steady decode step of the dense layout, or None where it does not apply: every
+        item feeds one token and samples, the rows in use are exactly the items' (in any
+        order) and already hold each context (nothing to free, assign, fill or grow). Then the
+        run is `_run_dense_rows`'s over rows [0, n) (same inputs, bindings and copy to the
+        paged cache) with preallocated inputs filled in place instead of a plan, and the
+        graph's `logit_rows` returns the logits in batch order: this runs once per token of
+        every stream, so its Python is the engine's host overhead per token."""
+        dense = self.dense
+        assert dense is not None
+        n = len(items)
+        if n == 0 or n != len(dense.owners):
+            return None
+        valid, row_of = dense.valid, dense.row_of
+        capacity, size = dense.capacity, self.cache.block_size
+        rows, tokens, starts, slots = [], [], [], []
+        for item in items:
+            seq = item.seq
+            start = seq.num_computed
+            row = row_of.get(id(seq))
+            if (row is None or item.num_tokens != 1 or valid[row] != start or start >= capacity
+                    or len(seq.token_ids) != start + 1):
+                return None
+            rows.append(row)
+            tokens.append(seq.token_ids[start])
+            starts.append(start)
+            slots.append(seq.block_table[start // size] * size + start % size)
+        adapters: dict[Hashable, int] = {}
+        for ref in refs:
+            if ref is not None and ref not in adapters:
+                adapters[ref] = len(adapters)
+        lora = bool(adapters)
+        inputs = self._decode_inputs
+        if inputs is None or inputs.rows < n:
+            inputs = self._decode_inputs = DecodeInputs(max(n, dense.rows_capacity))
+        inputs.fill(rows, tokens, starts, slots, [-1 if r is None else adapters[r] for r in refs] if lora else None)
+        session = self._session_with_stack(tuple(adapters))
+        key = (inputs, n)  # holds the arrays: a pointer bound here never outlives them
+        if session.inputs_key != key:  # bound by pointer: later steps only refill the arrays
+            for name, array in inputs.views(n, lora).items():
+                session.binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+            session.inputs_key = key
+        self._bind_dense(session, dense, 0, n)
+        logits = self._run_bound(session, n)
+        for row, start in zip(rows, starts):
+            valid[row] = start + 1
+        dense.copy_to_cache(inputs.logit_rows[:n], inputs.positions[:n], inputs.slot_mapping[:n])
+        return logits
 
     def _run_dense_rows(self, items: list, refs: list, rows: list[int]) -> torch.Tensor:
         """One graph run over buffer rows [rows[0], rows[-1]] (`rows` ascending, one per item);
@@ -346,8 +400,9 @@ class OnnxRuntimeBackend:
         binding = session.binding
         if not session.has_lora_inputs:
             plan.inputs.pop("lora_index", None)
-        for name, array in plan.inputs.items():
-            binding.bind_cpu_input(name, array)
+        _bind_cpu_inputs(session, plan.inputs)
+        if self.dense is not None:  # the dense layout's new keys/values stay in its rows
+            return self._run_bound(session, len(plan.sampling_items)), None, plan
         dev, idx = self._ort_device()
         rows = len(plan.sampling_items)
         logits = torch.empty(rows, cfg.vocab_size, dtype=torch.float32, device=self.device)
@@ -355,13 +410,24 @@ class OnnxRuntimeBackend:
             binding.bind_output("logits", dev, idx, np.float32, list(logits.shape), logits.data_ptr())
         else:
             binding.bind_output("logits", dev, idx)
-        new_kv = None
-        if self.dense is None:  # the dense layout's new keys/values stay in its rows
-            new_kv = torch.empty(cfg.num_layers, plan.num_tokens, 2 * cfg.kv_size, dtype=self.cache.data.dtype,
-                                 device=self.device)
-            binding.bind_output("new_kv", dev, idx, _onnx_type(new_kv.dtype), list(new_kv.shape), new_kv.data_ptr())
+        new_kv = torch.empty(cfg.num_layers, plan.num_tokens, 2 * cfg.kv_size, dtype=self.cache.data.dtype,
+                             device=self.device)
+        binding.bind_output("new_kv", dev, idx, _onnx_type(new_kv.dtype), list(new_kv.shape), new_kv.data_ptr())
         session.inference.run_with_iobinding(binding)
         return logits, new_kv, plan
+
+    def _run_bound(self, session: _Session, rows: int) -> torch.Tensor:
+        """Run with the inputs already bound; returns the logits of `rows` sampling rows (a
+        fresh tensor each run: callers may keep it)."""
+        binding = session.binding
+        dev, idx = self._ort_device()
+        logits = torch.empty(rows, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+        if rows:
+            binding.bind_output("logits", dev, idx, np.float32, [rows, self.cfg.vocab_size], logits.data_ptr())
+        else:
+            binding.bind_output("logits", dev, idx)
+        session.inference.run_with_iobinding(binding)
+        return logits
 
     def _write_kv(self, new_kv: torch.Tensor, slot_mapping: np.ndarray) -> None:
         write_new_kv(self.cache, new_kv, slot_mapping)
@@ -385,8 +451,7 @@ class OnnxRuntimeBackend:
             self._bind_dense(session, scratch, 0, 1)
         plan.inputs["logit_rows"] = np.arange(n, dtype=np.int64)
         plan.inputs.pop("lora_index")
-        for name, array in plan.inputs.items():
-            session.binding.bind_cpu_input(name, array)
+        _bind_cpu_inputs(session, plan.inputs)
         logits = torch.empty(n, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
         dev, idx = self._ort_device()
         session.binding.bind_output("logits", dev, idx, np.float32, list(logits.shape), logits.data_ptr())
@@ -406,6 +471,14 @@ class _Session:
     has_lora_inputs: bool
     bound_stack: tuple[Hashable, ...] | None = None
     dense_key: tuple | None = None  # what the dense layout's past/present are bound to
+    inputs_key: tuple | None = None  # which preallocated decode inputs are bound (None: a plan's)
+
+
+def _bind_cpu_inputs(session: _Session, inputs: dict[str, np.ndarray]) -> None:
+    """Bind a plan's arrays; the decode step's preallocated inputs are then no longer bound."""
+    for name, array in inputs.items():
+        session.binding.bind_cpu_input(name, array)
+    session.inputs_key = None
 
 
 def write_new_kv(cache: KVCache, new_kv: torch.Tensor, slot_mapping: np.ndarray) -> None:

@@ -248,3 +248,50 @@ def plan_dense_step(items: list[StepItem], idle: list[bool], block_size: int) ->
         "lora_index": np.repeat(np.array([[it.lora_slot] for it in items], np.int64), s, axis=1),
     }
     return StepPlan(inputs, slot_mapping, b * s, len(real_rows), sampling, real_rows, int(ctx.max()), at)
+
+
+class DecodeInputs:
+    """Inputs of the dense layout's steady decode step, preallocated: every row of the run
+    feeds one token and samples. The arrays are filled in place each step, so a binding by
+    pointer to their first n rows stays valid until n changes (or the arrays grow);
+    `plan_dense_step` builds the same graph inputs for such a step, except that the logits
+    come out in the items' order rather than the rows' (`logit_rows` gathers them)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.input_ids = np.zeros((rows, 1), np.int64)
+        self.seqlens_k = np.zeros(rows, np.int32)
+        self.total_sequence_length = np.zeros((), np.int32)
+        self.logit_rows = np.zeros(rows, np.int64)  # the run's row of each item, in item order
+        self.lora_index = np.full((rows, 1), -1, np.int64)
+        self.positions = np.zeros(rows, np.int64)  # each item's new position
+        self.slot_mapping = np.zeros(rows, np.int64)  # each item's new paged-cache slot
+
+    def fill(self, rows: list[int], tokens: list[int], starts: list[int], slots: list[int],
+             lora_slots: list[int] | None) -> None:
+        """Item i runs in row rows[i] (rows: a permutation of 0..n-1) and feeds tokens[i] at
+        position starts[i] (its context after the step is starts[i] + 1); its key/value goes to
+        paged-cache slot slots[i]."""
+        n = len(rows)
+        if n > self.rows:
+            raise ValueError(f"{n} decode rows; these inputs hold {self.rows}")
+        self.logit_rows[:n] = rows
+        self.input_ids[rows, 0] = tokens
+        self.seqlens_k[rows] = starts
+        self.total_sequence_length[()] = max(starts) + 1
+        self.positions[:n] = starts
+        self.slot_mapping[:n] = slots
+        if lora_slots is not None:
+            self.lora_index[rows, 0] = lora_slots
+
+    def views(self, n: int, lora: bool) -> dict[str, np.ndarray]:
+        """The graph inputs for n rows (views of the preallocated arrays)."""
+        out = {
+            "input_ids": self.input_ids[:n],
+            "seqlens_k": self.seqlens_k[:n],
+            "total_sequence_length": self.total_sequence_length,
+            "logit_rows": self.logit_rows[:n],
+        }
+        if lora:
+            out["lora_index"] = self.lora_index[:n]
+        return out

@@ -15,7 +15,7 @@ from edge_runtime.backends import make_backend  # noqa: E402
 from edge_runtime.backends.onnx_export import export_step, read_meta  # noqa: E402
 from edge_runtime.backends.onnx_graph import GraphSpec  # noqa: E402
 from edge_runtime.backends.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
-from edge_runtime.backends.step_inputs import StepItem, split_groups_gqa  # noqa: E402
+from edge_runtime.backends.step_inputs import DecodeInputs, StepItem, plan_dense_step, split_groups_gqa  # noqa: E402
 from edge_runtime.config import EngineConfig  # noqa: E402
 from edge_runtime.model.config import ModelConfig  # noqa: E402
 from tests.backends.helpers import PROMPTS, make_engine, run_recording, two_adapters  # noqa: E402
@@ -159,3 +159,62 @@ def test_dense_score_leaves_the_engine_rows_alone(tiny_model_dir, tmp_path):
     dense = OnnxRuntimeBackend(engine.model, engine.cache, None, cache_dir=tmp_path, kv_layout="dense")
     assert (dense.score(ids) - paged).abs().max().item() < 1e-4
     assert dense.dense.owners == [] and dense.dense.nbytes == 0
+
+
+def test_decode_inputs_equal_the_plan_of_a_decode_step():
+    # Three decode rows (one with an adapter), items in another order than their rows: the
+    # preallocated inputs hold what the plan builds, and logit_rows lists each item's row.
+    by_row = [StepItem([7], 5, [3], True), StepItem([9], 40, [0, 4, 2], True, 0), StepItem([11], 16, [6, 1], True)]
+    plan = plan_dense_step(by_row, [False] * 3, 16)
+    order = [2, 0, 1]  # item k runs in row order[k]
+    items = [by_row[r] for r in order]
+    slots = [int(plan.slot_mapping[r]) for r in order]
+    inputs = DecodeInputs(8)
+    inputs.fill(order, [it.tokens[0] for it in items], [it.start for it in items], slots,
+                [it.lora_slot for it in items])
+    views = inputs.views(3, lora=True)
+    assert views.keys() == plan.inputs.keys()
+    for name, array in plan.inputs.items():
+        want = array[order] if name == "logit_rows" else array
+        assert views[name].dtype == array.dtype and np.array_equal(views[name], want), name
+    assert np.array_equal(inputs.positions[:3], plan.real_positions[order])
+    assert list(plan.slot_mapping) == [3 * 16 + 5, 2 * 16 + 8, 1 * 16 + 0]
+    assert "lora_index" not in inputs.views(3, lora=False)
+    with pytest.raises(ValueError, match="9 decode rows"):
+        inputs.fill(list(range(9)), [1] * 9, [1] * 9, [1] * 9, None)
+
+
+def test_steady_decode_steps_match_the_general_dense_path_exactly(tiny_model_dir, tmp_path, reference):
+    # The dense layout's decode shortcut (preallocated inputs bound once) against the general
+    # planning path: the same logits bit for bit and the same tokens, over a continuous batch
+    # with two adapters and base rows where sequences start and finish apart (the shortcut
+    # must step aside for the steps that prefill, free or grow rows).
+    adapters = reference[0]
+    runs = {}
+    for shortcut in (True, False):
+        engine = make_engine(tiny_model_dir, "torch", adapters, **CONFIG)
+        engine.backend = backend = OnnxRuntimeBackend(engine.model, engine.cache, engine.adapters,
+                                                      cache_dir=tmp_path, kv_layout="dense")
+        taken = []
+        decode_step = backend._decode_step
+
+        def counted(items, refs, decode_step=decode_step, shortcut=shortcut, taken=taken):
+            out = decode_step(items, refs) if shortcut else None
+            taken.append(out is not None)
+            return out
+
+        backend._decode_step = counted
+        captured, outputs = [], {}
+        execute = backend.execute
+        backend.execute = lambda batch, execute=execute, captured=captured: captured.append(execute(batch)) or captured[-1]
+        ids = [engine.add_request(p, SamplingParams(max_tokens=6 + 5 * i, ignore_eos=True), adapter=u)
+               for i, (p, u) in enumerate(zip(PROMPTS[:6], USERS[:6], strict=True))]
+        while engine.has_unfinished():
+            outputs.update((out.request_id, out.candidates[0].token_ids) for out in engine.step())
+        runs[shortcut] = captured, [outputs[i] for i in ids], taken
+    (fast, fast_tokens, taken), (slow, slow_tokens, not_taken) = runs[True], runs[False]
+    assert len(fast) == len(slow) == len(taken)
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
+    assert fast_tokens == slow_tokens
+    assert not any(not_taken) and sum(taken) >= len(taken) // 2
+    assert not all(taken)  # the general path ran too (prefill, rows freed as sequences finished)
