@@ -27,6 +27,7 @@ from edge_runtime.kv.cache import KVCache
 from edge_runtime.sequence import SeqStatus
 
 CAPACITY_STEP = 64  # capacity is a multiple of this many positions
+PER_TOKEN_COPY_MAX = 64  # copy_to_cache copies up to this many tokens one by one
 
 
 def _round_up(n: int, step: int) -> int:
@@ -148,12 +149,20 @@ class DenseKV:
     def copy_to_cache(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
         """Copy the keys/values at (rows[i], positions[i]) to the paged cache's slots[i]."""
         assert self.buffer is not None
+        data = self.cache.data
+        if len(rows) <= PER_TOKEN_COPY_MAX and data.dtype == torch.float32 and data.device.type == "cpu":
+            # A decode step's few tokens: one strided NumPy copy [layers, 2, kv_heads, d] each.
+            # Right after a graph run (cold caches) this measured 2-3x cheaper than the
+            # index_select + index_copy_ below at 1 stream and ~1.5x at 16.
+            src, dst = self.buffer.numpy(), data.numpy()
+            for row, pos, slot in zip(rows.tolist(), positions.tolist(), slots.tolist(), strict=True):
+                dst[:, :, slot] = src[:, :, row, :, pos]
+            return
         layers, heads, cap, d = self.layers, self.kv_heads, self.capacity, self.head_dim
         # One index_select over [layers * 2, rows * heads * capacity, d] (advanced indexing of
         # the 6-d buffer costs ~1 ms a step at 16 rows).
         flat = self.buffer.view(layers * 2, self.rows_capacity * heads * cap, d)
         index = (rows[:, None] * heads + np.arange(heads)[None, :]) * cap + positions[:, None]
         src = flat.index_select(1, torch.from_numpy(index.reshape(-1)).to(flat.device))
-        data = self.cache.data
         src = src.view(layers, 2, len(rows), heads, d).to(data.dtype)
         data.index_copy_(2, torch.from_numpy(slots).to(data.device), src)

@@ -285,7 +285,7 @@ class OnnxRuntimeBackend:
             session.inputs_key = key
         self._bind_dense(session, dense, 0, n)
         logits = self._run_bound(session, n)
-        for row, start in zip(rows, starts):
+        for row, start in zip(rows, starts, strict=True):
             valid[row] = start + 1
         dense.copy_to_cache(inputs.logit_rows[:n], inputs.positions[:n], inputs.slot_mapping[:n])
         return logits

@@ -15,7 +15,12 @@ from edge_runtime.backends import make_backend  # noqa: E402
 from edge_runtime.backends.onnx_export import export_step, read_meta  # noqa: E402
 from edge_runtime.backends.onnx_graph import GraphSpec  # noqa: E402
 from edge_runtime.backends.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
-from edge_runtime.backends.step_inputs import DecodeInputs, StepItem, plan_dense_step, split_groups_gqa  # noqa: E402
+from edge_runtime.backends.step_inputs import (  # noqa: E402
+    DecodeInputs,
+    StepItem,
+    plan_dense_step,
+    split_groups_gqa,
+)
 from edge_runtime.config import EngineConfig  # noqa: E402
 from edge_runtime.model.config import ModelConfig  # noqa: E402
 from tests.backends.helpers import PROMPTS, make_engine, run_recording, two_adapters  # noqa: E402
@@ -218,3 +223,31 @@ def test_steady_decode_steps_match_the_general_dense_path_exactly(tiny_model_dir
     assert fast_tokens == slow_tokens
     assert not any(not_taken) and sum(taken) >= len(taken) // 2
     assert not all(taken)  # the general path ran too (prefill, rows freed as sequences finished)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_copy_to_cache_writes_each_token_to_its_slot(tiny_model_dir, monkeypatch, dtype):
+    # The per-token NumPy copy (a decode step's few float32 tokens) and the indexed copy (many
+    # tokens, or another cache dtype) write the same entries, and nothing else.
+    import edge_runtime.backends.dense_kv as dense_kv
+    from edge_runtime.kv.cache import KVCache
+
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    torch.manual_seed(0)
+    rows, positions, slots = np.array([2, 0, 1]), np.array([5, 0, 63]), np.array([17, 3, 40])
+    written = []
+    for per_token in (64, 0):
+        monkeypatch.setattr(dense_kv, "PER_TOKEN_COPY_MAX", per_token)
+        cache = KVCache(cfg, 4, 16, dtype, "cpu")
+        dense = dense_kv.DenseKV(cache, None, 64)
+        dense.ensure(3, 64)
+        dense.buffer.copy_(torch.randn(dense.buffer.shape, generator=torch.Generator().manual_seed(1)))
+        dense.copy_to_cache(rows, positions, slots)
+        for row, pos, slot in zip(rows, positions, slots, strict=True):
+            want = dense.buffer[:, :, row, :, pos].to(dtype)  # [layers, 2, kv_heads, d]
+            assert torch.equal(cache.data[:, :, slot], want)
+        untouched = torch.ones(cache.data.shape[2], dtype=torch.bool)
+        untouched[slots] = False
+        assert not cache.data[:, :, untouched].any()
+        written.append(cache.data)
+    assert torch.equal(written[0], written[1])
