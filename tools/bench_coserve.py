@@ -25,6 +25,7 @@ import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -153,7 +154,8 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
     model, tokenizer, unloaded = ctx["model"], ctx["tokenizer"], ctx["unloaded"]
     params = {"period_s": window_s / 3} if policy == "periodic" else {}
     config = EngineConfig(policy=policy, policy_params=params, slo_tbt_ms=unloaded.slo_tbt_s * 1000,
-                          kv_cache_bytes=64 << 20, max_num_seqs=16, max_batched_tokens=256)
+                          kv_cache_bytes=64 << 20, max_num_seqs=16, max_batched_tokens=256,
+                          cost_cache_dir=ctx["cost_dir"], **ctx.get("engine_overrides", {}))
     engine = Engine(model, tokenizer, config, name=ctx["name"])
     trainers = {u: AdapterTrainer(model, tokenizer, lora=LORA, dpo=DPO, costs=ctx["stage_costs"],
                                   reference_cache=ctx["reference"]) for u in USERS}
@@ -554,7 +556,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     # float32: on CPUs autograd in bfloat16 is several times slower than in float32 (measured
     # here: a pair's score stage 15 s vs 2.5 s), and the DPO benchmark trains in float32 too.
-    probe = Engine.load(None, dtype="float32", policy="fcfs", kv_cache_bytes=64 << 20, enable_prefix_cache=False)
+    # The cost models are calibrated afresh for this run (not taken from the machine's cache,
+    # which may date from a busier or quieter moment) and shared by every run.
+    cost_dir = tempfile.mkdtemp(prefix="bench-coserve-costs-")
+    probe = Engine.load(None, dtype="float32", policy="fcfs", kv_cache_bytes=64 << 20, enable_prefix_cache=False,
+                        cost_cache_dir=cost_dir)
     model, tokenizer = probe.model, probe.tokenizer
     torch.manual_seed(0)
     records = [PreferenceRecord(tuple(chat(p["prompt"])), p["chosen"], p["rejected"]) for p in prompts["preference"]]
@@ -574,7 +580,7 @@ def main() -> None:
     print(f"setup {time.monotonic() - t_setup:.0f} s; unloaded: service {unloaded.service_s:.2f} s, decode "
           f"{unloaded.decode_s * 1000:.0f} ms, pair {unloaded.pair_s:.2f} s, TBT SLO {unloaded.slo_tbt_s * 1000:.0f} ms",
           flush=True)
-    ctx = {"model": model, "tokenizer": tokenizer, "name": probe.model_name, "unloaded": unloaded,
+    ctx = {"model": model, "tokenizer": tokenizer, "name": probe.model_name, "unloaded": unloaded, "cost_dir": cost_dir,
            "stage_costs": stage_costs, "reference": reference, "prompts": prompts, "train_pairs": train_tokens,
            "heldout_tokens": heldout_tokens}
     del probe
@@ -598,7 +604,8 @@ def main() -> None:
 
     if args.iteration_log:
         Path(args.iteration_log).write_text(json.dumps(
-            [{"policy": p, "load": x, "retrain_rate": r, "iterations": run.trace} for (p, x, r), run in runs.items()]))
+            [{"policy": p, "load": x, "retrain_rate": r, "iterations": run.trace, "requests": run.requests}
+             for (p, x, r), run in runs.items()]))
         print(f"wrote {args.iteration_log}", flush=True)
     t_eval = time.monotonic()
     sweep_runs = [run for (p, x, r), run in runs.items() if r == args.main_rate]
