@@ -65,6 +65,7 @@ class FineTuneJob:
     abandoned: int = 0
     error: str | None = None
     _costs: dict[int, StageCost] = field(default_factory=dict, repr=False)
+    _remaining_costs: list[StageCost] | None = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:
@@ -77,17 +78,27 @@ class FineTuneJob:
 
     def stage_costs(self, limit: int) -> list[StageCost]:
         """Costs of the next `limit` stages, each estimated once (estimates are arithmetic on
-        the stage's shape, so re-asking every iteration would only cost scheduler time)."""
-        out = []
-        for stage in self.work.remaining()[:limit]:
-            cost = self._costs.get(id(stage))
-            if cost is None:
-                est = stage.estimate()
-                held_growth = max(0, est.held_bytes - self.work.held_bytes)
-                cost = StageCost(stage.kind.value, est.seconds, int(est.peak_bytes + held_growth))
-                self._costs[id(stage)] = cost
-            out.append(cost)
-        return out
+        the stage's shape, so re-asking every iteration would only cost scheduler time). The
+        list for all remaining stages is kept until a stage runs: the policy asks for it once
+        per bin it tries the job in."""
+        remaining = self.work.remaining()
+        if self._remaining_costs is None or len(self._remaining_costs) != len(remaining):
+            out = []
+            for stage in remaining:
+                cost = self._costs.get(id(stage))
+                if cost is None:
+                    est = stage.estimate()
+                    held_growth = max(0, est.held_bytes - self.work.held_bytes)
+                    cost = StageCost(stage.kind.value, est.seconds, int(est.peak_bytes + held_growth))
+                    self._costs[id(stage)] = cost
+                out.append(cost)
+            self._remaining_costs = out
+        return self._remaining_costs[:limit]
+
+    def forget_costs(self) -> None:
+        """Drop the cached estimates (they depend on the activations the job holds)."""
+        self._costs.clear()
+        self._remaining_costs = None
 
     def estimate_s(self, stage: StageLike) -> float:
         """The stage's own latency estimate (before the scheduler's online correction)."""
@@ -197,7 +208,7 @@ class FineTuneQueue:
         held = job.work.held_bytes
         job.work.abandon()
         job.abandoned += 1
-        job._costs.clear()  # held-state-dependent estimates are stale now
+        job.forget_costs()  # held-state-dependent estimates are stale now
         self._release(job)
         return held
 
