@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +91,44 @@ def record_trace(path: Path, requests: int = 600, seed: int = 7) -> dict[str, An
 # -- measurements on an idle engine --------------------------------------------------------------
 
 
+class OtherCPU:
+    """CPU time other processes used since `start()`, in cores (all CPU time minus this
+    process's): the part of the machine this benchmark did not have."""
+
+    def __init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        self._t, self._all, self._own = time.monotonic(), self._all_cpu(), self._own_cpu()
+
+    @staticmethod
+    def _all_cpu() -> float:
+        t = psutil.cpu_times()
+        return t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+    @staticmethod
+    def _own_cpu() -> float:
+        t = psutil.Process().cpu_times()
+        return t.user + t.system
+
+    def cores(self) -> float:
+        elapsed = max(1e-6, time.monotonic() - self._t)
+        return max(0.0, (self._all_cpu() - self._all) - (self._own_cpu() - self._own)) / elapsed
+
+
+def wait_until_quiet(limit_s: float, threshold_cores: float = 0.2) -> float:
+    """Wait (up to `limit_s`) for a 2-second window in which other processes use less than
+    `threshold_cores`, so the unloaded figures that define "load" describe this machine rather
+    than whatever else ran; returns the other processes' share in the last window."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        probe = OtherCPU()
+        time.sleep(2.0)
+        others = probe.cores()
+        if others < threshold_cores or time.monotonic() >= deadline:
+            return others
+
+
 @dataclass
 class Unloaded:
     ttft_s: list[float]  # per inference prompt, alone, no prefix cache
@@ -145,6 +184,7 @@ class RunResult:
     busy: dict[str, float] = field(default_factory=dict)
     snapshots: list[dict[str, Any]] = field(default_factory=list)
     loadavg: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    others_cores: float = 0.0  # CPU other processes used during the run, in cores
     cost_model: dict[str, Any] = field(default_factory=dict)
     trace: list[dict[str, Any]] = field(default_factory=list)  # per iteration (--iteration-log)
 
@@ -197,6 +237,7 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
     checkpoint_at = [window_s * (k + 1) / checkpoints for k in range(checkpoints)]
     meta: dict[str, dict[str, Any]] = {}
     os_load = os.getloadavg()
+    others = OtherCPU()
     start = time.monotonic()
     engine.clock = lambda: time.monotonic() - start  # trace time (the one clock, shifted)
     while True:
@@ -280,6 +321,7 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
         result.tbt_gaps_s += [b - a for a, b in zip(times, times[1:], strict=False)]
     result.pairs = [{"user": u, "arrival": a, "done": d} for u, a, d in done_pairs if d is not None]
     result.loadavg = (os_load[0], os.getloadavg()[0], os.cpu_count() or 0)
+    result.others_cores = others.cores()
     result.cost_model = stats["cost_model"]
     return result
 
@@ -325,6 +367,7 @@ def summarise(run: RunResult, unloaded: Unloaded, ttft_factor: float) -> dict[st
         "max_queued": max(run.queued, default=0),
         "busy_s": {k: round(v, 3) for k, v in run.busy.items()},
         "loadavg_start_end": run.loadavg[:2],
+        "other_processes_cores": round(run.others_cores, 3),
         "cost_model": run.cost_model,
     }
 
@@ -388,7 +431,9 @@ def write_report(out: dict[str, Any], path_md: Path) -> None:
         f"one pair's DPO update {out['unloaded']['pair_s']:.2f} s. SLO: TTFT <= {out['ttft_factor']:g}x the "
         f"prompt's unloaded prefill and mean TBT <= {out['unloaded']['slo_tbt_s'] * 1000:.0f} ms "
         f"({out['tbt_factor']:g}x a decode step). Machine load average during the run: "
-        f"{out['loadavg_min']:.1f}-{out['loadavg_max']:.1f} on {os.cpu_count()} CPUs.", "",
+        f"{out['loadavg_min']:.1f}-{out['loadavg_max']:.1f} on {os.cpu_count()} CPUs; other processes used "
+        f"{out['calibration_other_processes_cores']:.2f} cores while the unloaded figures were measured and at most "
+        f"{out['other_processes_cores_max']:.2f} during a run.", "",
     ]
     for title, rows in (("Load sweep", out["load_sweep"]), ("Retrain-rate sweep", out["retrain_sweep"])):
         lines += [f"## {title}", "",
@@ -530,6 +575,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: on a machine shared with other work, 2 OpenMP threads "
                              "measured 20x slower per decode step than 1 under contention)")
+    parser.add_argument("--quiet-wait", type=float, default=300.0,
+                        help="seconds to wait for other processes to fall below 0.2 cores before measuring the "
+                             "unloaded figures that define load")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 policies, 1 load, short windows")
     parser.add_argument("--out", default=str(RESULTS / "bench_coserve"))
     parser.add_argument("--iteration-log", default=None,
@@ -559,6 +607,11 @@ def main() -> None:
     # The cost models are calibrated afresh for this run (not taken from the machine's cache,
     # which may date from a busier or quieter moment) and shared by every run.
     cost_dir = tempfile.mkdtemp(prefix="bench-coserve-costs-")
+    quiet = wait_until_quiet(args.quiet_wait)
+    if quiet >= 0.2:
+        print(f"warning: other processes still use {quiet:.2f} cores; the unloaded figures (and so the load "
+              "scale) will describe a shared machine", flush=True)
+    calibration = OtherCPU()
     probe = Engine.load(None, dtype="float32", policy="fcfs", kv_cache_bytes=64 << 20, enable_prefix_cache=False,
                         cost_cache_dir=cost_dir)
     model, tokenizer = probe.model, probe.tokenizer
@@ -574,10 +627,14 @@ def main() -> None:
     for tokens in train_tokens + heldout_tokens:  # every policy finds the same reference cache
         warm.reference_logps(tokens)
     mean_tokens = statistics.mean(r["max_tokens"] for r in trace["requests"])
+    wait_until_quiet(args.quiet_wait)
+    calibration.start()
     unloaded = measure_unloaded(probe, prompts["inference"], mean_tokens, args.tbt_factor,
                                 AdapterTrainer(model, tokenizer, lora=LORA, dpo=DPO, costs=stage_costs,
                                                reference_cache=reference), train_records[0])
-    print(f"setup {time.monotonic() - t_setup:.0f} s; unloaded: service {unloaded.service_s:.2f} s, decode "
+    calibration_others = calibration.cores()
+    print(f"setup {time.monotonic() - t_setup:.0f} s; unloaded (other processes {calibration_others:.2f} cores): "
+          f"service {unloaded.service_s:.2f} s, decode "
           f"{unloaded.decode_s * 1000:.0f} ms, pair {unloaded.pair_s:.2f} s, TBT SLO {unloaded.slo_tbt_s * 1000:.0f} ms",
           flush=True)
     ctx = {"model": model, "tokenizer": tokenizer, "name": probe.model_name, "unloaded": unloaded, "cost_dir": cost_dir,
@@ -600,7 +657,7 @@ def main() -> None:
                   f"(TTFT-SLO {s['ttft_slo_attainment']:.0%}) TTFT p50 {fmt(s['ttft_p50_s'])} s "
                   f"TBT p50 {fmt(s['tbt_p50_s'], 1000, 0)} ms tok/s {s['tokens_per_s']:.1f} "
                   f"pairs {s['pairs_done']}/{s['pairs_offered']} sched {fmt(s['sched_overhead_mean_ms'])} ms "
-                  f"load avg {run.loadavg[0]:.1f}", flush=True)
+                  f"load avg {run.loadavg[0]:.1f} others {run.others_cores:.2f} cores", flush=True)
 
     if args.iteration_log:
         Path(args.iteration_log).write_text(json.dumps(
@@ -637,6 +694,8 @@ def main() -> None:
         "retrain_sweep": rows_for([(args.main_load, r) for r in rates]),
         "alignment_base": ctx["alignment_base"],
         "loadavg_min": min(loadavgs), "loadavg_max": max(loadavgs),
+        "calibration_other_processes_cores": round(calibration_others, 3),
+        "other_processes_cores_max": max(run.others_cores for run in runs.values()),
     }
     out["bar"] = evaluate_bar(out)
     overhead = RESULTS / "bench_scheduler.json"
