@@ -44,6 +44,9 @@ class Bin:
     inference: list[Placement] = field(default_factory=list)
     finetune: list[Placement] = field(default_factory=list)
     _seq_ids: set[int] = field(default_factory=set, repr=False)
+    # (context, tokens, samples) -> seconds: one plan prices a task in every bin it tries (and a
+    # prefill at several chunk sizes); the cost model does not change while a plan is made.
+    _priced: dict[tuple[int, int, bool], float] = field(default_factory=dict, repr=False)
 
     # -- capacity ----------------------------------------------------------------------------
 
@@ -66,7 +69,8 @@ class Bin:
     def empty_like(self) -> Bin:
         """A later iteration with this one's capacity (MACE's bins 2..n)."""
         return Bin(self.costs, self.latency_budget_s, self.memory_bytes, self.free_blocks, self.fresh_blocks,
-                   self.token_budget, self.max_seqs, self.block_size, self.slo_tbt_s, self.slo_ttft_factor)
+                   self.token_budget, self.max_seqs, self.block_size, self.slo_tbt_s, self.slo_ttft_factor,
+                   _priced=self._priced)
 
     # -- pricing -----------------------------------------------------------------------------
 
@@ -75,7 +79,10 @@ class Bin:
         seq = task.seq
         assert seq is not None
         samples = n == task.remaining
-        seconds = self.costs.inference_s(task.context, n, samples)
+        key = (task.context, n, samples)
+        seconds = self._priced.get(key)
+        if seconds is None:
+            seconds = self._priced[key] = self.costs.inference_s(task.context, n, samples)
         if not self.inference:
             seconds += self.costs.forward_base_s  # the first inference item pays for the forward
         blocks = max(0, -(-(task.context + n) // self.block_size) - len(seq.block_table))
