@@ -16,7 +16,7 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     backend: str = "torch"  # "torch" | "onnxruntime" | "tensorrt" (see docs/onnx.md)
-    onnx_quantization: str = "none"  # ONNX backends' weight-only quantisation: "none" | "int8" | "int4"
+    onnx_quantization: str = "none"  # ONNX backends' weight-only quantisation: "none" | "int8" | "int4" | "int4-compact"
     onnx_cache_dir: str = ""  # exported graphs and TensorRT engines; "" = <state dir>/onnx
     # ONNX Runtime's KV layout: "dense" (per-sequence rows GroupQueryAttention appends to in place,
     # beside the paged cache) | "paged" (each step gathers the paged past); docs/onnx.md

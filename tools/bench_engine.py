@@ -419,7 +419,9 @@ def run_backends(args: argparse.Namespace) -> None:
     result["load_average_after_decode"] = os.getloadavg()[0]
     if args.accuracy:
         print("accuracy ...", flush=True)
-        result["accuracy"] = accuracy_rows(model_dir, sorted(set(quantizations) | {"none", "int8", "int4"}, key=["none", "int8", "int4"].index), gguf, threads)
+        order = ["none", "int8", "int4", "int4-compact"]
+        result["accuracy"] = accuracy_rows(model_dir, sorted(set(quantizations) | {"none", "int8", "int4"}, key=order.index),
+                                           gguf, threads)
     result["ratios"] = ratios(result["runs"], streams)
     out = Path(args.out if args.out != str(RESULTS / "bench_engine.json") else RESULTS / "bench_engine_backends.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -442,6 +444,13 @@ def ratios(runs: list[dict], streams: int) -> dict:
     if ours and genai:
         out["ort_int4_1_vs_genai"] = round(ours["decode_tok_s_1"] / genai["decode_tok_s_1"], 3)
         out[f"ort_int4_{streams}_vs_genai"] = round(ours[f"decode_tok_s_{streams}"] / genai[f"decode_tok_s_{streams}"], 3)
+    compact = by.get("onnxruntime int4-compact")  # onnxruntime-genai's own weight format
+    if compact and genai:
+        out["ort_int4_compact_1_vs_genai"] = round(compact["decode_tok_s_1"] / genai["decode_tok_s_1"], 3)
+        out[f"ort_int4_compact_{streams}_vs_genai"] = round(
+            compact[f"decode_tok_s_{streams}"] / genai[f"decode_tok_s_{streams}"], 3)
+    if compact and llama:
+        out["ort_int4_compact_1_vs_llamacpp"] = round(compact["decode_tok_s_1"] / llama["decode_tok_s_1"], 3)
     return out
 
 
@@ -510,7 +519,8 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default=str(RESULTS / "bench_engine.json"))
     ap.add_argument("--backends", default="", help="compare backends instead, e.g. torch,onnxruntime")
-    ap.add_argument("--onnx-quantizations", default="none,int4", help="ONNX Runtime rows: none,int8,int4")
+    ap.add_argument("--onnx-quantizations", default="none,int4",
+                    help="ONNX Runtime rows: none,int8,int4,int4-compact (onnxruntime-genai's weight format)")
     ap.add_argument("--references", default="genai,llamacpp", help="reference runtimes (skipped if not installed)")
     ap.add_argument("--threads", type=int, default=0, help="threads for every runtime; 0 = all cores")
     ap.add_argument("--gguf", default=None, help="the default model's GGUF for llama.cpp")

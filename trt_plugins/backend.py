@@ -17,7 +17,7 @@ import torch
 
 from edge_runtime.backends.lora_stack import LoraStackCache
 from edge_runtime.backends.onnx_export import default_cache_dir, export_step, model_hash
-from edge_runtime.backends.onnx_graph import GraphSpec
+from edge_runtime.backends.onnx_graph import GraphSpec, weight_format
 from edge_runtime.backends.onnxruntime_backend import _TORCH_TO_KV, write_new_kv
 from edge_runtime.backends.step_inputs import StepItem, plan_step, split_groups
 from edge_runtime.kv.cache import KVCache
@@ -49,7 +49,8 @@ class TensorRTBackend:
             raise TensorRTUnavailable("the tensorrt backend needs the engine on a CUDA device (device = cuda)")
         self.model, self.cfg, self.cache, self.adapters = model, model.cfg, cache, adapters
         self.device = cache.data.device
-        self.spec = GraphSpec(quantization=quantization, flavour="standard", kv_dtype=_TORCH_TO_KV[cache.data.dtype])
+        self.spec = GraphSpec(**weight_format(quantization), flavour="standard",  # type: ignore[arg-type]
+                              kv_dtype=_TORCH_TO_KV[cache.data.dtype])
         cfg = self.cfg
         self.limits = StepLimits(max_batch, max_tokens, max_context or cfg.max_position_embeddings, max_lora_rank,
                                  cache_rows=cache.data.shape[2] * cfg.num_kv_heads)

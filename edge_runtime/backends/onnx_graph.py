@@ -38,6 +38,26 @@ LORA_SITES = {
 }
 
 
+# Weight formats by the name `EngineConfig.onnx_quantization` takes: GraphSpec fields.
+WEIGHT_FORMATS: dict[str, dict[str, object]] = {
+    "none": {"quantization": "none"},
+    "int8": {"quantization": "int8"},
+    # 4-bit layers with integer zero points, 8-bit tied embedding / LM head: the accurate one.
+    "int4": {"quantization": "int4"},
+    # onnxruntime-genai's int4 CPU format: symmetric 4-bit layers (no zero points) and a 4-bit
+    # LM head; about half the bytes the int4 head reads per token, at a perplexity cost.
+    "int4-compact": {"quantization": "int4", "symmetric": True, "head_bits": 4},
+}
+
+
+def weight_format(name: str) -> dict[str, object]:
+    """GraphSpec fields of a weight format name (ValueError naming the known ones)."""
+    try:
+        return dict(WEIGHT_FORMATS[name])
+    except KeyError:
+        raise ValueError(f"unknown ONNX weight quantisation {name!r}; use one of {', '.join(WEIGHT_FORMATS)}") from None
+
+
 @dataclass(frozen=True)
 class GraphSpec:
     """What varies between exports of one model (every field is part of the cache key)."""

@@ -89,7 +89,7 @@ def test_export_is_cached_per_model_and_spec(tiny_model_dir, tmp_path):
     assert meta["spec"]["quantization"] == "int4" and len(meta["model_hash"]) == 32
 
 
-@pytest.mark.parametrize("quantization,tolerance", [("int8", 0.05), ("int4", 0.5)])
+@pytest.mark.parametrize("quantization,tolerance", [("int8", 0.05), ("int4", 0.5), ("int4-compact", 0.5)])
 def test_weight_only_quantization_stays_close_to_float(tiny_model_dir, tmp_path, quantization, tolerance):
     engine = Engine.load(str(tiny_model_dir), **CONFIG)
     ids = engine.tokenizer.hf.encode("The quick brown fox jumps over the lazy dog.")
@@ -97,6 +97,15 @@ def test_weight_only_quantization_stays_close_to_float(tiny_model_dir, tmp_path,
     quant = OnnxRuntimeBackend(engine.model, engine.cache, None, quantization=quantization, cache_dir=tmp_path).score(ids)
     error = (full - quant).abs().max().item()
     assert 0 < error < tolerance
+
+
+def test_weight_format_names_map_to_graph_specs(tiny_model_dir, tmp_path):
+    engine = Engine.load(str(tiny_model_dir), **CONFIG)
+    compact = OnnxRuntimeBackend(engine.model, engine.cache, None, quantization="int4-compact", cache_dir=tmp_path)
+    assert (compact.spec.quantization, compact.spec.symmetric, compact.spec.head_bits) == ("int4", True, 4)
+    assert "-sym-head4" in compact.spec.tag  # its own export, never the int4 one
+    with pytest.raises(ValueError, match="int4-compact"):
+        OnnxRuntimeBackend(engine.model, engine.cache, None, quantization="int3", cache_dir=tmp_path)
 
 
 def test_bfloat16_kv_cache_is_bound_as_is(tiny_model_dir, tmp_path):
