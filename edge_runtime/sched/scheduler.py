@@ -336,7 +336,8 @@ class Scheduler:
             L <= t_first + (k + 1) * m * SLO - now - F.
         Holding that for every prefix keeps the mean within the SLO wherever the stream stops
         (EOS at any token). A stream that gets no token this iteration counts k instead of k + 1;
-        one with no token yet needs its first gap alone to meet the SLO (L <= m * SLO). The
+        one with no token yet needs its first gap alone to meet the SLO: L <= m * SLO plus its
+        own remaining prefill (which this iteration's forward holds before that gap starts). The
         budget is the smallest such bound, at least `base` (the fixed share of the SLO) and at
         most `max_latency_budget_s` (so a prompt arriving mid-iteration still meets its TTFT
         SLO). Streams decoding fast (a small batch on an idle machine) thus bank headroom that
@@ -355,7 +356,10 @@ class Scheduler:
                 metrics = seq.request.metrics
                 first = None if metrics is None else metrics.first_token_time
                 if k == 0 or first is None:
-                    allowance = slo
+                    # Its first gap starts when its prefill forward ends: this iteration may
+                    # hold that prefill (not part of the gap) plus m * SLO of other work.
+                    left = seq.num_tokens - seq.num_computed
+                    allowance = slo + self.costs.inference_s(seq.num_computed, left, True)
                 else:
                     gets = 1 if seq.status is SeqStatus.RUNNING and not seq.in_prefill else 0
                     allowance = first + (k + gets) * slo - now - step

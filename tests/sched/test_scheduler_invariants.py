@@ -268,8 +268,10 @@ def test_mace_spends_banked_tbt_headroom_and_keeps_every_stream_within_the_slo()
     slo = sim.scheduler.slo_tbt_s
     seqs = [sim.add_request(16, 60) for _ in range(3)]
     sim.step()
-    # Nothing banked yet: a stream's first gap alone must meet the SLO (with the margin).
-    assert sim.scheduler.iteration_budget_s == pytest.approx(sim.scheduler.headroom_margin * slo)
+    # Nothing banked yet: a stream's first gap alone must meet the SLO (with the margin); the
+    # iteration may also hold the prompt's own prefill, which comes before that gap.
+    prefill_s = sim.costs.inference_s(0, 16, True)
+    assert sim.scheduler.iteration_budget_s == pytest.approx(sim.scheduler.headroom_margin * slo + prefill_s)
     jobs = [sim.add_job(0, stage_s=0.03), sim.add_job(1, stage_s=0.03)]
     grown = []
     while sim.scheduler.has_work():
@@ -300,8 +302,9 @@ def test_headroom_budget_is_the_tightest_streams_bound_and_never_below_the_fixed
     bound = 1.0 + 11 * slo - now - 0.004  # k + 1 = 11 gaps after this iteration's token
     assert scheduler.headroom_budget(now, 0.02) == pytest.approx(min(0.06, bound))
     assert scheduler.headroom_budget(1.0 + 11 * slo, 0.02) == 0.02  # spent: back to the fixed share
-    late = sim.add_request(8, 50)  # no token yet: its first gap alone must meet the SLO
-    assert scheduler.headroom_budget(now, 0.02) == pytest.approx(max(0.02, min(slo, bound, 0.06)))
+    late = sim.add_request(8, 50)  # no token yet: its first gap alone (after its prefill) must meet the SLO
+    first_gap = slo + sim.costs.inference_s(0, 8, True)
+    assert scheduler.headroom_budget(now, 0.02) == pytest.approx(max(0.02, min(first_gap, bound, 0.06)))
     assert late.num_generated == 0
     fcfs = Sim(FCFSPolicy(), max_latency_budget_s=0.06)
     fcfs.add_request(8, 50)
