@@ -113,14 +113,14 @@ def test_duplicate_in_flight_id_is_refused(shared_daemon: DaemonProcess) -> None
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(shared_daemon.endpoint)
         long = {"v": 1, "id": "same", "op": "generate", "prompt": "x", "max_tokens": 100_000,
-                "ignore_eos": True, "timeout_s": 2.0}
+                "ignore_eos": True, "timeout_s": 0.25}  # far below the ~2047 tokens the context allows
         sock.send(msgpack.packb(long))
         sock.send(msgpack.packb(long))
         first = msgpack.unpackb(sock.recv()) if sock.poll(10_000) else None
         assert first == {"v": 1, "id": "same", "type": "error",
                          "error": {"code": "duplicate_id", "message": first["error"]["message"]}}
         final = msgpack.unpackb(sock.recv()) if sock.poll(10_000) else None
-        assert final["error"]["code"] == "timeout"  # the original still gets its one final reply
+        assert final.get("error", {}).get("code") == "timeout", final  # the original still gets its one final reply
 
 
 def test_per_client_in_flight_limit_answers_busy(shared_daemon: DaemonProcess) -> None:
