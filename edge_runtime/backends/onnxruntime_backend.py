@@ -398,24 +398,17 @@ class OnnxRuntimeBackend:
 
     def _run(self, session: _Session, plan: StepPlan):
         cfg = self.cfg
-        binding = session.binding
         if not session.has_lora_inputs:
             plan.inputs.pop("lora_index", None)
         _bind_cpu_inputs(session, plan.inputs)
-        if self.dense is not None:  # the dense layout's new keys/values stay in its rows
-            return self._run_bound(session, len(plan.sampling_items)), None, plan
-        dev, idx = self._ort_device()
-        rows = len(plan.sampling_items)
-        logits = torch.empty(rows, cfg.vocab_size, dtype=torch.float32, device=self.device)
-        if rows:
-            binding.bind_output("logits", dev, idx, np.float32, list(logits.shape), logits.data_ptr())
-        else:
-            binding.bind_output("logits", dev, idx)
-        new_kv = torch.empty(cfg.num_layers, plan.num_tokens, 2 * cfg.kv_size, dtype=self.cache.data.dtype,
-                             device=self.device)
-        binding.bind_output("new_kv", dev, idx, _onnx_type(new_kv.dtype), list(new_kv.shape), new_kv.data_ptr())
-        session.inference.run_with_iobinding(binding)
-        return logits, new_kv, plan
+        new_kv = None
+        if self.dense is None:  # the dense layout's new keys/values stay in its rows
+            dev, idx = self._ort_device()
+            new_kv = torch.empty(cfg.num_layers, plan.num_tokens, 2 * cfg.kv_size, dtype=self.cache.data.dtype,
+                                 device=self.device)
+            session.binding.bind_output("new_kv", dev, idx, _onnx_type(new_kv.dtype), list(new_kv.shape),
+                                        new_kv.data_ptr())
+        return self._run_bound(session, len(plan.sampling_items)), new_kv, plan
 
     def _run_bound(self, session: _Session, rows: int) -> torch.Tensor:
         """Run with the inputs already bound; returns the logits of `rows` sampling rows (a
@@ -453,13 +446,9 @@ class OnnxRuntimeBackend:
         plan.inputs["logit_rows"] = np.arange(n, dtype=np.int64)
         plan.inputs.pop("lora_index")
         _bind_cpu_inputs(session, plan.inputs)
-        logits = torch.empty(n, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
-        dev, idx = self._ort_device()
-        session.binding.bind_output("logits", dev, idx, np.float32, list(logits.shape), logits.data_ptr())
         if self.dense is None:
-            session.binding.bind_output("new_kv", dev, idx)
-        session.inference.run_with_iobinding(session.binding)
-        return logits.cpu()
+            session.binding.bind_output("new_kv", *self._ort_device())
+        return self._run_bound(session, n).cpu()
 
 
 @dataclass
