@@ -369,7 +369,9 @@ def load_stage_costs(model: Any, settings: Any, *, cache_dir: str | None = None,
     (`StageCostModel.profile`, seconds) and cached like the forward's calibration."""
     from edge_runtime.train.costs import StageCostModel
 
-    key = fingerprint(model.cfg, model.device, model.dtype, backend_name, block_size, extra=repr(settings))
+    # "affine": profiles from before the fixed per-call part was measured lack it; a new key
+    # makes them re-profile rather than load as a purely per-row model.
+    key = fingerprint(model.cfg, model.device, model.dtype, backend_name, block_size, extra=f"affine/{settings!r}")
     def profile() -> tuple[dict[str, Any], bool, bool]:
         busy = machine_busy()
         values = StageCostModel.profile(model, settings).as_dict()

@@ -1,7 +1,9 @@
 """Latency and memory estimates for the fine-tune stages, from a cost model measured at start-up.
 
-Costs are linear in token rows x layers (the GEMMs dominate at edge sequence lengths), with the
-LM head priced per scored row. `profile()` times a few layers on the actual machine and counts
+Costs are affine in token rows, per layer: a fixed part per layer call (reading the layer's
+weights, which bounds a small window's GEMMs: on this project's 2-core CPU a 1-row window costs
+about a fifth of a 64-row one) plus a part per row. The LM head is priced the same way per
+scored row. `profile()` times a few layers at two window sizes on the actual machine and counts
 the bytes autograd saves, so the scheduler sees this device's numbers, not a guess.
 """
 
@@ -37,6 +39,12 @@ class StageCostModel:
     saved_bytes_per_row_layer: float  # what autograd keeps per token row per layer
     hidden_size: int
     vocab_size: int
+    # The fixed part of each call (per layer of a window, per LM-head call), whatever its rows.
+    nograd_s_per_layer: float = 0.0
+    grad_fwd_s_per_layer: float = 0.0
+    bwd_s_per_layer: float = 0.0
+    head_s: float = 0.0
+    head_grad_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -50,6 +58,10 @@ class StageCostModel:
         flops_per_s = 80e9  # measured order for fp32 GEMMs on 2 AVX-512 cores
         row_layer = per_layer_flops / flops_per_s
         head = 2 * cfg.hidden_size * cfg.vocab_size / flops_per_s
+        # A call reads all of a layer's weights whatever its rows (the fixed part of a small
+        # window); order of a CPU's memory bandwidth.
+        bytes_per_s = 10e9
+        layer_read = (per_layer_flops / 2) * 4 / bytes_per_s
         return cls(
             nograd_s_per_row_layer=row_layer,
             grad_fwd_s_per_row_layer=1.1 * row_layer,
@@ -60,12 +72,21 @@ class StageCostModel:
             saved_bytes_per_row_layer=4.0 * (6 * cfg.hidden_size + 3 * cfg.intermediate_size + cfg.q_size),
             hidden_size=cfg.hidden_size,
             vocab_size=cfg.vocab_size,
+            nograd_s_per_layer=layer_read,
+            grad_fwd_s_per_layer=layer_read,
+            bwd_s_per_layer=2 * layer_read,
+            head_s=cfg.hidden_size * cfg.vocab_size * 4 / bytes_per_s,
+            head_grad_s=2 * cfg.hidden_size * cfg.vocab_size * 4 / bytes_per_s,
         )
 
     @classmethod
-    def profile(cls, model: LlamaModel, settings: LoraSettings, rows: int = 64, layers: int = 2, repeats: int = 2) -> StageCostModel:
-        """Time `layers` layers on `rows` tokens (no-grad, grad forward, backward), the LM head,
-        and an AdamW step; count the activation bytes autograd saves."""
+    def profile(cls, model: LlamaModel, settings: LoraSettings, rows: int = 64, layers: int = 2, repeats: int = 2,
+                small_rows: int = 8) -> StageCostModel:
+        """Time `layers` layers (no-grad, grad forward, backward), the LM head and an AdamW step
+        on windows of `small_rows` and of `rows` tokens, and fit each cost's fixed and per-row
+        parts through the two; count the activation bytes autograd saves."""
+        if not 0 < small_rows < rows:
+            raise ValueError(f"profile needs 0 < small_rows < rows, got {small_rows} and {rows}")
         cfg = model.cfg
         layers = min(layers, cfg.num_layers)
         weights = LoraWeights.init(cfg, settings, seed=0)
@@ -73,8 +94,6 @@ class StageCostModel:
             b.normal_(0.0, 0.01)  # a zero B would make autograd skip A's gradient work
         weights = weights.trainable()
         applier = TrainingLora(weights, dropout=0.0)
-        ids = torch.randint(0, cfg.vocab_size, (rows,), device=model.device)
-        pos = torch.arange(rows, device=model.device)
         params = {p.data_ptr() for p in model.parameters()} | {p.data_ptr() for p in weights.parameters()}
 
         def best(fn: Callable[[], None]) -> float:
@@ -86,12 +105,6 @@ class StageCostModel:
                 times.append(time.perf_counter() - t0)
             return min(times)
 
-        x0 = model.embed_tokens(ids).detach()
-
-        def nograd() -> None:
-            with torch.no_grad():
-                model.run_layers(x0, pos, DenseCausalContext(1, rows, lora=applier), 0, layers)
-
         saved: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -100,42 +113,57 @@ class StageCostModel:
                 saved[storage.data_ptr()] = storage.nbytes()
             return t
 
-        out_holder: list[torch.Tensor] = []
+        def measure(n: int) -> dict[str, float]:
+            ids = torch.randint(0, cfg.vocab_size, (n,), device=model.device)
+            pos = torch.arange(n, device=model.device)
+            x0 = model.embed_tokens(ids).detach()
 
-        def grad_fwd() -> None:
-            out_holder.clear()
-            saved.clear()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                x = x0.clone().requires_grad_(True)
-                out_holder.append(model.run_layers(x, pos, DenseCausalContext(1, rows, lora=applier), 0, layers))
+            def nograd() -> None:
+                with torch.no_grad():
+                    model.run_layers(x0, pos, DenseCausalContext(1, n, lora=applier), 0, layers)
 
-        def bwd() -> None:
-            out_holder[0].backward(torch.ones_like(out_holder[0]))
+            out_holder: list[torch.Tensor] = []
 
-        t_nograd = best(nograd)
-        grad_fwd()
-        bwd()
-        t_fwd, t_bwd = [], []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+            def grad_fwd() -> None:
+                out_holder.clear()
+                saved.clear()
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    x = x0.clone().requires_grad_(True)
+                    out_holder.append(model.run_layers(x, pos, DenseCausalContext(1, n, lora=applier), 0, layers))
+
+            def bwd() -> None:
+                out_holder[0].backward(torch.ones_like(out_holder[0]))
+
+            t_nograd = best(nograd)
             grad_fwd()
-            t_fwd.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
             bwd()
-            t_bwd.append(time.perf_counter() - t0)
-        saved_bytes = sum(saved.values())  # of the last forward (the graph still alive)
+            t_fwd, t_bwd = [], []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                grad_fwd()
+                t_fwd.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                bwd()
+                t_bwd.append(time.perf_counter() - t0)
+            saved_bytes = sum(saved.values())  # of the last forward (the graph still alive)
 
-        hidden = torch.randn(rows, cfg.hidden_size, device=model.device, dtype=model.dtype)
-        targets = torch.randint(0, cfg.vocab_size, (rows,), device=model.device)
+            hidden = torch.randn(n, cfg.hidden_size, device=model.device, dtype=model.dtype)
+            targets = torch.randint(0, cfg.vocab_size, (n,), device=model.device)
 
-        def head() -> None:
-            with torch.no_grad():
-                model.logits(hidden)
+            def head() -> None:
+                with torch.no_grad():
+                    model.logits(hidden)
 
-        def head_grad() -> None:
-            h = hidden.clone().requires_grad_(True)
-            logits = model.logits(h).float()
-            (logits.gather(-1, targets[:, None]) - torch.logsumexp(logits, -1, keepdim=True)).sum().backward()
+            def head_grad() -> None:
+                h = hidden.clone().requires_grad_(True)
+                logits = model.logits(h).float()
+                (logits.gather(-1, targets[:, None]) - torch.logsumexp(logits, -1, keepdim=True)).sum().backward()
+
+            return {"nograd": t_nograd / layers, "grad_fwd": min(t_fwd) / layers, "bwd": min(t_bwd) / layers,
+                    "head": best(head), "head_grad": best(head_grad), "saved": saved_bytes / (n * layers)}
+
+        small, large = measure(small_rows), measure(rows)
+        fit = {k: _affine(small[k], large[k], small_rows, rows) for k in ("nograd", "grad_fwd", "bwd", "head", "head_grad")}
 
         opt = torch.optim.AdamW(weights.parameters(), lr=1e-4)
         for p in weights.parameters():
@@ -145,17 +173,21 @@ class StageCostModel:
             opt.step()
 
         t_opt = best(step)
-        norm = rows * layers
         return cls(
-            nograd_s_per_row_layer=t_nograd / norm,
-            grad_fwd_s_per_row_layer=min(t_fwd) / norm,
-            bwd_s_per_row_layer=min(t_bwd) / norm,
-            head_s_per_row=best(head) / rows,
-            head_grad_s_per_row=best(head_grad) / rows,
+            nograd_s_per_row_layer=fit["nograd"][1],
+            grad_fwd_s_per_row_layer=fit["grad_fwd"][1],
+            bwd_s_per_row_layer=fit["bwd"][1],
+            head_s_per_row=fit["head"][1],
+            head_grad_s_per_row=fit["head_grad"][1],
             optimizer_s_per_param=t_opt / max(1, weights.num_params),
-            saved_bytes_per_row_layer=saved_bytes / norm,
+            saved_bytes_per_row_layer=large["saved"],
             hidden_size=cfg.hidden_size,
             vocab_size=cfg.vocab_size,
+            nograd_s_per_layer=fit["nograd"][0],
+            grad_fwd_s_per_layer=fit["grad_fwd"][0],
+            bwd_s_per_layer=fit["bwd"][0],
+            head_s=fit["head"][0],
+            head_grad_s=fit["head_grad"][0],
         )
 
     # -- estimates per stage -----------------------------------------------------------------
@@ -163,20 +195,29 @@ class StageCostModel:
     def logits_bytes(self, scored_rows: int) -> int:
         return 3 * 4 * scored_rows * self.vocab_size  # logits, softmax work, grad (float32)
 
+    def _head(self, scored: int, grad: bool) -> float:
+        if scored <= 0:
+            return 0.0
+        if grad:
+            return self.head_grad_s + self.head_grad_s_per_row * scored
+        return self.head_s + self.head_s_per_row * scored
+
     def score(self, rows: int, layers: int, scored: int, with_reference: bool) -> StageEstimate:
         passes = 2 if with_reference else 1
-        seconds = passes * (self.nograd_s_per_row_layer * rows * layers + self.head_s_per_row * scored)
+        seconds = passes * ((self.nograd_s_per_layer + self.nograd_s_per_row_layer * rows) * layers
+                            + self._head(scored, grad=False))
         peak = 16 * 4 * rows * self.hidden_size + self.logits_bytes(scored) // 3
         return StageEstimate(seconds, int(peak), 0)
 
     def forward_window(self, rows: int, layers: int, scored: int, held_before: int) -> StageEstimate:
-        seconds = self.grad_fwd_s_per_row_layer * rows * layers + self.head_grad_s_per_row * scored
+        seconds = (self.grad_fwd_s_per_layer + self.grad_fwd_s_per_row_layer * rows) * layers + self._head(scored, grad=True)
         held = held_before + int(self.saved_bytes_per_row_layer * rows * layers)
         return StageEstimate(seconds, held - held_before + self.logits_bytes(scored), held)
 
-    def backward_group(self, rows: int, layers: int, held_before: int) -> StageEstimate:
+    def backward_group(self, rows: int, layers: int, held_before: int, windows: int = 1) -> StageEstimate:
+        """`rows` over all of the pair's `windows` (each window's graph is its own call per layer)."""
         freed = int(self.saved_bytes_per_row_layer * rows * layers)
-        seconds = self.bwd_s_per_row_layer * rows * layers
+        seconds = (self.bwd_s_per_layer * windows + self.bwd_s_per_row_layer * rows) * layers
         # Gradients of one group's activations exist only while that group runs backward.
         return StageEstimate(seconds, freed // 2 + 8 * 4 * rows * self.hidden_size, max(0, held_before - freed))
 
@@ -184,3 +225,14 @@ class StageCostModel:
         if not steps:
             return StageEstimate(0.0, 0, 0)
         return StageEstimate(self.optimizer_s_per_param * num_params, 4 * num_params, 0)
+
+
+def _affine(t_small: float, t_large: float, n_small: int, n_large: int) -> tuple[float, float]:
+    """(fixed, per row) of the line through two timings; neither part negative (a noisy pair of
+    timings can put the line's intercept below zero or make it fall)."""
+    per_row = max(0.0, (t_large - t_small) / (n_large - n_small))
+    fixed = max(0.0, t_small - per_row * n_small)
+    if per_row == 0.0:
+        per_row = t_large / n_large  # timings that fell: price it all per row, as before
+        fixed = 0.0
+    return fixed, per_row

@@ -272,7 +272,7 @@ class DPOFineTuneTask:
     def _estimator_backward(self, g: int) -> Callable[[], StageEstimate]:
         def estimate() -> StageEstimate:
             start, stop = self.groups[g]
-            return self.trainer.costs.backward_group(self.tokens.num_rows, stop - start, self._held)
+            return self.trainer.costs.backward_group(self.tokens.num_rows, stop - start, self._held, len(self.windows))
         return estimate
 
     def _runner_backward(self, g: int) -> Callable[[], None]:
@@ -310,7 +310,8 @@ class DPOFineTuneTask:
         torch.autograd.backward(outputs, seeds)
         acts.outputs[g] = []
         start, stop = self.groups[g]
-        self._held = self.trainer.costs.backward_group(self.tokens.num_rows, stop - start, self._held).held_bytes
+        self._held = self.trainer.costs.backward_group(self.tokens.num_rows, stop - start, self._held,
+                                                       len(self.windows)).held_bytes
         if g == 0:
             self._acts = None
             self._held = 0

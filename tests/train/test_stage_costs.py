@@ -1,0 +1,71 @@
+"""The fine-tune stage cost model: affine in rows (a fixed part per layer call plus a part per
+row), fitted through two profiled window sizes, and priced per stage from the window shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from edge_runtime.lora import LoraSettings
+from edge_runtime.train import AdapterTrainer, DPOSettings, StageKind
+from edge_runtime.train.costs import StageCostModel, _affine
+
+
+def test_affine_fit_passes_through_both_timings() -> None:
+    fixed, per_row = _affine(0.010, 0.030, 8, 64)
+    assert per_row == pytest.approx(0.020 / 56)
+    assert fixed + 8 * per_row == pytest.approx(0.010)
+    assert fixed + 64 * per_row == pytest.approx(0.030)
+
+
+def test_affine_fit_never_goes_negative() -> None:
+    # The small window timed slower than the large one (noise): all of it priced per row.
+    fixed, per_row = _affine(0.040, 0.030, 8, 64)
+    assert fixed == 0.0 and per_row == pytest.approx(0.030 / 64)
+    # A steep line whose intercept falls below zero: no negative fixed part.
+    fixed, per_row = _affine(0.001, 0.064, 8, 64)
+    assert fixed == 0.0 and per_row > 0
+
+
+def test_profile_measures_both_parts(tiny4) -> None:
+    costs = StageCostModel.profile(tiny4, LoraSettings(rank=4, alpha=8), rows=32, small_rows=4, layers=2)
+    for name in ("nograd", "grad_fwd", "bwd"):
+        fixed = getattr(costs, f"{name}_s_per_layer")
+        per_row = getattr(costs, f"{name}_s_per_row_layer")
+        assert fixed >= 0 and per_row > 0 and fixed + per_row > 0
+    assert costs.saved_bytes_per_row_layer > 0
+    with pytest.raises(ValueError, match="small_rows"):
+        StageCostModel.profile(tiny4, LoraSettings(rank=4, alpha=8), rows=8, small_rows=8)
+
+
+def test_estimates_add_the_fixed_part_per_layer_call() -> None:
+    base = StageCostModel(nograd_s_per_row_layer=1e-4, grad_fwd_s_per_row_layer=2e-4, bwd_s_per_row_layer=3e-4,
+                          head_s_per_row=1e-3, head_grad_s_per_row=2e-3, optimizer_s_per_param=1e-9,
+                          saved_bytes_per_row_layer=100.0, hidden_size=8, vocab_size=16)
+    affine = dataclasses.replace(base, nograd_s_per_layer=1e-2, grad_fwd_s_per_layer=2e-2, bwd_s_per_layer=3e-2,
+                                 head_s=5e-3, head_grad_s=7e-3)
+    rows, layers = 10, 4
+    assert affine.forward_window(rows, layers, 0, 0).seconds == pytest.approx(
+        base.forward_window(rows, layers, 0, 0).seconds + 2e-2 * layers)
+    # The head's fixed part only when the window scores rows.
+    assert affine.forward_window(rows, layers, 3, 0).seconds == pytest.approx(
+        base.forward_window(rows, layers, 3, 0).seconds + 2e-2 * layers + 7e-3)
+    # Backward: one call per window and layer.
+    assert affine.backward_group(rows, layers, 0, windows=3).seconds == pytest.approx(
+        base.backward_group(rows, layers, 0).seconds + 3e-2 * layers * 3)
+    assert affine.score(rows, layers, 2, with_reference=True).seconds == pytest.approx(
+        base.score(rows, layers, 2, with_reference=True).seconds + 2 * (1e-2 * layers + 5e-3))
+    # Memory estimates do not depend on the timing parts.
+    assert affine.forward_window(rows, layers, 3, 0).peak_bytes == base.forward_window(rows, layers, 3, 0).peak_bytes
+
+
+def test_staged_task_prices_backward_by_its_windows(tiny4, tiny4_tokenizer, pairs) -> None:
+    costs = dataclasses.replace(StageCostModel.nominal(tiny4), bwd_s_per_layer=0.01, bwd_s_per_row_layer=0.0)
+    trainer = AdapterTrainer(tiny4, tiny4_tokenizer, lora=LoraSettings(rank=4, alpha=8),
+                             dpo=DPOSettings(window_tokens=4, layers_per_group=2), costs=costs)
+    task = trainer.task(pairs[1], score=False)
+    windows = sum(1 for s in task.stages if s.kind is StageKind.FORWARD)
+    assert windows > 1
+    backward = [s for s in task.stages if s.kind is StageKind.BACKWARD]
+    assert backward and all(s.estimate().seconds == pytest.approx(0.01 * 2 * windows) for s in backward)
