@@ -276,6 +276,11 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
         before = engine.iterations
         planned.clear()
         step_start, ft_before = now, engine.scheduler.finetune.seconds
+        sched = engine.scheduler
+        # The cheapest next stage a fine-tune job could run (as the scheduler prices it): what
+        # an iteration had to leave free for fine-tuning to move.
+        next_stage = [sched.costs.stage_s(c.kind, c.seconds) for job in sched.finetune.runnable()
+                      for c in job.stage_costs(1)]
         engine.step()
         delivered = engine.clock()
         for event, at in pending:
@@ -286,7 +291,6 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
             time.sleep(0.002)  # nothing runnable now (e.g. periodic between windows)
             continue
         result.overhead_s.append(engine.scheduler.overhead_s)
-        sched = engine.scheduler
         result.queued.append(len(sched.waiting) + len(sched.running) + len(sched.finetune))
         if planned:
             batch = planned[-1]
@@ -298,6 +302,7 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
                 "prefill_tokens": sum(i.num_tokens for i in batch.items if i.num_tokens > 1),
                 "stages": sum(s.num_stages for s in batch.finetune),
                 "stages_s": round(sched.finetune.seconds - ft_before, 4),
+                "next_stage_s": round(min(next_stage), 4) if next_stage else None,
                 "waiting": len(sched.waiting), "running": len(sched.running), "ft_jobs": len(sched.finetune)})
     end = engine.clock()
     while checkpoint_at:
