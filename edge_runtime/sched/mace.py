@@ -27,7 +27,10 @@ class MacePolicy(Policy):
     iteration budget derived from the TBT SLO) because one engine thread runs a bin's work in
     sequence, so the latency term measures how tightly a task fills the remaining budget rather
     than the divergence from the bin's longest parallel task. A prefill that fits no bin whole
-    may take a chunk of bin 1 (chunked prefill). A fine-tune job placed in a bin takes its next
+    may take a chunk of bin 1 (chunked prefill), unless chunks of what the bins leave would
+    bring its first token past its TTFT SLO: then it takes the rest whole, beyond the budget
+    (as an SLO-aware scheduler serves the request about to miss; chunking only spreads a
+    prompt's cost, and the TBT SLO bounds a stream's mean gap, not each one). A fine-tune job placed in a bin takes its next
     stage in priority order; once every task was dequeued, its following stages fill what bin 1
     has left (an aged job thus runs ahead of inference by one stage per iteration, not by as
     many stages as the budget holds). At most `max_bins` bins are planned (a bound on scheduler
@@ -72,6 +75,25 @@ class MacePolicy(Policy):
             p += self.params["gamma"] * task.job.loss_for_priority()
         return p
 
+    @staticmethod
+    def _chunking_misses_ttft(task: Task, bin: Bin, now: float) -> bool:
+        """Whether a prompt prefilled in chunks of what this bin leaves (the same again in each
+        later iteration of this bin's length; with nothing left, whole after this iteration)
+        gets its first token after its TTFT SLO (`slo_ttft_factor` x its unloaded prefill,
+        from its arrival)."""
+        seq = task.seq
+        if seq is None or seq.num_generated > 0 or not math.isfinite(bin.latency_budget_s):
+            return False
+        deadline = task.arrival + bin.slo_ttft_factor * bin.costs.unloaded_prefill_s(seq.num_prompt)
+        whole, _ = bin.cost(task)
+        free = bin.free_latency_s
+        if free >= whole:
+            return False
+        length = max(bin.latency_budget_s, bin.latency_s)  # this iteration's, about
+        # Nothing left in this bin: the prompt waits this iteration and then gets the budget.
+        first_token = now + (math.ceil(whole / free) * length if free > 0 else length + whole)
+        return first_token > deadline
+
     def pack(self, tasks: list[Task], bin: Bin, now: float) -> None:
         p = self.params
         l1, l2 = p["lambda_mem"], p["lambda_lat"]
@@ -104,6 +126,13 @@ class MacePolicy(Policy):
                 # whereas leaving it out makes the stream wait a whole next iteration as well.
                 if bin.largest_fit(task, ignore_latency=True):
                     bin.add(task, 1)
+                    continue
+            if task.kind is TaskKind.PREFILL and self._chunking_misses_ttft(task, bin, now):
+                # Chunks of what the budget leaves would bring its first token past its TTFT
+                # SLO: the prompt takes the rest of its prefill now, as a decode rides along.
+                piece = bin.largest_fit(task, ignore_latency=True)
+                if piece:
+                    bin.add(task, piece)
                     continue
             piece = bin.largest_fit(task)
             if piece:

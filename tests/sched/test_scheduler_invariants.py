@@ -261,6 +261,24 @@ def test_an_aged_fine_tune_job_takes_one_stage_ahead_of_a_prompt_and_fills_only_
     assert batch.planned_s <= 0.02 + 1e-9
 
 
+@pytest.mark.parametrize("ttft_factor, whole", [(1.2, True), (5.0, False)])
+def test_mace_prefills_a_prompt_whole_when_chunks_would_miss_its_ttft_slo(ttft_factor: float, whole: bool) -> None:
+    sim = Sim(MacePolicy(), latency_budget_s=0.02)
+    for _ in range(12):
+        sim.add_request(4, 200)
+    sim.step()
+    sim.step()  # twelve streams decoding: ~3.4 ms of the 20 ms budget
+    sim.scheduler.slo_ttft_factor = ttft_factor
+    prompt = sim.add_request(100, 4)  # ~21.5 ms of prefill: two 20 ms iterations in chunks
+    batch = sim.step()
+    fed = [item.num_tokens for item in batch.items if item.seq is prompt]
+    assert sum(1 for item in batch.items if item.samples and item.seq is not prompt) == 12
+    if whole:  # its TTFT SLO (1.2 x ~26 ms unloaded) ends before a second iteration would
+        assert fed == [100] and batch.planned_s > 0.02
+    else:  # 5 x its unloaded prefill leaves time for the chunks
+        assert fed and fed[0] < 100 and batch.planned_s <= 0.02 + 1e-9
+
+
 def test_mace_spends_banked_tbt_headroom_and_keeps_every_stream_within_the_slo() -> None:
     # Budget 20 ms of a 40 ms TBT SLO; stages of 30 ms never fit beside the decodes under the
     # fixed budget. Streams decoding at ~2 ms a token bank headroom that the stages may spend.
