@@ -29,7 +29,7 @@ from edge_runtime.train.staged import DPOFineTuneTask
 class DPOSettings:
     beta: float = 0.1
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
-    window_tokens: int | None = 128  # positions per forward window (None: one window per part)
+    window_tokens: int | None = 128  # token rows per forward window (None: one window per part)
     layers_per_group: int = 6  # layers per backward stage
     max_prompt_tokens: int = 512
     max_completion_tokens: int = 256

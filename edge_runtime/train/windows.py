@@ -47,8 +47,10 @@ class Window:
 
 
 def plan_windows(tokens: PairTokens, window_tokens: int | None = None, pad_id: int = 0) -> list[Window]:
-    """Cut the pair into windows of at most `window_tokens` positions (None: one prompt window
-    and one completion window)."""
+    """Cut the pair into windows of at most `window_tokens` token rows (None: one prompt window
+    and one completion window): the prompt's windows are that many positions wide, the
+    completions' half as many (two rows each), so every window's forward is about the same size
+    and none is twice the stage the scheduler must find room for."""
     p = len(tokens.prompt)
     c = tokens.completion_length
     if p == 0 or c == 0:
@@ -66,8 +68,9 @@ def plan_windows(tokens: PairTokens, window_tokens: int | None = None, pad_id: i
                 owners.append(owner)
         windows.append(_window(len(windows), "prompt", start, stop, 1, list(tokens.prompt[start:stop]),
                                list(range(start, stop)), rows, targets, owners))
-    for start in range(0, c, size):
-        stop = min(c, start + size)
+    width = max(1, window_tokens // 2) if window_tokens else c
+    for start in range(0, c, width):
+        stop = min(c, start + width)
         ids: list[int] = []
         rows, targets, owners = [], [], []
         for owner, comp in enumerate(completions):
