@@ -82,7 +82,10 @@ class DenseKV:
             new_cap = max(capacity, min(2 * self.capacity, self.max_capacity))
         new_cap = _round_up(new_cap, CAPACITY_STEP)
         if self.limit_bytes is not None and new_rows * new_cap * self.token_bytes > self.limit_bytes:
-            new_rows, new_cap = max(rows, self.rows_capacity), max(_round_up(capacity, CAPACITY_STEP), self.capacity)
+            # No spare rows or positions: exactly the rows in use (those a past growth added
+            # beyond them would push a full cache past the limit into the scratch path).
+            new_rows = max(rows, len(self.owners))
+            new_cap = max(_round_up(capacity, CAPACITY_STEP), self.capacity)
             if new_rows * new_cap * self.token_bytes > self.limit_bytes:
                 return False
         # Uninitialised on purpose: GroupQueryAttention reads only positions below each row's

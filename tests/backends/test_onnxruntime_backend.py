@@ -260,3 +260,23 @@ def test_dense_copy_to_cache_writes_each_token_to_its_slot(tiny_model_dir, monke
         assert not cache.data[:, :, untouched].any()
         written.append(cache.data)
     assert torch.equal(written[0], written[1])
+
+
+def test_dense_rows_grow_to_exactly_what_is_in_use_near_the_byte_limit(tiny_model_dir):
+    # Geometric growth leaves spare rows; near the limit a larger capacity must still fit by
+    # dropping them, not fall back to a scratch buffer refilled from the paged cache every step.
+    from edge_runtime.backends.dense_kv import CAPACITY_STEP, DenseKV
+    from edge_runtime.kv.cache import KVCache
+
+    cache = KVCache(ModelConfig.from_dir(tiny_model_dir), 8, 16, torch.float32, "cpu")
+    cap = CAPACITY_STEP
+    dense = DenseKV(cache, 10 * cap * DenseKV(cache, None, 0).token_bytes, 4096)
+    assert dense.ensure(4, cap) and dense.ensure(5, cap)
+    assert dense.rows_capacity == 8  # geometric growth: three spare rows
+    rows = dense.assign(object() for _ in range(5))
+    dense.buffer[:, :, 4].fill_(1.0)
+    dense.valid[4] = cap
+    assert dense.ensure(5, 2 * cap)  # 8 rows x 2 cap would pass the limit; the 5 in use fit
+    assert (dense.rows_capacity, dense.capacity) == (5, 2 * cap) and rows == [0, 1, 2, 3, 4]
+    assert bool((dense.buffer[:, :, 4, :, :cap] == 1.0).all())  # the rows' contents moved along
+    assert not dense.ensure(5, 3 * cap)  # past the limit even without spare rows
