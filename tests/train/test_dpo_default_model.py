@@ -27,11 +27,21 @@ def smol(default_model_dir: Path):
     return load_llama(default_model_dir, dtype=torch.float32), Tokenizer(default_model_dir)
 
 
-def test_staged_gradients_equal_full_autograd_on_the_default_model(smol):
+# float32 with two prompt windows and one completion window; float64 with the completion cut
+# into four windows too. (In float32 the cut completion alone moves the largest gradient by
+# ~3e-4 of its size, which float64 shows to be rounding: there the error is the same 8e-7 for
+# every cut, one window per part included.)
+@pytest.mark.parametrize("dtype, window_tokens, tolerance", [(torch.float32, 32, 1e-4), (torch.float64, 8, 1e-5)])
+def test_staged_gradients_equal_full_autograd_on_the_default_model(smol, default_model_dir, dtype, window_tokens,
+                                                                     tolerance):
     model, tokenizer = smol
+    if dtype is not torch.float32:
+        model = load_llama(default_model_dir, dtype=dtype)
     init = random_adapter(model.cfg, LoraSettings(rank=8, alpha=16), seed=1, std=0.02)
+    if dtype is not torch.float32:
+        init = init.to(dtype)
     trainer = AdapterTrainer(model, tokenizer, dpo=DPOSettings(
-        window_tokens=16, layers_per_group=6, optimizer=OptimizerSettings(accumulation_steps=1)), init=init)
+        window_tokens=window_tokens, layers_per_group=6, optimizer=OptimizerSettings(accumulation_steps=1)), init=init)
     answer = "The capital of France is Paris."
     pair = PreferenceRecord(({"role": "user", "content": "What is the capital of France?"},),
                             answer + "\n\nCheers, Sam!", answer)
@@ -49,7 +59,8 @@ def test_staged_gradients_equal_full_autograd_on_the_default_model(smol):
         task.run_next()
     got = [p.grad for p in trainer.weights.parameters()]
     err = max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want, strict=True))
-    assert err <= 1e-4
+    assert err <= tolerance
+    assert sum(1 for w in task.windows if w.part == "completion") == (1 if window_tokens == 32 else 4)
 
 
 def test_batched_multi_lora_equals_peft_per_row_on_the_default_model(smol, default_model_dir, tmp_path):
