@@ -275,12 +275,16 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
             continue
         before = engine.iterations
         planned.clear()
-        step_start, ft_before = now, engine.scheduler.finetune.seconds
         sched = engine.scheduler
-        # The cheapest next stage a fine-tune job could run (as the scheduler prices it): what
-        # an iteration had to leave free for fine-tuning to move.
-        next_stage = [sched.costs.stage_s(c.kind, c.seconds) for job in sched.finetune.runnable()
-                      for c in job.stage_costs(1)]
+        next_stage = []
+        if ctx.get("iteration_log"):
+            # The cheapest next stage a fine-tune job could run (as the scheduler prices it):
+            # what an iteration had to leave free for fine-tuning to move. Only for the log:
+            # this loop runs in real time, and the iteration's wall time starts after it.
+            next_stage = [sched.costs.stage_s(c.kind, c.seconds) for job in sched.finetune.runnable()
+                          for c in job.stage_costs(1)]
+            now = engine.clock()
+        step_start, ft_before = now, sched.finetune.seconds
         engine.step()
         delivered = engine.clock()
         for event, at in pending:
@@ -643,6 +647,7 @@ def main() -> None:
           f"{unloaded.decode_s * 1000:.0f} ms, pair {unloaded.pair_s:.2f} s, TBT SLO {unloaded.slo_tbt_s * 1000:.0f} ms",
           flush=True)
     ctx = {"model": model, "tokenizer": tokenizer, "name": probe.model_name, "unloaded": unloaded, "cost_dir": cost_dir,
+           "iteration_log": bool(args.iteration_log),
            "stage_costs": stage_costs, "reference": reference, "prompts": prompts, "train_pairs": train_tokens,
            "heldout_tokens": heldout_tokens}
     del probe
