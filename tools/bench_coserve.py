@@ -670,6 +670,7 @@ def main() -> None:
                   f"load avg {run.loadavg[0]:.1f} others {run.others_cores:.2f} cores", flush=True)
 
     if args.iteration_log:
+        Path(args.iteration_log).parent.mkdir(parents=True, exist_ok=True)
         Path(args.iteration_log).write_text(json.dumps(
             [{"policy": p, "load": x, "retrain_rate": r, "iterations": run.trace, "requests": run.requests}
              for (p, x, r), run in runs.items()]))
