@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from edge_runtime.backends.quantize import BLOCK_SIZE, bits_of, pack_nbits, quantize_symmetric
 from edge_runtime.model.llama import LlamaModel
 
-GRAPH_VERSION = 9  # bump when the graph's inputs, outputs or numerics change (part of the cache key)
+GRAPH_VERSION = 10  # bump when the graph's inputs, outputs or numerics change (part of the cache key)
 OPSET = 21  # block-wise DequantizeLinear (INT4 weight-only) needs 21
 IR_VERSION = 10  # the newest IR that ONNX Runtime 1.18+ and TensorRT 10 both read
 FLAVOURS = ("ort", "standard")
@@ -44,9 +44,10 @@ WEIGHT_FORMATS: dict[str, dict[str, object]] = {
     "int8": {"quantization": "int8"},
     # 4-bit layers with integer zero points, 8-bit tied embedding / LM head: the accurate one.
     "int4": {"quantization": "int4"},
-    # onnxruntime-genai's int4 CPU format: symmetric 4-bit layers (no zero points) and a 4-bit
-    # LM head; about half the bytes the int4 head reads per token, at a perplexity cost.
-    "int4-compact": {"quantization": "int4", "symmetric": True, "head_bits": 4},
+    # 4-bit throughout: the layers as in int4 and a 4-bit LM head with zero points, so a token
+    # reads about as many bytes as onnxruntime-genai's int4 CPU format (symmetric 4-bit layers
+    # and head), at a perplexity between the two (docs/onnx.md).
+    "int4-compact": {"quantization": "int4", "head_bits": 4},
 }
 
 
@@ -70,7 +71,8 @@ class GraphSpec:
     accuracy_level: int = 4
     lora: bool = True  # per-row LoRA inputs; False = a base-model-only graph (fewer nodes)
     symmetric: bool = False  # MatMulNBits without zero points (onnxruntime-genai's choice)
-    head_bits: int = 8  # the tied embedding / LM head when quantised: 8 (Q8_0 grid) or 4
+    head_bits: int = 8  # the tied embedding / LM head when quantised: 8 (Q8_0 grid) or 4 (zero
+    # points unless `symmetric`)
     # "ort" flavour only. "paged": each layer gathers every row's past from the paged cache
     # slabs (`kv_index`). "dense": each layer's past is a per-row contiguous float32 buffer
     # [rows, kv_heads, capacity, head_dim], bound as both past and present of
@@ -187,18 +189,27 @@ class _StepWriter:
         g, model = self.g, self.model
         if not self._tied_quantized():
             return g.op("Gather", [g.init("embed.weight", _np(model.embed)), ids], axis=0)
-        q = pack_nbits(_np(model.embed), self.spec.head_bits, symmetric=True)
-        self.tied_head = (q, g.init("embed.qweight", q.packed.reshape(q.n, q.k * q.bits // 8)),
-                          g.init("embed.scales", q.scales.reshape(q.n, -1)))
-        return g.op("GatherBlockQuantized", [self.tied_head[1], ids, self.tied_head[2]],
+        # 8-bit: symmetric (Q8_0's grid, exact for a Q4_1 GGUF's table). 4-bit: min/max blocks
+        # with zero points unless the format is symmetric throughout.
+        symmetric = self.spec.head_bits == 8 or self.spec.symmetric
+        q = pack_nbits(_np(model.embed), self.spec.head_bits, symmetric=symmetric)
+        packed = g.init("embed.qweight", q.packed.reshape(q.n, q.k * q.bits // 8))
+        scales = g.init("embed.scales", q.scales.reshape(q.n, -1))
+        zeros = None if q.zero_points is None else g.init("embed.zero_points", q.zero_points.reshape(q.n, -1))
+        self.tied_head = (q, packed, scales, zeros)
+        return g.op("GatherBlockQuantized", [packed, ids, scales] + ([zeros] if zeros else []),
                     domain="com.microsoft", bits=q.bits, block_size=q.block_size, gather_axis=0, quantize_axis=1)
 
     def lm_head(self, rows: str) -> str:
         if not self._tied_quantized():
             return self.linear(rows, self.model.lm_head_weight(), None, "lm_head")
-        q, packed, scales = self.tied_head
+        q, packed, scales, zeros = self.tied_head
         blob = self.g.op("Reshape", [packed, self.g.const([q.n, q.k // q.block_size, q.block_size * q.bits // 8])])
-        return self.g.op("MatMulNBits", [rows, blob, scales], domain="com.microsoft", K=q.k, N=q.n, bits=q.bits,
+        ins = [rows, blob, scales]
+        if zeros:
+            # MatMulNBits takes the same packed zero points, flat.
+            ins.append(self.g.op("Reshape", [zeros, self.g.const([-1])]))
+        return self.g.op("MatMulNBits", ins, domain="com.microsoft", K=q.k, N=q.n, bits=q.bits,
                          block_size=q.block_size, accuracy_level=self.spec.accuracy_level)
 
     def rms_norm(self, x: str, weight: torch.Tensor, name: str, skip: str | None = None) -> tuple[str, str]:

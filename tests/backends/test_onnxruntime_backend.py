@@ -102,8 +102,8 @@ def test_weight_only_quantization_stays_close_to_float(tiny_model_dir, tmp_path,
 def test_weight_format_names_map_to_graph_specs(tiny_model_dir, tmp_path):
     engine = Engine.load(str(tiny_model_dir), **CONFIG)
     compact = OnnxRuntimeBackend(engine.model, engine.cache, None, quantization="int4-compact", cache_dir=tmp_path)
-    assert (compact.spec.quantization, compact.spec.symmetric, compact.spec.head_bits) == ("int4", True, 4)
-    assert "-sym-head4" in compact.spec.tag  # its own export, never the int4 one
+    assert (compact.spec.quantization, compact.spec.symmetric, compact.spec.head_bits) == ("int4", False, 4)
+    assert "-int4-head4" in compact.spec.tag  # its own export, never the int4 one
     with pytest.raises(ValueError, match="int4-compact"):
         OnnxRuntimeBackend(engine.model, engine.cache, None, quantization="int3", cache_dir=tmp_path)
 

@@ -51,3 +51,30 @@ def test_eight_bit_symmetric_blocks_reproduce_a_q8_0_grid_exactly():
     weight = (levels * scales[..., None]).astype(np.float32).reshape(16, 64)
     q = pack_nbits(weight, 8, symmetric=True)
     np.testing.assert_allclose(dequantize_nbits(q), weight, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bits,symmetric,k", [(4, False, 96), (4, False, 160), (4, True, 96), (8, True, 96)])
+def test_gather_block_quantized_reads_our_tied_table_like_matmul_nbits(bits, symmetric, k):
+    """The tied embedding / LM head is one packed table: GatherBlockQuantized (embedding rows,
+    zero points as [rows, packed blocks]) and MatMulNBits (the head, the same zero points flat)
+    must both read our dequantised weight, an odd number of blocks per row included."""
+    rng = np.random.default_rng(k + bits)
+    table = rng.standard_normal((40, k)).astype(np.float32) * 0.05
+    q = pack_nbits(table, bits, symmetric=symmetric)
+    inits = [numpy_helper.from_array(q.packed.reshape(q.n, q.k * bits // 8), "T"),
+             numpy_helper.from_array(q.scales.reshape(q.n, -1), "S")]
+    inputs = ["T", "ids", "S"]
+    if q.zero_points is not None:
+        inits.append(numpy_helper.from_array(q.zero_points.reshape(q.n, -1), "Z"))
+        inputs.append("Z")
+    node = helper.make_node("GatherBlockQuantized", inputs, ["rows"], domain="com.microsoft", bits=bits,
+                            block_size=q.block_size, gather_axis=0, quantize_axis=1)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [None])],
+                              [helper.make_tensor_value_info("rows", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=10)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ids = np.array([0, 7, 39, 7], np.int64)
+    np.testing.assert_allclose(session.run(None, {"ids": ids})[0], dequantize_nbits(q)[ids], rtol=1e-6, atol=1e-7)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    np.testing.assert_allclose(_matmul_nbits(x, q), x @ dequantize_nbits(q).T, rtol=1e-4, atol=1e-4)
