@@ -79,6 +79,8 @@ class Engine:
                                      cache_dir=config.cost_cache_dir)
         self.ledger = MemoryLedger(self._memory_budget_bytes())
         self.ledger.set(MemoryKind.WEIGHTS, "model", _weights_bytes(model))
+        self._backend_held = 0
+        self._note_backend_memory()
         self.ledger.register_shedder(MemoryKind.ADAPTERS, self._shed_adapters)
         slo_tbt_s = (config.slo_tbt_ms / 1000 if config.slo_tbt_ms > 0
                      else config.slo_tbt_factor * self.costs.unloaded_decode_s())
@@ -136,7 +138,15 @@ class Engine:
         forward = (self.costs.inference_bytes(self.config.max_batched_tokens, False)
                    + self.config.max_num_seqs * self.costs.logits_bytes_per_row)
         return (_weights_bytes(self.model) + self.cache.nbytes + self.adapters.cache.capacity_bytes
-                + forward + self.config.finetune_memory_bytes)
+                + forward + self.config.finetune_memory_bytes + getattr(self.backend, "reserved_bytes", 0))
+
+    def _note_backend_memory(self) -> None:
+        """What the backend holds beside the model and the paged cache (an ONNX Runtime graph's
+        own weights, its dense KV rows) is weight-like: the ledger counts it, nothing sheds it."""
+        held = getattr(self.backend, "held_bytes", 0)
+        if held != self._backend_held:
+            self.ledger.set(MemoryKind.WEIGHTS, "backend", held)
+            self._backend_held = held
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -340,6 +350,7 @@ class Engine:
         Returns the requests it finished."""
         start = self.clock()
         self.ledger.set(MemoryKind.ADAPTERS, "cache", self.adapters.cache.nbytes)
+        self._note_backend_memory()
         batch = self.scheduler.schedule(start)
         if batch.empty:
             self.ledger.release_reservation()

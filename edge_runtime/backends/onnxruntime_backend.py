@@ -19,7 +19,7 @@ import torch
 
 from edge_runtime.backends.dense_kv import DenseKV
 from edge_runtime.backends.lora_stack import LoraStackCache
-from edge_runtime.backends.onnx_export import export_step
+from edge_runtime.backends.onnx_export import DATA_FILE, export_step
 from edge_runtime.backends.onnx_graph import KV_DTYPES, GraphSpec, weight_format
 from edge_runtime.backends.step_inputs import (
     DecodeInputs,
@@ -140,7 +140,9 @@ class OnnxRuntimeBackend:
                 options.intra_op_num_threads = self.num_threads
             inference = ort.InferenceSession(str(path), options, providers=self._providers_for(path))
             log.info("onnxruntime backend: %s on %s", path.parent.name, inference.get_providers())
-            session = _Session(path, inference, inference.io_binding(), has_lora_inputs=lora)
+            data = path.parent / DATA_FILE
+            session = _Session(path, inference, inference.io_binding(), has_lora_inputs=lora,
+                               weights_bytes=data.stat().st_size if data.exists() else 0)
             if self.dense is None:
                 self._bind_cache(session.binding)
             self._sessions[lora] = session
@@ -160,6 +162,23 @@ class OnnxRuntimeBackend:
                 p = (p[0], {**p[1], **ort_trt_profile_options(path, limits)})
             out.append(p)
         return out
+
+    @property
+    def held_bytes(self) -> int:
+        """Memory this backend holds beside the engine's model and paged KV cache, for the
+        ledger: the weights of each opened graph (their external data, read into the session)
+        and the dense KV rows at their byte limit (they grow inside a run, where the ledger
+        cannot look, so it counts the most they may take)."""
+        return sum(s.weights_bytes for s in self._sessions.values()) + self._dense_limit()
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The most `held_bytes` may become: the LoRA graph opens on the first adapter row and
+        holds the same weights again."""
+        return 2 * self._sessions[False].weights_bytes + self._dense_limit()
+
+    def _dense_limit(self) -> int:
+        return 0 if self.dense is None else self.dense.limit_bytes or 0
 
     @property
     def session(self):
@@ -459,6 +478,7 @@ class _Session:
     inference: Any
     binding: Any
     has_lora_inputs: bool
+    weights_bytes: int = 0  # the graph's external weight data
     bound_stack: tuple[Hashable, ...] | None = None
     dense_key: tuple | None = None  # what the dense layout's past/present are bound to
     inputs_key: tuple | None = None  # which preallocated decode inputs are bound (None: a plan's)

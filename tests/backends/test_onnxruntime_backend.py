@@ -77,6 +77,32 @@ def test_a_row_decodes_the_same_alone_and_in_a_batch(tiny_model_dir, tmp_path):
     assert torch.equal(a, b)
 
 
+def test_the_ledger_counts_the_graph_weights_and_dense_rows(tiny_model_dir, tmp_path, reference):
+    """An ONNX Runtime graph holds its own weights and the dense layout its own KV rows, beside
+    the model and the paged cache: the ledger holds them as weight-like entries (the LoRA
+    graph's from its first adapter row on) and the derived budget makes room for both graphs."""
+    from edge_runtime.backends.onnx_export import DATA_FILE
+    from edge_runtime.memory import MemoryKind
+
+    adapters = reference[0]
+    engine = make_engine(tiny_model_dir, "onnxruntime", adapters, onnx_cache_dir=str(tmp_path), **CONFIG)
+    backend = engine.backend
+    base = (backend._sessions[False].path.parent / DATA_FILE).stat().st_size
+    limit = backend.dense.limit_bytes
+    assert base > 0 and limit > 0
+    assert engine.ledger.entries(MemoryKind.WEIGHTS)["backend"] == base + limit
+    budget = engine.ledger.budget
+    engine.add_request("Hello there", SamplingParams(max_tokens=3, ignore_eos=True), adapter="alice")
+    while engine.has_unfinished():
+        engine.step()
+    lora = backend._sessions[True].weights_bytes
+    assert lora >= base  # the same weights, plus the LoRA nodes' constants
+    engine.step()  # the next iteration notes what the run opened
+    assert engine.ledger.entries(MemoryKind.WEIGHTS)["backend"] == base + lora + limit
+    assert engine.ledger.peak_used <= budget == engine.ledger.budget
+    assert backend.reserved_bytes == 2 * base + limit
+
+
 def test_export_is_cached_per_model_and_spec(tiny_model_dir, tmp_path):
     engine = Engine.load(str(tiny_model_dir), **CONFIG)
     path = export_step(engine.model, GraphSpec(), tmp_path)
