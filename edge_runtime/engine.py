@@ -79,7 +79,6 @@ class Engine:
                                      cache_dir=config.cost_cache_dir)
         self.ledger = MemoryLedger(self._memory_budget_bytes())
         self.ledger.set(MemoryKind.WEIGHTS, "model", _weights_bytes(model))
-        self._backend_held = 0
         self._note_backend_memory()
         self.ledger.register_shedder(MemoryKind.ADAPTERS, self._shed_adapters)
         slo_tbt_s = (config.slo_tbt_ms / 1000 if config.slo_tbt_ms > 0
@@ -143,10 +142,7 @@ class Engine:
     def _note_backend_memory(self) -> None:
         """What the backend holds beside the model and the paged cache (an ONNX Runtime graph's
         own weights, its dense KV rows) is weight-like: the ledger counts it, nothing sheds it."""
-        held = getattr(self.backend, "held_bytes", 0)
-        if held != self._backend_held:
-            self.ledger.set(MemoryKind.WEIGHTS, "backend", held)
-            self._backend_held = held
+        self.ledger.set(MemoryKind.WEIGHTS, "backend", getattr(self.backend, "held_bytes", 0))
 
     # -- requests ---------------------------------------------------------------------------
 

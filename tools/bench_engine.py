@@ -200,6 +200,11 @@ def story_prompts(streams: int) -> list[list[dict[str, str]]]:
     return [chat(f"Write a short story about {t}.") for t in (TOPICS * 4)[:streams]]
 
 
+# Tries per measurement for every runtime (ours: whole generations; the references: each of
+# their short and long runs), so a round gives each the same chances against the machine's noise.
+TRIES = 2
+
+
 def our_runner(model_dir: Path, tokens: int, threads: int, **config):
     """A measurement function over our engine (scheduler, paged KV, continuous batching) on one
     backend: streams -> decode tokens/s."""
@@ -207,11 +212,6 @@ def our_runner(model_dir: Path, tokens: int, threads: int, **config):
     engine.generate(chat("Warm up."), SamplingParams(max_tokens=8, ignore_eos=True))
     return lambda streams: max(our_streams(engine, story_prompts(streams), tokens)["decode_tok_s"]
                                for _ in range(TRIES))
-
-
-# Tries per measurement for every runtime (ours: whole generations; the references: each of
-# their short and long runs), so a round gives each the same chances against the machine's noise.
-TRIES = 2
 
 
 def _time_k_tokens(run, tokens: int) -> float:

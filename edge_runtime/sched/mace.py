@@ -33,8 +33,8 @@ class MacePolicy(Policy):
     prompt's cost, and the TBT SLO bounds a stream's mean gap, not each one). A fine-tune job
     placed in a bin takes its next stage in priority order; once every task was dequeued, its
     following stages fill what bin 1 has left (an aged job thus runs ahead of inference by one
-    stage per iteration, not by as many stages as the budget holds). At most `max_bins` bins are planned (a bound on scheduler
-    time; later bins are re-planned before they would run).
+    stage per iteration, not by as many stages as the budget holds). At most `max_bins` bins
+    are planned (a bound on scheduler time; later bins are re-planned before they would run).
     """
 
     name = "mace"
