@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from edge_runtime.errors import MaceError, UnknownRequest
+from edge_runtime.errors import MaceError, RequestFailed, UnknownRequest
 from edge_runtime.outputs import RequestOutput, TokenEvent
 
 if TYPE_CHECKING:
@@ -95,6 +95,7 @@ class EngineThread:
         self._mailbox: list[Callable[[], None] | _Tokens] = []
         self._mailbox_lock = threading.Lock()
         self.latencies_s: deque[float] = deque(maxlen=512)  # written by the engine thread only
+        self.lost_requests = 0  # requests answered by the reply invariant's check (should stay 0)
         self.snapshot = EngineSnapshot()
         self.model_info: dict[str, Any] = {}
         # Published by the engine thread every `stats_every_s` (replaced whole, never mutated), so
@@ -185,6 +186,21 @@ class EngineThread:
         # Tokens of an iteration that also runs fine-tune stages go out before those stages.
         engine.on_tokens_emitted = self._flush
         self._loop.call_soon_threadsafe(_settle, self._ready, engine, None)
+        try:
+            self._serve(engine)
+        except BaseException as exc:  # the loop itself broke: the daemon must exit and restart
+            log.critical("the engine loop died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            self._stopping = True
+            self._outbox.append(lambda exc=exc: self._on_dead(exc))
+        finally:
+            # Whatever ended the loop, every request admitted gets its one final reply.
+            self._fail_sinks(EngineFailed("the engine has stopped"))
+            self._flush()
+            self._reject_leftovers()
+
+    def _serve(self, engine: Engine) -> None:
+        """The iteration loop. `Engine.step()` fails a request that breaks it alone and raises
+        only for failures no request caused; only those count toward `MAX_CONSECUTIVE_STEP_FAILURES`."""
         failures = 0
         while not self._stopping:
             self._on_alive()
@@ -204,15 +220,15 @@ class EngineThread:
                     if engine.last_iteration_s:
                         self.latencies_s.append(engine.last_iteration_s)
                     for output in finished:
-                        self._finish(output.request_id, output, None, None)
+                        error = RequestFailed(output.error) if output.error else None
+                        self._finish(output.request_id, output, None, error)
+                self._check_replies(engine)
             self.snapshot = EngineSnapshot(
                 len(engine.scheduler.waiting), len(engine.scheduler.running), len(engine.requests),
                 engine.iterations, engine.last_iteration_s)
             self._publish_stats(engine)
             self._flush()
         self._drain(engine, block=False)  # answer calls that raced with stop()
-        self._flush()
-        self._reject_leftovers()
 
     def _publish_stats(self, engine: Engine, force: bool = False) -> None:
         now = time.monotonic()
@@ -268,7 +284,25 @@ class EngineThread:
                 engine.abort(request_id)
             except Exception:  # the scheduler may be inconsistent now; drop it regardless
                 engine.requests.pop(request_id, None)
+        self._fail_sinks(error)
+
+    def _fail_sinks(self, error: BaseException) -> None:
+        """Finish every request still waiting for its reply (including any the engine already
+        let go of before it raised) with `error`."""
+        for request_id in list(self._sinks):
             self._finish(request_id, None, None, error)
+
+    def _check_replies(self, engine: Engine) -> None:
+        """The invariant: a request with a sink is in flight in the engine. One that is not
+        would never get its final reply; answer it now and say so loudly (a bug to fix)."""
+        if len(self._sinks) <= len(engine.requests) and all(r in engine.requests for r in self._sinks):
+            return
+        lost = [r for r in self._sinks if r not in engine.requests]
+        self.lost_requests += len(lost)
+        log.error("invariant broken: %d request(s) left the engine without a final reply; answering "
+                  "them with an error", len(lost))
+        for request_id in lost:
+            self._finish(request_id, None, None, EngineFailed("the engine lost this request (a bug); it was not completed"))
 
     def _flush(self) -> None:
         for request_id, events in self._events.items():

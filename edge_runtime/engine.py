@@ -23,7 +23,7 @@ import torch
 from edge_runtime.backends import make_backend
 from edge_runtime.config import EngineConfig
 from edge_runtime.device import pick_device, pick_dtype
-from edge_runtime.errors import BadRequest, UnknownRequest
+from edge_runtime.errors import BadRequest, EngineBroken, UnknownRequest
 from edge_runtime.ids import validate_request_id
 from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.kv.cache import KVCache, bytes_per_block
@@ -35,6 +35,7 @@ from edge_runtime.model.tokenizer import ChatMessages, Tokenizer
 from edge_runtime.model.weights import load_llama
 from edge_runtime.outputs import RequestMetrics, RequestOutput, TokenEvent
 from edge_runtime.sampling import SamplingParams, sample_next
+from edge_runtime.sched.batch import ScheduledSeq
 from edge_runtime.sched.cost_model import load_cost_model, load_stage_costs
 from edge_runtime.sched.finetune import FineTuneJob, FineTuneWork
 from edge_runtime.sched.registry import make_policy
@@ -174,16 +175,23 @@ class Engine:
             )
         now = self.clock()
         pinned = self._pin_adapter(adapter)
-        request = Request(request_id, text, ids, params, now, on_token=on_token, adapter=pinned,
-                          adapter_key=pinned.key if pinned is not None else "")
-        request.metrics = RequestMetrics(arrival_time=now, prompt_tokens=len(ids))
-        for index in range(params.n):
-            generator = None
-            if not params.greedy:
-                seed = params.seed + index if params.seed is not None else secrets.randbits(63)
-                generator = torch.Generator().manual_seed(seed)
-            seq = Sequence(next(self._seq_ids), request, index, list(ids), self.tokenizer.stream_decoder(), generator)
-            request.seqs.append(seq)
+        try:
+            request = Request(request_id, text, ids, params, now, on_token=on_token, adapter=pinned,
+                              adapter_key=pinned.key if pinned is not None else "")
+            request.metrics = RequestMetrics(arrival_time=now, prompt_tokens=len(ids))
+            for index in range(params.n):
+                generator = None
+                if not params.greedy:
+                    seed = params.seed + index if params.seed is not None else secrets.randbits(63)
+                    generator = torch.Generator().manual_seed(seed)
+                request.seqs.append(Sequence(next(self._seq_ids), request, index, list(ids),
+                                             self.tokenizer.stream_decoder(), generator))
+        except BaseException:
+            self.adapters.release(pinned)
+            raise
+        # Only a request built whole enters the scheduler: a half-added one would run with no
+        # one to answer.
+        for seq in request.seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = request
         return request_id
@@ -351,12 +359,13 @@ class Engine:
         if batch.empty:
             self.ledger.release_reservation()
             return []
+        failed: list[RequestOutput] = []
+        logits = self._run_forward(batch, failed)
         sampling = [item.seq for item in batch.items if item.samples]
-        logits = self._run_forward(batch)
         # The forward's tokens go out before the bin's fine-tune stages run: on one thread the
         # stages delay the next token (the TBT the latency budget bounds), not this one.
         self.scheduler.commit_inference(batch, self.clock())
-        finished = self._commit_tokens(sampling, logits) if logits is not None else []
+        finished = failed + (self._commit_tokens(sampling, logits) if logits is not None else [])
         if batch.finetune:
             if self.on_tokens_emitted is not None and sampling:
                 self.on_tokens_emitted()
@@ -366,13 +375,100 @@ class Engine:
         self.last_iteration_s = self.clock() - start
         return finished
 
-    def _run_forward(self, batch: Batch) -> torch.Tensor | None:
+    def _run_forward(self, batch: Batch, failed: list[RequestOutput]) -> torch.Tensor | None:
+        """The bin's forward. If it raises, the requests whose rows make it fail are found and
+        failed alone (into `failed`), their items leave the batch, and the rest still run."""
         if not batch.items:
             return None
         started = time.perf_counter()
-        logits = self.backend.execute(batch).cpu()
+        try:
+            logits = self.backend.execute(batch).cpu()
+        except Exception as exc:
+            return self._isolate_forward_fault(batch, exc, failed)
         self.costs.observe_forward(batch.planned_forward_s, time.perf_counter() - started)
         return logits
+
+    def _isolate_forward_fault(self, batch: Batch, exc: Exception, failed: list[RequestOutput]) -> torch.Tensor | None:
+        """Run the items again in halves until each failure is pinned on single items; their
+        requests fail, every other item keeps the logits of a run that worked (rewriting a
+        position's keys and values is harmless: same tokens, same slots). When no item runs even
+        alone, a one-token probe on a scratch sequence tells a broken engine (raise
+        `EngineBroken`) from requests that break the forward (they fail, the engine goes on)."""
+        log.warning("the forward of %d sequence(s) failed (%s: %s); retrying in parts to find the cause",
+                    len(batch.items), type(exc).__name__, exc)
+        rows: dict[int, torch.Tensor] = {}  # id(item) -> its logits row, for items that sample
+        culprits: dict[int, Exception] = {}  # id(item) -> what it raised alone
+
+        def attempt(items: list[ScheduledSeq], error: Exception | None) -> None:
+            if error is None:
+                try:
+                    out = self.backend.execute(Batch(items, [])).cpu()
+                except Exception as exc:
+                    error = exc
+                else:
+                    for row, item in zip(out, (i for i in items if i.samples), strict=True):
+                        rows[id(item)] = row
+                    return
+            if len(items) == 1:
+                culprits[id(items[0])] = error
+                return
+            half = len(items) // 2
+            attempt(items[:half], None)
+            attempt(items[half:], None)
+
+        items = list(batch.items)
+        attempt(items, exc)
+        bad = [item for item in items if id(item) in culprits]
+        for item in bad:
+            request = item.seq.request
+            if request.request_id in self.requests:
+                cause = culprits[id(item)]
+                failed.append(self._fail_request(
+                    request, f"the forward failed on this request: {type(cause).__name__}: {cause}"))
+        batch.items = [item for item in items if item.seq.status is not SeqStatus.FINISHED]
+        if len(bad) == len(items) and not self._forward_works():
+            raise EngineBroken(f"the forward fails for every request and for a one-token probe: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        sampled = [rows[id(item)] for item in batch.items if item.samples]
+        if not batch.items:
+            return None
+        return torch.stack(sampled) if sampled else torch.empty(0, self.model.cfg.vocab_size)
+
+    def _forward_works(self) -> bool:
+        """One token of a scratch sequence on the base model, in a block of its own."""
+        if not self.pool.num_free:
+            return False
+        block = self.pool.allocate()
+        probe = Request("engine-probe", "", [0], SamplingParams(max_tokens=1), self.clock())
+        seq = Sequence(-1, probe, 0, [0], self.tokenizer.stream_decoder(), block_table=[block])
+        probe.seqs.append(seq)
+        try:
+            self.backend.execute(Batch([ScheduledSeq(seq, 1)], []))
+        except Exception:
+            log.exception("the engine's one-token probe failed too")
+            return False
+        finally:
+            seq.status = SeqStatus.FINISHED
+            self.pool.release(block)
+        return True
+
+    def _fail_request(self, request: Request, why: str) -> RequestOutput:
+        """End one request now with finish reason "error" (its blocks and adapter go back) and
+        return its output, `error` set; every other request goes on."""
+        log.error("request %s failed alone: %s", request.request_id, why)
+        request.error = why
+        self.requests.pop(request.request_id, None)
+        self.adapters.release(request.adapter)
+        for seq in request.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.finish(seq, "error")
+                try:
+                    self._emit(seq, "", None, finished=True)
+                except Exception:  # the callback is what failed: the output still says why
+                    log.exception("request %s: its final event could not be delivered", request.request_id)
+        if request.metrics is not None:
+            request.metrics.finish_time = self.clock()
+        return request.output()
 
     def _run_finetune(self, batch: Batch) -> None:
         queue = self.scheduler.finetune
@@ -399,39 +495,52 @@ class Engine:
         now = self.clock()
         greedy = _greedy_tokens(logits) if any(seq.params.greedy for seq in seqs) else None
         for row, seq in enumerate(seqs):
-            params = seq.params
-            if params.greedy and greedy is not None:
-                token = greedy[row]
-            else:
-                token = sample_next(logits[row], params, seq.generator)
-            seq.token_ids.append(token)
-            self.tokens_generated += 1
-            metrics = seq.request.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.generated_tokens += 1
-            reason = None
-            if (token in self.tokenizer.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-                reason = "stop"
-            else:
-                seq.text += seq.decoder.step(token)
-                if params.stop:
-                    cut = _find_stop(seq.text, params.stop, seq.emitted)
-                    if cut is not None:
-                        seq.text = seq.text[:cut]
-                        reason = "stop"
-            if reason is None and (seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_context):
-                reason = "length"
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            self._emit(seq, self._releasable(seq, reason is not None), token, finished=reason is not None)
-            request = seq.request
-            if reason is not None and request.finished and request.request_id in self.requests:
-                del self.requests[request.request_id]
-                self.adapters.release(request.adapter)
-                metrics.finish_time = now
-                done.append(request.output())
+            if seq.status is SeqStatus.FINISHED:
+                continue  # its request failed on an earlier row of this step
+            try:
+                output = self._commit_token(seq, logits[row], greedy[row] if greedy is not None else None, now)
+            except Exception as exc:  # sampling, stop check, detokenising, the callback: this request's
+                output = self._fail_request(seq.request, f"{type(exc).__name__}: {exc}")
+            if output is not None:
+                done.append(output)
         return done
+
+    def _commit_token(self, seq: Sequence, logits: torch.Tensor, greedy: int | None, now: float) -> RequestOutput | None:
+        """Sample, stream and stop-check one sequence's new token; its request's output when
+        this token finished the request."""
+        params = seq.params
+        if params.greedy and greedy is not None:
+            token = greedy
+        else:
+            token = sample_next(logits, params, seq.generator)
+        seq.token_ids.append(token)
+        self.tokens_generated += 1
+        metrics = seq.request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.generated_tokens += 1
+        reason = None
+        if (token in self.tokenizer.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = "stop"
+        else:
+            seq.text += seq.decoder.step(token)
+            if params.stop:
+                cut = _find_stop(seq.text, params.stop, seq.emitted)
+                if cut is not None:
+                    seq.text = seq.text[:cut]
+                    reason = "stop"
+        if reason is None and (seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_context):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        self._emit(seq, self._releasable(seq, reason is not None), token, finished=reason is not None)
+        request = seq.request
+        if reason is not None and request.finished and request.request_id in self.requests:
+            del self.requests[request.request_id]
+            self.adapters.release(request.adapter)
+            metrics.finish_time = now
+            return request.output()
+        return None
 
     def _releasable(self, seq: Sequence, finished: bool) -> str:
         """Text that can be streamed now: all of it at the end, otherwise all but a tail that

@@ -39,3 +39,17 @@ class AdmissionRejected(MaceError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.reason = reason or message
+
+
+class RequestFailed(MaceError):
+    """The engine could not run this one request (its forward rows, sampling, stop check or
+    detokenising raised); the request fails alone and the engine goes on with the others."""
+
+    code = "internal"
+
+
+class EngineBroken(MaceError):
+    """The engine failed in a way no request caused (a forward of a known-good probe fails too,
+    or its own bookkeeping raised): every request in flight fails, and a host may restart it."""
+
+    code = "internal"

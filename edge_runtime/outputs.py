@@ -58,6 +58,7 @@ class RequestOutput:
     finished: bool = False
     adapter: str | None = None  # adapter id (user) and version used, e.g. "alice@3"
     metrics: RequestMetrics | None = None
+    error: str | None = None  # set when the engine failed this request alone (finish reason "error")
 
     @property
     def text(self) -> str:

@@ -8,10 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from edge_runtime.errors import BadRequest
+from edge_runtime.errors import BadRequest, MaceError
 
 if TYPE_CHECKING:
     import torch
+
+
+class SamplingError(MaceError):
+    """A row's logits could not be sampled (not finite): the request fails, the engine goes on."""
+
+    code = "internal"
 
 
 @dataclass(frozen=True)
@@ -55,12 +61,24 @@ class SamplingParams:
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Pick the next token from one row of logits [vocab] (float32)."""
+    """Pick the next token from one row of logits [vocab].
+
+    Safe for every value the protocol admits: the row is shifted so its best score is 0 and
+    worked in float64 before it is divided by the temperature, so a temperature as small as the
+    smallest positive double (5e-324) gives 0 for the best token and -inf or a finite negative
+    number for the rest (never inf - inf or 0 / 0), and a `top_p` as small as 5e-324 is compared
+    in float64 (in float32 it would round to 0 and drop every token). A row whose logits are not
+    finite raises `SamplingError`: the model, not the request, is wrong, and the engine fails
+    that request alone."""
     import torch
 
     if params.greedy:
         return int(torch.argmax(logits))
-    scores = logits / params.temperature
+    scores = logits.detach().to(torch.float64)
+    best = scores.max()
+    if not torch.isfinite(best) or torch.isnan(scores).any():
+        raise SamplingError("the model's logits for this row are not finite numbers")
+    scores = (scores - best) / params.temperature
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -68,7 +86,8 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays:
+        # its preceding mass is exactly 0).
         drop = cumulative - sorted_probs >= params.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

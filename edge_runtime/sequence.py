@@ -38,6 +38,7 @@ class Request:
     on_token: Callable[[TokenEvent], None] | None = None
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    error: str | None = None  # why the engine failed this request alone, if it did
 
     @property
     def finished(self) -> bool:
@@ -54,6 +55,7 @@ class Request:
             finished=self.finished,
             adapter=self.adapter_key or None,
             metrics=self.metrics,
+            error=self.error,
         )
 
 

@@ -152,3 +152,146 @@ def test_a_model_that_fails_to_load_fails_start() -> None:
             await thread.start()
 
     run(main())
+
+
+class CountingSink(Sink):
+    """A sink that records every final reply, so a second one is seen, not swallowed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.finals = 0
+
+    def on_finished(self, output: RequestOutput | None, aborted: str | None, error: BaseException | None) -> None:
+        self.finals += 1
+        if not self.done.done():
+            super().on_finished(output, aborted, error)
+
+
+def test_a_request_the_engine_fails_alone_gets_one_error_reply_and_the_others_finish(tiny_model: Path) -> None:
+    from edge_runtime.errors import RequestFailed
+    from edge_runtime.sampling import SamplingParams
+
+    def load():
+        import edge_runtime.engine as engine_module
+
+        engine = loader(tiny_model)()
+        real = engine_module.sample_next
+
+        def sample(logits, params, generator):  # the sampler fault of issue 21, injected
+            if params.seed == 13:
+                raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+            return real(logits, params, generator)
+
+        engine_module.sample_next = sample
+        engine._restore = lambda: setattr(engine_module, "sample_next", real)
+        return engine
+
+    async def main() -> None:
+        thread = EngineThread(load, asyncio.get_running_loop())
+        engine = await thread.start()
+        try:
+            sinks = {f"r{i}": CountingSink() for i in range(6)}
+            for i, (rid, sink) in enumerate(sinks.items()):
+                params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.5 if i == 2 else 0.0,
+                                        seed=13 if i == 2 else None)
+                await thread.submit(rid, "hello there", params, sink)
+            for rid, sink in sinks.items():
+                output, aborted, error = await sink.done
+                if rid == "r2":
+                    assert isinstance(error, RequestFailed) and "probability tensor" in str(error)
+                    assert output.candidates[0].finish_reason == "error"
+                else:
+                    assert error is None and aborted is None and len(output.token_ids) == 8
+            await thread.call(lambda e: None)  # one more turn of the loop: no second replies
+            assert [s.finals for s in sinks.values()] == [1] * 6
+            assert thread.alive and thread.lost_requests == 0
+        finally:
+            engine._restore()
+            thread.stop()
+            assert await thread.join(5)
+
+    run(main())
+
+
+def test_requests_that_left_the_engine_before_a_failed_step_still_get_their_reply(tiny_model: Path) -> None:
+    """A step that raises after some requests finished (their outputs never returned) used to
+    leave those clients with no reply at all; every sink is answered now."""
+    from edge_runtime.sampling import SamplingParams
+
+    def load():
+        engine = loader(tiny_model)()
+        real = engine._commit_tokens
+
+        def commit(seqs, logits):
+            done = real(seqs, logits)
+            if done:
+                raise RuntimeError("bookkeeping bug after requests finished")
+            return done
+
+        engine._commit_tokens = commit
+        return engine
+
+    async def main() -> None:
+        thread = EngineThread(load, asyncio.get_running_loop())
+        await thread.start()
+        sinks = [CountingSink() for _ in range(3)]
+        for i, sink in enumerate(sinks):
+            await thread.submit(f"r{i}", "hi", SamplingParams(max_tokens=2 + 20 * i, ignore_eos=True), sink)
+        for sink in sinks:
+            output, _, error = await sink.done
+            assert isinstance(error, EngineFailed) and "bookkeeping bug" in str(error)
+        await thread.call(lambda e: None)
+        assert [s.finals for s in sinks] == [1, 1, 1]
+        thread.stop()
+        assert await thread.join(5)
+
+    run(main())
+
+
+def test_a_request_the_engine_lets_go_of_silently_is_answered_by_the_reply_invariant(tiny_model: Path) -> None:
+    from edge_runtime.sampling import SamplingParams
+
+    async def main() -> None:
+        thread = EngineThread(loader(tiny_model), asyncio.get_running_loop())
+        await thread.start()
+        lost, kept = CountingSink(), CountingSink()
+        await thread.submit("lost", "hi", SamplingParams(max_tokens=500, ignore_eos=True), lost)
+        await thread.submit("kept", "hi", SamplingParams(max_tokens=4, ignore_eos=True), kept)
+
+        def drop(engine) -> None:  # a bug: the request leaves the engine without an output
+            request = engine.requests.pop("lost")
+            for seq in request.seqs:
+                engine.scheduler.finish(seq, "abort")
+
+        await thread.call(drop)
+        _, _, error = await lost.done
+        assert isinstance(error, EngineFailed) and "lost this request" in str(error)
+        output, _, error = await kept.done
+        assert error is None and len(output.token_ids) == 4
+        assert thread.lost_requests == 1 and lost.finals == 1
+        thread.stop()
+        assert await thread.join(5)
+
+    run(main())
+
+
+def test_every_request_is_answered_when_the_engine_loop_itself_dies(tiny_model: Path) -> None:
+    from edge_runtime.sampling import SamplingParams
+
+    async def main() -> None:
+        died: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        thread = EngineThread(loader(tiny_model), asyncio.get_running_loop(), on_dead=died.set_result)
+        engine = await thread.start()
+        sink = CountingSink()
+        await thread.submit("r", "hi", SamplingParams(max_tokens=10_000, ignore_eos=True), sink)
+
+        def broken() -> bool:  # outside step(): the loop's own code raises
+            raise RuntimeError("loop torn down")
+
+        engine.has_unfinished = broken
+        _, _, error = await sink.done
+        assert isinstance(error, EngineFailed) and sink.finals == 1
+        assert "loop torn down" in str(await died)
+        assert await thread.join(5)
+
+    run(main())
