@@ -91,13 +91,26 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not part of the protocol")
 
 
+def _no_timestamps_in_list(items: list[Any]) -> list[Any]:
+    # msgpack decodes its timestamp extension (type -1) itself instead of calling ext_hook.
+    if any(isinstance(item, msgpack.Timestamp) for item in items):
+        raise ValueError("msgpack extension type -1 (timestamp) is not part of the protocol")
+    return items
+
+
+def _no_timestamps_in_map(pairs: dict[Any, Any]) -> dict[Any, Any]:
+    _no_timestamps_in_list(list(pairs.values()))
+    return pairs
+
+
 def decode(frame: bytes, max_bytes: int | None = None) -> dict[str, Any]:
     """One frame -> one msgpack map; ProtocolError `too_large` / `bad_message` otherwise."""
     if max_bytes is not None and len(frame) > max_bytes:
         raise ProtocolError("too_large", f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}")
     try:
         message = msgpack.unpackb(frame, raw=False, strict_map_key=True, ext_hook=_no_ext,
-                                  timestamp=0)
+                                  timestamp=0, list_hook=_no_timestamps_in_list,
+                                  object_hook=_no_timestamps_in_map)
     except UnicodeDecodeError as exc:
         raise ProtocolError("bad_message", f"a string is not valid UTF-8 ({exc.reason})") from None
     except (ValueError, msgpack.UnpackException) as exc:
@@ -108,17 +121,25 @@ def decode(frame: bytes, max_bytes: int | None = None) -> dict[str, Any]:
     return message
 
 
+def reply_envelope(frames: list[bytes]) -> list[bytes]:
+    """The frames a reply goes back under: the routing id, and the empty delimiter a REQ client
+    puts first (without it a REQ socket drops the reply), even when the body is malformed."""
+    if len(frames) >= 3 and frames[1] == b"":
+        return [frames[0], b""]
+    return frames[:1]
+
+
 def split_envelope(frames: list[bytes]) -> tuple[list[bytes], bytes]:
     """ROUTER frames -> (reply envelope, body). DEALER clients send [body]; REQ clients put an
-    empty delimiter first, which must come back in the reply envelope."""
+    empty delimiter first, which must come back in the reply envelope. Anything else raises
+    `bad_message` (answered under `reply_envelope(frames)`)."""
     if len(frames) < 2:
         raise ProtocolError("bad_message", "a request has exactly one body frame; got none")
-    identity, rest = frames[0], frames[1:]
-    if len(rest) == 2 and rest[0] == b"":
-        return [identity, b""], rest[1]
-    if len(rest) != 1:
-        raise ProtocolError("bad_message", f"a request has exactly one body frame; got {len(rest)}")
-    return [identity], rest[0]
+    envelope = reply_envelope(frames)
+    bodies = frames[len(envelope):]
+    if len(bodies) != 1:
+        raise ProtocolError("bad_message", f"a request has exactly one body frame; got {len(bodies)}")
+    return envelope, bodies[0]
 
 
 # --- replies -----------------------------------------------------------------------------------
@@ -171,7 +192,8 @@ def request_id_of(message: Mapping[str, Any]) -> str | int | None:
 def parse_request(message: Mapping[str, Any]) -> Request:
     """Validate the envelope and the op's arguments; raises ProtocolError naming the problem."""
     version = message.get("v")
-    if version not in SUPPORTED_VERSIONS or isinstance(version, bool):
+    # An integer, exactly: 1.0 == 1 and True == 1 in Python, but neither is version 1.
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
         raise ProtocolError(
             "unsupported_version",
             f"protocol version {version!r} is not supported; this daemon speaks {list(SUPPORTED_VERSIONS)}",
@@ -215,7 +237,7 @@ class _Fields:
             if required:
                 raise self._fail(name, what)
             return default
-        if not isinstance(value, str) or len(value) > max_chars or (pattern and not pattern.match(value)):
+        if not isinstance(value, str) or len(value) > max_chars or (pattern and not pattern.fullmatch(value)):
             raise self._fail(name, what)
         return value
 
@@ -303,7 +325,8 @@ def _parse_generate(f: _Fields) -> GenerateArgs:
         raise f._fail("stop", f"a string or a list of at most {MAX_STOP_STRINGS} strings")
     if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS for s in stop):
         raise f._fail("stop", f"non-empty strings of at most {MAX_STOP_CHARS} characters")
-    ids = f.values.get("stop_token_ids") or []
+    ids = f.values.get("stop_token_ids")
+    ids = [] if ids is None else ids  # only nil means "none": 0, false, "" or {} are mistakes
     if (not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS
             or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**31 for t in ids)):
         raise f._fail("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} token ids")

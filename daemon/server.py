@@ -28,6 +28,7 @@ from daemon.protocol import (
     error_from,
     error_message,
     parse_request,
+    reply_envelope,
     request_id_of,
     result_message,
     split_envelope,
@@ -178,7 +179,7 @@ class Server:
         # Measure before copying: an oversized body is refused without ever being copied.
         oversized = max((len(part) for part in parts[1:]), default=0)
         if oversized > limit:
-            req_style = len(parts) == 3 and len(parts[1]) == 0
+            req_style = len(parts) >= 3 and len(parts[1]) == 0
             self._reject(client, [identity, b""] if req_style else [identity], None, ProtocolError(
                 "too_large", f"frame of {oversized} bytes exceeds the limit of {limit}"))
             return
@@ -186,7 +187,7 @@ class Server:
         try:
             envelope, body = split_envelope(frames)
         except ProtocolError as exc:
-            self._reject(client, [identity], None, exc)
+            self._reject(client, reply_envelope(frames), None, exc)
             return
         try:
             message = decode(body, self.config.server.max_message_bytes)

@@ -15,7 +15,7 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 
 
 def validate_user_id(user_id: object) -> str:
-    if not isinstance(user_id, str) or not _USER_ID.match(user_id):
+    if not isinstance(user_id, str) or not _USER_ID.fullmatch(user_id):
         raise BadRequest(
             "user id must be 1-64 characters of letters, digits, '_', '-', '.', '@' "
             f"and must not start with '.'; got {user_id!r}"
@@ -24,7 +24,7 @@ def validate_user_id(user_id: object) -> str:
 
 
 def validate_request_id(request_id: object) -> str:
-    if not isinstance(request_id, str) or not _REQUEST_ID.match(request_id):
+    if not isinstance(request_id, str) or not _REQUEST_ID.fullmatch(request_id):
         raise BadRequest(
             f"request id must be 1-128 characters of letters, digits, '_', '-', '.', ':', '@'; got {request_id!r}"
         )

@@ -153,3 +153,68 @@ def test_any_fields_either_parse_or_raise_protocol_error(op: str, fields: dict) 
         parse_request(req(op, **fields))
     except ProtocolError as exc:
         assert exc.code in ERROR_CODES
+
+
+# --- the input holes an outside client found (issue 21) ------------------------------------------
+
+
+@pytest.mark.parametrize("user", ["nl\n", "web\n", "a\n", "ok\r", "x\x00"])
+def test_a_user_id_with_a_trailing_newline_or_control_is_refused(user: str) -> None:
+    from edge_runtime.errors import BadRequest
+    from edge_runtime.ids import validate_user_id
+
+    assert code_of(parse_request, req("users.consent", user=user, granted=True)) == "bad_request"
+    assert code_of(parse_request, req("generate", prompt="x", user=user)) == "bad_request"
+    with pytest.raises(BadRequest):
+        validate_user_id(user)
+
+
+def test_request_and_interaction_ids_with_a_trailing_newline_are_refused() -> None:
+    from edge_runtime.errors import BadRequest
+    from edge_runtime.ids import validate_request_id
+
+    with pytest.raises(BadRequest):
+        validate_request_id("ix-1\n")
+    feedback = req("feedback", user="eve", interaction_id="ix-1\n", feedback={"kind": "thumbs", "up": True})
+    assert code_of(parse_request, feedback) == "bad_request"
+
+
+@pytest.mark.parametrize("value", [0, False, "", {}, -0.0, 0.0, b"", True, 5, "1"])
+def test_stop_token_ids_that_are_not_a_list_are_a_bad_request(value: object) -> None:
+    assert code_of(parse_request, req("generate", prompt="x", stop_token_ids=value)) == "bad_request"
+
+
+def test_stop_token_ids_nil_and_empty_list_mean_none() -> None:
+    assert parse_request(req("generate", prompt="x", stop_token_ids=None)).args.stop_token_ids == ()
+    assert parse_request(req("generate", prompt="x", stop_token_ids=[])).args.stop_token_ids == ()
+    assert parse_request(req("generate", prompt="x", stop_token_ids=[0, 7])).args.stop_token_ids == (0, 7)
+
+
+@pytest.mark.parametrize("version", [1.0, True, "1", 1.5, -0.0, [1]])
+def test_only_the_integer_1_is_version_1(version: object) -> None:
+    assert code_of(parse_request, {"v": version, "id": "r", "op": "health"}) == "unsupported_version"
+    assert parse_request({"v": 1, "id": "r", "op": "health"}).op == "health"
+
+
+@pytest.mark.parametrize("where", ["id", "v", "op", "user", "nested", "list"])
+def test_a_msgpack_timestamp_anywhere_is_a_bad_message(where: str) -> None:
+    ts = msgpack.Timestamp(1_700_000_000, 5)
+    message: dict = req("users.consent", user="eve", granted=True)
+    if where == "nested":
+        message = req("feedback", user="eve", interaction_id="ix-1", feedback={"kind": "rating", "stars": ts})
+    elif where == "list":
+        message = req("generate", prompt="x", stop=["a", ts])
+    else:
+        message[where] = ts
+    assert code_of(decode, msgpack.packb(message, datetime=False), 1 << 20) == "bad_message"
+    assert code_of(decode, msgpack.packb(ts), 1 << 20) == "bad_message"
+
+
+def test_a_req_client_with_a_malformed_body_keeps_its_delimiter_in_the_reply_envelope() -> None:
+    from daemon.protocol import reply_envelope
+
+    for frames in ([b"id", b"", b"a", b"b"], [b"id", b"", b"", b"a"], [b"id", b"", b"a", b"b", b"c"]):
+        assert code_of(split_envelope, frames) == "bad_message"
+        assert reply_envelope(frames) == [b"id", b""]
+    assert reply_envelope([b"id", b"a", b"b"]) == [b"id"]
+    assert reply_envelope([b"id"]) == [b"id"]
