@@ -70,7 +70,10 @@ def prepare_ipc_dir(path: Path) -> None:
     """Create the socket's folder (owner + group only) and refuse one that another user controls,
     since whoever owns it could swap the socket for their own."""
     folder = path.parent
-    folder.mkdir(parents=True, exist_ok=True, mode=0o750)
+    if not folder.exists():
+        folder.mkdir(parents=True, mode=0o750)
+        os.chmod(folder, 0o750)  # explicit: the daemon's umask (077) would keep the group out
+
     info = folder.lstat()
     if folder.is_symlink() or info.st_uid != os.getuid():
         raise PermissionError(f"{folder} is not a directory owned by this user; refusing to put the "

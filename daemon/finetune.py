@@ -41,9 +41,10 @@ class FineTuner(Protocol):
         """New preference pairs are durable: schedule training."""
         ...
 
-    async def forget(self, user: str) -> None:
+    async def forget(self, user: str) -> bool:
         """The user is being erased: stop training for them and drop every adapter version the
-        engine holds of theirs (the store deletes the files right after)."""
+        engine holds of theirs (the store deletes whatever files are left right after). True
+        when this removed the user's adapter folder, so the erasure receipt can say so."""
         ...
 
     def pause(self, reason: str) -> None:
@@ -94,8 +95,8 @@ class BaseModelOnly:
     def on_feedback(self, user: str, pair_ids: tuple[int, ...]) -> None:
         return None
 
-    async def forget(self, user: str) -> None:
-        return None
+    async def forget(self, user: str) -> bool:
+        return False
 
     def pause(self, reason: str) -> None:
         self.paused_reason = reason

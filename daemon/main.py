@@ -17,6 +17,7 @@ from typing import Any
 
 from daemon.config import ConfigError, DaemonConfig, load_config, reload_changes
 from daemon.sdnotify import Notifier, Watchdog, watchdog_interval_s
+from edge_runtime.paths import make_private
 
 log = logging.getLogger("maced")
 
@@ -241,6 +242,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(config.render())
         return 0
     setup_logging(config)
+    try:
+        tightened = make_private(config.state_dir)
+    except OSError as exc:
+        print(f"maced: cannot make the state directory {config.state_dir} private: {exc}", file=sys.stderr)
+        return 1
+    if tightened:
+        log.info("state directory %s: removed group/other access from %d path(s)", config.state_dir, tightened)
     environ = dict(os.environ)  # as started: SIGHUP re-reads the file against the same env and flags
     # The runtime's own lookups (model cache) must see the state directory this config chose.
     os.environ["MACE_STATE_DIR"] = str(config.state_dir)

@@ -13,6 +13,7 @@ import logging
 import os
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -109,8 +110,8 @@ class Server:
         sock.setsockopt(zmq.MAXMSGSIZE, max(4 * s.max_message_bytes, s.max_message_bytes + (64 << 10)))
         sock.setsockopt(zmq.LINGER, 1000)
         if curve:
-            self._start_auth()
             public, secret = _load_server_keys(self.config.server.curve_secret_key)
+            self._start_auth()
             sock.curve_secretkey = secret
             sock.curve_publickey = public
             sock.curve_server = True
@@ -121,6 +122,13 @@ class Server:
             return
         from zmq.auth.asyncio import AsyncioAuthenticator
 
+        folder = Path(self.config.server.curve_authorized_keys).expanduser()
+        if not folder.is_dir():
+            # Like a missing server key: a daemon that would admit no one must not start.
+            raise ValueError(f"server.curve_authorized_keys {folder} is not a folder of client public keys")
+        if not any(folder.glob("*.key")):
+            log.warning("server.curve_authorized_keys %s holds no client key (*.key): no client can connect "
+                        "over TCP until one is added and the daemon restarted", folder)
         self._auth = AsyncioAuthenticator(self.context)
         self._auth.start()
         self._auth.configure_curve(domain="*", location=self.config.server.curve_authorized_keys)

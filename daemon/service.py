@@ -24,6 +24,7 @@ from daemon.config import DaemonConfig
 from daemon.engine_thread import EngineThread
 from daemon.finetune import BaseModelOnly, FineTuner
 from daemon.metrics import DaemonMetrics
+from daemon.privacy import LogPseudonyms
 from daemon.protocol import (
     PROTOCOL_VERSION,
     AdaptersListArgs,
@@ -192,7 +193,8 @@ class Service:
         if not self._custom_tuner:
             from daemon.training import EngineFineTuner
 
-            tuner = EngineFineTuner(self.engine, self.store, self.config.finetune)
+            tuner = EngineFineTuner(self.engine, self.store, self.config.finetune,
+                                    pseudonyms=LogPseudonyms.from_state_dir(self.config.state_dir))
             tuner.start()
             self.fine_tuner = tuner
         self.state = "serving"
@@ -521,8 +523,8 @@ class Service:
     async def users_forget(self, args: UserArgs) -> dict[str, Any]:
         store = self._store()
         # The engine stops serving the user's adapters before their files go.
-        await self.fine_tuner.forget(args.user)
-        report = await store.forget(args.user)
+        removed = await self.fine_tuner.forget(args.user)
+        report = await store.forget(args.user, adapters_removed=removed)
         return {"user": args.user, "erased": asdict(report)}
 
     async def adapters_list(self, args: AdaptersListArgs) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from daemon.config import FineTuneSettings
 from daemon.engine_thread import EngineThread
+from daemon.privacy import LogPseudonyms
 from daemon.protocol import ProtocolError
 from edge_runtime.errors import MaceError
 
@@ -66,8 +67,9 @@ class EngineFineTuner:
     name = "engine"
 
     def __init__(self, engine: EngineThread, store: FeedbackStore | None, settings: FineTuneSettings,
-                 poll_s: float = 0.25) -> None:
+                 poll_s: float = 0.25, pseudonyms: LogPseudonyms | None = None) -> None:
         self.engine = engine
+        self.names = pseudonyms or LogPseudonyms.ephemeral()  # how the log names users
         self.store = store
         self.settings = settings
         self.poll_s = poll_s
@@ -119,7 +121,7 @@ class EngineFineTuner:
                 try:
                     await self._publish(user)
                 except Exception:
-                    log.exception("checkpointing the adapter of %s failed", user)
+                    log.exception("checkpointing the adapter of %s failed", self.names.tag(user))
 
     # -- serving --------------------------------------------------------------------------------
 
@@ -208,18 +210,21 @@ class EngineFineTuner:
         self._forgotten.discard(user)
         self._look_at = 0.0  # new pairs: look at the store on the next turn
 
-    async def forget(self, user: str) -> None:
+    async def forget(self, user: str) -> bool:
         """Before the store erases the user: cancel their queued updates, drop their trainer and
         every adapter version the engine holds, so nothing of theirs is served or trained again."""
         self._forgotten.add(user)
         self._progress.pop(user, None)
 
-        def purge(engine: Engine) -> None:
+        def purge(engine: Engine) -> bool:
             engine.cancel_finetune(user=user)
             self._trainers.pop(user, None)
+            root = engine.adapters.root
+            had_folder = root is not None and (root / user).exists()
             engine.adapters.forget(user)  # versions, retire markers, events; in-flight rows finish
+            return had_folder and not (root / user).exists()
 
-        await self.engine.call(purge)
+        return await self.engine.call(purge)
 
     def pause(self, reason: str) -> None:
         """Admission says shed fine-tuning: the engine stops scheduling stages and gives the
@@ -283,13 +288,15 @@ class EngineFineTuner:
                 else:
                     self.errors += 1
                     self._attempts[item.pair_id] = self._attempts.get(item.pair_id, 0) + 1
-                    log.warning("fine-tuning pair %d of %s failed: %s", item.pair_id, item.user, item.error)
+                    log.warning("fine-tuning pair %d of %s failed: %s", item.pair_id, self.names.tag(item.user),
+                                self.names.scrub(item.error, item.user))
                 continue
             assert self.store is not None
             try:
                 await asyncio.to_thread(self.store.mark_trained, item.pair_id, item.loss)
             except MaceError as exc:  # erased between the update and now
-                log.info("pair %d of %s not recorded as trained: %s", item.pair_id, item.user, exc)
+                log.info("pair %d of %s not recorded as trained: %s", item.pair_id, self.names.tag(item.user),
+                         self.names.scrub(exc, item.user))
                 continue
             progress.trained_pair_ids.append(item.pair_id)
             self.pairs_trained += 1
@@ -412,16 +419,17 @@ class EngineFineTuner:
         self.last_decision = decision
         if ref is None:
             self.versions_rejected += 1
-            log.info("adapter candidate for %s rejected: %s", user, decision["reason"])
+            log.info("adapter candidate for %s rejected: %s", self.names.tag(user),
+                     self.names.scrub(decision["reason"], user))
             return
-        log.info("published adapter %s trained on %d pair(s)", ref.key, len(pair_ids))
+        log.info("published adapter %s trained on %d pair(s)", self.names.adapter(user, ref.version), len(pair_ids))
         if path is not None:
             try:
                 await asyncio.to_thread(self.store.record_adapter_version, user, ref.version, path, pair_ids)
             except MaceError as exc:
                 # The user (or a pair) was erased while training: the store deleted the files;
                 # make sure the engine forgets the version too.
-                log.warning("adapter %s withdrawn: %s", ref.key, exc)
+                log.warning("adapter %s withdrawn: %s", self.names.adapter(user, ref.version), self.names.scrub(exc, user))
                 await self.forget(user)
                 return
         self.versions_published += 1  # counted once the store knows it (what status reports)

@@ -7,7 +7,11 @@ $XDG_STATE_HOME/mace-edge (default ~/.local/state/mace-edge).
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
+
+# Owner only: user data, adapters trained on it, and everything beside them in the state dir.
+PRIVATE_UMASK = 0o077
 
 
 def state_dir() -> Path:
@@ -22,3 +26,22 @@ def state_dir() -> Path:
 
 def models_dir() -> Path:
     return state_dir() / "models"
+
+
+def make_private(root: Path) -> int:
+    """Keep the state directory the owner's alone, whatever umask the process was started with:
+    new files are created 0600 / folders 0700 from now on (the process umask becomes 077), and
+    group and other bits are stripped from everything already under `root` (an older install, a
+    copy). Links and sockets are left alone. Returns how many modes changed."""
+    os.umask(PRIVATE_UMASK)
+    changed = 0
+    if not root.exists():
+        return 0
+    for folder, dirs, files in os.walk(root):
+        for path in (folder, *(os.path.join(folder, name) for name in (*dirs, *files))):
+            info = os.lstat(path)
+            if stat.S_ISLNK(info.st_mode) or stat.S_ISSOCK(info.st_mode) or not info.st_mode & 0o077:
+                continue
+            os.chmod(path, stat.S_IMODE(info.st_mode) & 0o700)
+            changed += 1
+    return changed

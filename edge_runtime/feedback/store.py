@@ -275,8 +275,10 @@ class FeedbackStore:
         self._write(lambda conn: gdpr.write_audit(conn, "export", user_id, counts, now)).result()
         return data
 
-    def forget(self, user_id: str) -> ErasureReport:
-        """Art. 17: erase the user's rows, pairs and adapters; overwrite and reclaim the space."""
+    def forget(self, user_id: str, adapters_removed: bool = False) -> ErasureReport:
+        """Art. 17: erase the user's rows, pairs and adapters; overwrite and reclaim the space.
+        `adapters_removed`: the serving runtime already deleted the user's adapter folder as
+        part of this erasure (the receipt and the audit row count it as removed here)."""
         user_id = validate_user_id(user_id)
         target = gdpr.adapter_dir(self.adapters_root, user_id)
         now = self._clock()
@@ -284,7 +286,7 @@ class FeedbackStore:
         def job(conn: sqlite3.Connection) -> ErasureReport:
             conn.execute("BEGIN IMMEDIATE")
             counts = gdpr.count_user_rows(conn, user_id)
-            has_adapters = target is not None and target.exists()
+            has_adapters = (target is not None and target.exists()) or adapters_removed
             if counts is None and not has_adapters:
                 raise UnknownUser(f"the feedback store holds nothing on user {user_id!r}")
             counts = counts or dict.fromkeys(("interactions", "feedback", "pairs", "adapter_versions"), 0)
@@ -297,7 +299,7 @@ class FeedbackStore:
             removed = gdpr.remove_tree(target) if target is not None else False
             with self._read_lock:
                 truncated = gdpr.reclaim_space(conn, full_vacuum=self.config.vacuum_on_forget)
-            return ErasureReport(user_id=user_id, adapter_dir_removed=removed,
+            return ErasureReport(user_id=user_id, adapter_dir_removed=removed or adapters_removed,
                                  wal_truncated=truncated, **counts)
 
         return self._write(job, exclusive=True).result()

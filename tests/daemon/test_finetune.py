@@ -3,13 +3,34 @@ and erases it with the user."""
 
 from __future__ import annotations
 
+import os
+import stat
+from pathlib import Path
+
 from daemon.client import Client
 from tests.daemon.conftest import wait_for
 
 
+def private_mode_violations(root: Path) -> list[str]:
+    """Paths under `root` that the group or other users could read, write or enter."""
+    bad = []
+    for path in [root, *root.rglob("*")]:
+        info = path.lstat()
+        if not stat.S_ISLNK(info.st_mode) and info.st_mode & 0o077:
+            bad.append(f"{path.relative_to(root)} {stat.filemode(info.st_mode)}")
+    return bad
+
+
 def test_feedback_trains_publishes_serves_rolls_back_and_forgets_an_adapter(start_daemon) -> None:
-    d = start_daemon(extra_args=["--set", "finetune.pairs_per_version=2",
-                                 "--set", "feedback.heldout_fraction=0.0"])
+    """Also: under the usual umask 022 everything the daemon writes in its state dir stays the
+    owner's (0700 / 0600), the erasure receipt counts the adapter folder, and the log never
+    names the user (only a keyed pseudonym)."""
+    previous = os.umask(0o022)  # inherited by the daemon, as from a login shell
+    try:
+        d = start_daemon(extra_args=["--set", "finetune.pairs_per_version=2",
+                                     "--set", "feedback.heldout_fraction=0.0"])
+    finally:
+        os.umask(previous)
     with Client(d.endpoint, timeout_s=30) as c:
         c.consent("gina")
         for prompt in ("Say hi", "Say bye"):
@@ -33,11 +54,21 @@ def test_feedback_trains_publishes_serves_rolls_back_and_forgets_an_adapter(star
         assert c.rollback("gina", 0)["serving"] is None
         assert c.generate("Say hi", max_tokens=3, user="gina").adapter is None
 
-        c.forget("gina")
+        for name in ("adapters", "costs", "feedback.sqlite3", "log-key"):
+            assert (d.state_dir / name).exists(), name
+        assert list((d.state_dir / "adapters" / "gina").rglob("adapter_config.json"))
+        assert list((d.state_dir / "adapters" / "gina").rglob("events.jsonl"))
+        assert private_mode_violations(d.state_dir) == []
+
+        receipt = c.forget("gina")
+        assert receipt["adapter_dir_removed"] is True and receipt["adapter_versions"] == 1
         assert c.adapters("gina") == []
         assert not (d.state_dir / "adapters" / "gina").exists()
+        assert private_mode_violations(d.state_dir) == []
     code, _ = d.stop()
     assert code == 0
+    log = d.log()
+    assert "published adapter user:" in log and "gina" not in log
 
 
 def test_greedy_answers_unchanged_while_the_engine_fine_tunes(start_daemon) -> None:

@@ -177,6 +177,19 @@ def test_curve_tcp_admits_only_authorized_clients(start_daemon, tmp_path: Path) 
     assert type(info.value).__name__ == "DaemonUnavailable"
 
 
+def test_a_missing_curve_authorized_keys_folder_refuses_to_start(start_daemon, tmp_path: Path) -> None:
+    """Like a missing server key: a CURVE daemon that would admit nobody must not start."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    _, server_secret = zmq.auth.create_certificates(str(keys), "server")
+    d = start_daemon(extra_args=["--tcp", f"tcp://0.0.0.0:{free_tcp_port()}",
+                                 "--set", f"server.curve_secret_key={server_secret}",
+                                 "--set", f"server.curve_authorized_keys={tmp_path / 'no-such-folder'}"],
+                     ready=False)
+    assert d.proc.wait(60) == 1
+    assert "no-such-folder is not a folder of client public keys" in d.log()
+
+
 def test_a_model_that_cannot_load_exits_1(start_daemon, tmp_path: Path) -> None:
     broken = tmp_path / "broken-model"
     broken.mkdir()

@@ -1,0 +1,60 @@
+"""What the daemon writes about people outside the feedback store: user ids never reach its log.
+
+A log line names a user by a keyed pseudonym, HMAC-SHA256 of the id under a random key kept in
+the state directory (0600). The same user has the same pseudonym across restarts, so an operator
+can follow one user's lines; without the key, the pseudonym cannot be tied to an id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+KEY_BYTES = 32
+
+
+class LogPseudonyms:
+    """`tag(user)` -> "user:3f9a0c21d7e4": how log lines name a user."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    @classmethod
+    def from_state_dir(cls, state_dir: Path) -> LogPseudonyms:
+        """The state directory's key, created (0600) on first use."""
+        path = state_dir / "log-key"
+        try:
+            key = path.read_bytes()
+        except FileNotFoundError:
+            key = b""
+        if len(key) != KEY_BYTES:
+            key = secrets.token_bytes(KEY_BYTES)
+            state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = path.with_name(".log-key.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(key)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        return cls(key)
+
+    @classmethod
+    def ephemeral(cls) -> LogPseudonyms:
+        """A key that lives as long as the process (tests, embedded use without a state dir)."""
+        return cls(secrets.token_bytes(KEY_BYTES))
+
+    def tag(self, user: str) -> str:
+        digest = hmac.new(self._key, user.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+        return f"user:{digest[:12]}"
+
+    def adapter(self, user: str, version: int) -> str:
+        """An adapter version as a log line names it."""
+        return f"{self.tag(user)}@{version}"
+
+    def scrub(self, text: object, user: str) -> str:
+        """`text` (an error message) with the user's id replaced by their pseudonym."""
+        return str(text).replace(user, self.tag(user)) if user else str(text)
