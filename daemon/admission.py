@@ -213,6 +213,13 @@ class AdmissionController:
         return AdmissionVerdict("reject", f"inference rejected: {reason}",
                                 self.decision.retry_after_s)
 
+    def device_allows_inference(self) -> bool:
+        """Whether the device itself (memory, temperature, loads, power, fresh telemetry) would let
+        inference in: True when only the request backlog, which clients make, holds admission
+        above `shed_finetune`. The service then sheds the heaviest clients, not light ones."""
+        device, _ = self._target(self.decision.state, self.clock(), include_queue=False)
+        return device.level < AdmissionState.QUEUE.level
+
     def require(self, kind: WorkKind) -> AdmissionVerdict:
         """`admit`, raising `AdmissionRejected` (with its retry hint) instead of rejecting."""
         verdict = self.admit(kind)
@@ -265,7 +272,8 @@ class AdmissionController:
         self.transitions.append((now, state, reason))
         return self.decision
 
-    def _target(self, current: AdmissionState, now: float) -> tuple[AdmissionState, list[str]]:
+    def _target(self, current: AdmissionState, now: float,
+                include_queue: bool = True) -> tuple[AdmissionState, list[str]]:
         """The most severe state any signal asks for, and why."""
         cfg, sig = self.config, self.signals
         checks: list[tuple[str, float | None, Ladder, Callable[[float], str]]] = [
@@ -274,8 +282,9 @@ class AdmissionController:
             ("temperature", sig.max_temp_c, cfg.temperature_c, lambda v: f"{v:.1f} C"),
             ("GPU load", sig.gpu_util_pct, cfg.gpu_util_pct, lambda v: f"{v:.0f}%"),
             ("EMC load", sig.emc_util_pct, cfg.emc_util_pct, lambda v: f"{v:.0f}%"),
-            ("queue length", float(sig.queue_length), cfg.queue_length, lambda v: f"{v:.0f}"),
         ]
+        if include_queue:
+            checks.append(("queue length", float(sig.queue_length), cfg.queue_length, lambda v: f"{v:.0f}"))
         if sig.power_mw is not None and cfg.power_budget_mw:
             budget_w = cfg.power_budget_mw / 1000
             checks.append(("power", sig.power_mw / cfg.power_budget_mw, cfg.power_fraction,

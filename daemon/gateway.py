@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -414,7 +415,7 @@ class Gateway:
             return await self._stream(request, args, reply, include_usage)
         self.in_flight += 1
         try:
-            call = GenerateCall(None, api="http")
+            call = GenerateCall(None, api="http", client=_http_client(request))
             result = await self._until_done_or_gone(request, call, self.service.generate(args, call))
         finally:
             self.in_flight -= 1
@@ -438,7 +439,7 @@ class Gateway:
         """Hold the response until the first token (or an error) so that admission refusals and
         bad requests still get their HTTP status; then stream server-sent events."""
         feed = _TokenFeed()
-        call = GenerateCall(feed.put, api="http")
+        call = GenerateCall(feed.put, api="http", client=_http_client(request))
         self.in_flight += 1
         task = asyncio.ensure_future(self.service.generate(args, call))
         task.add_done_callback(self._generation_ended)
@@ -706,3 +707,11 @@ class HttpGateway:
             self._task.cancel()
         with contextlib.suppress(BaseException):
             await self._task
+
+
+def _http_client(request: Request) -> tuple[str, str, str]:
+    """Who an HTTP request comes from, for admission's per-client fairness: its API key (only a
+    digest is kept) and its host."""
+    key = request.headers.get("authorization", "")
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
+    return ("http", digest, request.client.host if request.client else "")

@@ -267,7 +267,7 @@ class Server:
                 def on_token(index: int, text: str, token_id: int | None) -> None:
                     if not item.final_sent:
                         self._send(item.client, item.envelope, token_message(request.id, index, text, token_id))
-            item.call = GenerateCall(on_token)
+            item.call = GenerateCall(on_token, client=item.client)
             return await service.generate(args, item.call)
         if op == "cancel":
             target = self.inflight.get((item.client, args.target))

@@ -13,6 +13,7 @@ import secrets
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -61,9 +62,10 @@ class GenerateCall:
     """One generate in flight: the front (ZeroMQ server or HTTP gateway) holds it to cancel it;
     the engine thread completes it. `api` names the front in the daemon's metrics."""
 
-    def __init__(self, on_token: TokenCallback | None = None, api: str = "zmq") -> None:
+    def __init__(self, on_token: TokenCallback | None = None, api: str = "zmq", client: Any = None) -> None:
         self.on_token = on_token
         self.api = api
+        self.client = client  # who sent it (a connection or an API key): admission's fairness unit
         self.done: asyncio.Future[tuple[RequestOutput | None, str | None, BaseException | None]] = (
             asyncio.get_running_loop().create_future())
         self.engine_id: str | None = None
@@ -155,6 +157,7 @@ class Service:
         self.reading: TelemetryReading | None = None
         self.budget: MemoryBudget | None = None
         self.calls: set[GenerateCall] = set()
+        self.generating: Counter[Any] = Counter()  # generates in flight (admission included) per client
         self.ops_in_flight = 0
         self.admission_queued = 0
         self.counters = {"generate": 0, "generate_failed": 0, "interactions_recorded": 0,
@@ -381,6 +384,7 @@ class Service:
         params = SamplingParams(**args.sampling_kwargs(self.config.server.default_max_tokens))
         adapter, label = self.fine_tuner.resolve_adapter(args.user, args.adapter if args.user else "base")
         self.ops_in_flight += 1
+        self.generating[call.client] += 1
         timer = None
         if args.timeout_s is not None:  # counted from arrival: admission waits count too
             timer = asyncio.get_running_loop().call_later(args.timeout_s, self.cancel, call, "timeout")
@@ -391,11 +395,24 @@ class Service:
             if timer is not None:
                 timer.cancel()
             self.ops_in_flight -= 1
+            self.generating[call.client] -= 1
+            if self.generating[call.client] <= 0:
+                del self.generating[call.client]
+
+    def _light_client(self, call: GenerateCall) -> bool:
+        """A client with no other generate in flight, or fewer than the average client: a
+        backlog it did not make must not refuse it (one flooding client would otherwise fail
+        everyone else's requests). The server's `max_inflight` still bounds the total."""
+        mine = self.generating[call.client] - 1  # not counting this one
+        others = sum(self.generating.values()) - 1
+        return mine == 0 or mine * len(self.generating) < others
 
     async def _admit(self, call: GenerateCall) -> None:
         if self.admission is None:
             return
         verdict = self.admission.admit("inference")
+        if verdict.action != "allow" and self._light_client(call) and self.admission.device_allows_inference():
+            return  # only the backlog says no, and this client's share of it is below average
         if verdict.action == "queue":
             self.admission_queued += 1
             deadline = time.monotonic() + self.config.server.admission_wait_s

@@ -67,7 +67,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     worked in float64 before it is divided by the temperature, so a temperature as small as the
     smallest positive double (5e-324) gives 0 for the best token and -inf or a finite negative
     number for the rest (never inf - inf or 0 / 0), and a `top_p` as small as 5e-324 is compared
-    in float64 (in float32 it would round to 0 and drop every token). A row whose logits are not
+    in float64 (in float32 it would round to 0 and drop every token), with tokens ranked by score. A row whose logits are not
     finite raises `SamplingError`: the model, not the request, is wrong, and the engine fails
     that request alone."""
     import torch
@@ -82,13 +82,16 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        # Rank by score, not by probability: scores a hair apart can round to equal
+        # probabilities, and the nucleus must still start at the best token (ties: the first,
+        # as argmax picks).
+        sorted_scores, order = torch.sort(scores, descending=True, stable=True)
+        sorted_probs = torch.softmax(sorted_scores, dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays:
         # its preceding mass is exactly 0).
-        drop = cumulative - sorted_probs >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter_(-1, order, sorted_scores)
+    probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))

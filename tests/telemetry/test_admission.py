@@ -185,3 +185,23 @@ def test_signals_from_telemetry():
     assert signals == AdmissionSignals(memory_headroom_mb=42586, gpu_util_pct=None,
                                        emc_util_pct=3.0, max_temp_c=52.5, power_mw=8726.0,
                                        queue_length=3)
+
+
+def test_device_allows_inference_when_only_the_backlog_rejects(ctl, clock):
+    """A backlog (which clients make) alone lets the service admit light clients; the device's
+    own pressure never does."""
+    assert ctl.observe(with_(queue_length=300)).state is REJECT
+    assert ctl.admit("inference").action == "reject" and ctl.device_allows_inference()
+    clock.now += 1
+    assert ctl.observe(with_(queue_length=0)).state is REJECT  # held by the dwell time
+    assert ctl.device_allows_inference()
+    clock.now += 10
+    ctl.observe(CALM)
+    assert ctl.observe(with_(queue_length=300, memory_headroom_mb=50)).state is REJECT
+    assert not ctl.device_allows_inference()
+    clock.now += 10
+    ctl.observe(CALM)
+    clock.now += 10
+    ctl.observe(CALM)
+    assert ctl.observe(with_(queue_length=300, max_temp_c=99)).state is REJECT
+    assert not ctl.device_allows_inference()
