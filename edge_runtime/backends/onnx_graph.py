@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 from edge_runtime.backends.quantize import BLOCK_SIZE, bits_of, pack_nbits, quantize_symmetric
 from edge_runtime.model.llama import LlamaModel
 
-GRAPH_VERSION = 10  # bump when the graph's inputs, outputs or numerics change (part of the cache key)
+GRAPH_VERSION = 11  # bump when the graph's inputs, outputs or numerics change (part of the cache key)
 OPSET = 21  # block-wise DequantizeLinear (INT4 weight-only) needs 21
 IR_VERSION = 10  # the newest IR that ONNX Runtime 1.18+ and TensorRT 10 both read
 FLAVOURS = ("ort", "standard")
@@ -375,10 +375,13 @@ class _StepWriter:
             return rows if self.spec.kv_dtype == "float32" else g.op("Cast", [rows], to=TensorProto.FLOAT)
 
         window = -1 if cfg.sliding_window is None else cfg.sliding_window - 1
-        inputs = [qkv, "", "", past("key"), past("value"), "seqlens_k", "total_sequence_length",
-                  self.cos_half, self.sin_half]
+        rope = cfg.rope_layers[layer]
+        inputs = [qkv, "", "", past("key"), past("value"), "seqlens_k", "total_sequence_length"]
+        if rope:
+            inputs += [self.cos_half, self.sin_half]
         attrs = dict(domain="com.microsoft", num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
-                     scale=float(cfg.head_dim ** -0.5), do_rotary=1, rotary_interleaved=0, local_window_size=window)
+                     scale=float(cfg.head_dim ** -0.5), do_rotary=int(rope), rotary_interleaved=0,
+                     local_window_size=window)
         if self.dense:
             # present.* are graph outputs bound to the same memory as past.*: ONNX Runtime then
             # shares the buffer and writes only this step's keys/values, at each row's position.
@@ -409,7 +412,8 @@ class _StepWriter:
                 kv_out.append(kv_new)
             else:
                 q, k, v = g.op("Split", [qkv, g.const([cfg.q_size, cfg.kv_size, cfg.kv_size])], n_out=3, axis=-1)
-                q, k = self.rotary(q, cfg.num_heads), self.rotary(k, cfg.num_kv_heads)
+                if cfg.rope_layers[i]:  # SmolLM3's NoPE layers attend without positions
+                    q, k = self.rotary(q, cfg.num_heads), self.rotary(k, cfg.num_kv_heads)
                 kv_out.append(g.op("Concat", [k, v], axis=-1))
                 attn = self.attention(i, q, k, v)
             o = self.lora(self.linear(attn, layer.o_weight, layer.o_bias, f"{p}.o"), attn, "o", i)

@@ -123,9 +123,11 @@ class DecoderLayer(nn.Module):
             k = _add(k, lora.delta(self.index, "k_proj", hn))
             v = _add(v, lora.delta(self.index, "v_proj", hn))
         t = x.shape[0]
-        q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.rope_layers[self.index]:  # SmolLM3's NoPE layers attend without positions
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = ctx.attention(self.index, q, k, v)
         out = linear(attn, self.o_weight, self.o_bias)
         if lora is not None:
