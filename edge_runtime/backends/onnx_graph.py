@@ -12,13 +12,14 @@ shapes are documented in docs/onnx.md; `StepInputs` (step_inputs.py) builds the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from edge_runtime.backends.gqa_window import window_counts_current_token
 from edge_runtime.backends.quantize import BLOCK_SIZE, bits_of, pack_nbits, quantize_symmetric
 from edge_runtime.model.llama import LlamaModel
 
@@ -78,6 +79,10 @@ class GraphSpec:
     # [rows, kv_heads, capacity, head_dim], bound as both past and present of
     # GroupQueryAttention, which appends the new keys in place (the backend owns the buffer).
     kv_layout: str = "paged"
+    # "ort" flavour of a sliding-window model only: whether this onnxruntime's GroupQueryAttention
+    # counts the query's own key in `local_window_size` (gqa_window.py probes it; None = not
+    # needed, or not yet probed: `with_gqa_window` fills it in before export).
+    gqa_window_counts_current: bool | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in ("none", "int8", "int4"):
@@ -97,7 +102,18 @@ class GraphSpec:
         sym = "-sym" if self.symmetric and self.quantization != "none" else ""
         head = f"-head{self.head_bits}" if self.head_bits != 8 and self.quantization != "none" else ""
         dense = "-dense" if self.kv_layout == "dense" else ""
-        return f"{self.flavour}{dense}-{self.quantization}{sym}{head}-kv{self.kv_dtype}-acc{self.accuracy_level}{lora}"
+        window = "" if self.gqa_window_counts_current is None else f"-win{int(self.gqa_window_counts_current)}"
+        return (f"{self.flavour}{dense}-{self.quantization}{sym}{head}-kv{self.kv_dtype}-acc{self.accuracy_level}"
+                f"{lora}{window}")
+
+
+def with_gqa_window(spec: GraphSpec, model: LlamaModel,
+                    providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> GraphSpec:
+    """`spec` with GroupQueryAttention's window convention, probed on `providers`, filled in where
+    the graph needs it (an "ort" graph of a sliding-window model); otherwise `spec` as it is."""
+    if spec.flavour != "ort" or model.cfg.sliding_window is None or spec.gqa_window_counts_current is not None:
+        return spec
+    return replace(spec, gqa_window_counts_current=window_counts_current_token(providers))
 
 
 class _Graph:
@@ -374,7 +390,14 @@ class _StepWriter:
             rows = g.op("Gather", [f"cache.{layer}.{kind}", "kv_index"], axis=0)  # [B, KVH, P, d]
             return rows if self.spec.kv_dtype == "float32" else g.op("Cast", [rows], to=TensorProto.FLOAT)
 
-        window = -1 if cfg.sliding_window is None else cfg.sliding_window - 1
+        window = -1
+        if cfg.sliding_window is not None:
+            # transformers' window counts the query's own key; this build's attribute may not.
+            counts_current = self.spec.gqa_window_counts_current
+            if counts_current is None:
+                raise ValueError("a sliding-window 'ort' graph needs GraphSpec.gqa_window_counts_current "
+                                 "(with_gqa_window probes it)")
+            window = cfg.sliding_window if counts_current else cfg.sliding_window - 1
         rope = cfg.rope_layers[layer]
         inputs = [qkv, "", "", past("key"), past("value"), "seqlens_k", "total_sequence_length"]
         if rope:
