@@ -17,7 +17,13 @@ from pathlib import Path
 import onnx
 import torch
 
-from edge_runtime.backends.onnx_graph import GRAPH_VERSION, OPSET, GraphSpec, build_step_graph
+from edge_runtime.backends.onnx_graph import (
+    GRAPH_VERSION,
+    OPSET,
+    GraphSpec,
+    build_step_graph,
+    with_gqa_window,
+)
 from edge_runtime.model.llama import LlamaModel
 from edge_runtime.paths import state_dir
 
@@ -53,6 +59,7 @@ def export_step(
 ) -> Path:
     """Path of the exported step graph for this model and spec, exporting it on a cache miss."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
+    spec = with_gqa_window(spec, model)  # a no-op where the backend probed its own providers
     digest = digest or model_hash(model)
     target = root / export_key(digest, spec)
     if (target / META_FILE).exists():

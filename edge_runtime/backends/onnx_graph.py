@@ -12,17 +12,18 @@ shapes are documented in docs/onnx.md; `StepInputs` (step_inputs.py) builds the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from edge_runtime.backends.gqa_window import window_counts_current_token
 from edge_runtime.backends.quantize import BLOCK_SIZE, bits_of, pack_nbits, quantize_symmetric
 from edge_runtime.model.llama import LlamaModel
 
-GRAPH_VERSION = 10  # bump when the graph's inputs, outputs or numerics change (part of the cache key)
+GRAPH_VERSION = 11  # bump when the graph's inputs, outputs or numerics change (part of the cache key)
 OPSET = 21  # block-wise DequantizeLinear (INT4 weight-only) needs 21
 IR_VERSION = 10  # the newest IR that ONNX Runtime 1.18+ and TensorRT 10 both read
 FLAVOURS = ("ort", "standard")
@@ -78,6 +79,10 @@ class GraphSpec:
     # [rows, kv_heads, capacity, head_dim], bound as both past and present of
     # GroupQueryAttention, which appends the new keys in place (the backend owns the buffer).
     kv_layout: str = "paged"
+    # "ort" flavour of a sliding-window model only: whether this onnxruntime's GroupQueryAttention
+    # counts the query's own key in `local_window_size` (gqa_window.py probes it; None = not
+    # needed, or not yet probed: `with_gqa_window` fills it in before export).
+    gqa_window_counts_current: bool | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in ("none", "int8", "int4"):
@@ -97,7 +102,18 @@ class GraphSpec:
         sym = "-sym" if self.symmetric and self.quantization != "none" else ""
         head = f"-head{self.head_bits}" if self.head_bits != 8 and self.quantization != "none" else ""
         dense = "-dense" if self.kv_layout == "dense" else ""
-        return f"{self.flavour}{dense}-{self.quantization}{sym}{head}-kv{self.kv_dtype}-acc{self.accuracy_level}{lora}"
+        window = "" if self.gqa_window_counts_current is None else f"-win{int(self.gqa_window_counts_current)}"
+        return (f"{self.flavour}{dense}-{self.quantization}{sym}{head}-kv{self.kv_dtype}-acc{self.accuracy_level}"
+                f"{lora}{window}")
+
+
+def with_gqa_window(spec: GraphSpec, model: LlamaModel,
+                    providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> GraphSpec:
+    """`spec` with GroupQueryAttention's window convention, probed on `providers`, filled in where
+    the graph needs it (an "ort" graph of a sliding-window model); otherwise `spec` as it is."""
+    if spec.flavour != "ort" or model.cfg.sliding_window is None or spec.gqa_window_counts_current is not None:
+        return spec
+    return replace(spec, gqa_window_counts_current=window_counts_current_token(providers))
 
 
 class _Graph:
@@ -374,11 +390,21 @@ class _StepWriter:
             rows = g.op("Gather", [f"cache.{layer}.{kind}", "kv_index"], axis=0)  # [B, KVH, P, d]
             return rows if self.spec.kv_dtype == "float32" else g.op("Cast", [rows], to=TensorProto.FLOAT)
 
-        window = -1 if cfg.sliding_window is None else cfg.sliding_window - 1
-        inputs = [qkv, "", "", past("key"), past("value"), "seqlens_k", "total_sequence_length",
-                  self.cos_half, self.sin_half]
+        window = -1
+        if cfg.sliding_window is not None:
+            # transformers' window counts the query's own key; this build's attribute may not.
+            counts_current = self.spec.gqa_window_counts_current
+            if counts_current is None:
+                raise ValueError("a sliding-window 'ort' graph needs GraphSpec.gqa_window_counts_current "
+                                 "(with_gqa_window probes it)")
+            window = cfg.sliding_window if counts_current else cfg.sliding_window - 1
+        rope = cfg.rope_layers[layer]
+        inputs = [qkv, "", "", past("key"), past("value"), "seqlens_k", "total_sequence_length"]
+        if rope:
+            inputs += [self.cos_half, self.sin_half]
         attrs = dict(domain="com.microsoft", num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
-                     scale=float(cfg.head_dim ** -0.5), do_rotary=1, rotary_interleaved=0, local_window_size=window)
+                     scale=float(cfg.head_dim ** -0.5), do_rotary=int(rope), rotary_interleaved=0,
+                     local_window_size=window)
         if self.dense:
             # present.* are graph outputs bound to the same memory as past.*: ONNX Runtime then
             # shares the buffer and writes only this step's keys/values, at each row's position.
@@ -409,7 +435,8 @@ class _StepWriter:
                 kv_out.append(kv_new)
             else:
                 q, k, v = g.op("Split", [qkv, g.const([cfg.q_size, cfg.kv_size, cfg.kv_size])], n_out=3, axis=-1)
-                q, k = self.rotary(q, cfg.num_heads), self.rotary(k, cfg.num_kv_heads)
+                if cfg.rope_layers[i]:  # SmolLM3's NoPE layers attend without positions
+                    q, k = self.rotary(q, cfg.num_heads), self.rotary(k, cfg.num_kv_heads)
                 kv_out.append(g.op("Concat", [k, v], axis=-1))
                 attn = self.attention(i, q, k, v)
             o = self.lora(self.linear(attn, layer.o_weight, layer.o_bias, f"{p}.o"), attn, "o", i)

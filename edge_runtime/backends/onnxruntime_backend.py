@@ -20,7 +20,7 @@ import torch
 from edge_runtime.backends.dense_kv import DenseKV
 from edge_runtime.backends.lora_stack import LoraStackCache
 from edge_runtime.backends.onnx_export import DATA_FILE, export_step
-from edge_runtime.backends.onnx_graph import KV_DTYPES, GraphSpec, weight_format
+from edge_runtime.backends.onnx_graph import KV_DTYPES, GraphSpec, weight_format, with_gqa_window
 from edge_runtime.backends.step_inputs import (
     DecodeInputs,
     StepItem,
@@ -106,8 +106,11 @@ class OnnxRuntimeBackend:
             flavour = "standard" if "TensorrtExecutionProvider" in names else "ort"
         if flavour != "ort":
             kv_layout = "paged"  # the dense layout is GroupQueryAttention's shared buffer
-        self.spec = GraphSpec(**weight_format(quantization), flavour=flavour, kv_dtype=kv_dtype,  # type: ignore[arg-type]
-                              kv_layout=kv_layout)
+        spec = GraphSpec(**weight_format(quantization), flavour=flavour, kv_dtype=kv_dtype,  # type: ignore[arg-type]
+                         kv_layout=kv_layout)
+        # A sliding window's GroupQueryAttention attribute, as the kernels these providers run count it
+        # (TensorRT takes no contrib op, so its EP is left out of the probe).
+        self.spec = with_gqa_window(spec, model, tuple(n for n in names if n != "TensorrtExecutionProvider"))
         # Dense layout: per-sequence rows beside the paged cache (dense_kv.py), at most
         # `dense_kv_bytes` (0 = as many token positions as the paged cache has, in float32).
         self.dense: DenseKV | None = None

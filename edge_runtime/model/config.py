@@ -1,7 +1,8 @@
 """The shape of a llama-family model (Llama, Mistral, Qwen2, SmolLM) as our forward needs it.
 
 Read from a Hugging Face `config.json` through `transformers.AutoConfig`, which normalises the
-many spellings of RoPE settings (`rope_theta`/`rope_scaling` vs `rope_parameters`).
+many spellings of RoPE settings (`rope_theta`/`rope_scaling` vs `rope_parameters`). What each
+family's settings mean, and which are refused, lives in `edge_runtime.model.family`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_runtime.errors import ModelNotAvailable
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm3")
+from edge_runtime.model import family
 
 
 @dataclass(frozen=True)
@@ -28,9 +28,11 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q/k/v biases
+    attention_out_bias: bool  # o_proj bias
     mlp_bias: bool
-    sliding_window: int | None
+    sliding_window: int | None  # keys a query attends to, itself included; the same in every layer
+    rope_layers: tuple[bool, ...]  # whether layer i rotates q and k (SmolLM3's NoPE layers do not)
     hf_config: Any  # the transformers config, kept for RoPE initialisation
 
     @property
@@ -43,37 +45,27 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
-        model_type = getattr(hf_config, "model_type", "")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelNotAvailable(
-                f"model type {model_type!r} is not a llama-family model this engine runs "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ModelNotAvailable(f"activation {act!r} is not supported (SwiGLU with silu only)")
+        family.check_supported(hf_config)
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-        # Qwen2 always has q/k/v biases and no `attention_bias` attribute.
-        attention_bias = bool(getattr(hf_config, "attention_bias", model_type == "qwen2"))
-        sliding = getattr(hf_config, "sliding_window", None)
-        if model_type == "qwen2" and not getattr(hf_config, "use_sliding_window", False):
-            sliding = None
+        layers = hf_config.num_hidden_layers
         return cls(
-            model_type=model_type,
+            model_type=hf_config.model_type,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
             intermediate_size=hf_config.intermediate_size,
-            num_layers=hf_config.num_hidden_layers,
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             rms_norm_eps=float(hf_config.rms_norm_eps),
             max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 4096)),
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            attention_bias=attention_bias,
+            attention_bias=family.attention_qkv_bias(hf_config),
+            attention_out_bias=family.attention_out_bias(hf_config),
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            sliding_window=sliding,
+            sliding_window=family.sliding_window(hf_config, layers),
+            rope_layers=family.rope_layers(hf_config, layers),
             hf_config=hf_config,
         )
 

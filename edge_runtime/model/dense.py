@@ -17,24 +17,29 @@ class DenseCausalContext:
     """Attention for `batch` rows of `length` tokens, flattened row-major into T = batch*length.
 
     `attention_mask` [batch, length] marks real tokens (1) and right-padding (0); padded queries
-    produce finite garbage that callers ignore.
+    produce finite garbage that callers ignore. `sliding_window`: a query sees that many keys,
+    itself included (the model's `ModelConfig.sliding_window`).
     """
 
     def __init__(
-        self, batch: int, length: int, attention_mask: Tensor | None = None, lora: LoraApplier | None = None
+        self, batch: int, length: int, attention_mask: Tensor | None = None, lora: LoraApplier | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         self.batch = batch
         self.length = length
         self.lora = lora
         causal = torch.ones(length, length, dtype=torch.bool).tril()
+        if sliding_window is not None:
+            causal = causal.triu(1 - sliding_window)
+        self.mask = None
         if attention_mask is not None:
             causal = causal[None] & attention_mask.bool()[:, None, :]
             # A padded query row with every key masked would softmax to NaN; let it see itself.
             causal = causal | torch.eye(length, dtype=torch.bool)[None]
             self.mask = causal[:, None]  # [B, 1, L, L]
-        else:
-            self.mask = None
-        self._causal_only = attention_mask is None
+        elif sliding_window is not None:
+            self.mask = causal[None, None]
+        self._causal_only = self.mask is None
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         b, n = self.batch, self.length
@@ -55,6 +60,6 @@ def dense_logits(
     """Logits [B, L, vocab] for every position of a right-padded batch."""
     b, n = input_ids.shape
     positions = torch.arange(n, device=input_ids.device).repeat(b)
-    ctx = DenseCausalContext(b, n, attention_mask, lora)
+    ctx = DenseCausalContext(b, n, attention_mask, lora, model.cfg.sliding_window)
     hidden = model.run_layers(model.embed_tokens(input_ids.reshape(-1)), positions, ctx)
     return model.logits(hidden).view(b, n, -1)

@@ -66,11 +66,7 @@ class RotaryTable(nn.Module):
             dim = cfg.head_dim
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             scaling = 1.0
-        elif rope_type == "dynamic":
-            # Dynamic NTK rescales with the running length; a paged cache would hold keys rotated
-            # under different frequencies, so it is refused rather than approximated.
-            raise ValueError("dynamic NTK RoPE scaling is not supported by the paged engine")
-        else:
+        else:  # a static type (edge_runtime.model.family refused the others)
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, device=None)
@@ -108,7 +104,7 @@ class DecoderLayer(nn.Module):
         self.qkv_weight = _param(q + 2 * kv, h)
         self.qkv_bias = _param(q + 2 * kv) if cfg.attention_bias else None
         self.o_weight = _param(h, q)
-        self.o_bias = _param(h) if cfg.attention_bias and cfg.model_type != "qwen2" else None
+        self.o_bias = _param(h) if cfg.attention_out_bias else None
         self.post_norm = _param(h)
         self.gate_up_weight = _param(2 * inter, h)
         self.down_weight = _param(h, inter)
@@ -127,9 +123,11 @@ class DecoderLayer(nn.Module):
             k = _add(k, lora.delta(self.index, "k_proj", hn))
             v = _add(v, lora.delta(self.index, "v_proj", hn))
         t = x.shape[0]
-        q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.rope_layers[self.index]:  # SmolLM3's NoPE layers attend without positions
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn = ctx.attention(self.index, q, k, v)
         out = linear(attn, self.o_weight, self.o_bias)
         if lora is not None:

@@ -1,4 +1,4 @@
-"""A tiny random Llama model directory (config, safetensors, byte-level BPE tokenizer) for tests.
+"""A tiny random llama-family model directory (config, safetensors, byte-level BPE tokenizer) for tests.
 
 Built in-process in well under a second, with no download; owns nothing used at run time.
 """
@@ -78,22 +78,26 @@ def make_tiny_model_dir(
     attention_bias: bool = False,
     rope_scaling: dict | None = None,
     seed: int = 0,
+    model_type: str = "llama",
+    config: dict | None = None,
 ) -> Path:
-    """Write a random LlamaForCausalLM with a real ChatML tokenizer into `path`; return `path`.
+    """Write a random model of `model_type` (transformers' own config and model classes) with a
+    real ChatML tokenizer into `path`; return `path`.
 
     `vocab_extra` appends that many reserved special tokens (vocab = 307 + vocab_extra);
     `rope_scaling` is merged into the config's `rope_parameters` (e.g. {"rope_type": "linear",
-    "factor": 2.0}). The same arguments always give the same weights.
+    "factor": 2.0}); `config` adds or overrides config settings (e.g. {"sliding_window": 8}).
+    The same arguments always give the same weights.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer(vocab_extra)
     ids = tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
     rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})}
-    config = LlamaConfig(
+    settings = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -103,23 +107,24 @@ def make_tiny_model_dir(
         max_position_embeddings=2048,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tie_word_embeddings,
-        attention_bias=attention_bias,
         rope_parameters=rope_parameters,
         bos_token_id=ids[1],
         eos_token_id=ids[2],
         pad_token_id=ids[2],
-        architectures=["LlamaForCausalLM"],
     )
+    if attention_bias:  # a Llama setting; other families have no such key
+        settings["attention_bias"] = True
+    hf_config = AutoConfig.for_model(model_type, **{**settings, **(config or {})})
     # Fork the RNG so that building a test model does not shift the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-        if attention_bias:
-            # HF initialises biases to zero; random ones make a bias bug visible in a test.
-            with torch.no_grad():
-                for name, param in model.named_parameters():
-                    if name.endswith("_proj.bias"):
-                        param.normal_(0.0, 0.02)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        # HF initialises biases to zero (Qwen2's q/k/v ones included); random ones make a bias
+        # bug visible in a test.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("_proj.bias"):
+                    param.normal_(0.0, 0.02)
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

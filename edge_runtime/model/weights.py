@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from edge_runtime.errors import ModelNotAvailable
+from edge_runtime.model import family
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.llama import LlamaModel
 
@@ -66,40 +67,46 @@ def load_llama(
     for file in _checkpoint_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                tensor = f.get_tensor(name)
-                if name == "model.embed_tokens.weight":
-                    put(model.embed, tensor, name)
-                elif name == "model.norm.weight":
-                    put(model.norm, tensor, name)
-                elif name == "lm_head.weight":
-                    if model.lm_head is None:
-                        continue  # tied: the embedding serves as the head
-                    put(model.lm_head, tensor, name)
-                else:
-                    m = _LAYER.match(name)
-                    if not m:
-                        continue  # e.g. rotary inv_freq buffers in old checkpoints
-                    idx, rest = int(m.group(1)), m.group(2)
-                    if idx >= cfg.num_layers:
-                        raise ModelNotAvailable(f"weight {name} names layer {idx} of a {cfg.num_layers}-layer model")
-                    layer = model.layers[idx]
-                    if rest == "input_layernorm.weight":
-                        put(layer.input_norm, tensor, name)
-                    elif rest == "post_attention_layernorm.weight":
-                        put(layer.post_norm, tensor, name)
-                    else:
-                        module, _, kind = rest.rpartition(".")
-                        if module not in slices or kind not in ("weight", "bias"):
-                            continue
-                        group, lo, hi = slices[module]
-                        target = getattr(layer, f"{group}_{kind}")
-                        if target is None:
-                            raise ModelNotAvailable(f"checkpoint has {name} but the config says no bias")
-                        put(target, tensor, name, lo, hi)
+                if family.is_unused_tensor(name):
+                    continue  # a known leftover (e.g. rotary inv_freq buffers in old checkpoints)
+                if name == "lm_head.weight" and model.lm_head is None:
+                    continue  # tied: the embedding serves as the head, as in transformers
+                target, lo, hi = _target(model, name, slices)
+                put(target, f.get_tensor(name), name, lo, hi)
                 filled.add(name)
     _check_complete(model, filled)
     model.eval()
     return model
+
+
+def _target(
+    model: LlamaModel, name: str, slices: dict[str, tuple[str, int | None, int | None]]
+) -> tuple[torch.Tensor, int | None, int | None]:
+    """Where checkpoint tensor `name` goes (a parameter and its row range), or ModelNotAvailable:
+    a tensor our forward would not use means the model computes something we do not."""
+    top = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm, "lm_head.weight": model.lm_head}
+    if name in top:
+        return top[name], None, None
+    m = _LAYER.match(name)
+    if m:
+        idx, rest = int(m.group(1)), m.group(2)
+        if idx >= model.cfg.num_layers:
+            raise ModelNotAvailable(f"weight {name} names layer {idx} of a {model.cfg.num_layers}-layer model")
+        layer = model.layers[idx]
+        norms = {"input_layernorm.weight": layer.input_norm, "post_attention_layernorm.weight": layer.post_norm}
+        if rest in norms:
+            return norms[rest], None, None
+        module, _, kind = rest.rpartition(".")
+        if module in slices and kind in ("weight", "bias"):
+            group, lo, hi = slices[module]
+            target = getattr(layer, f"{group}_{kind}")
+            if target is None:
+                raise ModelNotAvailable(f"checkpoint has {name} but the config says no bias")
+            return target, lo, hi
+    raise ModelNotAvailable(
+        f"checkpoint tensor {name} is not used by this engine's {model.cfg.model_type} forward "
+        "(a layer or feature it does not implement); refusing rather than computing a different model"
+    )
 
 
 def _check_complete(model: LlamaModel, filled: set[str]) -> None:
@@ -114,6 +121,10 @@ def _check_complete(model: LlamaModel, filled: set[str]) -> None:
         required += [p + f"mlp.{t}.weight" for t in ("gate_proj", "up_proj", "down_proj")]
         if cfg.attention_bias:
             required += [p + f"self_attn.{t}.bias" for t in ("q_proj", "k_proj", "v_proj")]
+        if cfg.attention_out_bias:
+            required.append(p + "self_attn.o_proj.bias")
+        if cfg.mlp_bias:
+            required += [p + f"mlp.{t}.bias" for t in ("gate_proj", "up_proj", "down_proj")]
     missing = [n for n in required if n not in filled]
     if missing:
         raise ModelNotAvailable(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")

@@ -97,9 +97,11 @@ def _window(
 
 class PairKV:
     """Per-layer keys/values of the windows run so far: the prompt's ([1, kv_heads, P, d]) and
-    the completions' ([2, kv_heads, C, d])."""
+    the completions' ([2, kv_heads, C, d]); `sliding_window` is the model's (keys a query sees,
+    itself included)."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, sliding_window: int | None = None) -> None:
+        self.sliding_window = sliding_window
         self.prompt_k: list[Tensor | None] = [None] * num_layers
         self.prompt_v: list[Tensor | None] = [None] * num_layers
         self.comp_k: list[Tensor | None] = [None] * num_layers
@@ -140,10 +142,14 @@ class WindowContext:
             keys = torch.cat([pk.expand(b, -1, -1, -1), comp_k], dim=2)
             values = torch.cat([pv.expand(b, -1, -1, -1), comp_v], dim=2)
         offset = keys.shape[2] - w  # positions before this window
-        if offset == 0:
+        window = kv.sliding_window
+        if offset == 0 and window is None:
             out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
         else:
             q_pos = torch.arange(offset, offset + w, device=q.device)[:, None]
-            mask = torch.arange(offset + w, device=q.device)[None, :] <= q_pos
+            k_pos = torch.arange(offset + w, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)
         return out.transpose(1, 2).reshape(b * w, heads * d)

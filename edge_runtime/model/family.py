@@ -1,0 +1,134 @@
+"""Which Hugging Face model families, config settings and checkpoint tensors our forward implements.
+
+The one place that knows how families differ: `ModelConfig.from_hf` asks it what each layer does
+(RoPE or not, the attention window) and the loader which tensors may be left unused. Anything
+the forward would silently compute wrong is refused here with `ModelNotAvailable`, naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from edge_runtime.errors import ModelNotAvailable
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm3")
+
+# SwiGLU's gate activation; a family that names it differently (Gemma: `hidden_activation`) is
+# checked under that name too.
+ACTIVATION_SETTINGS = ("hidden_act", "hidden_activation")
+ACTIVATIONS = ("silu", "swish")
+
+# RoPE types whose inverse frequencies are fixed, so a table built once serves every position.
+# "dynamic" and "longrope" change with the running length (a paged cache would hold keys rotated
+# under other frequencies); anything else is unknown to this forward.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+# Settings of other families this forward does not implement, with the values that mean "off".
+# A config that holds one with any other value is refused rather than run without it.
+UNIMPLEMENTED_SETTINGS: dict[str, tuple[Any, ...]] = {
+    "attn_logit_softcapping": (None,),  # Gemma 2/3
+    "final_logit_softcapping": (None,),  # Gemma 2/3
+    "query_pre_attn_scalar": (None,),  # Gemma: replaces head_dim in the attention scale
+    "use_bidirectional_attention": (None, False),  # Gemma
+    "embedding_multiplier": (None, 1.0),  # Granite
+    "residual_multiplier": (None, 1.0),  # Granite
+    "attention_multiplier": (None,),  # Granite: replaces 1/sqrt(head_dim)
+    "logits_scaling": (None, 1.0),  # Granite
+    "scale_emb": (None, 1.0),  # MiniCPM
+    "scale_depth": (None, 1.0),  # MiniCPM
+    "logit_scale": (None, 1.0),  # Cohere
+    "use_qk_norm": (None, False),  # Llama 4, Cohere
+    "qk_layernorm": (None, False),  # Phi, StableLM
+    "clip_qkv": (None,),  # OLMo
+    "attn_temperature_tuning": (None, False, 0),  # Llama 4
+    "attention_chunk_size": (None,),  # Llama 4
+    "num_local_experts": (None, 0, 1),  # mixture of experts
+    "num_experts": (None, 0, 1),
+}
+
+# Checkpoint tensors that are known leftovers, not weights: ignored by name, nothing else is.
+UNUSED_TENSORS = (re.compile(r"^model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$"),)
+
+
+def check_supported(hf_config: Any) -> None:
+    """Refuse a config whose model type or settings our forward does not implement."""
+    model_type = getattr(hf_config, "model_type", "")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelNotAvailable(
+            f"model type {model_type!r} is not a llama-family model this engine runs "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    for name in ACTIVATION_SETTINGS:
+        act = getattr(hf_config, name, None)
+        if act is not None and act not in ACTIVATIONS:
+            raise ModelNotAvailable(f"{name}={act!r} is not supported (SwiGLU with silu only)")
+    for name, off in UNIMPLEMENTED_SETTINGS.items():
+        value = getattr(hf_config, name, None)
+        if not any(value is v or (v is not None and value == v) for v in off):
+            raise ModelNotAvailable(f"config setting {name}={value!r} is not implemented by this engine's forward")
+    _check_rope(hf_config)
+
+
+def _check_rope(hf_config: Any) -> None:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ModelNotAvailable(f"rope_parameters per layer type ({', '.join(params)}) are not implemented")
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        raise ModelNotAvailable(
+            f"rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)}; dynamic and "
+            "longrope rescale with the running length, which a paged cache cannot follow)"
+        )
+    for factor in (params.get("partial_rotary_factor"), getattr(hf_config, "partial_rotary_factor", None)):
+        if factor is not None and factor != 1.0:
+            raise ModelNotAvailable(f"partial_rotary_factor={factor!r} is not implemented (RoPE over the whole head)")
+
+
+def rope_layers(hf_config: Any, num_layers: int) -> tuple[bool, ...]:
+    """Whether each layer rotates q and k. SmolLM3's `no_rope_layers[i]` is 1 where layer i uses
+    RoPE and 0 where it is a NoPE layer (transformers' SmolLM3Attention.use_rope)."""
+    flags = getattr(hf_config, "no_rope_layers", None)
+    if flags is None:
+        return (True,) * num_layers
+    if len(flags) < num_layers:
+        raise ModelNotAvailable(f"no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    return tuple(bool(f) for f in flags[:num_layers])
+
+
+def sliding_window(hf_config: Any, num_layers: int) -> int | None:
+    """The attention window (keys a query sees, itself included) shared by every layer, or None.
+
+    Mistral windows every layer; Qwen2 and SmolLM3 only with `use_sliding_window`, and then only
+    the layers `layer_types` marks "sliding_attention". One window for all layers is what the
+    paged attention and the graphs implement: a mix of sliding and full layers is refused."""
+    window = getattr(hf_config, "sliding_window", None)
+    if getattr(hf_config, "use_sliding_window", True) is False:
+        window = None
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:
+        return window
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ModelNotAvailable(f"layer_types {unknown} are not implemented (full and sliding attention only)")
+    windows = {window if t == "sliding_attention" else None for t in types[:num_layers]}
+    if len(windows) > 1:
+        raise ModelNotAvailable(
+            f"layer_types mixes sliding-window ({window}) and full attention layers; per-layer windows are not "
+            "implemented"
+        )
+    return windows.pop()
+
+
+def attention_out_bias(hf_config: Any) -> bool:
+    """Whether o_proj has a bias: Llama's `attention_bias` covers q/k/v/o; Qwen2's q/k/v biases
+    (always on, no setting) leave o_proj without one."""
+    return bool(getattr(hf_config, "attention_bias", False)) and hf_config.model_type != "qwen2"
+
+
+def attention_qkv_bias(hf_config: Any) -> bool:
+    return bool(getattr(hf_config, "attention_bias", hf_config.model_type == "qwen2"))
+
+
+def is_unused_tensor(name: str) -> bool:
+    return any(p.match(name) for p in UNUSED_TENSORS)

@@ -1,0 +1,114 @@
+"""A model the forward would compute wrong is refused at load, naming what it does not implement:
+an unknown checkpoint tensor, a config setting of another family, an unsupported model type.
+Known leftovers are ignored by name, and each family's per-layer settings are read as
+transformers reads them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from edge_runtime import Engine
+from edge_runtime.errors import ModelNotAvailable
+from edge_runtime.model.config import ModelConfig
+from edge_runtime.model.testing import make_tiny_model_dir
+
+
+def _copy(src: Path, dst: Path, config: dict | None = None, tensors: dict | None = None) -> Path:
+    shutil.copytree(src, dst)
+    if config:
+        path = dst / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    if tensors:
+        state = load_file(dst / "model.safetensors")
+        save_file({**state, **tensors}, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.q_norm.weight", "model.layers.0.post_feedforward_layernorm.weight",
+                                  "model.embed_scale"])
+def test_a_checkpoint_tensor_the_forward_does_not_use_is_refused_by_name(tiny_model_dir, tmp_path, name):
+    folder = _copy(tiny_model_dir, tmp_path / "m", tensors={name: torch.ones(16)})
+    with pytest.raises(ModelNotAvailable, match=f"checkpoint tensor {name} is not used"):
+        Engine.load(str(folder), dtype="float32")
+
+
+def test_known_leftover_tensors_are_ignored(tiny_model_dir, tmp_path):
+    leftovers = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8), "model.rotary_emb.inv_freq": torch.ones(8)}
+    folder = _copy(tiny_model_dir, tmp_path / "m", tensors=leftovers)
+    Engine.load(str(folder), dtype="float32")
+
+
+@pytest.mark.parametrize("setting,value", [
+    ("hidden_activation", "gelu_pytorch_tanh"),  # Gemma's name for the activation
+    ("hidden_act", "gelu"),
+    ("attn_logit_softcapping", 50.0),
+    ("final_logit_softcapping", 30.0),
+    ("use_qk_norm", True),
+    ("embedding_multiplier", 12.0),
+    ("logits_scaling", 8.0),
+    ("query_pre_attn_scalar", 256),
+])
+def test_a_config_setting_the_forward_does_not_implement_is_refused_by_name(tiny_model_dir, tmp_path, setting, value):
+    folder = _copy(tiny_model_dir, tmp_path / "m", config={setting: value})
+    with pytest.raises(ModelNotAvailable, match=setting):
+        Engine.load(str(folder), dtype="float32")
+
+
+@pytest.mark.parametrize("rope,named", [
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic'"),
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+      "original_max_position_embeddings": 64}, "rope_type 'longrope'"),
+])
+def test_rope_variants_the_forward_does_not_implement_are_refused(tiny_model_dir, tmp_path, rope, named):
+    params = {"rope_type": "default", "rope_theta": 10000.0, **rope}
+    folder = _copy(tiny_model_dir, tmp_path / "m", config={"rope_parameters": params})
+    with pytest.raises(ModelNotAvailable, match=named):
+        ModelConfig.from_dir(folder)
+
+
+def test_model_types_outside_the_supported_list_are_refused(tiny_model_dir, tmp_path):
+    folder = _copy(tiny_model_dir, tmp_path / "m", config={"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]})
+    with pytest.raises(ModelNotAvailable, match="model type 'qwen3' is not a llama-family model.*supported: llama"):
+        Engine.load(str(folder), dtype="float32")
+
+
+@pytest.mark.parametrize("model_type,config", [
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),  # layer 1 slides
+    ("smollm3", {"use_sliding_window": True, "sliding_window": 8}),  # the NoPE layer slides
+])
+def test_a_mix_of_sliding_and_full_attention_layers_is_refused(model_type, config):
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(model_type, num_hidden_layers=4, **config)
+    with pytest.raises(ModelNotAvailable, match="layer_types mixes sliding-window"):
+        ModelConfig.from_hf(hf)
+
+
+def test_per_layer_settings_are_read_as_transformers_reads_them():
+    from transformers import AutoConfig
+
+    smol = ModelConfig.from_hf(AutoConfig.for_model("smollm3", num_hidden_layers=8))
+    assert smol.rope_layers == (True, True, True, False, True, True, True, False)  # 1 = RoPE
+    # A window written in the config but switched off is no window (transformers ignores it too).
+    assert ModelConfig.from_hf(AutoConfig.for_model("smollm3", num_hidden_layers=4, sliding_window=8)).sliding_window is None
+    assert ModelConfig.from_hf(AutoConfig.for_model("qwen2", num_hidden_layers=4, sliding_window=8)).sliding_window is None
+    both = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}
+    assert ModelConfig.from_hf(AutoConfig.for_model("qwen2", num_hidden_layers=4, **both)).sliding_window == 8
+    mistral = ModelConfig.from_hf(AutoConfig.for_model("mistral", num_hidden_layers=2, sliding_window=8))
+    assert mistral.sliding_window == 8 and mistral.rope_layers == (True, True)
+
+
+def test_a_llama_with_biases_needs_every_bias_in_its_checkpoint(tmp_path):
+    folder = make_tiny_model_dir(tmp_path / "m", attention_bias=True)
+    state = load_file(folder / "model.safetensors")
+    del state["model.layers.1.self_attn.o_proj.bias"]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelNotAvailable, match="missing 1 weights"):
+        Engine.load(str(folder), dtype="float32")
