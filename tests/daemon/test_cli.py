@@ -33,7 +33,7 @@ def test_generate_consent_feedback_and_erasure_from_the_command_line(shared_daem
                                                                      tmp_path: Path) -> None:
     ep = shared_daemon.endpoint
     assert macectl(ep, "users", "consent", "frank").stdout.startswith("consent of frank granted")
-    gen = macectl(ep, "generate", "Pick one", "-n", "2", "--temperature", "1", "--max-tokens", "3",
+    gen = macectl(ep, "generate", "Pick one", "-n", "2", "--temperature", "1", "--seed", "11", "--max-tokens", "3",
                   "--user", "frank", "--json")
     assert gen.returncode == 0, gen.stderr
     result = json.loads(gen.stdout)

@@ -7,6 +7,13 @@ import torch
 from edge_runtime import Engine, SamplingParams
 
 
+def make_engine(model_dir, **overrides) -> Engine:
+    """The tiny model's engine as the engine tests use it: float32, 8 MiB of KV, blocks of 8."""
+    settings = {"dtype": "float32", "kv_cache_bytes": 8 << 20, "block_size": 8}
+    settings.update(overrides)
+    return Engine.load(str(model_dir), **settings)
+
+
 def engine_logits_for(engine: Engine, prompt_ids: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
     """Greedy-decode `steps` tokens from raw prompt ids through the engine (paged KV, chunked
     prefill as configured); returns the logits of every sampling step [steps, vocab] and the

@@ -7,18 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from edge_runtime import Engine, SamplingParams
+from edge_runtime import SamplingParams
 from edge_runtime.errors import BadRequest, UnknownRequest
 from edge_runtime.outputs import TokenEvent
 
+from .helpers import make_engine
+
 PROMPTS = [f"Prompt number {i}: tell me about the sea and the sky {'again ' * (i % 5)}" for i in range(16)]
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
-
-
-def make_engine(model_dir: Path, **overrides) -> Engine:
-    settings = {"dtype": "float32", "kv_cache_bytes": 8 << 20, "block_size": 8}
-    settings.update(overrides)
-    return Engine.load(str(model_dir), **settings)
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,11 @@ import pytest
 from edge_runtime import Engine, SamplingParams
 from edge_runtime.errors import EngineBroken
 
+from .helpers import make_engine
+
 PROMPTS = [f"Bystander {i} asks about rivers and {'mountains ' * i}" for i in range(4)]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 MARK = "poisoned request"
-
-
-def make_engine(model_dir: Path, **overrides) -> Engine:
-    settings = {"dtype": "float32", "kv_cache_bytes": 8 << 20, "block_size": 8}
-    settings.update(overrides)
-    return Engine.load(str(model_dir), **settings)
 
 
 @pytest.fixture(scope="module")
