@@ -304,6 +304,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         model=str(path), dtype=spec["dtype"], backend=spec["backend"], onnx_quantization=spec["quantization"],
         onnx_cache_dir=spec["onnx_cache_dir"], num_threads=spec["threads"], kv_cache_bytes=spec["kv_cache_bytes"],
         cost_cache_dir=spec["cost_cache_dir"], max_num_seqs=max(8, max(spec["streams"])),
+        finetune_memory_bytes=spec["finetune_bytes"],
     )
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -380,12 +381,19 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         engine.add_finetune(task, user="scale-user")
         log(f"dpo pair: {task.tokens.num_rows} rows, {len(task.stages)} stages")
+        queue, idle = engine.scheduler.finetune, 0
         while engine.has_unfinished():
+            ran = queue.stages_run
             engine.step()
             for kind in (MemoryKind.ACTIVATIONS, MemoryKind.OPTIMIZER):
                 peak_held[kind.value] = max(peak_held.get(kind.value, 0), engine.ledger.held(kind))
+            idle = 0 if queue.stages_run > ran else idle + 1
+            if idle >= 1000:  # the scheduler finds no room for the next stage: it would wait forever
+                stage = task.next_stage()
+                raise RuntimeError(f"the DPO pair's stage {stage.name if stage else '?'} was never scheduled: "
+                                   f"{engine.ledger.free / MiB:.0f} MiB free in the ledger; raise --finetune-mib")
         wall = time.perf_counter() - t0
-        job = engine.scheduler.finetune.finished[-1]
+        job = queue.finished[-1]
         phase("dpo_pair", start, ledger=ledger_view(engine), ledger_peak_used=engine.ledger.peak_used,
               ledger_peak_held=peak_held, wall_s=round(wall, 3), stage_s=round(job.seconds, 3),
               stage_s_by_kind={k: round(v, 3) for k, v in task.seconds_by_kind().items()},
@@ -547,6 +555,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="engine dtype (auto: bfloat16 where the CPU has fast bf16, else float32)")
     ap.add_argument("--threads", type=int, default=0, help="torch / ONNX Runtime threads; 0 = all cores")
     ap.add_argument("--kv-cache-mib", type=int, default=256)
+    # The default 256 MiB cannot hold one forward window of a default DPO pair at 1B (~155 KiB
+    # saved per row and layer in float32, x 128 rows x 16 layers, plus the 128k-vocabulary
+    # logits): the job would wait for room forever.
+    ap.add_argument("--finetune-mib", type=int, default=2048, help="the derived budget's room for fine-tuning")
     ap.add_argument("--layers", type=int, default=0, help="fewer layers than the real shape (development only)")
     ap.add_argument("--cache-dir", default="", help="built models, graphs, cost profiles (default: <state dir>/bench/scale)")
     ap.add_argument("--timeout-s", type=float, default=1800, help="per measured child")
@@ -562,9 +574,9 @@ def main() -> None:
 
     cache = Path(args.cache_dir) if args.cache_dir else state_dir() / "bench" / "scale"
     result: dict[str, Any] = {
-        "command": "python tools/bench_scale.py " + " ".join(sys.argv[1:]), "machine": machine(),
+        "command": " ".join(["python tools/bench_scale.py", *sys.argv[1:]]), "machine": machine(),
         "dtype": args.dtype, "tokens": args.tokens, "repeats": args.repeats, "dpo_tokens": args.dpo_tokens,
-        "kv_cache_mib": args.kv_cache_mib, "load_average_at_start": os.getloadavg()[0], "shapes": [],
+        "kv_cache_mib": args.kv_cache_mib, "finetune_mib": args.finetune_mib, "load_average_at_start": os.getloadavg()[0], "shapes": [],
         "memory_method": "VmHWM (reset per phase via /proc/self/clear_refs) and a 2 ms sampler of RssAnon, "
                          "in a fresh child process per shape and backend",
     }
@@ -593,7 +605,8 @@ def main() -> None:
             engine_backend, quantization = BACKENDS[backend]
             spec = {"model_dir": str(folder), "dtype": args.dtype, "backend": engine_backend,
                     "quantization": quantization, "onnx_cache_dir": str(cache / "onnx"), "threads": args.threads,
-                    "kv_cache_bytes": args.kv_cache_mib * MiB, "cost_cache_dir": str(cache / "costs"),
+                    "kv_cache_bytes": args.kv_cache_mib * MiB, "finetune_bytes": args.finetune_mib * MiB,
+                    "cost_cache_dir": str(cache / "costs"),
                     "streams": [1, 8], "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
                     "repeats": args.repeats, "dpo": args.dpo, "dpo_tokens": args.dpo_tokens}
             if engine_backend == "onnxruntime":
