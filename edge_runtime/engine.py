@@ -23,20 +23,21 @@ import torch
 from edge_runtime.backends import make_backend
 from edge_runtime.config import EngineConfig
 from edge_runtime.device import pick_device, pick_dtype
-from edge_runtime.errors import BadRequest, EngineBroken, UnknownRequest
+from edge_runtime.errors import BadRequest, EngineBroken, InsufficientMemory, UnknownRequest
 from edge_runtime.ids import validate_request_id
 from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.kv.cache import KVCache, bytes_per_block
 from edge_runtime.lora.registry import AdapterRef, AdapterRegistry
 from edge_runtime.lora.weights import LoraWeights
 from edge_runtime.memory import MemoryKind, MemoryLedger, ShedReport
+from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.llama import LlamaModel
 from edge_runtime.model.tokenizer import ChatMessages, Tokenizer
 from edge_runtime.model.weights import load_llama
 from edge_runtime.outputs import RequestMetrics, RequestOutput, TokenEvent
 from edge_runtime.sampling import SamplingParams, sample_next
 from edge_runtime.sched.batch import ScheduledSeq
-from edge_runtime.sched.cost_model import load_cost_model, load_stage_costs
+from edge_runtime.sched.cost_model import activation_sizes, load_cost_model, load_stage_costs
 from edge_runtime.sched.finetune import FineTuneJob, FineTuneWork
 from edge_runtime.sched.registry import make_policy
 from edge_runtime.sched.scheduler import Batch, Scheduler, must_finish
@@ -61,12 +62,14 @@ class Engine:
         self.model_name = name
         cfg = model.cfg
         per_block = bytes_per_block(cfg, config.block_size, model.dtype)
+        check_memory_budget(config, cfg, model.dtype, _weights_bytes(model))
         num_blocks = max(2, self._kv_budget_bytes() // per_block)
         self.max_context = min(cfg.max_position_embeddings, num_blocks * config.block_size)
         if config.max_context:
             self.max_context = min(self.max_context, config.max_context)
         self.cache = KVCache(cfg, num_blocks, config.block_size, model.dtype, model.device)
-        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache)
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_cache,
+                              on_idle=self.cache.release_blocks)
         # Per-user LoRA versions; without a root (config.adapters_root) they live in memory.
         self.adapters = adapters or AdapterRegistry(
             config.adapters_root or None, cfg, model.dtype, model.device,
@@ -115,6 +118,11 @@ class Engine:
         path, name = _resolve(config.model)
         device = pick_device(config.device)
         dtype = pick_dtype(config.dtype, device)
+        if config.memory_budget_bytes:  # refuse before reading gigabytes of weights
+            cfg = ModelConfig.from_dir(path)
+            with torch.device("meta"):
+                shell = LlamaModel(cfg)
+            check_memory_budget(config, cfg, dtype, _weights_bytes(shell, dtype))
         net = load_llama(path, dtype=dtype, device=device)
         return cls(net, Tokenizer(path), config, name=name)
 
@@ -632,9 +640,42 @@ class Engine:
         }
 
 
-def _weights_bytes(model: LlamaModel) -> int:
-    tensors = itertools.chain(model.parameters(), model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+def _weights_bytes(model: LlamaModel, dtype: torch.dtype | None = None) -> int:
+    """Bytes of the parameters and buffers; `dtype`: of the parameters once converted to it
+    (for a shell built on the meta device before loading)."""
+    params = sum(p.numel() * (p.element_size() if dtype is None else torch.empty((), dtype=dtype).element_size())
+                 for p in model.parameters())
+    return params + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def memory_needs(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, weights_bytes: int) -> dict[str, int]:
+    """What serving needs at the least, in bytes: the weights, KV blocks for one full prompt
+    chunk (`max_batched_tokens`), and one such iteration's activations and logits."""
+    per_token, per_row = activation_sizes(cfg, dtype)
+    chunk_blocks = -(-config.max_batched_tokens // config.block_size)
+    return {
+        "weights": weights_bytes,
+        "kv_minimum": chunk_blocks * bytes_per_block(cfg, config.block_size, dtype),
+        "activations": config.max_batched_tokens * per_token + config.max_num_seqs * per_row,
+    }
+
+
+def check_memory_budget(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, weights_bytes: int) -> None:
+    """Raise `InsufficientMemory` when a configured budget (`memory_budget_bytes`) is below
+    `memory_needs`: the engine would hold more than its budget before serving anything."""
+    budget = config.memory_budget_bytes
+    if not budget:
+        return  # derived from what the engine holds: fits by construction
+    needs = memory_needs(config, cfg, dtype, weights_bytes)
+    total = sum(needs.values())
+    if budget < total:
+        mib = 2**20
+        raise InsufficientMemory(
+            f"the memory budget ({budget / mib:.0f} MiB, engine.memory_budget_bytes) is below what serving this "
+            f"model needs: {total / mib:.0f} MiB = weights {needs['weights'] / mib:.0f} MiB "
+            f"({str(dtype).removeprefix('torch.')}) + KV cache minimum {needs['kv_minimum'] / mib:.1f} MiB (one "
+            f"{config.max_batched_tokens}-token chunk) + one iteration's activations {needs['activations'] / mib:.1f} "
+            f"MiB; raise the budget, or lower the dtype, max_batched_tokens or max_num_seqs")
 
 
 def _greedy_tokens(logits: torch.Tensor) -> list[int] | None:

@@ -24,6 +24,14 @@ class ModelNotAvailable(MaceError):
     code = "model_unavailable"
 
 
+class InsufficientMemory(ModelNotAvailable):
+    """The configured memory budget cannot hold what serving the model needs at all (weights,
+    the smallest useful KV cache, one iteration's activations); the message gives each figure
+    against the budget, so the engine refuses at start instead of running out later."""
+
+    code = "insufficient_memory"
+
+
 class UnknownRequest(MaceError):
     """A request id that the engine does not know (finished long ago, or never existed)."""
 

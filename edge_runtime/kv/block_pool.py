@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -36,7 +36,10 @@ class PrefixCacheStats:
 class BlockPool:
     """`num_blocks` blocks of `block_size` token slots each."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True,
+                 on_idle: Callable[[list[int]], None] | None = None) -> None:
+        """`on_idle(blocks)` hears of blocks that stopped holding anything (freed without a
+        cached prefix, or evicted from the prefix cache), so their memory can be given back."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("a block pool needs at least one block of at least one slot")
         self.num_blocks = num_blocks
@@ -48,6 +51,7 @@ class BlockPool:
         # Free blocks in eviction order: never-used first, then least recently freed.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.stats = PrefixCacheStats()
+        self.on_idle = on_idle
 
     @property
     def num_free(self) -> int:
@@ -84,6 +88,8 @@ class BlockPool:
                 # Nothing reusable: hand it out before blocks that still cache a prefix.
                 self.free[block] = None
                 self.free.move_to_end(block, last=False)
+                if self.on_idle is not None:
+                    self.on_idle([block])
             else:
                 self.free[block] = None
 
@@ -113,6 +119,7 @@ class BlockPool:
     def evict_cached(self, count: int) -> int:
         """Drop up to `count` cached-but-free prefixes (memory pressure). Returns how many."""
         dropped = 0
+        evicted = []
         for block in list(self.free):
             if dropped >= count:
                 break
@@ -124,4 +131,7 @@ class BlockPool:
             self.hash_of[block] = None
             self.stats.evictions += 1
             dropped += 1
+            evicted.append(block)
+        if evicted and self.on_idle is not None:
+            self.on_idle(evicted)
         return dropped

@@ -1,5 +1,5 @@
 """The daemon process's life: systemd notifications, SIGHUP reload, SIGTERM drain with no
-acknowledged feedback lost, admission rejection, TCP and CURVE endpoints, a model that won't load."""
+acknowledged feedback lost, admission rejection, TCP and CURVE endpoints, a model that won't load or fit its memory budget."""
 
 from __future__ import annotations
 
@@ -197,3 +197,11 @@ def test_a_model_that_cannot_load_exits_1(start_daemon, tmp_path: Path) -> None:
     d = start_daemon(model=broken, ready=False)
     assert d.proc.wait(60) == 1
     assert "could not be loaded" in d.log()
+
+
+def test_a_memory_budget_below_the_model_exits_1_with_the_numbers(start_daemon) -> None:
+    d = start_daemon(extra_args=["--set", "engine.memory_budget_bytes=65536"], ready=False)
+    assert d.proc.wait(60) == 1
+    log = d.log()
+    assert "could not be loaded" in log and "is below what serving this model needs" in log
+    assert "weights" in log and "KV cache minimum" in log

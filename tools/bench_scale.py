@@ -1,0 +1,634 @@
+#!/usr/bin/env python3
+"""Real sizes: random-weight models at the shapes of Llama-3.2-1B and Qwen3-1.7B (bf16
+safetensors, written locally, nothing downloaded), loaded through the engine on this machine.
+Per shape: load time, the memory ledger's bytes against measured resident memory (weights, KV
+cache, adapters, one DPO pair's training state), decode tokens/s at 1 and 8 streams (torch and
+ONNX Runtime int4) and one DPO pair's step time. Writes JSON and a markdown table.
+
+    python tools/bench_scale.py [--shapes llama-3.2-1b,qwen3-1.7b] [--backends torch,onnxruntime-int4]
+                                [--tokens 32] [--repeats 2] [--layers N (scaled down, for development)]
+
+Each backend of each shape is measured in a fresh child process (`--measure`), so one run's
+memory never shows in another's. Resident memory is read from /proc/self/status: VmHWM (the
+kernel's peak RSS, reset between phases by writing 5 to /proc/self/clear_refs) and a sampler
+thread that keeps the peak of RssAnon every 2 ms (RSS counts the pages of a memory-mapped
+checkpoint while it is read; RssAnon is the process's own memory, what the ledger models).
+The random weights and tokenizer are honest stand-ins: the tokenizer is the tiny test model's
+byte-level BPE padded with filler tokens to the shape's vocabulary, so every id decodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MiB = 1 << 20
+
+# -- the shapes ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A published model's architecture (its config.json numbers), without its weights."""
+
+    name: str
+    model_type: str  # transformers' config class picks the checkpoint's tensor names
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_parameters: dict[str, Any]
+    rms_norm_eps: float
+    tie_word_embeddings: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def scaled(self, **overrides: Any) -> Shape:
+        """The same architecture with some numbers changed (fewer layers for development, a tiny
+        everything for tests)."""
+        values = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        values.update(overrides)
+        return Shape(**values)
+
+
+SHAPES = {
+    # meta-llama/Llama-3.2-1B config.json
+    "llama-3.2-1b": Shape(
+        "llama-3.2-1b", "llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+        intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        rms_norm_eps=1e-5, extra={"attention_bias": False, "mlp_bias": False}),
+    # Qwen/Qwen3-1.7B config.json (per-head RMSNorm on q and k: q_norm / k_norm tensors)
+    "qwen3-1.7b": Shape(
+        "qwen3-1.7b", "qwen3", hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+        intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rms_norm_eps=1e-6, extra={"attention_bias": False, "use_sliding_window": False, "sliding_window": None}),
+}
+
+
+def hf_config(shape: Shape, special_ids: tuple[int, int, int]) -> Any:
+    """The transformers config object of `shape` (its own config class, so every field a real
+    checkpoint has is there)."""
+    from transformers import AutoConfig
+
+    _, bos, eos = special_ids
+    return AutoConfig.for_model(
+        shape.model_type,
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings, rms_norm_eps=shape.rms_norm_eps,
+        rope_parameters=dict(shape.rope_parameters), tie_word_embeddings=shape.tie_word_embeddings,
+        hidden_act="silu", bos_token_id=bos, eos_token_id=eos, pad_token_id=eos, dtype="bfloat16",
+        **shape.extra,
+    )
+
+
+def padded_tokenizer(vocab_size: int) -> Any:
+    """The tiny test model's byte-level BPE (ChatML specials, every byte, a few merges), with
+    filler tokens `<fill_N>` up to `vocab_size`: a random model emits any id, and each decodes."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from edge_runtime.model.testing import _build_tokenizer
+
+    small = _build_tokenizer(0)
+    data = json.loads(small.backend_tokenizer.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    if vocab_size < len(vocab):
+        raise ValueError(f"a vocabulary of {vocab_size} cannot hold the tokenizer's {len(vocab)} base tokens")
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<fill_{i}>"] = i
+    return PreTrainedTokenizerFast(
+        tokenizer_object=RawTokenizer.from_str(json.dumps(data)),
+        bos_token=small.bos_token, eos_token=small.eos_token, pad_token=small.pad_token,
+        unk_token=small.unk_token, chat_template=small.chat_template, clean_up_tokenization_spaces=False,
+    )
+
+
+def build_model_dir(shape: Shape, path: Path, *, seed: int = 0, shard_bytes: int = 1 << 30) -> Path:
+    """Write `shape` as a Hugging Face folder: config.json, tokenizer, random bf16 weights in
+    safetensors shards (the tensor names and shapes of transformers' own model class, built on
+    the meta device; N(0, 0.02) matrices, unit norms). Reuses a complete folder of the same shape."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    stamp = path / "bench_scale.json"
+    wanted = {"shape": shape.__dict__, "seed": seed}
+    if stamp.exists() and json.loads(stamp.read_text()) == json.loads(json.dumps(wanted)):
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    for old in path.glob("*.safetensors"):
+        old.unlink()
+    tokenizer = padded_tokenizer(shape.vocab_size)
+    specials = tuple(tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]))
+    config = hf_config(shape, specials)  # type: ignore[arg-type]
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = {n: tuple(t.shape) for n, t in skeleton.state_dict().items()}
+    if shape.tie_word_embeddings:
+        names.pop("lm_head.weight", None)
+    gen = torch.Generator().manual_seed(seed)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    weight_map: dict[str, str] = {}
+    for name, dims in names.items():
+        if len(dims) == 1:  # RMSNorm weights
+            tensor = torch.ones(dims, dtype=torch.bfloat16)
+        else:
+            tensor = (torch.randn(dims, generator=gen, dtype=torch.float32) * 0.02).to(torch.bfloat16)
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    total = len(shards)
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+        shard.clear()
+    index = {"metadata": {"total_size": sum((path / f).stat().st_size for f in set(weight_map.values()))},
+             "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    stamp.write_text(json.dumps(wanted))
+    return path
+
+
+def check_supported(path: Path) -> str | None:
+    """None if the engine's config reader accepts the folder, else its error (the forward's
+    family support decides; this tool does not work around it)."""
+    from edge_runtime.errors import ModelNotAvailable
+    from edge_runtime.model.config import ModelConfig
+
+    try:
+        ModelConfig.from_dir(path)
+    except ModelNotAvailable as exc:
+        return str(exc)
+    return None
+
+
+# -- resident memory ----------------------------------------------------------------------------
+
+
+def proc_status() -> dict[str, int]:
+    """VmRSS, VmHWM, RssAnon, RssFile of this process, in bytes."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+class PeakSampler:
+    """Keeps the peak of RssAnon (sampled every `period_s`) and resets the kernel's VmHWM, so
+    each phase has its own peaks."""
+
+    def __init__(self, period_s: float = 0.002) -> None:
+        self.period_s = period_s
+        self.peak_anon = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            anon = proc_status()["RssAnon"]
+            if anon > self.peak_anon:
+                self.peak_anon = anon
+
+    def reset(self) -> dict[str, int]:
+        """Start a phase: both peaks restart from now; returns the status at the start."""
+        Path("/proc/self/clear_refs").write_text("5")
+        now = proc_status()
+        self.peak_anon = now["RssAnon"]
+        return now
+
+    def peaks(self) -> dict[str, int]:
+        now = proc_status()
+        return {"hwm": now["VmHWM"], "peak_anon": max(self.peak_anon, now["RssAnon"]), **now}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+# -- one measured run (a child process) ---------------------------------------------------------
+
+
+def text_of_tokens(tokenizer: Any, n: int, offset: int = 0) -> str:
+    words = ("the user asks and the assistant answers on the device while the model learns what each "
+             "user prefers from feedback ").split()
+    text, i = "", offset
+    while len(tokenizer.hf.encode(text)) < n:
+        text += words[i % len(words)] + " "
+        i += 1
+    return tokenizer.hf.decode(tokenizer.hf.encode(text)[:n])
+
+
+def decode_rate(engine: Any, streams: int, tokens: int, prompt_tokens: int, repeats: int) -> float:
+    """Aggregate decode tokens/s of `streams` greedy streams started together, counted from the
+    moment every stream has its first token (prefill excluded); best of `repeats`."""
+    from edge_runtime import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    best = 0.0
+    for r in range(repeats):
+        first: dict[str, float] = {}
+        for s in range(streams):
+            prompt = text_of_tokens(engine.tokenizer, prompt_tokens, offset=7 * s + 31 * r)
+            engine.add_request(prompt, params, on_token=lambda e, first=first: first.setdefault(e.request_id, time.perf_counter()))
+        while engine.has_unfinished():
+            engine.step()
+        end = time.perf_counter()
+        best = max(best, streams * (tokens - 1) / (end - max(first.values())))
+    return best
+
+
+def ledger_view(engine: Any) -> dict[str, int]:
+    from edge_runtime.memory import MemoryKind
+
+    snap = engine.ledger.snapshot()
+    snap["weights_model_bytes"] = engine.ledger.entries(MemoryKind.WEIGHTS).get("model", 0)
+    snap["weights_backend_bytes"] = engine.ledger.entries(MemoryKind.WEIGHTS).get("backend", 0)
+    return snap
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """Load one model on one backend and measure every phase; runs in a fresh process."""
+    import torch
+
+    from edge_runtime import Engine
+    from edge_runtime.config import EngineConfig
+    from edge_runtime.device import pick_device, pick_dtype
+    from edge_runtime.lora.config import LoraSettings
+    from edge_runtime.lora.weights import LoraWeights
+    from edge_runtime.memory import MemoryKind
+    from edge_runtime.model.tokenizer import Tokenizer
+    from edge_runtime.model.weights import load_llama
+    from edge_runtime.train.pairs import PreferenceRecord
+    from edge_runtime.train.trainer import AdapterTrainer
+
+    if spec.get("export_only"):
+        return export_graphs(spec)
+    path = Path(spec["model_dir"])
+    config = EngineConfig(
+        model=str(path), dtype=spec["dtype"], backend=spec["backend"], onnx_quantization=spec["quantization"],
+        onnx_cache_dir=spec["onnx_cache_dir"], num_threads=spec["threads"], kv_cache_bytes=spec["kv_cache_bytes"],
+        cost_cache_dir=spec["cost_cache_dir"], max_num_seqs=max(8, max(spec["streams"])),
+        finetune_memory_bytes=spec["finetune_bytes"],
+    )
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    sampler = PeakSampler()
+    out: dict[str, Any] = {"phases": {}}
+    phases = out["phases"]
+
+    def phase(name: str, start: dict[str, int], **extra: Any) -> dict[str, Any]:
+        peaks = sampler.peaks()
+        phases[name] = {"rss_start": start["VmRSS"], "anon_start": start["RssAnon"], "hwm": peaks["hwm"],
+                        "peak_anon": peaks["peak_anon"], "rss_end": peaks["VmRSS"], "anon_end": peaks["RssAnon"],
+                        "file_end": peaks["RssFile"], **extra}
+        log(f"{name}: done, peak RssAnon {peaks['peak_anon'] / MiB:.0f} MiB, VmHWM {peaks['hwm'] / MiB:.0f} MiB")
+        return phases[name]
+
+    # Engine.load's two steps, timed and measured apart: the weights, then the engine around them
+    # (KV slab, adapter registry, backend with its graph, the forward's cost model).
+    baseline = sampler.reset()
+    out["baseline"] = baseline
+    t0 = time.perf_counter()
+    device = pick_device(config.device)
+    model = load_llama(path, dtype=pick_dtype(config.dtype, device), device=device)
+    t_weights = time.perf_counter() - t0
+    phase("load_weights", baseline, seconds=round(t_weights, 3))
+    start = sampler.reset()
+    t0 = time.perf_counter()
+    engine = Engine(model, Tokenizer(path), config, name=path.name)
+    t_engine = time.perf_counter() - t0
+    phase("build_engine", start, seconds=round(t_engine, 3), cost_model=engine.costs.source,
+          kv_cache_bytes=engine.cache.nbytes, ledger=ledger_view(engine))
+    out["load_s"] = round(t_weights + t_engine, 3)
+    out["backend_name"] = engine.backend.name
+    out["max_context"] = engine.max_context
+
+    # Decode: base model, then one stream with an adapter (the adapters entry).
+    start = sampler.reset()
+    engine.ledger.peak_used = engine.ledger.used
+    rates = {}
+    for n in spec["streams"]:
+        rates[str(n)] = round(decode_rate(engine, n, spec["tokens"], spec["prompt_tokens"], spec["repeats"]), 3)
+    phase("decode", start, ledger=ledger_view(engine), ledger_peak_used=engine.ledger.peak_used)
+    out["decode_tok_s"] = rates
+
+    start = sampler.reset()
+    engine.ledger.peak_used = engine.ledger.used
+    lora = LoraWeights.init(model.cfg, LoraSettings(), seed=1)
+    for b in lora.b.values():
+        b.normal_(0.0, 0.01)
+    engine.publish_adapter("scale-user", lora)
+    from edge_runtime import SamplingParams
+
+    engine.add_request(text_of_tokens(engine.tokenizer, spec["prompt_tokens"]), SamplingParams(
+        max_tokens=spec["tokens"], ignore_eos=True), adapter="scale-user")
+    while engine.has_unfinished():
+        engine.step()
+    engine.ledger.set(MemoryKind.ADAPTERS, "cache", engine.adapters.cache.nbytes)
+    phase("adapter", start, ledger=ledger_view(engine), ledger_peak_used=engine.ledger.peak_used,
+          adapter_bytes=engine.adapters.cache.nbytes)
+
+    # One DPO pair through the scheduler (the ledger's optimizer and activation entries), as the
+    # daemon runs it: profiled stage costs, staged task, default DPO settings.
+    if spec["dpo"]:
+        t0 = time.perf_counter()
+        costs = engine.stage_costs()
+        out["stage_costs_s"] = round(time.perf_counter() - t0, 3)
+        start = sampler.reset()
+        engine.ledger.peak_used = engine.ledger.used
+        trainer = AdapterTrainer(engine.model, engine.tokenizer, costs=costs)
+        n = spec["dpo_tokens"]
+        pair = PreferenceRecord(text_of_tokens(engine.tokenizer, n), text_of_tokens(engine.tokenizer, n, offset=3),
+                                text_of_tokens(engine.tokenizer, n, offset=11), pair_id="scale")
+        task = trainer.task(pair, score=False)
+        peak_held: dict[str, int] = {}
+        t0 = time.perf_counter()
+        engine.add_finetune(task, user="scale-user")
+        log(f"dpo pair: {task.tokens.num_rows} rows, {len(task.stages)} stages")
+        queue, idle = engine.scheduler.finetune, 0
+        while engine.has_unfinished():
+            ran = queue.stages_run
+            engine.step()
+            for kind in (MemoryKind.ACTIVATIONS, MemoryKind.OPTIMIZER):
+                peak_held[kind.value] = max(peak_held.get(kind.value, 0), engine.ledger.held(kind))
+            idle = 0 if queue.stages_run > ran else idle + 1
+            if idle >= 1000:  # the scheduler finds no room for the next stage: it would wait forever
+                stage = task.next_stage()
+                raise RuntimeError(f"the DPO pair's stage {stage.name if stage else '?'} was never scheduled: "
+                                   f"{engine.ledger.free / MiB:.0f} MiB free in the ledger; raise --finetune-mib")
+        wall = time.perf_counter() - t0
+        job = queue.finished[-1]
+        phase("dpo_pair", start, ledger=ledger_view(engine), ledger_peak_used=engine.ledger.peak_used,
+              ledger_peak_held=peak_held, wall_s=round(wall, 3), stage_s=round(job.seconds, 3),
+              stage_s_by_kind={k: round(v, 3) for k, v in task.seconds_by_kind().items()},
+              rows=task.tokens.num_rows, error=job.error, trainer_persistent_bytes=trainer.persistent_bytes)
+    sampler.close()
+    return out
+
+
+def export_graphs(spec: dict[str, Any]) -> dict[str, Any]:
+    """Export (and cache) both ONNX step graphs, with and without LoRA inputs, so the measured
+    run opens cached graphs: an export's transient memory is a one-time cost, reported apart."""
+    from dataclasses import replace
+
+    import torch
+
+    from edge_runtime import Engine
+    from edge_runtime.backends.onnx_export import export_step
+
+    sampler = PeakSampler()
+    start = sampler.reset()
+    t0 = time.perf_counter()
+    engine = Engine.load(spec["model_dir"], dtype=spec["dtype"], backend="onnxruntime",
+                         onnx_quantization=spec["quantization"], onnx_cache_dir=spec["onnx_cache_dir"],
+                         kv_cache_bytes=spec["kv_cache_bytes"], cost_profile="off",
+                         num_threads=spec["threads"] or torch.get_num_threads())
+    export_step(engine.model, replace(engine.backend.spec, lora=True), spec["onnx_cache_dir"])
+    peaks = sampler.peaks()
+    sampler.close()
+    return {"export_s": round(time.perf_counter() - t0, 1), "peak_anon_mib": round(peaks["peak_anon"] / MiB, 1),
+            "anon_start_mib": round(start["RssAnon"] / MiB, 1), "hwm_mib": round(peaks["hwm"] / MiB, 1)}
+
+
+# -- the parent: build, measure in children, report ---------------------------------------------
+
+
+BACKENDS = {"torch": ("torch", "none"), "onnxruntime-int4": ("onnxruntime", "int4")}
+
+
+def run_child(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
+        spec = {**spec, "result_file": result.name}
+        proc = subprocess.run([sys.executable, __file__, "--measure", json.dumps(spec)], timeout=timeout_s,
+                              stdout=subprocess.PIPE, text=True)  # its progress log goes to our stderr
+        if proc.returncode != 0:
+            return {"error": f"the measuring process exited with status {proc.returncode} (its log is above)"}
+        return json.loads(Path(result.name).read_text())
+
+
+def summarise(run: dict[str, Any]) -> dict[str, Any]:
+    """Ledger bytes against measured resident bytes, per entry and for the whole engine."""
+    p = run["phases"]
+    base_anon = run["baseline"]["RssAnon"]
+    built = p["build_engine"]["ledger"]
+    rows = {}
+    # Weights: the model's tensors, read from the checkpoint (RssAnon grows by them).
+    rows["weights"] = (built["weights_model_bytes"], p["load_weights"]["anon_end"] - p["load_weights"]["anon_start"])
+    # The engine around them: KV slab, backend graphs, registry, cost-model calibration leftovers.
+    rows["engine build (KV slab, backend)"] = (
+        built["weights_backend_bytes"] + built["kv_bytes"] + built["prefix_cache_bytes"] + built["adapters_bytes"],
+        p["build_engine"]["anon_end"] - p["build_engine"]["anon_start"])
+    rows["decode peak (KV in use + forward)"] = (
+        p["decode"]["ledger_peak_used"] - built["held_bytes"], p["decode"]["peak_anon"] - p["decode"]["anon_start"])
+    # (with ONNX Runtime the first adapter row opens the LoRA graph: the backend's weight entry)
+    after = p["adapter"]["ledger"]
+    rows["adapters (+ LoRA graph)"] = (
+        after["adapters_bytes"] + after["weights_backend_bytes"] - built["adapters_bytes"] - built["weights_backend_bytes"],
+        p["adapter"]["anon_end"] - p["adapter"]["anon_start"])
+    if "dpo_pair" in p:
+        d = p["dpo_pair"]
+        rows["one DPO pair (optimizer + activations, peak)"] = (
+            d["ledger_peak_used"] - p["adapter"]["ledger"]["held_bytes"], d["peak_anon"] - d["anon_start"])
+    # The bar: from the engine's construction on (the ledger exists), its peak against the
+    # process's peak anonymous memory above the baseline before the model was read.
+    live = [ph for name, ph in p.items() if name != "load_weights"]
+    ledger_peak = max([built["held_bytes"]] + [ph.get("ledger_peak_used", 0) for ph in live])
+    engine_peak = max(ph["peak_anon"] for ph in live) - base_anon
+    load = p["load_weights"]
+    return {
+        "entries": {k: {"ledger_mib": round(a / MiB, 1), "measured_mib": round(b / MiB, 1),
+                        "ratio": round(a / b, 3) if b > 0 else None} for k, (a, b) in rows.items()},
+        "ledger_peak_mib": round(ledger_peak / MiB, 1),
+        "measured_engine_peak_anon_mib": round(engine_peak / MiB, 1),
+        "ratio": round(ledger_peak / engine_peak, 3) if engine_peak > 0 else None,
+        "process_baseline_anon_mib": round(base_anon / MiB, 1),
+        "process_peak_rss_mib": round(max(ph["hwm"] for ph in p.values()) / MiB, 1),
+        # While the weights are read (before the engine and its ledger exist): the loader's
+        # per-tensor copies above the loaded weights, and VmHWM with the mapped checkpoint pages.
+        "load_transient_anon_mib": round((load["peak_anon"] - load["anon_end"]) / MiB, 1),
+        "load_peak_rss_mib": round(load["hwm"] / MiB, 1),
+    }
+
+
+def machine() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "")
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+
+
+def write_table(result: dict[str, Any], path: Path) -> None:
+    m = result["machine"]
+    lines = [
+        f"Random-weight models at real shapes, {result['dtype']}, {m['cores']} cores ({m['cpu']}), shared "
+        f"(load average {result['load_average_at_start']:.1f} at start). {result['tokens']} tokens per stream, best "
+        f"of {result['repeats']}; one DPO pair of {result['dpo_tokens']}-token prompt and completions. Command: "
+        f"`{result['command']}`",
+        "",
+        "| shape | backend | load (s) | decode tok/s, 1 stream | decode tok/s, 8 streams | DPO pair step (s) "
+        "| ledger peak (MiB) | measured engine peak (MiB) | ledger/measured | load transient (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for shape in result["shapes"]:
+        if "unsupported" in shape:
+            lines.append(f"| {shape['shape']} | all | unsupported: {shape['unsupported']} | | | | | | | |")
+            continue
+        for run in shape["runs"]:
+            if "error" in run:
+                lines.append(f"| {shape['shape']} | {run['backend']} | failed: {run['error'][:300]} | | | | | | | |")
+                continue
+            s, rates = run["summary"], run["decode_tok_s"]
+            dpo = run["phases"].get("dpo_pair", {}).get("stage_s", "n/a")
+            lines.append(f"| {shape['shape']} | {run['backend']} | {run['load_s']} | {rates.get('1')} | {rates.get('8')} | "
+                         f"{dpo} | {s['ledger_peak_mib']} | {s['measured_engine_peak_anon_mib']} | {s['ratio']} | "
+                         f"{s['load_transient_anon_mib']} |")
+    for shape in result["shapes"]:
+        for backend, exp in shape.get("exports", {}).items():
+            if "error" in exp:
+                lines += ["", f"{shape['shape']} / {backend} export failed: {exp['error']}"]
+            else:
+                lines += ["", f"{shape['shape']} / {backend}: exporting both step graphs took {exp['export_s']} s, peak "
+                          f"RssAnon {exp['peak_anon_mib']} MiB (from {exp['anon_start_mib']} MiB), once per model "
+                          "(cached; the measured run opens the cached graphs)."]
+    lines += ["", "Ledger peak: the most it held (plus reservations) from the engine's construction on; measured "
+              "engine peak: the process's peak RssAnon over the same phases above its RssAnon before the model "
+              "was read. Load transient: RssAnon above the loaded weights while they were read (no ledger yet).",
+              "", "Per ledger entry (MiB; measured = growth of the process's anonymous resident memory over "
+              "the phase, peak where it says so; freed memory the allocator reuses hides growth here):", "",
+              "| shape | backend | entry | ledger | measured | ledger/measured |", "|---|---|---|---|---|---|"]
+    for shape in result["shapes"]:
+        for run in shape.get("runs", []):
+            for entry, row in run.get("summary", {}).get("entries", {}).items():
+                lines.append(f"| {shape['shape']} | {run['backend']} | {entry} | {row['ledger_mib']} | "
+                             f"{row['measured_mib']} | {row['ratio']} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="llama-3.2-1b,qwen3-1.7b", help=f"any of {', '.join(SHAPES)}")
+    ap.add_argument("--backends", default="torch,onnxruntime-int4", help=f"any of {', '.join(BACKENDS)}")
+    ap.add_argument("--tokens", type=int, default=32, help="generated tokens per stream")
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2, help="decode runs per stream count (best kept)")
+    ap.add_argument("--dpo-tokens", type=int, default=64, help="tokens of the pair's prompt and of each completion")
+    ap.add_argument("--no-dpo", dest="dpo", action="store_false")
+    ap.add_argument("--dtype", default="auto", help="engine dtype (auto: bfloat16 where the CPU has fast bf16, else float32)")
+    ap.add_argument("--threads", type=int, default=0, help="torch / ONNX Runtime threads; 0 = all cores")
+    ap.add_argument("--kv-cache-mib", type=int, default=256)
+    # The default 256 MiB cannot hold one forward window of a default DPO pair at 1B (~155 KiB
+    # saved per row and layer in float32, x 128 rows x 16 layers, plus the 128k-vocabulary
+    # logits): the job would wait for room forever.
+    ap.add_argument("--finetune-mib", type=int, default=2048, help="the derived budget's room for fine-tuning")
+    ap.add_argument("--layers", type=int, default=0, help="fewer layers than the real shape (development only)")
+    ap.add_argument("--cache-dir", default="", help="built models, graphs, cost profiles (default: <state dir>/bench/scale)")
+    ap.add_argument("--timeout-s", type=float, default=1800, help="per measured child")
+    ap.add_argument("--out", default=str(RESULTS / "bench_scale.json"))
+    ap.add_argument("--measure", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.measure:
+        spec = json.loads(args.measure)
+        Path(spec["result_file"]).write_text(json.dumps(measure(spec)))
+        return
+
+    from edge_runtime.paths import state_dir
+
+    cache = Path(args.cache_dir) if args.cache_dir else state_dir() / "bench" / "scale"
+    result: dict[str, Any] = {
+        "command": " ".join(["python tools/bench_scale.py", *sys.argv[1:]]), "machine": machine(),
+        "dtype": args.dtype, "tokens": args.tokens, "repeats": args.repeats, "dpo_tokens": args.dpo_tokens,
+        "kv_cache_mib": args.kv_cache_mib, "finetune_mib": args.finetune_mib, "load_average_at_start": os.getloadavg()[0], "shapes": [],
+        "memory_method": "VmHWM (reset per phase via /proc/self/clear_refs) and a 2 ms sampler of RssAnon, "
+                         "in a fresh child process per shape and backend",
+    }
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        if args.layers:
+            shape = shape.scaled(num_layers=args.layers)
+        folder = cache / (name + (f"-{args.layers}l" if args.layers else ""))
+        entry: dict[str, Any] = {"shape": name, "num_layers": shape.num_layers, "runs": []}
+        result["shapes"].append(entry)
+        # The config alone decides most refusals: no gigabytes written for a family the forward lacks.
+        folder.mkdir(parents=True, exist_ok=True)
+        specials = tuple(padded_tokenizer(shape.vocab_size).convert_tokens_to_ids(
+            ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]))
+        hf_config(shape, specials).save_pretrained(folder)  # type: ignore[arg-type]
+        why = check_supported(folder)
+        if why is not None:
+            entry["unsupported"] = why
+            print(f"{name}: unsupported: {why}", flush=True)
+            continue
+        t0 = time.perf_counter()
+        build_model_dir(shape, folder)
+        entry["build_s"] = round(time.perf_counter() - t0, 1)
+        entry["checkpoint_mib"] = round(sum(f.stat().st_size for f in folder.glob("*.safetensors")) / MiB, 1)
+        for backend in args.backends.split(","):
+            engine_backend, quantization = BACKENDS[backend]
+            spec = {"model_dir": str(folder), "dtype": args.dtype, "backend": engine_backend,
+                    "quantization": quantization, "onnx_cache_dir": str(cache / "onnx"), "threads": args.threads,
+                    "kv_cache_bytes": args.kv_cache_mib * MiB, "finetune_bytes": args.finetune_mib * MiB,
+                    "cost_cache_dir": str(cache / "costs"),
+                    "streams": [1, 8], "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
+                    "repeats": args.repeats, "dpo": args.dpo, "dpo_tokens": args.dpo_tokens}
+            if engine_backend == "onnxruntime":
+                print(f"{name} / {backend}: exporting the graphs (cached for the measured run) ...", flush=True)
+                entry.setdefault("exports", {})[backend] = run_child({**spec, "export_only": True}, args.timeout_s)
+                print(json.dumps(entry["exports"][backend]), flush=True)
+            print(f"{name} / {backend} ...", flush=True)
+            t0 = time.perf_counter()
+            run = run_child(spec, args.timeout_s)
+            run["backend"] = backend
+            run["child_wall_s"] = round(time.perf_counter() - t0, 1)
+            if "error" not in run:
+                run["summary"] = summarise(run)
+            entry["runs"].append(run)
+            print(json.dumps({k: v for k, v in run.items() if k != "phases"}, indent=1), flush=True)
+    result["load_average_at_end"] = os.getloadavg()[0]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_table(result, out.with_suffix(".md"))
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
