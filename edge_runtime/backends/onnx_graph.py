@@ -252,10 +252,31 @@ class _StepWriter:
         out = g.op("Add", [g.op("Mul", [xh, self.cos_full]), g.op("Mul", [rotated, self.sin_full])])
         return g.op("Reshape", [out, g.const([1, -1, heads * d])])
 
+    def qk_norm(self, q: str, k: str, layer: torch.nn.Module, name: str) -> tuple[str, str]:
+        """q [.., .., H*d] and k [.., .., KVH*d] RMS-normalised as `ModelConfig.qk_norm` says
+        (before RoPE): "head" normalises each head (Qwen3), "full" the whole projection (OLMo 2)."""
+        cfg, g = self.cfg, self.g
+        if cfg.qk_norm is None:
+            return q, k
+        if cfg.qk_norm == "full":
+            return self.rms_norm(q, layer.q_norm, f"{name}.q_norm")[0], self.rms_norm(k, layer.k_norm, f"{name}.k_norm")[0]
+        out = []
+        for x, weight, heads, tag in ((q, layer.q_norm, cfg.num_heads, "q_norm"),
+                                      (k, layer.k_norm, cfg.num_kv_heads, "k_norm")):
+            # Reshape's 0 keeps that dimension: [B, S, heads*d] or [1, T, heads*d] alike.
+            x = g.op("Reshape", [x, g.const([0, 0, heads, cfg.head_dim])])
+            x, _ = self.rms_norm(x, weight, f"{name}.{tag}")
+            out.append(g.op("Reshape", [x, g.const([0, 0, heads * cfg.head_dim])]))
+        return out[0], out[1]
+
     def scores(self, q: str, k: str) -> str:
-        g, scale = self.g, float(self.cfg.head_dim ** -0.5)
+        g, scale = self.g, float(self.cfg.attention_scale)
         kt = g.op("Transpose", [k], perm=[0, 1, 3, 2])
         return g.op("Mul", [g.op("MatMul", [q, kt]), g.const(scale, np.float32)])
+
+    def scaled(self, x: str, factor: float) -> str:
+        """x * factor (Granite's multipliers); x itself where the factor is 1."""
+        return x if factor == 1.0 else self.g.op("Mul", [x, self.g.const(factor, np.float32)])
 
     def lora(self, base: str, x: str, site: str, layer: int) -> str:
         """base + ((x @ A_l) * row_mask) @ B_l: each row gets only its own adapter's columns."""
@@ -381,8 +402,14 @@ class _StepWriter:
         """qkv [B, S, (H + 2 KVH) d] -> (attention [B, S, H d], this step's K|V [B*S, 2 KVH, d]).
         GroupQueryAttention applies RoPE at each row's positions (from seqlens_k), appends the
         new keys to the gathered past and attends causally; the new K/V are read back from its
-        present outputs so our cache can store them."""
+        present outputs so our cache can store them. With q/k norms (applied before RoPE, so
+        before the node) q, k and v go in as three inputs instead of the packed one."""
         g, cfg = self.g, self.cfg
+        qkv_inputs = [qkv, "", ""]
+        if cfg.qk_norm is not None:
+            q, k, v = g.op("Split", [qkv, g.const([cfg.q_size, cfg.kv_size, cfg.kv_size])], n_out=3, axis=-1)
+            q, k = self.qk_norm(q, k, self.model.layers[layer], f"layers.{layer}")
+            qkv_inputs = [q, k, v]
 
         def past(kind: str) -> str:
             if self.dense:
@@ -399,11 +426,11 @@ class _StepWriter:
                                  "(with_gqa_window probes it)")
             window = cfg.sliding_window if counts_current else cfg.sliding_window - 1
         rope = cfg.rope_layers[layer]
-        inputs = [qkv, "", "", past("key"), past("value"), "seqlens_k", "total_sequence_length"]
+        inputs = [*qkv_inputs, past("key"), past("value"), "seqlens_k", "total_sequence_length"]
         if rope:
             inputs += [self.cos_half, self.sin_half]
         attrs = dict(domain="com.microsoft", num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
-                     scale=float(cfg.head_dim ** -0.5), do_rotary=int(rope), rotary_interleaved=0,
+                     scale=float(cfg.attention_scale), do_rotary=int(rope), rotary_interleaved=0,
                      local_window_size=window)
         if self.dense:
             # present.* are graph outputs bound to the same memory as past.*: ONNX Runtime then
@@ -423,32 +450,48 @@ class _StepWriter:
         self.prepare_shared()
         # Activations are [1, T, h] (flat) or [B, S, h] (rows, "ort").
         ids = "input_ids" if self.ort else g.op("Unsqueeze", ["input_ids", g.const([0])])
-        x = self.embedding(ids)
+        x = self.scaled(self.embedding(ids), cfg.embedding_multiplier)
         residual, delta = x, None
         kv_out = []
+        post = cfg.norm_after_sublayer  # OLMo 2: norms on the sublayers' outputs, none on inputs
         for i, layer in enumerate(model.layers):
             p = f"layers.{i}"
-            hn, residual = self.rms_norm(residual, layer.input_norm, f"{p}.input_norm", delta)
+            if post:
+                residual = residual if delta is None else g.op("Add", [residual, delta])
+                hn = residual
+            else:
+                hn, residual = self.rms_norm(residual, layer.input_norm, f"{p}.input_norm", delta)
             qkv = self.lora(self.linear(hn, layer.qkv_weight, layer.qkv_bias, f"{p}.qkv"), hn, "qkv", i)
             if self.ort:
                 attn, kv_new = self.gqa_attention(i, qkv)
                 kv_out.append(kv_new)
             else:
                 q, k, v = g.op("Split", [qkv, g.const([cfg.q_size, cfg.kv_size, cfg.kv_size])], n_out=3, axis=-1)
+                q, k = self.qk_norm(q, k, layer, p)
                 if cfg.rope_layers[i]:  # SmolLM3's NoPE layers attend without positions
                     q, k = self.rotary(q, cfg.num_heads), self.rotary(k, cfg.num_kv_heads)
                 kv_out.append(g.op("Concat", [k, v], axis=-1))
                 attn = self.attention(i, q, k, v)
             o = self.lora(self.linear(attn, layer.o_weight, layer.o_bias, f"{p}.o"), attn, "o", i)
-            hn, residual = self.rms_norm(residual, layer.post_norm, f"{p}.post_norm", o)
+            if post:
+                o, _ = self.rms_norm(o, layer.attn_out_norm, f"{p}.attn_out_norm")
+                residual = hn = g.op("Add", [residual, self.scaled(o, cfg.residual_multiplier)])
+            else:
+                o = self.scaled(o, cfg.residual_multiplier)
+                hn, residual = self.rms_norm(residual, layer.post_norm, f"{p}.post_norm", o)
             gu = self.lora(self.linear(hn, layer.gate_up_weight, layer.gate_up_bias, f"{p}.gate_up"), hn, "gate_up", i)
             gate, up = g.op("Split", [gu], n_out=2, axis=-1, num_outputs=2)
             act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
             delta = self.lora(self.linear(act, layer.down_weight, layer.down_bias, f"{p}.down"), act, "down", i)
+            if post:
+                delta, _ = self.rms_norm(delta, layer.mlp_out_norm, f"{p}.mlp_out_norm")
+            delta = self.scaled(delta, cfg.residual_multiplier)
         normed, _ = self.rms_norm(residual, model.norm, "norm", delta)
         flat = g.op("Reshape", [normed, g.const([-1, cfg.hidden_size])])
         rows = g.op("Gather", [flat, "logit_rows"], axis=0)  # [R, h]
         logits = self.lm_head(rows)
+        if cfg.logits_scaling != 1.0:  # Granite divides its logits
+            logits = g.op("Div", [logits, g.const(cfg.logits_scaling, np.float32)])
         g.nodes.append(helper.make_node("Reshape", [logits, g.const([-1, cfg.vocab_size])], ["logits"]))
         outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["logit_rows", cfg.vocab_size])]
         if not self.dense:

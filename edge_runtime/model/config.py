@@ -1,4 +1,5 @@
-"""The shape of a llama-family model (Llama, Mistral, Qwen2, SmolLM) as our forward needs it.
+"""The shape of a llama-family model (Llama, Mistral, Qwen2/3, SmolLM, Granite, OLMo 2) as our
+forward needs it.
 
 Read from a Hugging Face `config.json` through `transformers.AutoConfig`, which normalises the
 many spellings of RoPE settings (`rope_theta`/`rope_scaling` vs `rope_parameters`). What each
@@ -33,6 +34,12 @@ class ModelConfig:
     mlp_bias: bool
     sliding_window: int | None  # keys a query attends to, itself included; the same in every layer
     rope_layers: tuple[bool, ...]  # whether layer i rotates q and k (SmolLM3's NoPE layers do not)
+    qk_norm: str | None  # RMSNorm of q and k before RoPE: None, "head" (per head, Qwen3), "full" (OLMo 2)
+    norm_after_sublayer: bool  # norms on sublayer outputs, not inputs (OLMo 2)
+    embedding_multiplier: float  # token embeddings are scaled by it (Granite; else 1)
+    attention_scale: float  # on q.k: head_dim ** -0.5, or Granite's attention_multiplier
+    residual_multiplier: float  # each sublayer's output is scaled by it before the residual add
+    logits_scaling: float  # logits are divided by it (Granite; else 1)
     hf_config: Any  # the transformers config, kept for RoPE initialisation
 
     @property
@@ -42,6 +49,14 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def query_scale(self) -> float:
+        """The factor on q that turns the attention contexts' 1/sqrt(head_dim) into
+        `attention_scale` (1.0 for every family but Granite)."""
+        if self.attention_scale == self.head_dim**-0.5:
+            return 1.0
+        return self.attention_scale * self.head_dim**0.5
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -66,6 +81,12 @@ class ModelConfig:
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             sliding_window=family.sliding_window(hf_config, layers),
             rope_layers=family.rope_layers(hf_config, layers),
+            qk_norm=family.qk_norm(hf_config),
+            norm_after_sublayer=family.norm_after_sublayer(hf_config),
+            embedding_multiplier=family.read_setting(hf_config, "embedding_multiplier", 1.0),
+            attention_scale=family.read_setting(hf_config, "attention_multiplier", head_dim**-0.5),
+            residual_multiplier=family.read_setting(hf_config, "residual_multiplier", 1.0),
+            logits_scaling=family.read_setting(hf_config, "logits_scaling", 1.0),
             hf_config=hf_config,
         )
 

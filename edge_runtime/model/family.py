@@ -12,7 +12,23 @@ from typing import Any
 
 from edge_runtime.errors import ModelNotAvailable
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "smollm3")
+SUPPORTED_MODEL_TYPES = ("granite", "llama", "mistral", "olmo2", "qwen2", "qwen3", "smollm3")
+
+# What a family's forward does beyond Llama's that its config does not spell out (transformers
+# hard-codes it in the family's modeling file), and the settings of UNIMPLEMENTED_SETTINGS that
+# the family reads (`reads`: for any other family they stay refused).
+#   qk_norm   "head": RMSNorm over each head of q and k (weights of head_dim), before RoPE (Qwen3);
+#             "full": over the whole q and k projections (weights of heads * head_dim, OLMo 2)
+#   norm_after_sublayer   True: RMSNorm on each sublayer's output before the residual add, none
+#             on its input (OLMo 2's post_attention_ and post_feedforward_layernorm)
+FAMILY_TRAITS: dict[str, dict[str, Any]] = {
+    "qwen3": {"qk_norm": "head"},
+    "olmo2": {"qk_norm": "full", "norm_after_sublayer": True},
+    # Granite 3.x: embeddings times embedding_multiplier, attention scale attention_multiplier
+    # (not 1/sqrt(head_dim)), each sublayer's output times residual_multiplier before the
+    # residual add, logits divided by logits_scaling.
+    "granite": {"reads": ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")},
+}
 
 # SwiGLU's gate activation; a family that names it differently (Gemma: `hidden_activation`) is
 # checked under that name too.
@@ -63,7 +79,10 @@ def check_supported(hf_config: Any) -> None:
         act = getattr(hf_config, name, None)
         if act is not None and act not in ACTIVATIONS:
             raise ModelNotAvailable(f"{name}={act!r} is not supported (SwiGLU with silu only)")
+    reads = FAMILY_TRAITS.get(model_type, {}).get("reads", ())
     for name, off in UNIMPLEMENTED_SETTINGS.items():
+        if name in reads:
+            continue
         value = getattr(hf_config, name, None)
         if not any(value is v or (v is not None and value == v) for v in off):
             raise ModelNotAvailable(f"config setting {name}={value!r} is not implemented by this engine's forward")
@@ -128,6 +147,25 @@ def attention_out_bias(hf_config: Any) -> bool:
 
 def attention_qkv_bias(hf_config: Any) -> bool:
     return bool(getattr(hf_config, "attention_bias", hf_config.model_type == "qwen2"))
+
+
+def qk_norm(hf_config: Any) -> str | None:
+    """None, or how q and k are RMS-normalised before RoPE: "head" (each head, Qwen3) or "full"
+    (the whole projection, OLMo 2)."""
+    return FAMILY_TRAITS.get(hf_config.model_type, {}).get("qk_norm")
+
+
+def norm_after_sublayer(hf_config: Any) -> bool:
+    return bool(FAMILY_TRAITS.get(hf_config.model_type, {}).get("norm_after_sublayer", False))
+
+
+def read_setting(hf_config: Any, name: str, default: float) -> float:
+    """A scalar setting of UNIMPLEMENTED_SETTINGS for a family that reads it (FAMILY_TRAITS), else
+    `default` (the value that means "off"; check_supported refused any other for the rest)."""
+    if name not in FAMILY_TRAITS.get(hf_config.model_type, {}).get("reads", ()):
+        return default
+    value = getattr(hf_config, name, None)
+    return default if value is None else float(value)
 
 
 def is_unused_tensor(name: str) -> bool:

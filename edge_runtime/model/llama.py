@@ -1,8 +1,9 @@
-"""Our llama-family forward (Llama, Mistral, Qwen2, SmolLM) over a flat batch of tokens.
+"""Our llama-family forward (Llama, Mistral, Qwen2/3, SmolLM, Granite, OLMo 2) over a flat batch of tokens.
 
 The model owns weights and the per-token math (RMSNorm, RoPE, GQA projections, SwiGLU, tied
-embeddings). How tokens attend to each other (paged KV cache for serving, dense causal masks for
-training) and which LoRA deltas apply per row come from the caller's `ForwardContext`, so the
+embeddings, and the family variations `ModelConfig` names: q/k norms, norms after the sublayers,
+Granite's multipliers). How tokens attend to each other (paged KV cache for serving, dense causal
+masks for training) and which LoRA deltas apply per row come from the caller's `ForwardContext`, so the
 same layers serve inference and fine-tuning without copying a weight.
 """
 
@@ -100,12 +101,21 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         self.index = index
         h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-        self.input_norm = _param(h)
+        # Norms before the attention and MLP sublayers, or (OLMo 2) on their outputs.
+        post = cfg.norm_after_sublayer
+        self.input_norm = None if post else _param(h)
+        self.post_norm = None if post else _param(h)
+        self.attn_out_norm = _param(h) if post else None
+        self.mlp_out_norm = _param(h) if post else None
         self.qkv_weight = _param(q + 2 * kv, h)
         self.qkv_bias = _param(q + 2 * kv) if cfg.attention_bias else None
+        # q/k RMSNorm weights: one head's width, shared by every head (Qwen3), or the whole
+        # projection's (OLMo 2).
+        per_head = cfg.qk_norm == "head"
+        self.q_norm = None if cfg.qk_norm is None else _param(cfg.head_dim if per_head else q)
+        self.k_norm = None if cfg.qk_norm is None else _param(cfg.head_dim if per_head else kv)
         self.o_weight = _param(h, q)
         self.o_bias = _param(h) if cfg.attention_out_bias else None
-        self.post_norm = _param(h)
         self.gate_up_weight = _param(2 * inter, h)
         self.down_weight = _param(h, inter)
         self.gate_up_bias = _param(2 * inter) if cfg.mlp_bias else None
@@ -115,27 +125,35 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         lora = ctx.lora
         residual = x
-        hn = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        hn = self._pre_norm(x, self.input_norm)
         qkv = linear(hn, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         if lora is not None:
             q = _add(q, lora.delta(self.index, "q_proj", hn))
             k = _add(k, lora.delta(self.index, "k_proj", hn))
             v = _add(v, lora.delta(self.index, "v_proj", hn))
+        if cfg.qk_norm == "full":
+            q, k = rms_norm(q, self.q_norm, cfg.rms_norm_eps), rms_norm(k, self.k_norm, cfg.rms_norm_eps)
         t = x.shape[0]
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "head":
+            q, k = rms_norm(q, self.q_norm, cfg.rms_norm_eps), rms_norm(k, self.k_norm, cfg.rms_norm_eps)
         if cfg.rope_layers[self.index]:  # SmolLM3's NoPE layers attend without positions
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cfg.query_scale != 1.0:
+            # Granite's attention scale: every context divides q.k by sqrt(head_dim), so q
+            # carries the rest (the cached keys stay as transformers has them).
+            q = q * cfg.query_scale
         attn = ctx.attention(self.index, q, k, v)
         out = linear(attn, self.o_weight, self.o_bias)
         if lora is not None:
             out = _add(out, lora.delta(self.index, "o_proj", attn))
-        x = residual + out
+        x = residual + self._sublayer_out(out, self.attn_out_norm)
 
         residual = x
-        hn = rms_norm(x, self.post_norm, cfg.rms_norm_eps)
+        hn = self._pre_norm(x, self.post_norm)
         gate_up = linear(hn, self.gate_up_weight, self.gate_up_bias)
         gate, up = gate_up.chunk(2, dim=-1)
         if lora is not None:
@@ -145,7 +163,18 @@ class DecoderLayer(nn.Module):
         down = linear(act, self.down_weight, self.down_bias)
         if lora is not None:
             down = _add(down, lora.delta(self.index, "down_proj", act))
-        return residual + down
+        return residual + self._sublayer_out(down, self.mlp_out_norm)
+
+    def _pre_norm(self, x: Tensor, weight: Tensor | None) -> Tensor:
+        return x if weight is None else rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def _sublayer_out(self, out: Tensor, norm: Tensor | None) -> Tensor:
+        """What a sublayer adds to the residual: its output, normalised (OLMo 2) and scaled by
+        the residual multiplier (Granite)."""
+        if norm is not None:
+            out = rms_norm(out, norm, self.cfg.rms_norm_eps)
+        m = self.cfg.residual_multiplier
+        return out if m == 1.0 else out * m
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -192,7 +221,9 @@ class LlamaModel(nn.Module):
         return self.embed if self.lm_head is None else self.lm_head
 
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
-        return F.embedding(input_ids, self.embed)
+        x = F.embedding(input_ids, self.embed)
+        m = self.cfg.embedding_multiplier  # Granite's; 1 elsewhere
+        return x if m == 1.0 else x * m
 
     def run_layers(
         self, x: Tensor, positions: Tensor, ctx: ForwardContext, start: int = 0, stop: int | None = None
@@ -205,7 +236,9 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Final norm and LM head for the rows whose next token is wanted."""
-        return linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head_weight())
+        logits = linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head_weight())
+        scaling = self.cfg.logits_scaling  # Granite divides its logits; 1 elsewhere
+        return logits if scaling == 1.0 else logits / scaling
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, logit_rows: Tensor | None = None

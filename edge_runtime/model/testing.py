@@ -80,13 +80,16 @@ def make_tiny_model_dir(
     seed: int = 0,
     model_type: str = "llama",
     config: dict | None = None,
+    random_norms: bool = False,
 ) -> Path:
     """Write a random model of `model_type` (transformers' own config and model classes) with a
     real ChatML tokenizer into `path`; return `path`.
 
     `vocab_extra` appends that many reserved special tokens (vocab = 307 + vocab_extra);
     `rope_scaling` is merged into the config's `rope_parameters` (e.g. {"rope_type": "linear",
-    "factor": 2.0}); `config` adds or overrides config settings (e.g. {"sliding_window": 8}).
+    "factor": 2.0}); `config` adds or overrides config settings (e.g. {"sliding_window": 8});
+    `random_norms` draws every RMSNorm weight around 1 (transformers initialises them to exactly
+    1, which would hide a norm applied in the wrong place).
     The same arguments always give the same weights.
     """
     import torch
@@ -125,6 +128,8 @@ def make_tiny_model_dir(
             for name, param in model.named_parameters():
                 if name.endswith("_proj.bias"):
                     param.normal_(0.0, 0.02)
+                elif random_norms and name.endswith("norm.weight"):
+                    param.normal_(1.0, 0.2)
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)

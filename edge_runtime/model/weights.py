@@ -16,7 +16,7 @@ from safetensors import safe_open
 from edge_runtime.errors import ModelNotAvailable
 from edge_runtime.model import family
 from edge_runtime.model.config import ModelConfig
-from edge_runtime.model.llama import LlamaModel
+from edge_runtime.model.llama import DecoderLayer, LlamaModel
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -93,7 +93,7 @@ def _target(
         if idx >= model.cfg.num_layers:
             raise ModelNotAvailable(f"weight {name} names layer {idx} of a {model.cfg.num_layers}-layer model")
         layer = model.layers[idx]
-        norms = {"input_layernorm.weight": layer.input_norm, "post_attention_layernorm.weight": layer.post_norm}
+        norms = _norm_tensors(layer)
         if rest in norms:
             return norms[rest], None, None
         module, _, kind = rest.rpartition(".")
@@ -109,6 +109,17 @@ def _target(
     )
 
 
+def _norm_tensors(layer: DecoderLayer) -> dict[str, torch.Tensor]:
+    """A layer's norm weights by checkpoint name (after `model.layers.{i}.`), as its config has them."""
+    if layer.cfg.norm_after_sublayer:
+        norms = {"post_attention_layernorm.weight": layer.attn_out_norm,
+                 "post_feedforward_layernorm.weight": layer.mlp_out_norm}
+    else:
+        norms = {"input_layernorm.weight": layer.input_norm, "post_attention_layernorm.weight": layer.post_norm}
+    norms |= {"self_attn.q_norm.weight": layer.q_norm, "self_attn.k_norm.weight": layer.k_norm}
+    return {name: weight for name, weight in norms.items() if weight is not None}
+
+
 def _check_complete(model: LlamaModel, filled: set[str]) -> None:
     cfg = model.cfg
     required = ["model.embed_tokens.weight", "model.norm.weight"]
@@ -116,7 +127,7 @@ def _check_complete(model: LlamaModel, filled: set[str]) -> None:
         required.append("lm_head.weight")
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        required += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        required += [p + name for name in _norm_tensors(model.layers[i])]
         required += [p + f"self_attn.{t}.weight" for t in ("q_proj", "k_proj", "v_proj", "o_proj")]
         required += [p + f"mlp.{t}.weight" for t in ("gate_proj", "up_proj", "down_proj")]
         if cfg.attention_bias:

@@ -14,10 +14,12 @@ def make_engine(model_dir, **overrides) -> Engine:
     return Engine.load(str(model_dir), **settings)
 
 
-def engine_logits_for(engine: Engine, prompt_ids: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+def engine_logits_for(
+    engine: Engine, prompt_ids: list[int], steps: int, adapter: str | None = None
+) -> tuple[torch.Tensor, list[int]]:
     """Greedy-decode `steps` tokens from raw prompt ids through the engine (paged KV, chunked
-    prefill as configured); returns the logits of every sampling step [steps, vocab] and the
-    generated ids."""
+    prefill as configured), under user `adapter`'s newest adapter if given; returns the logits of
+    every sampling step [steps, vocab] and the generated ids."""
     captured: list[torch.Tensor] = []
     execute = engine.backend.execute
 
@@ -29,12 +31,8 @@ def engine_logits_for(engine: Engine, prompt_ids: list[int], steps: int) -> tupl
     engine.backend.execute = spy
     try:
         text = engine.tokenizer.hf.decode(prompt_ids)
-        rid = engine.add_request(text, SamplingParams(max_tokens=steps, ignore_eos=True))
-        request = engine.requests[rid]
-        # Feed the exact ids (decode+encode need not round-trip for random ids).
-        request.prompt_ids = list(prompt_ids)
-        for seq in request.seqs:
-            seq.token_ids = list(prompt_ids)
+        rid = engine.add_request(text, SamplingParams(max_tokens=steps, ignore_eos=True), adapter=adapter)
+        _set_prompt_ids(engine, rid, prompt_ids)
         out = None
         while engine.has_unfinished():
             done = engine.step()
@@ -49,3 +47,26 @@ def engine_logits_for(engine: Engine, prompt_ids: list[int], steps: int) -> tupl
 def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def engine_greedy_batch(engine: Engine, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy-decode `steps` tokens for every prompt, all admitted at once so they share
+    iterations (decode rows beside prefill chunks); returns each prompt's generated ids."""
+    ids = []
+    for prompt_ids in prompts:
+        rid = engine.add_request(engine.tokenizer.hf.decode(prompt_ids), SamplingParams(max_tokens=steps, ignore_eos=True))
+        _set_prompt_ids(engine, rid, prompt_ids)
+        ids.append(rid)
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    return [outputs[rid].token_ids for rid in ids]
+
+
+def _set_prompt_ids(engine: Engine, request_id: str, prompt_ids: list[int]) -> None:
+    # Feed the exact ids (decode+encode need not round-trip for random ids).
+    request = engine.requests[request_id]
+    request.prompt_ids = list(prompt_ids)
+    for seq in request.seqs:
+        seq.token_ids = list(prompt_ids)

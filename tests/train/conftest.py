@@ -13,6 +13,7 @@ from edge_runtime.model.testing import make_tiny_model_dir
 from edge_runtime.model.tokenizer import Tokenizer
 from edge_runtime.model.weights import load_llama
 from edge_runtime.train import PreferenceRecord
+from tests.train.helpers import preference_records
 
 
 @pytest.fixture(scope="session")
@@ -30,15 +31,6 @@ def tiny4_tokenizer(tiny4_dir: Path) -> Tokenizer:
     return Tokenizer(tiny4_dir)
 
 
-def chat(text: str) -> tuple[dict[str, str], ...]:
-    return ({"role": "user", "content": text},)
-
-
 @pytest.fixture
 def pairs() -> list[PreferenceRecord]:
-    return [
-        PreferenceRecord(chat("What is the capital of France?"), "Paris is the capital of France.", "Lyon."),
-        PreferenceRecord(chat("Hello, how are you today?"), "I am fine, thank you.", "The quick brown fox jumps over the lazy dog."),
-        PreferenceRecord(chat("Please write a short poem about the sea."), "The sea and the sky.", "No."),
-        PreferenceRecord(chat("Fine-tuning on the device?"), "The data of the user stays on the device.", "Sure"),
-    ]
+    return preference_records()

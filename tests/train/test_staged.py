@@ -7,60 +7,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge_runtime.lora import LoraSettings
-from edge_runtime.train import AdapterTrainer, DPOSettings, StageKind
-from edge_runtime.train.dpo import dpo_loss
+from edge_runtime.train import StageKind
 from edge_runtime.train.logprobs import pair_logps, pair_logps_dense
-from edge_runtime.train.optim import OptimizerSettings
-from tests.lora.helpers import ALL_LINEAR, random_adapter
-
-
-def _trainer(model, tokenizer, window=None, group=1, accumulation=1, targets=ALL_LINEAR, lr=5e-4) -> AdapterTrainer:
-    settings = LoraSettings(rank=4, alpha=8, target_modules=targets)
-    dpo = DPOSettings(beta=0.1, window_tokens=window, layers_per_group=group,
-                      optimizer=OptimizerSettings(accumulation_steps=accumulation, learning_rate=lr))
-    # Non-zero B: with B = 0 the gradient of A is identically zero and proves nothing.
-    return AdapterTrainer(model, tokenizer, dpo=dpo, init=random_adapter(model.cfg, settings, seed=7, std=0.1))
-
-
-def _full_autograd_grads(trainer, records, accumulation):
-    for p in trainer.weights.parameters():
-        p.grad = None
-    for record in records:
-        tokens = trainer.tokenize(record)
-        ref_c, ref_r = (torch.tensor(v) for v in trainer.reference_logps(tokens))
-        logps = pair_logps_dense(trainer.model, tokens, trainer.weights)
-        (dpo_loss(logps[0], logps[1], ref_c, ref_r, trainer.dpo.beta) / accumulation).backward()
-    grads = [p.grad.clone() for p in trainer.weights.parameters()]
-    for p in trainer.weights.parameters():
-        p.grad = None
-    return grads
-
-
-def _staged_grads(trainer, records):
-    for record in records:
-        task = trainer.task(record)
-        while task.next_stage().kind is not StageKind.OPTIMIZER:
-            task.run_next()
-        trainer.release(task)
-    return [p.grad.clone() for p in trainer.weights.parameters()]
-
-
-def _max_rel_error(got, want):
-    return max(((g - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want, strict=True))
+from tests.train.helpers import full_autograd_grads, make_trainer, max_rel_error, staged_grads
 
 
 @pytest.mark.parametrize("window, group", [(None, 4), (None, 1), (4, 1), (3, 2), (7, 3)])
 def test_staged_gradients_equal_full_autograd(tiny4, tiny4_tokenizer, pairs, window, group):
-    trainer = _trainer(tiny4, tiny4_tokenizer, window=window, group=group, accumulation=2)
-    want = _full_autograd_grads(trainer, pairs[:2], accumulation=2)
-    got = _staged_grads(trainer, pairs[:2])  # two pairs accumulate into the same .grad
+    trainer = make_trainer(tiny4, tiny4_tokenizer, window=window, group=group, accumulation=2)
+    want = full_autograd_grads(trainer, pairs[:2], accumulation=2)
+    got = staged_grads(trainer, pairs[:2])  # two pairs accumulate into the same .grad
     assert all(w.abs().max() > 0 for w in want)
-    assert _max_rel_error(got, want) <= 1e-4
+    assert max_rel_error(got, want) <= 1e-4
 
 
 def test_windowed_log_probs_equal_one_dense_pass(tiny4, tiny4_tokenizer, pairs):
-    trainer = _trainer(tiny4, tiny4_tokenizer)
+    trainer = make_trainer(tiny4, tiny4_tokenizer)
     for record in pairs:
         tokens = trainer.tokenize(record)
         dense = pair_logps_dense(tiny4, tokens, trainer.weights).tolist()
@@ -69,7 +31,7 @@ def test_windowed_log_probs_equal_one_dense_pass(tiny4, tiny4_tokenizer, pairs):
 
 
 def test_stages_run_in_order_with_estimates_and_release_their_memory(tiny4, tiny4_tokenizer, pairs):
-    trainer = _trainer(tiny4, tiny4_tokenizer, window=4, group=2, accumulation=1)
+    trainer = make_trainer(tiny4, tiny4_tokenizer, window=4, group=2, accumulation=1)
     task = trainer.task(pairs[0])
     kinds = [s.kind for s in task.stages]
     assert kinds[0] is StageKind.SCORE and kinds[-1] is StageKind.OPTIMIZER
@@ -93,7 +55,7 @@ def test_stages_run_in_order_with_estimates_and_release_their_memory(tiny4, tiny
 
 
 def test_only_lora_parameters_change_and_the_loss_falls(tiny4, tiny4_tokenizer, pairs):
-    trainer = _trainer(tiny4, tiny4_tokenizer, window=8, group=2, accumulation=2, lr=2e-3)
+    trainer = make_trainer(tiny4, tiny4_tokenizer, window=8, group=2, accumulation=2, lr=2e-3)
     base = {name: p.detach().clone() for name, p in tiny4.named_parameters()}
     before = trainer.evaluate(pairs, trainer.weights)
     for _ in range(6):
@@ -105,8 +67,8 @@ def test_only_lora_parameters_change_and_the_loss_falls(tiny4, tiny4_tokenizer, 
 
 
 def test_abandoned_task_recomputes_to_the_same_gradients(tiny4, tiny4_tokenizer, pairs):
-    trainer = _trainer(tiny4, tiny4_tokenizer, window=4, group=2)
-    want = _staged_grads(trainer, pairs[:1])
+    trainer = make_trainer(tiny4, tiny4_tokenizer, window=4, group=2)
+    want = staged_grads(trainer, pairs[:1])
     for p in trainer.weights.parameters():
         p.grad = None
     task = trainer.task(pairs[0], score=False)
@@ -124,11 +86,11 @@ def test_abandoned_task_recomputes_to_the_same_gradients(tiny4, tiny4_tokenizer,
     while task.next_stage().kind is not StageKind.OPTIMIZER:
         task.run_next()
     got = [p.grad.clone() for p in trainer.weights.parameters()]
-    assert _max_rel_error(got, want) <= 1e-6
+    assert max_rel_error(got, want) <= 1e-6
 
 
 def test_one_task_at_a_time_holds_the_adapter(tiny4, tiny4_tokenizer, pairs):
-    trainer = _trainer(tiny4, tiny4_tokenizer)
+    trainer = make_trainer(tiny4, tiny4_tokenizer)
     first = trainer.task(pairs[0], score=False)
     while first.run_next().kind is not StageKind.FORWARD:
         pass
@@ -142,7 +104,7 @@ def test_one_task_at_a_time_holds_the_adapter(tiny4, tiny4_tokenizer, pairs):
 
 
 def test_reference_log_probs_are_computed_once_per_pair(tiny4, tiny4_tokenizer, pairs):
-    trainer = _trainer(tiny4, tiny4_tokenizer)
+    trainer = make_trainer(tiny4, tiny4_tokenizer)
     first = trainer.task(pairs[0], score=False)
     assert first.stages[0].kind is StageKind.REFERENCE  # a visible cost the first time only
     first.run()
@@ -157,7 +119,7 @@ def test_unscored_tasks_are_ranked_by_the_adapters_expected_loss(tiny4, tiny4_to
 
     from edge_runtime.sched.finetune import FineTuneJob
 
-    trainer = _trainer(tiny4, tiny4_tokenizer, window=4, group=2)
+    trainer = make_trainer(tiny4, tiny4_tokenizer, window=4, group=2)
     waiting = FineTuneJob("later", trainer.task(pairs[1], score=False), 0.0, 0.0)
     assert trainer.recent_loss is None and waiting.loss_for_priority() == pytest.approx(math.log(2.0))
     task = trainer.task(pairs[0], score=False)
