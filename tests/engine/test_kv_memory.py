@@ -23,7 +23,11 @@ def _anon() -> int:
 
 def _cfg() -> ModelConfig:
     # 4 layers x 8 kv heads x 64 dims in float32: a block of 16 tokens is 32 KiB per layer plane.
-    return ModelConfig("llama", 512, 256, 512, 4, 8, 8, 64, 1e-5, 4096, True, False, False, None, None)
+    from transformers import LlamaConfig
+
+    return ModelConfig.from_hf(LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=512,
+                                           num_hidden_layers=4, num_attention_heads=8,
+                                           num_key_value_heads=8, head_dim=64, max_position_embeddings=4096))
 
 
 def test_kv_slab_is_resident_only_for_blocks_that_hold_keys() -> None:
