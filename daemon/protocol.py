@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,15 +91,19 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise ValueError(f"msgpack extension type {code} is not part of the protocol")
 
 
-def _no_timestamps_in_list(items: list[Any]) -> list[Any]:
+def _refuse_timestamps(values: Iterable[Any]) -> None:
     # msgpack decodes its timestamp extension (type -1) itself instead of calling ext_hook.
-    if any(isinstance(item, msgpack.Timestamp) for item in items):
+    if any(isinstance(value, msgpack.Timestamp) for value in values):
         raise ValueError("msgpack extension type -1 (timestamp) is not part of the protocol")
+
+
+def _no_timestamps_in_list(items: list[Any]) -> list[Any]:
+    _refuse_timestamps(items)
     return items
 
 
 def _no_timestamps_in_map(pairs: dict[Any, Any]) -> dict[Any, Any]:
-    _no_timestamps_in_list(list(pairs.values()))
+    _refuse_timestamps(pairs.values())
     return pairs
 
 
@@ -121,12 +125,14 @@ def decode(frame: bytes, max_bytes: int | None = None) -> dict[str, Any]:
     return message
 
 
-def reply_envelope(frames: list[bytes]) -> list[bytes]:
-    """The frames a reply goes back under: the routing id, and the empty delimiter a REQ client
-    puts first (without it a REQ socket drops the reply), even when the body is malformed."""
-    if len(frames) >= 3 and frames[1] == b"":
+def reply_envelope(frames: Sequence[Any]) -> list[bytes]:
+    """The frames a reply goes back under: the routing id (bytes), and the empty delimiter a REQ
+    client puts first (without it a REQ socket drops the reply), even when the body is malformed
+    or too large. Only the length of the frames after the id is read, so they may be unread
+    zmq frames."""
+    if len(frames) >= 3 and len(frames[1]) == 0:
         return [frames[0], b""]
-    return frames[:1]
+    return list(frames[:1])
 
 
 def split_envelope(frames: list[bytes]) -> tuple[list[bytes], bytes]:

@@ -187,8 +187,7 @@ class Server:
         # Measure before copying: an oversized body is refused without ever being copied.
         oversized = max((len(part) for part in parts[1:]), default=0)
         if oversized > limit:
-            req_style = len(parts) >= 3 and len(parts[1]) == 0
-            self._reject(client, [identity, b""] if req_style else [identity], None, ProtocolError(
+            self._reject(client, reply_envelope([identity, *parts[1:]]), None, ProtocolError(
                 "too_large", f"frame of {oversized} bytes exceeds the limit of {limit}"))
             return
         frames = [part.bytes for part in parts]

@@ -206,15 +206,25 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request now; its candidates finish with reason "abort"."""
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             raise UnknownRequest(f"no request {request_id!r} in flight")
+        return self._end_request(request, "abort")
+
+    def _end_request(self, request: Request, reason: str, now: float | None = None) -> RequestOutput:
+        """Take a request out of flight: candidates still running finish with `reason` (their
+        blocks go back, their final event goes out), the adapter pin is released. Returns its
+        output."""
+        self.requests.pop(request.request_id, None)
         self.adapters.release(request.adapter)
         for seq in request.seqs:
             if seq.status is not SeqStatus.FINISHED:
-                self.scheduler.finish(seq, "abort")
-                self._emit(seq, "", None, finished=True)
-        request.metrics.finish_time = self.clock()
+                self.scheduler.finish(seq, reason)
+                try:
+                    self._emit(seq, "", None, finished=True)
+                except Exception:  # a broken callback must not keep the request in flight
+                    log.exception("request %s: its final event could not be delivered", request.request_id)
+        request.metrics.finish_time = self.clock() if now is None else now
         return request.output()
 
     def has_unfinished(self) -> bool:
@@ -437,9 +447,9 @@ class Engine:
         if len(bad) == len(items) and not self._forward_works():
             raise EngineBroken(f"the forward fails for every request and for a one-token probe: "
                                f"{type(exc).__name__}: {exc}") from exc
-        sampled = [rows[id(item)] for item in batch.items if item.samples]
         if not batch.items:
             return None
+        sampled = [rows[id(item)] for item in batch.items if item.samples]
         return torch.stack(sampled) if sampled else torch.empty(0, self.model.cfg.vocab_size)
 
     def _forward_works(self) -> bool:
@@ -465,18 +475,7 @@ class Engine:
         return its output, `error` set; every other request goes on."""
         log.error("request %s failed alone: %s", request.request_id, why)
         request.error = why
-        self.requests.pop(request.request_id, None)
-        self.adapters.release(request.adapter)
-        for seq in request.seqs:
-            if seq.status is not SeqStatus.FINISHED:
-                self.scheduler.finish(seq, "error")
-                try:
-                    self._emit(seq, "", None, finished=True)
-                except Exception:  # the callback is what failed: the output still says why
-                    log.exception("request %s: its final event could not be delivered", request.request_id)
-        if request.metrics is not None:
-            request.metrics.finish_time = self.clock()
-        return request.output()
+        return self._end_request(request, "error")
 
     def _run_finetune(self, batch: Batch) -> None:
         queue = self.scheduler.finetune
@@ -544,10 +543,7 @@ class Engine:
         self._emit(seq, self._releasable(seq, reason is not None), token, finished=reason is not None)
         request = seq.request
         if reason is not None and request.finished and request.request_id in self.requests:
-            del self.requests[request.request_id]
-            self.adapters.release(request.adapter)
-            metrics.finish_time = now
-            return request.output()
+            return self._end_request(request, reason, now)
         return None
 
     def _releasable(self, seq: Sequence, finished: bool) -> str:
