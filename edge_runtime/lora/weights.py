@@ -99,9 +99,10 @@ class LoraWeights:
 
         return LoraWeights(self.settings, {k: conv(v) for k, v in self.a.items()}, {k: conv(v) for k, v in self.b.items()})
 
-    def trainable(self) -> LoraWeights:
-        """A float32 copy whose tensors are leaves that require grad."""
-        copy = self.to(torch.float32)
+    def trainable(self, device: torch.device | str | None = None) -> LoraWeights:
+        """A float32 copy whose tensors are leaves that require grad, on `device` (the model's:
+        the staged forward multiplies them with its activations) or where they are."""
+        copy = self.to(torch.float32, device)
         for t in copy.parameters():
             t.requires_grad_(True)
         return copy

@@ -92,7 +92,7 @@ class StageCostModel:
         weights = LoraWeights.init(cfg, settings, seed=0)
         for b in weights.b.values():
             b.normal_(0.0, 0.01)  # a zero B would make autograd skip A's gradient work
-        weights = weights.trainable()
+        weights = weights.trainable(model.device)
         applier = TrainingLora(weights, dropout=0.0)
         params = {p.data_ptr() for p in model.parameters()} | {p.data_ptr() for p in weights.parameters()}
 

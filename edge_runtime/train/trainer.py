@@ -52,9 +52,9 @@ class AdapterTrainer:
         self.dpo = dpo or DPOSettings()
         if init is not None:
             init.check_shapes(model.cfg)
-            self.weights = init.trainable()
+            self.weights = init.trainable(model.device)
         else:
-            self.weights = LoraWeights.init(model.cfg, lora or LoraSettings(), seed=self.dpo.seed).trainable()
+            self.weights = LoraWeights.init(model.cfg, lora or LoraSettings(), seed=self.dpo.seed).trainable(model.device)
         self.optimizer = LoraOptimizer(self.weights.parameters(), self.dpo.optimizer)
         self.costs = costs or StageCostModel.nominal(model)
         # Shareable between users' trainers: it is keyed by pair content and the base is shared.
@@ -158,7 +158,7 @@ class AdapterTrainer:
         if self._active is not None:
             raise RuntimeError("cannot reset the adapter while a fine-tune task is in flight")
         weights.check_shapes(self.model.cfg)
-        self.weights = weights.trainable()
+        self.weights = weights.trainable(self.model.device)
         self.optimizer = LoraOptimizer(self.weights.parameters(), self.dpo.optimizer)
 
     @property
