@@ -116,7 +116,7 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         path, name = _resolve(config.model)
-        device = pick_device(config.device)
+        device = _engine_device(config)
         dtype = pick_dtype(config.dtype, device)
         if config.memory_budget_bytes:  # refuse before reading gigabytes of weights
             cfg = ModelConfig.from_dir(path)
@@ -693,6 +693,21 @@ def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
             best = idx
     return best
 
+
+
+def _engine_device(config: EngineConfig) -> torch.device:
+    """Where the weights and the KV cache live. `device = "auto"` means CUDA when torch sees a
+    GPU, except for the onnxruntime backend on a build without a GPU provider: its graphs run on
+    the CPU and read the cache there, so the engine stays on the CPU too."""
+    device = pick_device(config.device)
+    if device.type == "cuda" and config.device == "auto" and config.backend == "onnxruntime":
+        from edge_runtime.backends.onnxruntime_backend import onnxruntime_has_gpu
+
+        if not onnxruntime_has_gpu():
+            log.warning("this onnxruntime build has no GPU provider: the onnxruntime backend runs on "
+                        "the CPU (install onnxruntime-gpu to run it on the GPU)")
+            return torch.device("cpu")
+    return device
 
 def _resolve(spec: str | None) -> tuple[Path, str]:
     if spec is not None and Path(spec).is_dir():

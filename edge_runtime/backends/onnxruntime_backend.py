@@ -31,6 +31,7 @@ from edge_runtime.backends.step_inputs import (
     split_groups,
     split_groups_gqa,
 )
+from edge_runtime.errors import ModelNotAvailable
 from edge_runtime.kv.cache import KVCache
 from edge_runtime.lora.registry import AdapterRegistry
 from edge_runtime.model.llama import LlamaModel, LoraApplier
@@ -41,6 +42,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROVIDER_ORDER = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+
+
+def onnxruntime_has_gpu() -> bool:
+    """Whether this onnxruntime build can run a graph on an NVIDIA GPU (the plain `onnxruntime`
+    wheel cannot: it has the CPU provider alone, whatever torch sees)."""
+    import onnxruntime as ort
+
+    return any(name in GPU_PROVIDERS for name in ort.get_available_providers())
 _TORCH_TO_KV = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -101,6 +111,12 @@ class OnnxRuntimeBackend:
         root = Path(cache_dir) if cache_dir else None
         self.providers = providers or pick_providers(root / "trt" if root else None, self.device)
         names = [p[0] if isinstance(p, tuple) else p for p in self.providers]
+        if self.device.type == "cuda" and not any(name in GPU_PROVIDERS for name in names):
+            raise ModelNotAvailable(
+                f"the KV cache is on {self.device}, but this onnxruntime build has no GPU provider "
+                f"(it has {', '.join(names)}): install onnxruntime-gpu (on a Jetson, NVIDIA's wheel for "
+                "JetPack), or load the engine with device='cpu'"
+            )
         if flavour is None:
             # TensorRT takes only standard ops; ONNX Runtime's own kernels prefer the fused ones.
             flavour = "standard" if "TensorrtExecutionProvider" in names else "ort"

@@ -11,6 +11,14 @@ from edge_runtime import Engine, SamplingParams
 from edge_runtime.lora import LoraSettings, LoraWeights
 from edge_runtime.model.config import ModelConfig
 
+def ort_device() -> str:
+    """The torch device an engine whose graphs run on this onnxruntime build must use: the GPU
+    only where the build has a GPU provider (the plain wheel has not, whatever torch sees)."""
+    from edge_runtime.backends.onnxruntime_backend import onnxruntime_has_gpu
+
+    return "cuda" if torch.cuda.is_available() and onnxruntime_has_gpu() else "cpu"
+
+
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -11,6 +11,7 @@ from edge_runtime.backends import gqa_window  # noqa: E402
 from edge_runtime.backends.onnx_graph import GraphSpec, build_step_graph, with_gqa_window  # noqa: E402
 from edge_runtime.backends.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
 from edge_runtime.model.testing import make_tiny_model_dir  # noqa: E402
+from tests.backends.helpers import ort_device  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_prompt_and_decode_disagreeing_is_an_error(monkeypatch, fresh_probe):
 def test_the_graph_carries_the_probed_window(mistral_dir, tmp_path):
     from edge_runtime import Engine
 
-    engine = Engine.load(str(mistral_dir), dtype="float32", kv_cache_bytes=1 << 20)
+    engine = Engine.load(str(mistral_dir), dtype="float32", kv_cache_bytes=1 << 20, device=ort_device())
     for counts_current, attribute in ((True, 8), (False, 7)):
         spec = GraphSpec(gqa_window_counts_current=counts_current, lora=False)
         assert _windows(build_step_graph(engine.model, spec)) == {attribute}

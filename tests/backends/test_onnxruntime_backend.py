@@ -23,11 +23,11 @@ from edge_runtime.backends.step_inputs import (  # noqa: E402
 )
 from edge_runtime.config import EngineConfig  # noqa: E402
 from edge_runtime.model.config import ModelConfig  # noqa: E402
-from tests.backends.helpers import PROMPTS, make_engine, run_recording, two_adapters  # noqa: E402
+from tests.backends.helpers import PROMPTS, make_engine, ort_device, run_recording, two_adapters  # noqa: E402
 
 USERS = [("alice", "bob", None)[i % 3] for i in range(len(PROMPTS))]
 # Small prefill chunks, so batches mix decode rows with first and continuation chunks.
-CONFIG = dict(dtype="float32", kv_cache_bytes=4 << 20, max_batched_tokens=48)
+CONFIG = dict(dtype="float32", kv_cache_bytes=4 << 20, max_batched_tokens=48, device=ort_device())
 
 
 @pytest.fixture(scope="module")

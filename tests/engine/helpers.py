@@ -25,7 +25,7 @@ def engine_logits_for(
 
     def spy(batch, lora=None):  # the real path, observed
         out = execute(batch, lora) if lora is not None else execute(batch)
-        captured.append(out.clone())
+        captured.append(out.detach().cpu().clone())
         return out
 
     engine.backend.execute = spy

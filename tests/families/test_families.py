@@ -129,13 +129,15 @@ def _greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[list
 
 
 def _engine(family: Family, backend: str, flavour: str | None, kv_layout: str | None) -> Engine:
-    engine = Engine.load(str(family.folder), **CONFIG)
-    if backend == "onnxruntime":
-        pytest.importorskip("onnxruntime")
-        from edge_runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
+    if backend != "onnxruntime":
+        return Engine.load(str(family.folder), **CONFIG)
+    pytest.importorskip("onnxruntime")
+    from edge_runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
+    from tests.backends.helpers import ort_device
 
-        engine.backend = OnnxRuntimeBackend(engine.model, engine.cache, engine.adapters, flavour=flavour,
-                                            cache_dir=family.onnx_cache, kv_layout=kv_layout)
+    engine = Engine.load(str(family.folder), **CONFIG, device=ort_device())
+    engine.backend = OnnxRuntimeBackend(engine.model, engine.cache, engine.adapters, flavour=flavour,
+                                        cache_dir=family.onnx_cache, kv_layout=kv_layout)
     return engine
 
 
