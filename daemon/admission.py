@@ -41,6 +41,10 @@ _LEVELS = [AdmissionState.NORMAL, AdmissionState.SHED_FINETUNE, AdmissionState.Q
            AdmissionState.REJECT]
 
 
+# The AGX Orin 64GB's `50W` nvpmodel mode: the power budget where the device reports no limit.
+JETSON_POWER_BUDGET_MW = 50_000.0
+
+
 @dataclass(frozen=True)
 class Threshold:
     """Enter a state when the signal crosses `enter`; leave it only once back past `exit`.
@@ -102,7 +106,9 @@ class AdmissionConfig:
         AdmissionState.SHED_FINETUNE: Threshold(0.90, 0.80),
         AdmissionState.QUEUE: Threshold(1.00, 0.92),
     })
-    power_budget_mw: float | None = 50_000.0
+    # None: the device's own limit where telemetry reports one (NVML's enforced power limit on a
+    # discrete GPU: an H100 idles above 50 W), else JETSON_POWER_BUDGET_MW; 0 ignores power.
+    power_budget_mw: float | None = None
     queue_length: Ladder = field(default_factory=lambda: {
         AdmissionState.SHED_FINETUNE: Threshold(8, 4),  # backlog: give decode everything
         AdmissionState.REJECT: Threshold(256, 192),  # queue full
@@ -122,6 +128,7 @@ class AdmissionSignals:
     emc_util_pct: float | None = None
     max_temp_c: float | None = None
     power_mw: float | None = None
+    power_limit_mw: float | None = None  # the device's own enforced limit (NVML), if it has one
     queue_length: int = 0
 
     @classmethod
@@ -134,6 +141,7 @@ class AdmissionSignals:
             emc_util_pct=reading.emc_util_pct if reading is not None else None,
             max_temp_c=reading.max_temp_c if reading is not None else None,
             power_mw=reading.total_power_mw if reading is not None else None,
+            power_limit_mw=reading.power_limit_mw if reading is not None else None,
             queue_length=queue_length,
         )
 
@@ -232,6 +240,14 @@ class AdmissionController:
             )
         return verdict
 
+    def power_budget_mw(self) -> float | None:
+        """The power draw admission measures against: the configured budget; by default the
+        device's own enforced limit where telemetry reports one, else the AGX Orin's 50W mode."""
+        configured = self.config.power_budget_mw
+        if configured is not None:
+            return configured or None  # 0: power is not a signal
+        return self.signals.power_limit_mw or JETSON_POWER_BUDGET_MW
+
     def status(self) -> dict[str, Any]:
         """Everything `macectl status` shows about admission, JSON-ready."""
         now = self.clock()
@@ -239,6 +255,7 @@ class AdmissionController:
         return {
             "state": d.state.value,
             "reason": d.reason,
+            "power_budget_mw": self.power_budget_mw(),
             "retry_after_s": d.retry_after_s,
             "in_state_s": round(now - d.since, 3),
             "signals": asdict(self.signals),
@@ -285,9 +302,10 @@ class AdmissionController:
         ]
         if include_queue:
             checks.append(("queue length", float(sig.queue_length), cfg.queue_length, lambda v: f"{v:.0f}"))
-        if sig.power_mw is not None and cfg.power_budget_mw:
-            budget_w = cfg.power_budget_mw / 1000
-            checks.append(("power", sig.power_mw / cfg.power_budget_mw, cfg.power_fraction,
+        budget_mw = self.power_budget_mw()
+        if sig.power_mw is not None and budget_mw:
+            budget_w = budget_mw / 1000
+            checks.append(("power", sig.power_mw / budget_mw, cfg.power_fraction,
                            lambda v: f"{v * budget_w:.1f} W"))
         target, reasons = AdmissionState.NORMAL, []
         for name, value, ladder, show in checks:

@@ -34,6 +34,7 @@ class TelemetryReading:
     max_temp_c: float | None = None
     temps_c: dict[str, float] = field(default_factory=dict)
     total_power_mw: float | None = None
+    power_limit_mw: float | None = None  # the GPU's enforced power limit (NVML; discrete GPUs)
     power_mw: dict[str, float] = field(default_factory=dict)
     sample: TegrastatsSample | None = None  # the parsed line, for tegrastats-based sources
 

@@ -238,6 +238,7 @@ class PsutilSource(TelemetrySource):
             max_temp_c=max(temps.values()) if temps else None,
             temps_c=temps,
             total_power_mw=power.get("nvml_gpu"),
+            power_limit_mw=gpu.get("power_limit_mw"),
             power_mw=power,
         )
 
@@ -287,6 +288,7 @@ class _Nvml:
             ("mem_total_mb", lambda: nv.nvmlDeviceGetMemoryInfo(self.handle).total / 2**20),
             ("temp_c", lambda: nv.nvmlDeviceGetTemperature(self.handle, nv.NVML_TEMPERATURE_GPU)),
             ("power_mw", lambda: nv.nvmlDeviceGetPowerUsage(self.handle)),
+            ("power_limit_mw", lambda: nv.nvmlDeviceGetEnforcedPowerLimit(self.handle)),
         ):
             try:
                 out[key] = float(query())

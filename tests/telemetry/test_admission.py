@@ -126,6 +126,21 @@ def test_power_budget(ctl):
     assert decision.state is QUEUE and "power 51.0 W >= 50.0 W (queue)" in decision.reason
 
 
+def test_power_is_measured_against_the_devices_own_limit_where_it_reports_one(clock):
+    """A discrete GPU reports its enforced limit (NVML): an H100 idles near 70 W, above the
+    Jetson's 50 W, and must not queue everyone for it (seen on an H100 before this fix)."""
+    ctl = AdmissionController(clock=clock)
+    assert ctl.observe(with_(power_mw=72_000, power_limit_mw=700_000)).state is N
+    assert ctl.power_budget_mw() == 700_000
+    assert ctl.observe(with_(power_mw=640_000, power_limit_mw=700_000)).state is SHED
+    clock.now += 1
+    fixed = AdmissionController(AdmissionConfig(power_budget_mw=60_000), clock=clock)
+    assert fixed.observe(with_(power_mw=72_000, power_limit_mw=700_000)).state is QUEUE  # configured wins
+    ignored = AdmissionController(AdmissionConfig(power_budget_mw=0), clock=clock)
+    assert ignored.observe(with_(power_mw=10**7)).state is N and ignored.power_budget_mw() is None
+    assert AdmissionController(clock=clock).power_budget_mw() == 50_000  # no limit reported: Jetson's
+
+
 def test_gpu_and_emc_saturation_only_shed_fine_tuning(ctl):
     assert ctl.observe(with_(gpu_util_pct=99, emc_util_pct=95)).state is SHED
 

@@ -113,6 +113,7 @@ def fake_pynvml(free_mb: float = 6000) -> types.ModuleType:
                                                                  total=24576 * 2**20)
     nv.nvmlDeviceGetTemperature = lambda h, kind: 61
     nv.nvmlDeviceGetPowerUsage = unsupported  # some boards do not report power
+    nv.nvmlDeviceGetEnforcedPowerLimit = lambda h: 700_000  # an H100 SXM's limit
     return nv
 
 
@@ -124,6 +125,7 @@ def test_psutil_source_with_nvml_reports_discrete_gpu(monkeypatch):
     assert (reading.gpu_util_pct, reading.gpu_mem_free_mb, reading.gpu_mem_total_mb) == (
         37.0, 6000.0, 24576.0)
     assert reading.temps_c["nvml_gpu"] == 61.0 and reading.total_power_mw is None
+    assert reading.power_limit_mw == 700_000.0
 
 
 class FakeJtop:
