@@ -23,7 +23,7 @@ from edge_runtime.feedback.records import (
 
 
 def check_text(
-    value: object, what: str, max_bytes: int, *, allow_empty: bool = False,
+    value: object, what: str, max_bytes: int, *, allow_empty: bool = False, allow_nul: bool = False,
     error: type[BadRequest] = BadRequest,
 ) -> str:
     if not isinstance(value, str):
@@ -33,7 +33,7 @@ def check_text(
     except UnicodeEncodeError as exc:
         # Lone surrogates come from clients that decoded invalid UTF-8 with 'surrogateescape'.
         raise error(f"{what} is not valid UTF-8 text ({exc.reason} at {exc.start})") from None
-    if "\x00" in value:
+    if not allow_nul and "\x00" in value:
         raise error(f"{what} contains a NUL character")
     if size > max_bytes:
         raise error(f"{what} is {size} bytes of UTF-8; the limit is {max_bytes}")
@@ -47,9 +47,11 @@ def check_candidates(candidates: object, config: FeedbackStoreConfig) -> list[st
         raise BadRequest("candidates must be a list of strings")
     if not 1 <= len(candidates) <= config.max_candidates:
         raise BadRequest(f"candidates must hold 1-{config.max_candidates} responses; got {len(candidates)}")
-    # A candidate may be empty: the model can stop at once, and that is worth learning from.
+    # A candidate may be empty: the model can stop at once, and that is worth learning from. It
+    # may hold NUL too: it is what the model said (any byte is a token), and an answer the store
+    # refused could take no feedback. Text that clients write (prompts, edits) may not.
     return [
-        check_text(text, f"candidate {i}", config.max_text_bytes, allow_empty=True)
+        check_text(text, f"candidate {i}", config.max_text_bytes, allow_empty=True, allow_nul=True)
         for i, text in enumerate(candidates)
     ]
 

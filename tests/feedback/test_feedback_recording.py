@@ -37,6 +37,17 @@ def test_interaction_keeps_prompt_candidates_model_adapter_and_timings(store: Fe
     assert row["timings"] == {"ttft_s": 0.05, "total_s": 0.4}
 
 
+def test_an_answer_holding_nul_is_stored_whole_and_takes_feedback(store: FeedbackStore) -> None:
+    """Any byte is a token, so a model can say NUL; what it said is stored as said (a refused
+    answer could take no feedback: seen on CUDA, where a tiny model's sampled text held one)."""
+    store.set_consent("alice", True)
+    store.record_interaction("alice", "r1", PROMPT, ["Par\x00is", "Lyon"], model="m")
+    store.record_feedback("alice", "r1", Choice(0))
+    [row] = store.export_user("alice")["interactions"]
+    assert [c["text"] for c in row["candidates"]] == ["Par\x00is", "Lyon"]
+    assert _pairs(store) == {("Par\x00is", "Lyon", "choice")}
+
+
 def test_nothing_is_stored_without_consent(store: FeedbackStore) -> None:
     with pytest.raises(ConsentRequired) as err:
         store.record_interaction("bob", "r1", PROMPT, ["Paris"], model="m")
