@@ -41,18 +41,22 @@ def chat(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-def hf_decode_rate(model_dir: Path, dtype: torch.dtype, prompt_ids: list[int], tokens: int) -> dict:
-    """transformers' own generate(): decode tokens/s from the difference of two runs, so its
-    pre-fill is not counted (the same definition as ours)."""
+def hf_decode_rate(model_dir: Path, dtype: torch.dtype, prompt_ids: list[int], tokens: int,
+                   device: torch.device) -> dict:
+    """transformers' own generate() on the engine's device: decode tokens/s from the difference
+    of two runs, so its pre-fill is not counted (the same definition as ours)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=dtype).eval()
-    ids = torch.tensor([prompt_ids])
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True, dtype=dtype)
+    model = model.to(device).eval()
+    ids = torch.tensor([prompt_ids], device=device)
 
     def run(n: int) -> float:
         start = time.perf_counter()
         with torch.inference_mode():
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return time.perf_counter() - start
 
     run(4)  # warm-up
@@ -111,7 +115,7 @@ def bench_dtype(model_dir: Path, dtype_name: str, tokens: int, streams: int) -> 
     single = max((our_streams(engine, [single_prompt], tokens) for _ in range(3)), key=lambda r: r["decode_tok_s"])
     batch_prompts = [chat(f"Write a short story about {t}.") for t in (TOPICS * 4)[:streams]]
     batched = max((our_streams(engine, batch_prompts, tokens) for _ in range(2)), key=lambda r: r["decode_tok_s"])
-    hf = hf_decode_rate(model_dir, dtype, prompt_ids, tokens)
+    hf = hf_decode_rate(model_dir, dtype, prompt_ids, tokens, engine.model.device)
 
     doc = long_document(engine, 496)
     cold_s, cold_cached = ttft(engine, doc + " Question one: what is kept local?")
@@ -129,6 +133,9 @@ def bench_dtype(model_dir: Path, dtype_name: str, tokens: int, streams: int) -> 
         "cold_cached_tokens": cold_cached,
         "ttft_hit_over_cold": round(hit_s / cold_s, 3),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "device": str(engine.model.device),
+        "peak_gpu_mb": (round(torch.cuda.max_memory_allocated() / 2**20, 1)
+                        if engine.model.device.type == "cuda" else None),
     }
 
 
@@ -141,7 +148,8 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": gpu,
             "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
 
 
@@ -149,7 +157,8 @@ def write_table(result: dict, path: Path, streams: int) -> None:
     rows = result["runs"]
     lines = [
         f"Default model ({result['model']}), {result['tokens']} generated tokens per stream, "
-        f"{result['machine']['cores']} cores ({result['machine']['cpu']}).",
+        f"{result['machine']['cores']} cores ({result['machine']['cpu']})"
+        + (f", GPU {result['machine']['gpu']}." if result["machine"].get("gpu") else "."),
         "",
         "| dtype | ours 1 stream (tok/s) | transformers generate (tok/s) | ours "
         f"{streams} streams (tok/s) | x single | TTFT 512 cold (s) | TTFT 512 prefix hit (s) | hit/cold | peak RSS (MB) |",
@@ -184,7 +193,8 @@ def plot(result: dict, path: Path, streams: int) -> None:
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
     ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in range(len(labels))], labels)
     ax.set_ylabel("decode tokens/s")
-    ax.set_title(f"Decode throughput, {result['model']}, {result['machine']['cores']} CPU cores")
+    where = result["machine"].get("gpu") or f"{result['machine']['cores']} CPU cores"
+    ax.set_title(f"Decode throughput, {result['model']}, {where}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
