@@ -22,6 +22,7 @@ import torch
 
 from edge_runtime.backends import make_backend
 from edge_runtime.config import EngineConfig
+from edge_runtime.constraints import GrammarCompiler, unpack_mask
 from edge_runtime.device import pick_device, pick_dtype
 from edge_runtime.errors import BadRequest, EngineBroken, InsufficientMemory, UnknownRequest
 from edge_runtime.ids import validate_request_id
@@ -34,8 +35,15 @@ from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.llama import LlamaModel
 from edge_runtime.model.tokenizer import ChatMessages, Tokenizer
 from edge_runtime.model.weights import load_llama
-from edge_runtime.outputs import RequestMetrics, RequestOutput, TokenEvent
-from edge_runtime.sampling import SamplingParams, sample_next
+from edge_runtime.outputs import RequestMetrics, RequestOutput, TokenEvent, TokenLogprob
+from edge_runtime.sampling import (
+    SamplingError,
+    SamplingParams,
+    choose,
+    sample_next,
+    shape_logits,
+    token_logprobs,
+)
 from edge_runtime.sched.batch import ScheduledSeq
 from edge_runtime.sched.cost_model import activation_sizes, load_cost_model, load_stage_costs
 from edge_runtime.sched.finetune import FineTuneJob, FineTuneWork
@@ -61,6 +69,7 @@ class Engine:
         self.config = config
         self.model_name = name
         cfg = model.cfg
+        self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size)  # structured output, built on first use
         per_block = bytes_per_block(cfg, config.block_size, model.dtype)
         check_memory_budget(config, cfg, model.dtype, _weights_bytes(model))
         num_blocks = max(2, self._kv_budget_bytes() // per_block)
@@ -181,6 +190,12 @@ class Engine:
                 f"prompt has {len(ids)} tokens; this engine holds at most {self.max_context - 1} "
                 "prompt tokens per sequence (model limit and KV cache size)"
             )
+        vocab = self.model.cfg.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise BadRequest(f"logit_bias names a token id outside this model's vocabulary of {vocab}")
+        # One compile per request (a schema or grammar that does not compile is the request's
+        # fault); each candidate gets its own copy of the grammar's state.
+        matcher = self.grammars.matcher(params.constraint) if params.constraint is not None else None
         now = self.clock()
         pinned = self._pin_adapter(adapter)
         try:
@@ -192,8 +207,11 @@ class Engine:
                 if not params.greedy:
                     seed = params.seed + index if params.seed is not None else secrets.randbits(63)
                     generator = torch.Generator().manual_seed(seed)
-                request.seqs.append(Sequence(next(self._seq_ids), request, index, list(ids),
-                                             self.tokenizer.stream_decoder(), generator))
+                seq = Sequence(next(self._seq_ids), request, index, list(ids), self.tokenizer.stream_decoder(),
+                               generator)
+                if matcher is not None:
+                    seq.matcher = matcher if index == 0 else matcher.deep_copy()
+                request.seqs.append(seq)
         except BaseException:
             self.adapters.release(pinned)
             raise
@@ -501,25 +519,56 @@ class Engine:
         done: list[RequestOutput] = []
         now = self.clock()
         greedy = _greedy_tokens(logits) if any(seq.params.greedy for seq in seqs) else None
+        allowed = self._grammar_masks(seqs)
         for row, seq in enumerate(seqs):
             if seq.status is SeqStatus.FINISHED:
                 continue  # its request failed on an earlier row of this step
             try:
-                output = self._commit_token(seq, logits[row], greedy[row] if greedy is not None else None, now)
+                output = self._commit_token(seq, logits[row], greedy[row] if greedy is not None else None, now,
+                                            allowed.get(id(seq)))
             except Exception as exc:  # sampling, stop check, detokenising, the callback: this request's
                 output = self._fail_request(seq.request, f"{type(exc).__name__}: {exc}")
             if output is not None:
                 done.append(output)
         return done
 
-    def _commit_token(self, seq: Sequence, logits: torch.Tensor, greedy: int | None, now: float) -> RequestOutput | None:
-        """Sample, stream and stop-check one sequence's new token; its request's output when
-        this token finished the request."""
+    def _grammar_masks(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
+        """The allowed tokens of every constrained row of this step (bool [vocab] by id(seq)),
+        computed together; a request whose grammar fails here fails alone."""
+        constrained = [s for s in seqs if s.matcher is not None and s.status is not SeqStatus.FINISHED]
+        if not constrained:
+            return {}
+        try:
+            packed = self.grammars.masks([s.matcher for s in constrained])
+        except Exception as exc:
+            for seq in constrained:
+                if seq.request.request_id in self.requests:
+                    self._fail_request(seq.request, f"the grammar's mask failed: {type(exc).__name__}: {exc}")
+            return {}
+        vocab = self.model.cfg.vocab_size
+        return {id(s): unpack_mask(packed[i], vocab) for i, s in enumerate(constrained)}
+
+    def _commit_token(self, seq: Sequence, logits: torch.Tensor, greedy: int | None, now: float,
+                      allowed: torch.Tensor | None = None) -> RequestOutput | None:
+        """Shape the row, choose, stream and stop-check one sequence's new token; its request's
+        output when this token finished the request."""
         params = seq.params
-        if params.greedy and greedy is not None:
+        row = logits
+        if params.shapes_logits:
+            row = shape_logits(logits, params, seq.counts, allowed)
+            token = choose(row, params, seq.generator)
+        elif params.greedy and greedy is not None:
             token = greedy
         else:
             token = sample_next(logits, params, seq.generator)
+        logprob = self._logprob(row, token, params.logprobs) if params.logprobs is not None else None
+        grammar_done = False
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):
+                raise SamplingError(f"the grammar refused token {token}: {seq.matcher.get_error()}")
+            grammar_done = seq.matcher.is_stopped()
+        if params.presence_penalty or params.frequency_penalty:
+            seq.counts[token] = seq.counts.get(token, 0) + 1
         seq.token_ids.append(token)
         self.tokens_generated += 1
         metrics = seq.request.metrics
@@ -527,20 +576,27 @@ class Engine:
             metrics.first_token_time = now
         metrics.generated_tokens += 1
         reason = None
-        if (token in self.tokenizer.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        eos = token in self.tokenizer.eos_ids and (not params.ignore_eos or seq.matcher is not None)
+        if eos or token in params.stop_token_ids:
             reason = "stop"
+            logprob = None  # the stop token makes no text
         else:
             seq.text += seq.decoder.step(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
             if params.stop:
                 cut = _find_stop(seq.text, params.stop, seq.emitted)
                 if cut is not None:
                     seq.text = seq.text[:cut]
                     reason = "stop"
+            if reason is None and grammar_done:
+                reason = "stop"  # the grammar is complete and can take nothing more
         if reason is None and (seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_context):
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
-        self._emit(seq, self._releasable(seq, reason is not None), token, finished=reason is not None)
+        self._emit(seq, self._releasable(seq, reason is not None), token, finished=reason is not None,
+                   logprob=logprob)
         request = seq.request
         if reason is not None and request.finished and request.request_id in self.requests:
             return self._end_request(request, reason, now)
@@ -555,10 +611,17 @@ class Engine:
         seq.emitted = upto
         return piece
 
-    def _emit(self, seq: Sequence, text: str, token: int | None, finished: bool) -> None:
+    def _logprob(self, row: torch.Tensor, token: int, k: int) -> TokenLogprob:
+        chosen, top = token_logprobs(row, token, k)
+        spell = self.grammars.token_bytes
+        return TokenLogprob(token, chosen, spell(token), [(t, lp, spell(t)) for t, lp in top])
+
+    def _emit(self, seq: Sequence, text: str, token: int | None, finished: bool,
+              logprob: TokenLogprob | None = None) -> None:
         callback = seq.request.on_token
         if callback is not None:
-            callback(TokenEvent(seq.request.request_id, seq.index, token, text, finished, seq.finish_reason if finished else None))
+            callback(TokenEvent(seq.request.request_id, seq.index, token, text, finished,
+                                seq.finish_reason if finished else None, logprob))
 
     # -- conveniences over add_request/step -------------------------------------------------
 

@@ -9,6 +9,18 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """A generated token's log-probability (`SamplingParams.logprobs`), with the most likely
+    alternatives as (token id, log-probability, bytes); `bytes` is exactly what the token spells
+    (it may be part of a UTF-8 character)."""
+
+    token_id: int
+    logprob: float
+    bytes: bytes
+    top: list[tuple[int, float, bytes]] = field(default_factory=list)
+
+
+@dataclass
 class TokenEvent:
     """One step of one candidate, delivered to a request's `on_token` callback.
 
@@ -23,6 +35,7 @@ class TokenEvent:
     text: str
     finished: bool = False
     finish_reason: str | None = None
+    logprob: TokenLogprob | None = None  # of `token_id`, when the request asked for them
 
 
 @dataclass
@@ -31,6 +44,7 @@ class CandidateOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per generated token that made text
 
 
 @dataclass

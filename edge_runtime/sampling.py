@@ -1,17 +1,25 @@
-"""Sampling parameters of a request and the per-row token choice (greedy, temperature, top-k, top-p).
+"""Sampling parameters of a request and the per-row token choice: logit bias, presence and
+frequency penalties and a grammar's mask shape the row, then greedy or temperature/top-k/top-p
+picks the token, and the log-probabilities asked for are read off the shaped row.
 
 Owns only how one next token is picked from logits; stopping on strings is the engine's job.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from edge_runtime.constraints import Constraint
 from edge_runtime.errors import BadRequest, MaceError
 
 if TYPE_CHECKING:
     import torch
+
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 
 
 class SamplingError(MaceError):
@@ -33,6 +41,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Log-probabilities: None = none; k = the chosen token's and the k most likely (0 <= k <= 20).
+    logprobs: int | None = None
+    # OpenAI's penalties on tokens already generated (not the prompt's): each candidate token's
+    # logit minus count * frequency_penalty, minus presence_penalty once it occurred.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), or a mapping
+    constraint: Constraint | None = None  # structured output (constraints.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,10 +70,76 @@ class SamplingParams:
             raise BadRequest("stop strings must be non-empty strings")
         if self.seed is not None and not isinstance(self.seed, int):
             raise BadRequest(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise BadRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise BadRequest(f"{name} must be a number in [-2, 2], got {value!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        try:
+            pairs = tuple((int(t), float(b)) for t, b in bias)
+        except (TypeError, ValueError):
+            raise BadRequest("logit_bias must map token ids to numbers") from None
+        if len(pairs) > MAX_LOGIT_BIAS or any(t < 0 or not (math.isfinite(b) and -100.0 <= b <= 100.0)
+                                              for t, b in pairs):
+            raise BadRequest(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids >= 0 to numbers in [-100, 100]")
+        object.__setattr__(self, "logit_bias", pairs)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise BadRequest("constraint must be a Constraint")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether the row is changed before the choice (bias, penalties or a grammar)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.constraint)
+
+
+def shape_logits(logits: torch.Tensor, params: SamplingParams, counts: Mapping[int, int] | None = None,
+                 allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """One row [vocab] in float32 as the choice sees it: plus the logit bias, minus the penalties
+    for the tokens generated so far (`counts`: token id -> times), disallowed tokens (`allowed`:
+    bool [vocab], a grammar's mask) at -inf. Returns a new tensor; `logits` is untouched."""
+    import torch
+
+    row = logits.detach().to(torch.float32).clone()
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+        row.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32))
+    if counts and (params.presence_penalty or params.frequency_penalty):
+        ids = torch.tensor(list(counts), dtype=torch.long)
+        times = torch.tensor(list(counts.values()), dtype=torch.float32)
+        row.index_add_(0, ids, -(times * params.frequency_penalty + params.presence_penalty))
+    if allowed is not None:
+        row.masked_fill_(~allowed, float("-inf"))
+    return row
+
+
+def choose(row: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The next token from a shaped row: argmax when greedy, else `sample_next`."""
+    import torch
+
+    if params.greedy:
+        return int(torch.argmax(row))
+    return sample_next(row, params, generator)
+
+
+def token_logprobs(row: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The chosen token's log-probability under the shaped row's distribution (temperature 1,
+    before top-k/top-p) and the k most likely tokens with theirs, best first; tokens a grammar
+    or a -100 bias ruled out (probability 0) are not listed."""
+    import torch
+
+    logp = torch.log_softmax(row.to(torch.float64), dim=-1)
+    top: list[tuple[int, float]] = []
+    if k:
+        values, ids = torch.topk(logp, min(k, logp.shape[-1]))
+        top = [(int(i), float(v)) for i, v in zip(ids, values, strict=True) if math.isfinite(v)]
+    return float(logp[token]), top
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -7,12 +7,18 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from edge_runtime.model.tokenizer import IncrementalDecoder
-from edge_runtime.outputs import CandidateOutput, RequestMetrics, RequestOutput, TokenEvent
+from edge_runtime.outputs import (
+    CandidateOutput,
+    RequestMetrics,
+    RequestOutput,
+    TokenEvent,
+    TokenLogprob,
+)
 from edge_runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -50,7 +56,9 @@ class Request:
             prompt=self.prompt,
             prompt_token_ids=list(self.prompt_ids),
             candidates=[
-                CandidateOutput(s.index, s.text, s.output_ids, s.finish_reason) for s in self.seqs
+                CandidateOutput(s.index, s.text, s.output_ids, s.finish_reason,
+                                s.logprobs if self.params.logprobs is not None else None)
+                for s in self.seqs
             ],
             finished=self.finished,
             adapter=self.adapter_key or None,
@@ -75,6 +83,9 @@ class Sequence:
     text: str = ""  # output text so far (stop strings cut off)
     emitted: int = 0  # characters of `text` already streamed
     preemptions: int = 0
+    matcher: Any = None  # the grammar's state (llguidance LLMatcher) when the request is constrained
+    counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (for penalties)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def params(self) -> SamplingParams:
