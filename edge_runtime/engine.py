@@ -8,6 +8,7 @@ and hands work in through queues.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from edge_runtime.backends import make_backend
+from edge_runtime.chat import ChatPrompt, forced_call_constraint
 from edge_runtime.config import EngineConfig
 from edge_runtime.constraints import GrammarCompiler, unpack_mask
 from edge_runtime.device import pick_device, pick_dtype
@@ -51,7 +53,8 @@ from edge_runtime.sched.registry import make_policy
 from edge_runtime.sched.scheduler import Batch, Scheduler, must_finish
 from edge_runtime.sequence import Request, SeqStatus, Sequence
 
-Prompt = str | ChatMessages
+# Text, chat messages, a chat with tools or a prefill (ChatPrompt), or token ids.
+Prompt = str | ChatMessages | ChatPrompt | list[int]
 log = logging.getLogger(__name__)
 
 
@@ -184,6 +187,12 @@ class Engine:
             raise BadRequest(f"request id {request_id!r} is already in flight")
         if isinstance(prompt, str) and len(prompt) > self.config.max_prompt_chars:
             raise BadRequest(f"prompt has {len(prompt)} characters; the limit is {self.config.max_prompt_chars}")
+        if isinstance(prompt, ChatPrompt):
+            forced = forced_call_constraint(prompt, self.tokenizer.tool_style)
+            if forced is not None:
+                if params.constraint is not None:
+                    raise BadRequest("a forced tool call and a response format cannot both shape one answer")
+                params = dataclasses.replace(params, constraint=forced)
         text, ids = self.tokenizer.encode_prompt(prompt)
         if len(ids) >= self.max_context:
             raise BadRequest(
@@ -627,8 +636,8 @@ class Engine:
 
     def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Run prompts to completion, batched; one output per prompt, in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)):
-            prompts = [prompts]  # one prompt (text, or one chat conversation)
+        if isinstance(prompts, (str, ChatPrompt)) or (prompts and isinstance(prompts[0], (dict, int))):
+            prompts = [prompts]  # one prompt (text, one chat conversation, token ids)
         ids = [self.add_request(p, params) for p in prompts]
         results: dict[str, RequestOutput] = {}
         while len(results) < len(ids):

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from edge_runtime.chat import ChatPrompt, ToolStyle, render, template_tool_style
 from edge_runtime.errors import BadRequest, ModelNotAvailable
 
 ChatMessages = Sequence[dict[str, Any]]
@@ -50,17 +51,32 @@ class Tokenizer:
             raise BadRequest("this model has no chat template; send a plain prompt instead")
         return self.hf.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
 
-    def encode_prompt(self, prompt: str | ChatMessages) -> tuple[str, list[int]]:
-        """Returns the prompt text (chat rendered through the template) and its token ids."""
+    @property
+    def tool_style(self) -> ToolStyle:
+        """How this model writes a tool call (chat.template_tool_style)."""
+        template = getattr(self.hf, "chat_template", None)
+        return template_tool_style(template if isinstance(template, str) else None)[1]
+
+    def encode_prompt(self, prompt: str | ChatMessages | ChatPrompt | Sequence[int]) -> tuple[str, list[int]]:
+        """Returns the prompt text (chat rendered through the template) and its token ids. A
+        list of ints is taken as the token ids themselves (checked against the vocabulary)."""
         if isinstance(prompt, str):
             text = prompt
             ids = self.hf.encode(text)
+        elif isinstance(prompt, ChatPrompt):
+            text = render(self.hf, prompt)
+            ids = self.hf.encode(text, add_special_tokens=False)
+        elif isinstance(prompt, (list, tuple)) and prompt and all(type(t) is int for t in prompt):
+            ids = list(prompt)
+            if any(not 0 <= t < len(self.hf) for t in ids):
+                raise BadRequest(f"prompt token ids must be in [0, {len(self.hf)})")
+            text = self.hf.decode(ids, skip_special_tokens=False)
         elif isinstance(prompt, (list, tuple)):
             text = self.render_chat(prompt)
             # The template already placed every special token it wants.
             ids = self.hf.encode(text, add_special_tokens=False)
         else:
-            raise BadRequest(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+            raise BadRequest(f"prompt must be a string, chat messages or token ids, got {type(prompt).__name__}")
         if not ids:
             raise BadRequest("prompt is empty")
         return text, list(ids)
