@@ -50,19 +50,24 @@ class RemoteError(ClientError):
 
 @dataclass(frozen=True)
 class Token:
-    """A piece of streamed text of candidate `index`."""
+    """A piece of streamed text of candidate `index`; `logprobs` (when asked for) of the piece's
+    tokens, `tool_calls` that completed in it (when tools were offered)."""
 
     index: int
     text: str
     token_id: int | None = None
+    logprobs: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
 class Candidate:
     index: int
-    text: str
-    finish_reason: str | None
+    text: str  # with tools offered: the content, without the calls
+    finish_reason: str | None  # "stop", "length", "tool_calls", ...
     completion_tokens: int
+    logprobs: list[dict[str, Any]] | None = None  # {token_id, logprob, bytes, top: [[id, logprob, bytes]]}
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's shape: {id, type, function: {name, arguments}}
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,8 @@ class GenerateResult:
     def from_reply(cls, result: dict[str, Any]) -> GenerateResult:
         return cls(
             interaction_id=result.get("interaction_id", ""),
-            candidates=[Candidate(c["index"], c["text"], c.get("finish_reason"), c.get("completion_tokens", 0))
+            candidates=[Candidate(c["index"], c["text"], c.get("finish_reason"), c.get("completion_tokens", 0),
+                                  c.get("logprobs"), c.get("tool_calls"))
                         for c in result.get("candidates", [])],
             model=result.get("model", ""), adapter=result.get("adapter"),
             usage=result.get("usage", {}), timing=result.get("timing", {}),
@@ -116,7 +122,8 @@ def _final(message: dict[str, Any]) -> dict[str, Any]:
 
 
 def _token(message: dict[str, Any]) -> Token:
-    return Token(int(message.get("index", 0)), str(message.get("text", "")), message.get("token_id"))
+    return Token(int(message.get("index", 0)), str(message.get("text", "")), message.get("token_id"),
+                 message.get("logprobs"), message.get("tool_calls"))
 
 
 class _Ids:
@@ -300,8 +307,10 @@ class Client:
     def generate(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                  timeout_s: float | None = None, **params: Any) -> GenerateResult:
         """Whole answer(s). `params`: max_tokens, temperature, top_k, top_p, seed, n, stop,
-        stop_token_ids, ignore_eos, user, record, adapter. The daemon stops the request itself
-        once `timeout_s` has passed, since no one waits for it after that."""
+        stop_token_ids, ignore_eos, user, record, adapter, logprobs, presence_penalty,
+        frequency_penalty, logit_bias, response_format, tools, tool_choice,
+        continue_final_message (docs/protocol.md). The daemon stops the request itself once
+        `timeout_s` has passed, since no one waits for it after that."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         fields = _generate_fields(prompt, messages, {"timeout_s": timeout_s, **params})
         return GenerateResult.from_reply(self.request("generate", fields, timeout_s=timeout_s + 1.0))
@@ -317,6 +326,10 @@ class Client:
 
     def cancel(self, request_id: str) -> bool:
         return bool(self.request("cancel", target=request_id).get("cancelled"))
+
+    def embed(self, texts: str | list[str] | list[int] | list[list[int]]) -> list[list[float]]:
+        """Unit-length embeddings of texts (or token-id lists), one per input."""
+        return self.request("embed", input=texts)["embeddings"]
 
     def feedback(self, user: str, interaction_id: str, kind: str, **values: Any) -> dict[str, Any]:
         """Durably stored when this returns. kind: choice (chosen=), thumbs (candidate=, up=),
@@ -527,6 +540,10 @@ class AsyncClient:
 
     async def cancel(self, request_id: str) -> bool:
         return bool((await self.request("cancel", target=request_id)).get("cancelled"))
+
+    async def embed(self, texts: str | list[str] | list[int] | list[list[int]]) -> list[list[float]]:
+        """See `Client.embed`."""
+        return (await self.request("embed", input=texts))["embeddings"]
 
     async def feedback(self, user: str, interaction_id: str, kind: str, **values: Any) -> dict[str, Any]:
         return await self.request("feedback", _feedback_fields(user, interaction_id, kind, values))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
@@ -66,6 +67,10 @@ class HttpSettings:
     bind: str = "127.0.0.1:8000"  # HOST:PORT ("[::1]:8000" for IPv6); "" = no HTTP endpoint
     api_keys: str = ""  # comma-separated bearer keys; any non-loopback bind requires keys
     api_key_file: str = ""  # a file with one key per line ('#' starts a comment)
+    # Browser pages allowed to call the gateway (CORS), comma-separated origins such as
+    # "https://app.example.com"; pages served from loopback (localhost, 127.0.0.1, [::1], any
+    # port) always are. "*" allows any origin: only with API keys.
+    cors_origins: str = ""
 
 
 @dataclass(frozen=True)
@@ -335,6 +340,13 @@ class DaemonConfig:
                     f"http.bind {self.http.bind} is reachable from other machines; refusing to serve "
                     "it without API keys. Bind 127.0.0.1:PORT, or set http.api_keys / "
                     "http.api_key_file (clients send 'Authorization: Bearer KEY')")
+            origins = [o.strip() for o in self.http.cors_origins.split(",") if o.strip()]
+            if "*" in origins and not self.http_api_keys:
+                raise ConfigError("http.cors_origins '*' lets any web page a user visits call this "
+                                  "daemon; set http.api_keys too, or list the origins")
+            bad = [o for o in origins if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o)]
+            if bad:
+                raise ConfigError(f"http.cors_origins: {bad[0]!r} is not an origin (scheme://host[:port])")
         if self.curve_enabled and not s.curve_authorized_keys:
             raise ConfigError("server.curve_secret_key needs server.curve_authorized_keys (a folder "
                               "of the clients' public keys): CURVE without it would admit anyone")

@@ -11,6 +11,7 @@ are the SDK's. Completion ids are the daemon's interaction ids. docs/gateway.md 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import hmac
@@ -19,6 +20,7 @@ import logging
 import math
 import re
 import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Literal
@@ -27,6 +29,8 @@ import uvicorn
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -60,7 +64,11 @@ ERROR_TYPE = {
 # What the OpenAI API defaults to where the native protocol differs (it samples at 1.0).
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 MODEL_ALIAS = "default"
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+# Pages served from this machine (any port) may call the gateway from a browser.
+LOOPBACK_ORIGIN = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?"
 _PARAM = re.compile(r"'([A-Za-z_]+)'")
+_TYPE_NAME = re.compile(r"(str|int|float|bool|none|list|dict|literal|function-\w+)(\[.*\])?", re.IGNORECASE)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -132,6 +140,8 @@ class _Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[_Part] | None = None
     tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class _StreamOptions(_Body):
@@ -145,10 +155,10 @@ class _Sampling(_Body):
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = None  # -1: a fresh random seed (llama.cpp's clients send it)
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # any string up to 256 characters (protocol.internal_user)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -160,10 +170,7 @@ class _Sampling(_Body):
 
     def unsupported(self) -> list[str]:
         """Known OpenAI parameters set to something this daemon cannot do."""
-        bad = [name for name in ("frequency_penalty", "presence_penalty") if getattr(self, name)]
-        if self.logit_bias:
-            bad.append("logit_bias")
-        return bad
+        return []
 
 
 class ChatRequest(_Sampling):
@@ -173,17 +180,18 @@ class ChatRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # accepted: a forced call is one call; auto may give several
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    # vLLM's prefill switches: by default a final assistant message is continued (as llama.cpp's
+    # server does); continue_final_message=false or add_generation_prompt=true close it instead.
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
 
     def unsupported(self) -> list[str]:
-        bad = super().unsupported()
-        bad += [n for n in ("logprobs", "top_logprobs", "tools", "functions") if getattr(self, n)]
-        bad += [n for n in ("tool_choice", "function_call") if getattr(self, n) not in (None, "none")]
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            bad.append("response_format")
-        return bad
+        # The legacy function-calling fields: `tools` and `tool_choice` replace them.
+        return [n for n in ("functions", "function_call") if getattr(self, n) not in (None, [], "none")]
 
 
 class CompletionRequest(_Sampling):
@@ -192,13 +200,21 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
     logprobs: int | None = None
+    response_format: dict[str, Any] | None = None  # extension: as for chat
 
     def unsupported(self) -> list[str]:
-        bad = super().unsupported()
-        bad += [n for n in ("echo", "suffix", "logprobs") if getattr(self, n)]
+        bad = ["suffix"] if self.suffix else []
         if self.best_of not in (None, 1) and self.best_of != (self.n or 1):
             bad.append("best_of")
         return bad
+
+
+class EmbeddingRequest(_Body):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = None
+    user: str | None = None
 
 
 class FeedbackRequest(_Body):
@@ -235,15 +251,28 @@ class Gateway:
             ("/v1/models/{model:path}", self.model, "GET"),
             ("/v1/chat/completions", self.chat_completions, "POST"),
             ("/v1/completions", self.completions, "POST"),
+            ("/v1/embeddings", self.embeddings, "POST"),
             ("/v1/feedback", self.feedback, "POST"),
             ("/v1/users/{user}/consent", self.consent, "POST"),
             ("/v1/users/{user}/export", self.export, "GET"),
             ("/v1/users/{user}/adapters", self.adapters, "GET"),
             ("/v1/users/{user}", self.forget, "DELETE"),
         ]
+        origins = [o.strip() for o in service.config.http.cors_origins.split(",") if o.strip()]
         self.app = Starlette(
             routes=[Route(path, self._answering_errors(fn), methods=[method]) for path, fn, method in routes],
-            exception_handlers={HTTPException: self._on_http_error})
+            exception_handlers={HTTPException: self._on_http_error},
+            # Browser apps: preflights are answered before routing and without a key (browsers
+            # send none on them); the real request still needs one.
+            middleware=[Middleware(CORSMiddleware, allow_origins=origins, allow_origin_regex=LOOPBACK_ORIGIN,
+                                   allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+                                   allow_headers=["Authorization", "Content-Type", "OpenAI-Organization",
+                                                  "OpenAI-Project", "X-Stainless-Lang", "X-Stainless-Package-Version",
+                                                  "X-Stainless-OS", "X-Stainless-Arch", "X-Stainless-Runtime",
+                                                  "X-Stainless-Runtime-Version", "X-Stainless-Retry-Count",
+                                                  "X-Stainless-Timeout"],
+                                   expose_headers=["X-Mace-Adapter", "Retry-After", "Retry-After-Ms"],
+                                   max_age=600)])
 
     @property
     def config(self) -> DaemonConfig:
@@ -313,7 +342,9 @@ class Gateway:
             return model.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
-            loc = ".".join(str(p) for p in first["loc"])
+            # The field as the client named it: pydantic adds the union member it tried
+            # ("stop.str", "prompt.list[int]"), which is no field of the request.
+            loc = ".".join(str(p) for p in first["loc"] if not _TYPE_NAME.fullmatch(str(p)))
             raise GatewayError("bad_request", f"{loc or 'body'}: {first['msg']}"
                                + (f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""),
                                param=loc or None) from None
@@ -365,9 +396,10 @@ class Gateway:
         body: ChatRequest = await self._read(request, ChatRequest)
         messages = []
         for i, m in enumerate(body.messages):
-            if m.role in ("tool", "function") or m.tool_calls:
-                raise GatewayError("bad_request", f"messages.{i}: tool and function messages are not "
-                                   "supported", param=f"messages.{i}.role")
+            if m.role == "function":
+                raise GatewayError("bad_request", f"messages.{i}: 'function' messages are the legacy "
+                                   "function-calling API; send tool messages (role 'tool')",
+                                   param=f"messages.{i}.role")
             if isinstance(m.content, list):
                 parts = []
                 for j, part in enumerate(m.content):
@@ -376,54 +408,120 @@ class Gateway:
                                            f"are supported; got {part.type!r}",
                                            param=f"messages.{i}.content")
                     parts.append(part.text)
-                content = "\n".join(parts)
+                content: str | None = "\n".join(parts)
             else:
-                content = m.content or ""
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+                content = m.content
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                       "content": content if content is not None or m.tool_calls else ""}
+            if m.role == "assistant" and m.tool_calls:
+                message["tool_calls"] = m.tool_calls
+            if m.role == "tool":
+                message.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v})
+            messages.append(message)
+        last = body.messages[-1] if body.messages else None
+        continue_final = body.continue_final_message
+        if continue_final is None:  # a final assistant message is a prefill, unless told otherwise
+            continue_final = (last is not None and last.role == "assistant" and not last.tool_calls
+                              and body.add_generation_prompt is not True)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise GatewayError("bad_request", "top_logprobs needs logprobs: true", param="top_logprobs")
+        extra = {"messages": messages, "tools": body.tools or None, "tool_choice": body.tool_choice,
+                 "continue_final_message": continue_final or None, "response_format": body.response_format,
+                 "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return await self._generate(request, body, "chat", {"messages": messages}, max_tokens)
+        names = {"max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
+                 "logprobs": "top_logprobs", "prompt": "messages"}
+        return await self._generate(request, body, "chat", [extra], max_tokens, names)
 
     async def completions(self, request: Request) -> Response:
         body: CompletionRequest = await self._read(request, CompletionRequest)
         prompt = body.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1 or not isinstance(prompt[0], str):
-                raise GatewayError("bad_request", "prompt: give one string (batches of prompts and "
-                                   "token-id prompts are not supported)", param="prompt")
-            prompt = prompt[0]
-        return await self._generate(request, body, "text", {"prompt": prompt}, body.max_tokens)
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts: list[Any] = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts or len(prompts) > MAX_PROMPTS:
+            raise GatewayError("bad_request", f"prompt: give 1-{MAX_PROMPTS} prompts", param="prompt")
+        if body.echo and body.logprobs is not None:
+            raise GatewayError("bad_request", "echo with logprobs: the log-probabilities of prompt tokens are "
+                               "not computed by this server", param="echo")
+        if body.echo and body.stream and not all(isinstance(p, str) for p in prompts):
+            raise GatewayError("bad_request", "echo of token-id prompts is not streamed; send text prompts "
+                               "or stream=false", param="echo")
+        extras = [{"prompt": p, "logprobs": body.logprobs, "echo": body.echo or None,
+                   "response_format": body.response_format} for p in prompts]
+        return await self._generate(request, body, "text", extras, body.max_tokens, {})
 
-    async def _generate(self, request: Request, body: _Sampling, kind: str, prompt: dict[str, Any],
-                        max_tokens: int | None) -> Response:
+    async def embeddings(self, request: Request) -> Response:
+        body: EmbeddingRequest = await self._read(request, EmbeddingRequest)
+        self._check_model(body.model)
+        if body.dimensions is not None:
+            raise GatewayError("bad_request", "dimensions: this server returns the model's hidden size only",
+                               param="dimensions")
+        args = self._parse({"op": "embed", "input": body.input}, {"input": "input"})
+        result = await self.service.embed(args)
+        data = []
+        for i, vector in enumerate(result["embeddings"]):
+            value: Any = vector
+            if body.encoding_format == "base64":
+                value = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        tokens = result["usage"]["prompt_tokens"]
+        return _json({"object": "list", "data": data, "model": result["model"],
+                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    def _parse(self, message: dict[str, Any], names: dict[str, str]) -> Any:
+        """The protocol's validation of one request; its errors name the field as the client
+        sent it (`max_completion_tokens`, not `max_tokens`)."""
+        try:
+            return parse_request({"v": 1, "id": "http", **{k: v for k, v in message.items() if v is not None}}).args
+        except ProtocolError as exc:
+            error = GatewayError.from_exc(exc)
+            if error.param is not None:
+                error.param = names.get(error.param, error.param)
+            raise error from None
+
+    async def _generate(self, request: Request, body: _Sampling, kind: str, prompts: list[dict[str, Any]],
+                        max_tokens: int | None, names: dict[str, str]) -> Response:
         bad = body.unsupported()
         if bad:
             raise GatewayError("bad_request", f"not supported by this server: {', '.join(bad)}", param=bad[0])
         self._check_model(body.model)
+        seed = body.seed
+        if seed is not None and seed < 0:
+            if seed != -1:
+                raise GatewayError("bad_request", "seed: an integer >= 0, or -1 for a random seed", param="seed")
+            seed = None
         temperature = body.temperature if body.temperature is not None else OPENAI_DEFAULT_TEMPERATURE
-        message = {"v": 1, "id": "http", "op": "generate", **prompt, "max_tokens": max_tokens,
-                   "temperature": temperature, "top_p": body.top_p, "n": body.n, "stop": body.stop,
-                   "seed": body.seed, "user": body.user, "top_k": body.top_k,
-                   "ignore_eos": body.ignore_eos, "adapter": body.adapter, "record": body.record}
-        args: GenerateArgs = parse_request({k: v for k, v in message.items() if v is not None}).args
+        common = {"op": "generate", "max_tokens": max_tokens, "temperature": temperature, "top_p": body.top_p,
+                  "n": body.n, "stop": body.stop, "seed": seed, "user": body.user, "top_k": body.top_k,
+                  "ignore_eos": body.ignore_eos, "adapter": body.adapter, "record": body.record,
+                  "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+                  "logit_bias": body.logit_bias}
+        all_args: list[GenerateArgs] = [self._parse({**common, **extra}, names) for extra in prompts]
         limit = self.config.server.max_inflight
-        if self.in_flight >= limit:
+        if self.in_flight + len(all_args) > limit:
             raise GatewayError("busy", f"too many HTTP generations in flight (at most {limit}); retry "
                                "shortly", retry_after_s=0.5)
-        reply = _Reply(kind, self.service.model_name or body.model)
+        reply = _Reply(kind, self.service.model_name or body.model, all_args[0].n,
+                       tools=bool(all_args[0].tools) and all_args[0].tool_choice != "none")
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await self._stream(request, args, reply, include_usage)
-        self.in_flight += 1
+            if all_args[0].echo:
+                reply.echo = [p["prompt"] for p in prompts]
+            return await self._stream(request, all_args, reply, include_usage)
+        self.in_flight += len(all_args)
         try:
-            call = GenerateCall(None, api="http", client=_http_client(request))
-            result = await self._until_done_or_gone(request, call, self.service.generate(args, call))
+            calls = [GenerateCall(None, api="http", client=_http_client(request)) for _ in all_args]
+            work = asyncio.gather(*(self.service.generate(a, c) for a, c in zip(all_args, calls, strict=True)))
+            results = await self._until_done_or_gone(request, calls, work)
         finally:
-            self.in_flight -= 1
-        return _json(reply.whole(result), headers=_adapter_header(result))
+            self.in_flight -= len(all_args)
+        return _json(reply.whole(results), headers=_adapter_header(results[0]))
 
-    async def _until_done_or_gone(self, request: Request, call: GenerateCall, work: Any) -> Any:
-        """Run `work`; if the client disconnects first, cancel its generation (as for ZeroMQ
-        clients that go away) and let it unwind."""
+    async def _until_done_or_gone(self, request: Request, calls: list[GenerateCall], work: Any) -> Any:
+        """Run `work`; if the client disconnects first, cancel its generations (as for ZeroMQ
+        clients that go away) and let them unwind."""
         task = asyncio.ensure_future(work)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -431,19 +529,26 @@ class Gateway:
         finally:
             gone.cancel()
         if not task.done():
-            self.service.cancel(call, "client_gone")
+            for call in calls:
+                self.service.cancel(call, "client_gone")
         return await task
 
-    async def _stream(self, request: Request, args: GenerateArgs, reply: _Reply,
+    async def _stream(self, request: Request, all_args: list[GenerateArgs], reply: _Reply,
                       include_usage: bool) -> Response:
         """Hold the response until the first token (or an error) so that admission refusals and
-        bad requests still get their HTTP status; then stream server-sent events."""
+        bad requests still get their HTTP status; then stream server-sent events. Several
+        prompts stream together, their choices numbered prompt by prompt."""
         feed = _TokenFeed()
-        call = GenerateCall(feed.put, api="http", client=_http_client(request))
-        self.in_flight += 1
-        task = asyncio.ensure_future(self.service.generate(args, call))
-        task.add_done_callback(self._generation_ended)
-        task.add_done_callback(lambda _: feed.ready.set())
+        n = all_args[0].n
+        calls, tasks = [], []
+        for p, args in enumerate(all_args):
+            call = GenerateCall(feed.sink(p * n), api="http", client=_http_client(request))
+            self.in_flight += 1
+            task = asyncio.ensure_future(self.service.generate(args, call))
+            task.add_done_callback(self._generation_ended)
+            task.add_done_callback(lambda _: feed.ready.set())
+            calls.append(call)
+            tasks.append(task)
         first = asyncio.ensure_future(feed.ready.wait())
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -451,37 +556,46 @@ class Gateway:
         finally:
             gone.cancel()
             first.cancel()
-        if not feed.items and not task.done():  # the client went away while waiting
-            self.service.cancel(call, "client_gone")
-        if not feed.items and (not task.done() or task.exception() is not None):
-            await task  # raises the typed error, answered with its HTTP status
-        reply.id = call.engine_id or ""  # the interaction id, set once the engine took the request
-        return StreamingResponse(self._events(task, call, feed, reply, include_usage),
+        if not feed.items:
+            if gone.done() and not all(t.done() for t in tasks):  # the client went away while waiting
+                for call in calls:
+                    self.service.cancel(call, "client_gone")
+                await asyncio.wait(tasks)
+            failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+            if failed is not None:  # before any token: the error gets its HTTP status
+                for call in calls:
+                    self.service.cancel(call, "cancelled")
+                await failed
+        reply.id = calls[0].engine_id or ""  # the interaction id, set once the engine took the request
+        return StreamingResponse(self._events(tasks, calls, feed, reply, include_usage),
                                  media_type="text/event-stream", headers=_SSE_HEADERS)
 
-    async def _events(self, task: asyncio.Future[dict[str, Any]], call: GenerateCall, feed: _TokenFeed,
-                      reply: _Reply, include_usage: bool) -> AsyncIterator[bytes]:
+    async def _events(self, tasks: list[asyncio.Future[dict[str, Any]]], calls: list[GenerateCall],
+                      feed: _TokenFeed, reply: _Reply, include_usage: bool) -> AsyncIterator[bytes]:
         try:
+            for chunk in reply.opening():
+                yield _sse(chunk)
             while True:
                 items = feed.take()
                 if items:
                     # Everything that arrived meanwhile goes out in one write.
-                    yield b"".join(_sse(reply.delta(index, text)) for index, text in items)
+                    yield b"".join(_sse(reply.delta(index, text, extra)) for index, text, extra in items)
                     continue
-                if task.done():
+                if all(t.done() for t in tasks):
                     break
-                await feed.ready.wait()  # set by the next tokens or by the end of the generation
-            exc = task.exception()
-            if exc is not None:
+                await feed.ready.wait()  # set by the next tokens or by the end of a generation
+            failed = next((t.exception() for t in tasks if t.exception() is not None), None)
+            if failed is not None:
                 # Headers are gone: the error travels as an event (the openai client raises it).
-                yield _sse(GatewayError.from_exc(exc).body())
+                yield _sse(GatewayError.from_exc(failed).body())
                 return
-            result = task.result()
-            yield b"".join(_sse(chunk) for chunk in reply.finals(result, include_usage))
+            results = [t.result() for t in tasks]
+            yield b"".join(_sse(chunk) for chunk in reply.finals(results, include_usage))
             yield b"data: [DONE]\n\n"
         finally:
-            if not task.done():  # the client disconnected mid-stream
-                self.service.cancel(call, "client_gone")
+            if not all(t.done() for t in tasks):  # the client disconnected mid-stream
+                for call in calls:
+                    self.service.cancel(call, "client_gone")
 
     def _generation_ended(self, task: asyncio.Future[Any]) -> None:
         self.in_flight -= 1
@@ -523,32 +637,42 @@ class Gateway:
 
 
 class _TokenFeed:
-    """Tokens of one streamed generation, handed from the engine's deliveries to the response
+    """Tokens of streamed generations, handed from the engine's deliveries to the response
     (a list and an event: no task or queue getter per token)."""
 
     def __init__(self) -> None:
-        self.items: list[tuple[int, str]] = []
+        self.items: list[tuple[int, str, dict[str, Any] | None]] = []
         self.ready = asyncio.Event()
 
-    def put(self, index: int, text: str, token_id: int | None = None) -> None:
-        self.items.append((index, text))
-        self.ready.set()
+    def sink(self, offset: int) -> Callable[..., None]:
+        """The token callback of the generation whose choices start at `offset`."""
+        def put(index: int, text: str, token_id: int | None = None, extra: dict[str, Any] | None = None) -> None:
+            self.items.append((offset + index, text, extra))
+            self.ready.set()
 
-    def take(self) -> list[tuple[int, str]]:
+        return put
+
+    def take(self) -> list[tuple[int, str, dict[str, Any] | None]]:
         items, self.items = self.items, []
         self.ready.clear()
         return items
 
 
 class _Reply:
-    """Builds OpenAI response objects from the daemon's generate result."""
+    """Builds OpenAI response objects from the daemon's generate results (one per prompt; the
+    choices of prompt p are numbered p * n + candidate)."""
 
-    def __init__(self, kind: str, model: str) -> None:
+    def __init__(self, kind: str, model: str, n: int, tools: bool = False) -> None:
         self.kind = kind  # "chat" or "text"
         self.model = model
+        self.n = n
+        self.tools = tools
         self.created = int(time.time())
         self.id = ""  # the interaction id: known once the generation finished
+        self.echo: list[Any] | None = None  # streamed completions: prompts to send first
         self._started: set[int] = set()
+        self._calls: dict[int, int] = {}  # choice -> tool calls streamed so far
+        self._offsets: dict[int, int] = {}  # choice -> characters streamed (legacy text_offset)
 
     @property
     def object(self) -> str:
@@ -559,51 +683,108 @@ class _Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "system_fingerprint": f"mace-edge-{VERSION}", "choices": choices, **extra}
 
-    def delta(self, index: int, text: str) -> dict[str, Any]:
+    def opening(self) -> Iterator[dict[str, Any]]:
+        """Completions with echo: the prompts' text first."""
+        for p, prompt in enumerate(self.echo or ()):
+            for c in range(self.n):
+                yield self._chunk([{"index": p * self.n + c, "text": prompt, "finish_reason": None, "logprobs": None}])
+
+    def delta(self, index: int, text: str, extra: dict[str, Any] | None) -> dict[str, Any]:
+        logprobs = (extra or {}).get("logprobs")
         if self.kind == "text":
-            return self._chunk([{"index": index, "text": text, "finish_reason": None, "logprobs": None}])
-        delta = {"content": text}
+            choice = {"index": index, "text": text, "finish_reason": None,
+                      "logprobs": self._legacy_logprobs(index, logprobs) if logprobs else None}
+            return self._chunk([choice])
+        delta: dict[str, Any] = {"content": text} if text or not (extra or {}).get("tool_calls") else {}
         if index not in self._started:
             self._started.add(index)
-            delta = {"role": "assistant", "content": text}
-        return self._chunk([{"index": index, "delta": delta, "finish_reason": None, "logprobs": None}])
+            delta = {"role": "assistant", **delta}
+        calls = (extra or {}).get("tool_calls")
+        if calls:
+            first = self._calls.get(index, 0)
+            self._calls[index] = first + len(calls)
+            delta["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(calls)]
+        choice = {"index": index, "delta": delta, "finish_reason": None,
+                  "logprobs": {"content": [_chat_logprob(x) for x in logprobs]} if logprobs else None}
+        return self._chunk([choice])
 
-    def finals(self, result: dict[str, Any], include_usage: bool) -> Iterator[dict[str, Any]]:
-        self.id = result["interaction_id"]
-        for c in result["candidates"]:
+    def _choices(self, results: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str, Any], dict[str, Any]]]:
+        for p, result in enumerate(results):
+            for c in result["candidates"]:
+                yield p * self.n + c["index"], c, result
+
+    def finals(self, results: list[dict[str, Any]], include_usage: bool) -> Iterator[dict[str, Any]]:
+        self.id = results[0]["interaction_id"]
+        for index, c, result in self._choices(results):
             if self.kind == "text":
-                choice = {"index": c["index"], "text": "", "finish_reason": _finish(c), "logprobs": None}
+                choice = {"index": index, "text": "", "finish_reason": _finish(c), "logprobs": None}
             else:
-                delta = {} if c["index"] in self._started else {"role": "assistant", "content": ""}
-                choice = {"index": c["index"], "delta": delta, "finish_reason": _finish(c), "logprobs": None}
+                delta = {} if index in self._started else {"role": "assistant", "content": ""}
+                choice = {"index": index, "delta": delta, "finish_reason": _finish(c), "logprobs": None}
             yield self._chunk([choice], mace=_extension(result))
         if include_usage:
-            yield self._chunk([], usage=_usage(result))
+            yield self._chunk([], usage=_usage(results))
 
-    def whole(self, result: dict[str, Any]) -> dict[str, Any]:
-        self.id = result["interaction_id"]
+    def whole(self, results: list[dict[str, Any]]) -> dict[str, Any]:
+        self.id = results[0]["interaction_id"]
         choices = []
-        for c in result["candidates"]:
+        for index, c, result in self._choices(results):
+            logprobs = c.get("logprobs")
             if self.kind == "chat":
-                choices.append({"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                                "finish_reason": _finish(c), "logprobs": None})
+                message: dict[str, Any] = {"role": "assistant", "content": c["text"]}
+                if c.get("tool_calls"):
+                    message = {"role": "assistant", "content": c["text"] or None, "tool_calls": c["tool_calls"]}
+                choices.append({"index": index, "message": message, "finish_reason": _finish(c),
+                                "logprobs": {"content": [_chat_logprob(x) for x in logprobs]} if logprobs is not None
+                                else None})
             else:
-                choices.append({"index": c["index"], "text": c["text"], "finish_reason": _finish(c),
-                                "logprobs": None})
+                text = result.get("prompt_text", "") + c["text"]
+                self._offsets[index] = len(result.get("prompt_text", ""))
+                choices.append({"index": index, "text": text, "finish_reason": _finish(c),
+                                "logprobs": self._legacy_logprobs(index, logprobs) if logprobs is not None else None})
+        ext = _extension(results[0])
+        if len(results) > 1:
+            ext["interaction_ids"] = [r["interaction_id"] for r in results]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "system_fingerprint": f"mace-edge-{VERSION}", "choices": choices,
-                "usage": _usage(result), "mace": _extension(result)}
+                "usage": _usage(results), "mace": ext}
+
+    def _legacy_logprobs(self, index: int, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+        """/v1/completions' older shape: parallel lists, top alternatives as {token: logprob}."""
+        tokens, offsets = [], []
+        offset = self._offsets.get(index, 0)
+        for x in logprobs:
+            token = _token_text(x["bytes"])
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+        self._offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": [x["logprob"] for x in logprobs],
+                "top_logprobs": [{_token_text(b): v for _, v, b in x["top"]} for x in logprobs],
+                "text_offset": offsets}
+
+
+def _token_text(raw: bytes) -> str:
+    return bytes(raw).decode("utf-8", errors="replace")
+
+
+def _chat_logprob(x: dict[str, Any]) -> dict[str, Any]:
+    """One token's entry of chat's `logprobs.content`: text, log-probability, UTF-8 bytes."""
+    return {"token": _token_text(x["bytes"]), "logprob": x["logprob"], "bytes": list(bytes(x["bytes"])),
+            "top_logprobs": [{"token": _token_text(b), "logprob": v, "bytes": list(bytes(b))} for _, v, b in x["top"]]}
 
 
 def _finish(candidate: dict[str, Any]) -> str:
-    return "length" if candidate.get("finish_reason") == "length" else "stop"
+    reason = candidate.get("finish_reason")
+    return reason if reason in ("length", "tool_calls") else "stop"
 
 
-def _usage(result: dict[str, Any]) -> dict[str, Any]:
-    u = result["usage"]
-    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
-            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-            "prompt_tokens_details": {"cached_tokens": u.get("cached_prompt_tokens", 0)}}
+def _usage(results: list[dict[str, Any]]) -> dict[str, Any]:
+    prompt = sum(r["usage"]["prompt_tokens"] for r in results)
+    completion = sum(r["usage"]["completion_tokens"] for r in results)
+    cached = sum(r["usage"].get("cached_prompt_tokens", 0) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _extension(result: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,8 @@ client SDK share it. docs/protocol.md is the prose version of this module.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -48,16 +50,25 @@ ERROR_CODES: dict[str, str] = {
 # --- operations --------------------------------------------------------------------------------
 OPS = (
     "generate", "cancel", "feedback", "status", "health", "adapters.list", "adapters.rollback",
-    "users.consent", "users.export", "users.forget",
+    "users.consent", "users.export", "users.forget", "embed",
 )
 # Safe to send again after a lost reply: repeating them changes nothing (consent sets a value;
 # feedback is deduplicated by the store, so a resend is answered `duplicate_feedback`).
 IDEMPOTENT_OPS = frozenset({"status", "health", "adapters.list", "users.consent", "users.export",
-                            "cancel", "feedback"})
+                            "cancel", "feedback", "embed"})
+MAX_EMBED_INPUTS = 256
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 MAX_ID_CHARS = 128
 MAX_MESSAGES = 1024
+MAX_TOOLS = 128
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
+MAX_PROMPT_TOKEN_IDS = 1 << 20
+TOOL_CHOICES = ("none", "auto", "required")
+# response_format types: OpenAI's, plus `regex` and `grammar` (a Lark grammar, llguidance's dialect).
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
+MAX_GRAMMAR_CHARS = 1 << 18
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
@@ -65,7 +76,12 @@ MAX_TOKENS_CAP = 1 << 20  # the engine also stops at its context length; this on
 MAX_N = 16
 MAX_FEEDBACK_FIELDS = 8
 _USER_ID = re.compile(r"^[A-Za-z0-9_@-][A-Za-z0-9_.@-]{0,63}$")  # = edge_runtime.ids
+MAX_USER_CHARS = 256
+# What an app may send as `user`: printable text (no control characters: a trailing newline or a
+# NUL is a client bug, not a different user).
+_APP_USER = re.compile(r"[^\x00-\x1f\x7f-\x9f]{1,256}")
 _INTERACTION_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # = edge_runtime.chat
 
 
 class ProtocolError(Exception):
@@ -151,9 +167,15 @@ def split_envelope(frames: list[bytes]) -> tuple[list[bytes], bytes]:
 # --- replies -----------------------------------------------------------------------------------
 
 
-def token_message(request_id: Any, index: int, text: str, token_id: int | None) -> dict[str, Any]:
-    return {"v": PROTOCOL_VERSION, "id": request_id, "type": "token", "index": index, "text": text,
-            "token_id": token_id}
+def token_message(request_id: Any, index: int, text: str, token_id: int | None,
+                  extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A streamed piece of candidate `index`; `extra` may add `logprobs` (the pieces' tokens)
+    and `tool_calls` (calls that completed in this piece)."""
+    message = {"v": PROTOCOL_VERSION, "id": request_id, "type": "token", "index": index, "text": text,
+               "token_id": token_id}
+    if extra:
+        message.update(extra)
+    return message
 
 
 def result_message(request_id: Any, result: Mapping[str, Any]) -> dict[str, Any]:
@@ -275,8 +297,20 @@ class _Fields:
         return value
 
     def user(self, name: str = "user", *, required: bool = True) -> str | None:
-        return self.text(name, max_chars=64, required=required, pattern=_USER_ID,
-                        what="a user id: 1-64 letters, digits, '_', '-', '.', '@', not starting with '.'")
+        value = self.text(name, max_chars=MAX_USER_CHARS, required=required, pattern=_APP_USER,
+                          what=f"a user: 1-{MAX_USER_CHARS} printable characters (an app's own id)")
+        return None if value is None else internal_user(value)
+
+
+def internal_user(app_user: str) -> str:
+    """The id the daemon keys a user's data, adapters and rights on, for the string an app sent
+    (OpenAI's free-form `user`, such as "user:1234" or an email). Ids of 1-64 letters, digits,
+    '_', '-', '.', '@' (not starting with '.') are their own; any other string maps to
+    "h-" + the first 40 hex digits of its SHA-256, the same on every front and every start, so
+    `macectl users export "user:1234"` finds what the app stored under that string."""
+    if _USER_ID.fullmatch(app_user):
+        return app_user
+    return "h-" + hashlib.sha256(app_user.encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
 # --- per-op arguments --------------------------------------------------------------------------
@@ -284,7 +318,7 @@ class _Fields:
 
 @dataclass(frozen=True)
 class GenerateArgs:
-    prompt: str | list[dict[str, str]]
+    prompt: str | list[dict[str, Any]] | list[int]  # text, chat messages, or token ids
     max_tokens: int | None = None  # None: the daemon's configured default
     temperature: float = 0.0
     top_k: int = 0
@@ -299,13 +333,29 @@ class GenerateArgs:
     record: bool = True  # store the interaction for feedback when `user` has consented
     adapter: str | int = "latest"  # "latest" (the user's newest), "base", or a version number
     timeout_s: float | None = None
+    logprobs: int | None = None  # None: none; k: each token's and the k most likely
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    response_format: tuple[str, str] | None = None  # (constraint kind, its text) for the engine
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str = "auto"  # none, auto, required, or a function's name
+    continue_final_message: bool = False
+    echo: bool = False  # the result also carries the prompt's text (`prompt_text`)
 
     def sampling_kwargs(self, default_max_tokens: int) -> dict[str, Any]:
-        """Keyword arguments of `edge_runtime.sampling.SamplingParams`."""
+        """Keyword arguments of `edge_runtime.sampling.SamplingParams` (without the constraint,
+        which the daemon builds from `response_format`)."""
         max_tokens = self.max_tokens if self.max_tokens is not None else default_max_tokens
         return {"max_tokens": max_tokens, "temperature": self.temperature, "top_k": self.top_k,
                 "top_p": self.top_p, "seed": self.seed, "n": self.n, "stop": self.stop,
-                "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos}
+                "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
+                "logprobs": self.logprobs, "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "logit_bias": self.logit_bias}
+
+    @property
+    def is_chat(self) -> bool:
+        return isinstance(self.prompt, list) and bool(self.prompt) and isinstance(self.prompt[0], dict)
 
 
 def _parse_generate(f: _Fields) -> GenerateArgs:
@@ -313,13 +363,25 @@ def _parse_generate(f: _Fields) -> GenerateArgs:
     if has_prompt == has_messages:
         raise ProtocolError("bad_request", "generate: give exactly one of 'prompt' (text) or "
                             "'messages' (chat: a list of {role, content})")
-    prompt: str | list[dict[str, str]]
-    if has_prompt:
-        prompt = f.text("prompt", max_chars=1 << 24, what="a string") or ""
+    prompt: str | list[dict[str, Any]] | list[int]
+    if has_prompt and isinstance(f.values["prompt"], list):
+        prompt = f.values["prompt"]
+        if (not 1 <= len(prompt) <= MAX_PROMPT_TOKEN_IDS
+                or any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < 2**31 for t in prompt)):
+            raise f._fail("prompt", "a string, or a non-empty list of token ids")
+    elif has_prompt:
+        prompt = f.text("prompt", max_chars=1 << 24, what="a string, or a non-empty list of token ids") or ""
         if not prompt.strip():
             raise ProtocolError("bad_request", "generate: 'prompt' is empty")
     else:
         prompt = _parse_messages(f.values["messages"])
+    tools = _parse_tools(f)
+    tool_choice = _parse_tool_choice(f, tools)
+    continue_final = bool(f.flag("continue_final_message", default=False))
+    if (tools or continue_final) and not has_messages:
+        raise ProtocolError("bad_request", "generate: 'tools' and 'continue_final_message' need 'messages'")
+    if continue_final and prompt[-1].get("role") != "assistant":  # type: ignore[index, union-attr]
+        raise f._fail("continue_final_message", "true only when the last message is the assistant's")
     stop_value = f.values.get("stop")
     if stop_value is None:
         stop: tuple[str, ...] = ()
@@ -359,24 +421,155 @@ def _parse_generate(f: _Fields) -> GenerateArgs:
         record=f.flag("record", default=True),
         adapter=adapter,
         timeout_s=f.number("timeout_s", lo=0.0, hi=86_400.0, lo_open=True),
+        logprobs=f.integer("logprobs", lo=0, hi=MAX_LOGPROBS),
+        presence_penalty=f.number("presence_penalty", lo=-2.0, hi=2.0, default=0.0),
+        frequency_penalty=f.number("frequency_penalty", lo=-2.0, hi=2.0, default=0.0),
+        logit_bias=_parse_logit_bias(f),
+        response_format=_parse_response_format(f),
+        tools=tools,
+        tool_choice=tool_choice,
+        continue_final_message=continue_final,
+        echo=bool(f.flag("echo", default=False)),
     )
 
 
-def _parse_messages(value: Any) -> list[dict[str, str]]:
+def _parse_logit_bias(f: _Fields) -> tuple[tuple[int, float], ...]:
+    value = f.values.get("logit_bias")
+    if value is None:
+        return ()
+    want = f"a map of at most {MAX_LOGIT_BIAS} token ids (integers, or their decimal strings) to numbers in [-100, 100]"
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise f._fail("logit_bias", want)
+    pairs = []
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() and len(key) <= 10 else key
+        if (not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < 2**31
+                or isinstance(bias, bool) or not isinstance(bias, (int, float))
+                or not math.isfinite(bias) or not -100 <= bias <= 100):
+            raise f._fail("logit_bias", want)
+        pairs.append((token, float(bias)))
+    return tuple(pairs)
+
+
+def _parse_response_format(f: _Fields) -> tuple[str, str] | None:
+    """OpenAI's `response_format` (plus `regex` and `grammar`) as the engine's constraint."""
+    value = f.values.get("response_format")
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in RESPONSE_FORMATS:
+        raise f._fail("response_format", "a map with 'type' one of " + ", ".join(RESPONSE_FORMATS))
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ("json", "")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise f._fail("response_format", "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
+        text = _json_text(schema)
+        if text is None or len(text) > MAX_GRAMMAR_CHARS:
+            raise f._fail("response_format", f"a JSON schema of at most {MAX_GRAMMAR_CHARS} characters")
+        return ("json_schema", text)
+    field_name = "regex" if kind == "regex" else "grammar"
+    pattern = value.get(field_name)
+    if not isinstance(pattern, str) or not pattern.strip() or len(pattern) > MAX_GRAMMAR_CHARS:
+        raise f._fail("response_format", f"{{'type': '{kind}', '{field_name}': a non-empty string of at most "
+                      f"{MAX_GRAMMAR_CHARS} characters}}")
+    return ("regex" if kind == "regex" else "lark", pattern)
+
+
+def _json_text(value: Any) -> str | None:
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+
+
+def _parse_tools(f: _Fields) -> tuple[dict[str, Any], ...]:
+    value = f.values.get("tools")
+    if value is None:
+        return ()
+    want = (f"a list of at most {MAX_TOOLS} {{'type': 'function', 'function': {{'name', 'description', "
+            "'parameters'}}}} maps")
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise f._fail("tools", want)
+    for tool in value:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (not isinstance(function, dict) or tool.get("type", "function") != "function"
+                or not isinstance(function.get("name"), str) or not _FUNCTION_NAME.fullmatch(function["name"])
+                or not isinstance(function.get("parameters", {}), dict)
+                or not isinstance(function.get("description", ""), str) or _json_text(tool) is None):
+            raise f._fail("tools", want + " (names: 1-64 letters, digits, '_', '.', '-')")
+    return tuple(value)
+
+
+def _parse_tool_choice(f: _Fields, tools: tuple[dict[str, Any], ...]) -> str:
+    value = f.values.get("tool_choice")
+    if value is None:
+        return "auto"
+    if isinstance(value, dict) and isinstance(value.get("function"), dict):
+        value = value["function"].get("name")
+    names = [t["function"]["name"] for t in tools]
+    if not isinstance(value, str) or (value not in TOOL_CHOICES and value not in names):
+        raise f._fail("tool_choice", "'none', 'auto', 'required', or {'type': 'function', 'function': "
+                      "{'name': one of the tools}}")
+    if value == "required" and not tools:
+        raise f._fail("tool_choice", "'required' only with tools")
+    return value
+
+_MESSAGE_FIELDS = {"system": {"role", "content"}, "user": {"role", "content"},
+                   "assistant": {"role", "content", "tool_calls"}, "tool": {"role", "content", "tool_call_id", "name"}}
+
+
+def _parse_messages(value: Any) -> list[dict[str, Any]]:
+    """Chat turns: {role, content}; an assistant turn may carry `tool_calls` (content then may
+    be nil), a `tool` turn answers one with `tool_call_id`."""
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_MESSAGES:
         raise ProtocolError("bad_request", f"generate: 'messages' must be a list of 1-{MAX_MESSAGES} "
                             "{role, content} maps")
     messages = []
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or set(m) != {"role", "content"}:
-            raise ProtocolError("bad_request", f"generate: messages[{i}] must be a map with exactly "
-                                "'role' and 'content'")
-        role, content = m["role"], m["content"]
-        if role not in ROLES or not isinstance(content, str):
-            raise ProtocolError("bad_request", f"generate: messages[{i}] needs role in "
-                                f"{', '.join(ROLES)} and string content")
-        messages.append({"role": role, "content": content})
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ROLES or not set(m) <= _MESSAGE_FIELDS[role] or "content" not in m:
+            raise ProtocolError("bad_request", f"generate: messages[{i}] must be a map with 'role' (one of "
+                                f"{', '.join(ROLES)}) and 'content'; assistant turns may add 'tool_calls', "
+                                "tool turns 'tool_call_id' and 'name'")
+        content, calls = m["content"], m.get("tool_calls")
+        if not (isinstance(content, str) or (content is None and role == "assistant" and calls)):
+            raise ProtocolError("bad_request", f"generate: messages[{i}] needs string content")
+        message: dict[str, Any] = {"role": role, "content": content}
+        if calls is not None:
+            message["tool_calls"] = _parse_tool_calls(calls, i)
+        for key in ("tool_call_id", "name"):
+            if key in m:
+                if not isinstance(m[key], str) or not 0 < len(m[key]) <= MAX_ID_CHARS:
+                    raise ProtocolError("bad_request", f"generate: messages[{i}].{key} must be a string "
+                                        f"of 1-{MAX_ID_CHARS} characters")
+                message[key] = m[key]
+        messages.append(message)
     return messages
+
+
+def _parse_tool_calls(value: Any, i: int) -> list[dict[str, Any]]:
+    want = (f"generate: messages[{i}].tool_calls must be a list of {{'id', 'type': 'function', "
+            "'function': {'name', 'arguments': JSON text}} maps")
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_TOOLS:
+        raise ProtocolError("bad_request", want)
+    calls = []
+    for c in value:
+        function = c.get("function") if isinstance(c, dict) else None
+        if (not isinstance(function, dict) or not isinstance(function.get("name"), str)
+                or not _FUNCTION_NAME.fullmatch(function["name"])
+                or not isinstance(function.get("arguments", "{}"), (str, dict))
+                or not isinstance(c.get("id", ""), str) or len(c.get("id", "")) > MAX_ID_CHARS):
+            raise ProtocolError("bad_request", want)
+        arguments = function.get("arguments", "{}")
+        calls.append({"id": c.get("id", ""), "type": "function",
+                      "function": {"name": function["name"],
+                                   "arguments": arguments if isinstance(arguments, str) else _json_text(arguments)}})
+    return calls
 
 
 @dataclass(frozen=True)
@@ -408,6 +601,31 @@ def _parse_feedback(f: _Fields) -> FeedbackArgs:
         raise f._fail("feedback", "a map with 'kind' (choice, thumbs, rating or edit) and its fields")
     assert user is not None and interaction is not None
     return FeedbackArgs(user, interaction, feedback)
+
+
+@dataclass(frozen=True)
+class EmbedArgs:
+    inputs: tuple[str | list[int], ...]  # texts or token-id lists
+
+
+def _parse_embed(f: _Fields) -> EmbedArgs:
+    value = f.values.get("input")
+    want = (f"a string, a list of 1-{MAX_EMBED_INPUTS} strings, a list of token ids, or a list of "
+            "token-id lists")
+    if isinstance(value, str) or (isinstance(value, list) and value and all(_is_token(t) for t in value)):
+        value = [value]
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_EMBED_INPUTS:
+        raise f._fail("input", want)
+    for item in value:
+        ok = (isinstance(item, str) and 0 < len(item) <= 1 << 24) or (
+            isinstance(item, list) and 0 < len(item) <= MAX_PROMPT_TOKEN_IDS and all(_is_token(t) for t in item))
+        if not ok:
+            raise f._fail("input", want + " (none empty)")
+    return EmbedArgs(tuple(value))
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
 
 
 @dataclass(frozen=True)
@@ -455,7 +673,9 @@ def _rollback(f: _Fields) -> RollbackArgs:
 
 _GENERATE_FIELDS = frozenset({
     "prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "seed", "n", "stop",
-    "stop_token_ids", "ignore_eos", "stream", "user", "record", "adapter", "timeout_s"})
+    "stop_token_ids", "ignore_eos", "stream", "user", "record", "adapter", "timeout_s", "logprobs",
+    "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "tools", "tool_choice",
+    "continue_final_message", "echo"})
 
 _PARSERS: dict[str, tuple[Any, frozenset[str]]] = {
     "generate": (_parse_generate, _GENERATE_FIELDS),
@@ -468,5 +688,6 @@ _PARSERS: dict[str, tuple[Any, frozenset[str]]] = {
     "users.consent": (_consent_args, frozenset({"user", "granted"})),
     "users.export": (_user_args, frozenset({"user"})),
     "users.forget": (_user_args, frozenset({"user"})),
+    "embed": (_parse_embed, frozenset({"input"})),
 }
 assert set(_PARSERS) == set(OPS)

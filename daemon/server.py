@@ -263,9 +263,9 @@ class Server:
         if op == "generate":
             on_token = None
             if args.stream:
-                def on_token(index: int, text: str, token_id: int | None) -> None:
+                def on_token(index: int, text: str, token_id: int | None, extra: dict | None = None) -> None:
                     if not item.final_sent:
-                        self._send(item.client, item.envelope, token_message(request.id, index, text, token_id))
+                        self._send(item.client, item.envelope, token_message(request.id, index, text, token_id, extra))
             item.call = GenerateCall(on_token, client=item.client)
             return await service.generate(args, item.call)
         if op == "cancel":
@@ -285,6 +285,7 @@ class Server:
             "feedback": service.feedback, "users.consent": service.users_consent,
             "users.export": service.users_export, "users.forget": service.users_forget,
             "adapters.list": service.adapters_list, "adapters.rollback": service.adapters_rollback,
+            "embed": service.embed,
         }
         return await handlers[op](args)
 

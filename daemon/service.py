@@ -30,6 +30,7 @@ from daemon.protocol import (
     PROTOCOL_VERSION,
     AdaptersListArgs,
     ConsentArgs,
+    EmbedArgs,
     FeedbackArgs,
     GenerateArgs,
     ProtocolError,
@@ -48,7 +49,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
-TokenCallback = Callable[[int, str, "int | None"], None]
+
+
+def logprob_record(lp: Any) -> dict[str, Any]:
+    """A generated token's log-probability on the wire: the token, its log-probability, its
+    bytes, and the alternatives as [token id, log-probability, bytes]."""
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "bytes": lp.bytes,
+            "top": [[t, v, b] for t, v, b in lp.top]}
+# (candidate index, new text, last token id, extra: `logprobs` of the piece's tokens and
+# `tool_calls` completed in it, or None)
+TokenCallback = Callable[[int, str, "int | None", "dict[str, Any] | None"], None]
 # Reasons a generate can end early, as (error code, message for the client).
 _ABORTS = {
     "cancelled": ("cancelled", "the request was cancelled by its client"),
@@ -74,6 +84,11 @@ class GenerateCall:
         self.first_token_at: float | None = None
         self.metrics: DaemonMetrics | None = None  # set by Service.generate
         self._last_at: dict[int, float] = {}
+        # Streamed with tools offered: per candidate, the text is split into content and calls
+        # as it arrives (edge_runtime.chat.CallStreamer); what went out is kept for the result.
+        self.streamers: dict[int, Any] = {}
+        self.streamed_content: dict[int, list[str]] = {}
+        self.streamed_calls: dict[int, list[Any]] = {}
 
     def on_tokens(self, events: list[TokenEvent]) -> None:
         """One message per candidate per delivery: when the loop falls behind the engine, the
@@ -84,12 +99,42 @@ class GenerateCall:
             return
         texts: dict[int, list[str]] = {}
         last_ids: dict[int, int | None] = {}
+        logprobs: dict[int, list[dict[str, Any]]] = {}
         for event in events:
+            if event.logprob is not None:
+                logprobs.setdefault(event.index, []).append(logprob_record(event.logprob))
             if event.text:  # "" while a multi-byte character is incomplete: nothing to show yet
                 texts.setdefault(event.index, []).append(event.text)
                 last_ids[event.index] = event.token_id
-        for index, parts in texts.items():
-            self.on_token(index, "".join(parts), last_ids[index])
+        for index in sorted(set(texts) | set(logprobs)):
+            extra = {"logprobs": logprobs[index]} if index in logprobs else {}
+            self._send(index, "".join(texts.get(index, ())), last_ids.get(index), extra)
+
+    def _send(self, index: int, text: str, token_id: int | None, extra: dict[str, Any]) -> None:
+        assert self.on_token is not None
+        streamer = self.streamers.get(index)
+        if streamer is not None:
+            pieces = streamer.feed(text)
+            text = "".join(v for kind, v in pieces if kind == "content")
+            calls = [v for kind, v in pieces if kind == "call"]
+            self.streamed_content.setdefault(index, []).append(text)
+            if calls:
+                self.streamed_calls.setdefault(index, []).extend(calls)
+                extra["tool_calls"] = [c.as_openai() for c in calls]
+        if text or extra:
+            self.on_token(index, text, token_id, extra or None)
+
+    def flush_streams(self) -> None:
+        """Deliver what the call streamers still hold (a final `<tool_call>` block, a held-back
+        tag prefix that turned out to be text) before the final reply."""
+        for index, streamer in self.streamers.items():
+            pieces = streamer.finish()
+            text = "".join(v for kind, v in pieces if kind == "content")
+            calls = [v for kind, v in pieces if kind == "call"]
+            self.streamed_content.setdefault(index, []).append(text)
+            self.streamed_calls.setdefault(index, []).extend(calls)
+            if (text or calls) and self.on_token is not None:
+                self.on_token(index, text, None, {"tool_calls": [c.as_openai() for c in calls]} if calls else None)
 
     def on_finished(self, output: RequestOutput | None, aborted: str | None,
                     error: BaseException | None) -> None:
@@ -151,6 +196,7 @@ class Service:
         self.started_at = time.monotonic()
         self.engine: EngineThread | None = None
         self.model_name = ""
+        self.tool_style = "hermes"  # how the served model writes tool calls (edge_runtime.chat)
         self.store: FeedbackStore | None = None
         self.astore: AsyncFeedbackStore | None = None
         self.admission: AdmissionController | None = None
@@ -160,7 +206,7 @@ class Service:
         self.generating: Counter[Any] = Counter()  # generates in flight (admission included) per client
         self.ops_in_flight = 0
         self.admission_queued = 0
-        self.counters = {"generate": 0, "generate_failed": 0, "interactions_recorded": 0,
+        self.counters = {"generate": 0, "generate_failed": 0, "interactions_recorded": 0, "embed": 0,
                          "feedback": 0, "cancelled": 0}
         self.metrics = DaemonMetrics()
         self.http: Any = None  # the HTTP gateway when one serves (its summary goes into status)
@@ -193,6 +239,7 @@ class Service:
             self.state = "failed"
             raise
         self.model_name = engine.model_name
+        self.tool_style = engine.tokenizer.tool_style
         if not self._custom_tuner:
             from daemon.training import EngineFineTuner
 
@@ -378,10 +425,23 @@ class Service:
         from edge_runtime.sampling import SamplingParams
 
         limit = self.config.engine.max_prompt_chars
-        chars = len(args.prompt) if isinstance(args.prompt, str) else sum(len(m["content"]) for m in args.prompt)
+        if isinstance(args.prompt, str):
+            chars = len(args.prompt)
+        elif args.is_chat:
+            chars = sum(len(m["content"] or "") for m in args.prompt)  # type: ignore[index, union-attr]
+        else:
+            chars = 0  # token ids: the engine checks their count against its context
         if chars > limit:
             raise ProtocolError("bad_request", f"prompt has {chars} characters; the limit is {limit}")
-        params = SamplingParams(**args.sampling_kwargs(self.config.server.default_max_tokens))
+        from edge_runtime.chat import ChatPrompt
+        from edge_runtime.constraints import Constraint
+
+        constraint = Constraint(*args.response_format) if args.response_format else None
+        params = SamplingParams(**args.sampling_kwargs(self.config.server.default_max_tokens), constraint=constraint)
+        prompt: Any = args.prompt
+        if args.is_chat:
+            prompt = ChatPrompt(tuple(args.prompt), args.tools, args.tool_choice,  # type: ignore[arg-type]
+                                args.continue_final_message)
         adapter, label = self.fine_tuner.resolve_adapter(args.user, args.adapter if args.user else "base")
         self.ops_in_flight += 1
         self.generating[call.client] += 1
@@ -390,7 +450,7 @@ class Service:
             timer = asyncio.get_running_loop().call_later(args.timeout_s, self.cancel, call, "timeout")
         try:
             await self._admit(call)
-            return await self._run_generation(args, params, adapter, label, call)
+            return await self._run_generation(args, prompt, params, adapter, label, call)
         finally:
             if timer is not None:
                 timer.cancel()
@@ -435,18 +495,23 @@ class Service:
                                 f"retry in {retry:g} s", retry_after_s=retry,
                                 details={"state": self.admission.state.value, "reason": self.admission.decision.reason})
 
-    async def _run_generation(self, args: GenerateArgs, params: Any, adapter: Any, label: str | None,
-                              call: GenerateCall) -> dict[str, Any]:
+    async def _run_generation(self, args: GenerateArgs, prompt: Any, params: Any, adapter: Any,
+                              label: str | None, call: GenerateCall) -> dict[str, Any]:
         assert self.engine is not None
         if call.cancel_reason is not None:
             code, message = _ABORTS.get(call.cancel_reason, ("cancelled", call.cancel_reason))
             raise ProtocolError(code, message)
         interaction_id = f"ix-{secrets.token_hex(8)}"
         call.engine_id = interaction_id
+        tools = args.tools if args.tool_choice != "none" else ()
+        if tools and call.on_token is not None:  # the front streams this generation
+            from edge_runtime.chat import CallStreamer
+
+            call.streamers = {i: CallStreamer(tools, self.tool_style) for i in range(params.n)}
         self.calls.add(call)
         self.counters["generate"] += 1
         try:
-            await self.engine.submit(interaction_id, args.prompt, params, call, adapter)
+            await self.engine.submit(interaction_id, prompt, params, call, adapter)
             output, aborted, error = await call.done
         except MaceError:
             self.counters["generate_failed"] += 1
@@ -456,8 +521,9 @@ class Service:
         if error is not None or output is None:
             self.counters["generate_failed"] += 1
             raise ProtocolError("internal", str(error or "the engine returned no output"))
-        candidates = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                       "completion_tokens": len(c.token_ids)} for c in output.candidates]
+        if aborted is None:
+            call.flush_streams()
+        candidates = [self._candidate(c, tools, call) for c in output.candidates]
         if aborted is not None:
             self.counters["cancelled"] += 1
             code, message = _ABORTS.get(aborted, ("cancelled", aborted))
@@ -481,12 +547,36 @@ class Service:
             "timing": timing,
             "recorded": False,
         }
+        if args.echo:
+            result["prompt_text"] = output.prompt
         if args.user is not None and args.record:
             result["recorded"], note = await self._record(args.user, interaction_id, output,
                                                           result["adapter"], timing)
             if note:
                 result["record_note"] = note
         return result
+
+    def _candidate(self, c: Any, tools: tuple[dict[str, Any], ...], call: GenerateCall) -> dict[str, Any]:
+        """One answer of a generate result: its text, and with tools offered the content and the
+        calls apart (exactly as they streamed, when they did)."""
+        candidate: dict[str, Any] = {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                                     "completion_tokens": len(c.token_ids)}
+        if c.logprobs is not None:
+            candidate["logprobs"] = [logprob_record(lp) for lp in c.logprobs]
+        if tools:
+            if c.index in call.streamers:
+                content = "".join(call.streamed_content.get(c.index, ()))
+                calls = call.streamed_calls.get(c.index, [])
+            else:
+                from edge_runtime.chat import parse_calls
+
+                content, calls = parse_calls(c.text, tools, self.tool_style)
+            if calls:
+                candidate["text"] = content
+                candidate["tool_calls"] = [x.as_openai() for x in calls]
+                if c.finish_reason == "stop":
+                    candidate["finish_reason"] = "tool_calls"
+        return candidate
 
     async def _record(self, user: str, interaction_id: str, output: RequestOutput, label: str | None,
                       timing: dict[str, float]) -> tuple[bool, str]:
@@ -506,6 +596,26 @@ class Service:
             return False, str(exc)
         self.counters["interactions_recorded"] += 1
         return True, ""
+
+    async def embed(self, args: EmbedArgs) -> dict[str, Any]:
+        """Embeddings of the inputs (edge_runtime/embeddings.py), computed on the engine thread
+        between iterations. Admission's reject and queue states refuse them (retry later)."""
+        self._require("serving")
+        assert self.engine is not None
+        if self.admission is not None:
+            verdict = self.admission.admit("inference")
+            if verdict.action != "allow":
+                retry = verdict.retry_after_s or self.config.admission_config.retry_after_s
+                raise ProtocolError("admission_rejected", f"the device is under pressure ({verdict.reason}); "
+                                    f"retry in {retry:g} s", retry_after_s=retry)
+        inputs = list(args.inputs)
+        self.ops_in_flight += 1
+        try:
+            vectors, tokens = await self.engine.call(lambda engine: engine.embed(inputs))
+        finally:
+            self.ops_in_flight -= 1
+        self.counters["embed"] += 1
+        return {"model": self.model_name, "embeddings": vectors, "usage": {"prompt_tokens": tokens}}
 
     async def feedback(self, args: FeedbackArgs) -> dict[str, Any]:
         astore = self._store()

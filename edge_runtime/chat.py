@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from edge_runtime.constraints import Constraint
+from edge_runtime.constraints import JSON_WHITESPACE, Constraint
 from edge_runtime.errors import BadRequest
 
 ToolStyle = Literal["hermes", "json"]
@@ -211,6 +211,9 @@ def forced_call_constraint(prompt: ChatPrompt, style: ToolStyle) -> Constraint |
         else _call_schema(functions[0], style)
     if style == "json":
         return Constraint("json_schema", json.dumps(schema))
+    # Inside Lark, %json takes its options from the schema's "x-guidance" (the JSON constraint's
+    # bounded whitespace, as constraints.py sets for the other JSON kinds).
+    schema["x-guidance"] = {"whitespace_pattern": JSON_WHITESPACE}
     return Constraint("lark", f'start: "{CALL_OPEN}\\n" call "\\n{CALL_CLOSE}"\ncall: %json ' + json.dumps(schema))
 
 

@@ -669,6 +669,23 @@ class Engine:
             if request_id in self.requests:
                 self.abort(request_id)
 
+    def embed(self, inputs: Seq[str | list[int]]) -> tuple[list[list[float]], int]:
+        """Embeddings (edge_runtime/embeddings.py) of texts or token-id lists, and how many tokens
+        they held. Runs now, between iterations, on the base model."""
+        from edge_runtime.embeddings import MAX_INPUTS, embed_ids
+
+        if not 1 <= len(inputs) <= MAX_INPUTS:
+            raise BadRequest(f"give 1-{MAX_INPUTS} inputs to embed")
+        encoded = []
+        for i, item in enumerate(inputs):
+            if isinstance(item, str) and not item:
+                raise BadRequest(f"input {i} is empty")
+            _, ids = self.tokenizer.encode_prompt(item)
+            if len(ids) > self.max_context:
+                raise BadRequest(f"input {i} has {len(ids)} tokens; this engine embeds at most {self.max_context}")
+            encoded.append(ids)
+        return [embed_ids(self.model, ids) for ids in encoded], sum(len(ids) for ids in encoded)
+
     def stats(self) -> dict[str, Any]:
         pool = self.pool
         return {

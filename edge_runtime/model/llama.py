@@ -240,6 +240,11 @@ class LlamaModel(nn.Module):
         scaling = self.cfg.logits_scaling  # Granite divides its logits; 1 elsewhere
         return logits if scaling == 1.0 else logits / scaling
 
+    def final_hidden(self, hidden: Tensor) -> Tensor:
+        """The last layer's output as the LM head reads it (after the final norm); embeddings
+        pool it."""
+        return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+
     def forward(
         self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, logit_rows: Tensor | None = None
     ) -> Tensor:

@@ -229,13 +229,27 @@ def test_invalid_input_and_unknown_model_get_openai_errors(gw: Gateway) -> None:
         (dict(top_p=0), "top_p"),
         (dict(n=99), "n"),
         (dict(max_tokens=0), "max_tokens"),
-        (dict(logprobs=True), "logprobs"),
-        (dict(frequency_penalty=0.5), "frequency_penalty"),
-        (dict(user="has space"), "user"),
+        (dict(max_completion_tokens=0), "max_completion_tokens"),  # named as the client sent it
+        (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (dict(top_logprobs=2), "top_logprobs"),
+        (dict(frequency_penalty=2.5), "frequency_penalty"),
+        (dict(presence_penalty=-3), "presence_penalty"),
+        (dict(logit_bias={"x": 1}), "logit_bias"),
+        (dict(logit_bias={"5": 101}), "logit_bias"),
+        (dict(seed=-5), "seed"),
+        (dict(user="tab\there"), "user"),
+        (dict(user="x" * 257), "user"),
         (dict(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
+        (dict(messages=[{"role": "function", "name": "f", "content": "hi"}]), "messages.0.role"),
         (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
          "messages.0.content"),
         (dict(stop=["x"] * 17), "stop"),
+        (dict(extra_body={"stop": 5}), "stop"),  # not "stop.str": the union member is no field
+        (dict(response_format={"type": "xml"}), "response_format"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools"),
+        (dict(functions=[{"name": "f"}]), "functions"),
     ]
     for overrides, param in cases:
         kwargs = {"model": "tiny", "messages": CHAT, "max_tokens": 2, **overrides}
@@ -246,8 +260,11 @@ def test_invalid_input_and_unknown_model_get_openai_errors(gw: Gateway) -> None:
             400, "invalid_request_error", "bad_request", param), (overrides, error.body)
         assert error.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="tiny", prompt=["one", "two"], max_tokens=2)
+        client.completions.create(model="tiny", prompt=["one"] * 65, max_tokens=2)
     assert info.value.param == "prompt"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, echo=True, logprobs=2)
+    assert info.value.param == "echo"
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
     assert (info.value.code, info.value.param, info.value.type) == ("model_not_found", "model", "not_found_error")

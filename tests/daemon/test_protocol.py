@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -82,7 +84,8 @@ def test_envelope_accepts_dealer_and_req_framing() -> None:
     (req("generate", prompt="hi", stop_token_ids=[-1]), "bad_request"),
     (req("generate", prompt="hi", seed=-1), "bad_request"),
     (req("generate", prompt="hi", adapter=3), "bad_request"),  # a version needs a user
-    (req("generate", prompt="hi", user="../etc"), "bad_request"),
+    (req("generate", prompt="hi", user="tab\tin"), "bad_request"),  # control characters
+    (req("generate", prompt="hi", user="x" * 257), "bad_request"),
     (req("generate", messages=[{"role": "hacker", "content": "x"}]), "bad_request"),
     (req("generate", messages=[{"role": "user", "content": "x", "name": "y"}]), "bad_request"),
     (req("generate", messages=[]), "bad_request"),
@@ -113,7 +116,7 @@ def test_every_op_parses_with_its_fields() -> None:
         "feedback": {"user": "bob", "interaction_id": "ix-00", "feedback": {"kind": "choice", "chosen": 1}},
         "status": {}, "health": {}, "adapters.list": {}, "adapters.rollback": {"user": "bob", "version": 2},
         "users.consent": {"user": "bob", "granted": False}, "users.export": {"user": "bob"},
-        "users.forget": {"user": "bob"},
+        "users.forget": {"user": "bob"}, "embed": {"input": ["a", "b"]},
     }
     assert set(samples) == set(OPS)
     for op, fields in samples.items():
@@ -218,3 +221,50 @@ def test_a_req_client_with_a_malformed_body_keeps_its_delimiter_in_the_reply_env
         assert reply_envelope(frames) == [b"id", b""]
     assert reply_envelope([b"id", b"a", b"b"]) == [b"id"]
     assert reply_envelope([b"id"]) == [b"id"]
+
+
+@pytest.mark.parametrize("app_user", ["user:1234", "../etc", "Ana María <ana@example.com>", ".hidden", "x" * 256])
+def test_any_printable_app_user_maps_to_one_safe_id(app_user):
+    """OpenAI's `user` is free-form: each string gets one id, the same on every call, that is a
+    plain file name (no path, no separators); ids the daemon already accepts stay themselves."""
+    parsed = parse_request(req("generate", prompt="hi", user=app_user)).args.user
+    assert parsed == parse_request(req("users.export", user=app_user)).args.user
+    assert re.fullmatch(r"h-[0-9a-f]{40}", parsed)
+    assert parse_request(req("generate", prompt="hi", user="alice.b@x")).args.user == "alice.b@x"
+
+
+def test_generate_parses_the_openai_shaped_fields() -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "x"}}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                {"role": "assistant", "content": "It is"}]
+    args = parse_request(req(
+        "generate", messages=messages, tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        continue_final_message=True, logprobs=5, presence_penalty=-2, frequency_penalty=2, logit_bias={"7": -100, 9: 3},
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}})).args
+    assert args.tool_choice == "get_weather" and args.continue_final_message and args.is_chat
+    assert args.prompt[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "x"}'
+    assert args.logit_bias == ((7, -100.0), (9, 3.0)) and args.logprobs == 5
+    assert args.response_format == ("json_schema", '{"type": "object"}')
+    kwargs = args.sampling_kwargs(16)
+    assert (kwargs["presence_penalty"], kwargs["frequency_penalty"], kwargs["logprobs"]) == (-2.0, 2.0, 5)
+    assert parse_request(req("generate", prompt=[1, 2, 3])).args.prompt == [1, 2, 3]
+    assert parse_request(req("generate", prompt="x", response_format={"type": "json_object"})).args.response_format \
+        == ("json", "")
+
+
+@pytest.mark.parametrize("fields", [
+    {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]},  # tools need messages
+    {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},  # last is not assistant
+    {"messages": [{"role": "user", "content": None}]},
+    {"messages": [{"role": "tool", "content": "x", "tool_calls": []}]},
+    {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "bad name"}}]}]},
+    {"prompt": []}, {"prompt": [1, -1]}, {"prompt": [True]},
+    {"prompt": "x", "logprobs": 21}, {"prompt": "x", "logit_bias": {"-1": 1}}, {"prompt": "x", "logit_bias": {"1": "a"}},
+    {"prompt": "x", "response_format": {"type": "regex"}}, {"prompt": "x", "response_format": {"type": "grammar", "grammar": ""}},
+    {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+])
+def test_malformed_openai_shaped_fields_are_bad_requests(fields) -> None:
+    assert code_of(parse_request, req("generate", **fields)) == "bad_request"

@@ -1,0 +1,286 @@
+"""What real OpenAI clients send, through the official `openai` client against a real `maced`
+(tiny random model): structured output, tools and the turns after a call, logprobs, penalties,
+logit bias, prompt lists and token ids, echo, embeddings, prefill, free-form `user` strings,
+seed -1, CORS. A random model writes nothing sensible, so each check is one the daemon must make
+hold whatever the model prefers (a grammar's mask, a forced call, the formula of a field)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import struct
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from daemon.client import Client
+from tests.daemon.test_cli import macectl
+from tests.daemon.test_gateway import Gateway, start_gateway
+
+openai = pytest.importorskip("openai")
+
+CHAT = [{"role": "user", "content": "What's the weather in Paris?"}]
+SCHEMA = {"type": "object", "properties": {
+    "city": {"enum": ["Paris", "Rome"]}, "rain": {"type": "boolean"},
+    "days": {"type": "array", "items": {"enum": ["mon", "tue"]}, "maxItems": 2}},
+    "required": ["city", "rain", "days"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ORIGIN = "https://app.example.com"
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[Gateway]:
+    g = start_gateway(tmp_path_factory.mktemp("gateway-openai"), tiny_model,
+                      extra=["--set", f"http.cors_origins={ORIGIN}", "--set", "finetune.enabled=false"])
+    yield g
+    code, _ = g.daemon.stop()
+    assert code == 0, g.daemon.log()
+
+
+def test_json_schema_output_validates_whole_and_streamed(gw: Gateway) -> None:
+    client = gw.openai()
+    response_format = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+    whole = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=400, n=2, temperature=1.0,
+                                           seed=3, response_format=response_format)
+    for choice in whole.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=400, temperature=1.0, seed=3,
+                                            response_format=response_format, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    jsonschema.validate(json.loads(text), SCHEMA)
+    mode = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=400, temperature=1.0, seed=5,
+                                          response_format={"type": "json_object"})
+    if mode.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(mode.choices[0].message.content), dict)
+    regex = client.completions.create(model="tiny", prompt="Answer:", max_tokens=30, temperature=1.0, seed=1,
+                                      extra_body={"response_format": {"type": "regex", "regex": "(yes|no)!"}})
+    assert regex.choices[0].text in ("yes!", "no!")
+
+
+def _round_trip(client, stream: bool) -> tuple[list, str]:
+    # A random model pads the call's JSON with all the whitespace the grammar allows: room for it.
+    kwargs = dict(model="tiny", messages=CHAT, tools=[WEATHER], max_tokens=600, temperature=1.0, seed=7)
+    if stream:
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in client.chat.completions.create(**kwargs, tool_choice="required", stream=True):
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            assert not choice.delta.content  # a call's text never streams as content
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+                entry["id"] += delta.id or ""
+                entry["name"] += (delta.function.name or "") if delta.function else ""
+                entry["arguments"] += (delta.function.arguments or "") if delta.function else ""
+            finish = choice.finish_reason or finish
+        assert finish == "tool_calls"
+        tool_calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                      for _, c in sorted(calls.items())]
+    else:
+        first = client.chat.completions.create(**kwargs, tool_choice={"type": "function",
+                                                                      "function": {"name": "get_weather"}})
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        tool_calls = [c.model_dump() for c in choice.message.tool_calls]
+    assert len(tool_calls) == 1 and tool_calls[0]["function"]["name"] == "get_weather"
+    arguments = json.loads(tool_calls[0]["function"]["arguments"])
+    assert set(arguments) == {"city", "unit"} and tool_calls[0]["id"].startswith("call_")
+    history = CHAT + [{"role": "assistant", "content": None, "tool_calls": tool_calls},
+                      {"role": "tool", "tool_call_id": tool_calls[0]["id"], "content": "18 C and sunny"}]
+    final = client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=8, extra_body={"ignore_eos": True})
+    return tool_calls, final.choices[0].message.content
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_round_trip(gw: Gateway, stream: bool) -> None:
+    tool_calls, answer = _round_trip(gw.openai(), stream)
+    assert answer and not answer.startswith("<tool_call>")
+
+
+def test_chat_logprobs_whole_and_streamed_are_the_same_numbers(gw: Gateway) -> None:
+    client = gw.openai()
+    kwargs = dict(model="tiny", messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
+                  extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 6
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy: the best token
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+    assert "".join(e.token for e in content) == whole.choices[0].message.content
+    streamed = [e for chunk in client.chat.completions.create(**kwargs, stream=True) if chunk.choices
+                and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+
+
+def test_completions_legacy_logprobs_echo_prompt_lists_and_token_ids(gw: Gateway, tiny_model: Path) -> None:
+    client = gw.openai()
+    out = client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 4
+    assert "".join(lp.tokens) == out.choices[0].text and lp.text_offset[0] == 0
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    echoed = client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0, echo=True,
+                                       extra_body={"ignore_eos": True})
+    assert echoed.choices[0].text == "Once upon" + out.choices[0].text
+    many = client.completions.create(model="tiny", prompt=["Once upon", "Hello"], max_tokens=4, n=2, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.choices[0].text == many.choices[1].text == out.choices[0].text
+    assert len(many.model_extra["mace"]["interaction_ids"]) == 2
+    ids = AutoTokenizer.from_pretrained(tiny_model).encode("Once upon")
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == out.choices[0].text
+    both = client.completions.create(model="tiny", prompt=[ids, ids], max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert [c.text for c in both.choices] == [out.choices[0].text] * 2
+    streamed = client.completions.create(model="tiny", prompt=["Once upon", "Hello"], max_tokens=4, temperature=0,
+                                         stream=True, echo=True, extra_body={"ignore_eos": True})
+    texts: dict[int, str] = {}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts[0] == "Once upon" + out.choices[0].text and texts[1].startswith("Hello")
+
+
+def test_penalties_and_logit_bias_reach_the_sampler(gw: Gateway, tiny_model: Path) -> None:
+    client = gw.openai()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    token = tokenizer.encode("x", add_special_tokens=False)[0]
+    forced = client.completions.create(model="tiny", prompt="Hi", max_tokens=5, temperature=0,
+                                       logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == "x" * 5
+    plain = client.completions.create(model="tiny", prompt="Hi", max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    penalised = client.completions.create(model="tiny", prompt="Hi", max_tokens=12, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=2.0,
+                                          extra_body={"ignore_eos": True})
+    assert penalised.choices[0].text != plain.choices[0].text
+    with Client(gw.daemon.endpoint, timeout_s=30) as sdk:  # the SDK speaks the same fields
+        same = sdk.generate("Hi", max_tokens=12, frequency_penalty=2.0, presence_penalty=2.0, ignore_eos=True)
+    assert same.text == penalised.choices[0].text
+
+
+def test_embeddings_float_and_base64(gw: Gateway) -> None:
+    client = gw.openai()
+    out = client.embeddings.create(model="tiny", input=["hello world", "goodbye"], encoding_format="float")
+    assert [d.index for d in out.data] == [0, 1] and out.usage.prompt_tokens > 0
+    for d in out.data:
+        assert math.isclose(math.sqrt(sum(v * v for v in d.embedding)), 1.0, rel_tol=1e-5)
+    # The client's default asks for base64 (float32, little-endian) and decodes it itself.
+    default = client.embeddings.create(model="tiny", input="hello world")
+    assert default.data[0].embedding == pytest.approx(out.data[0].embedding, abs=1e-6)
+    raw = client.embeddings.with_raw_response.create(model="tiny", input="hello world", encoding_format="base64")
+    packed = base64.b64decode(json.loads(raw.text)["data"][0]["embedding"])
+    assert list(struct.unpack(f"<{len(packed) // 4}f", packed)) == pytest.approx(out.data[0].embedding, abs=1e-6)
+    with Client(gw.daemon.endpoint, timeout_s=30) as sdk:
+        assert sdk.embed("hello world")[0] == pytest.approx(out.data[0].embedding, abs=1e-6)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model="tiny", input="x", dimensions=8)
+    assert info.value.param == "dimensions"
+
+
+def test_a_final_assistant_message_is_continued(gw: Gateway, tiny_model: Path) -> None:
+    client = gw.openai()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    messages = CHAT + [{"role": "assistant", "content": "It is"}]
+    prefill = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    same = client.completions.create(model="tiny", prompt=tokenizer.encode(text, add_special_tokens=False),
+                                     max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert prefill.choices[0].message.content == same.choices[0].text
+    closed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                            extra_body={"ignore_eos": True, "add_generation_prompt": True})
+    assert closed.usage.prompt_tokens > prefill.usage.prompt_tokens  # closed, and a new turn opened
+
+
+def test_an_apps_own_user_string_keys_the_user_everywhere(gw: Gateway) -> None:
+    client = gw.openai()
+    app_user = "user:1234"
+    status, _, body = _post(gw, f"/v1/users/{urllib.request.quote(app_user, safe='')}/consent", {"granted": True})
+    assert status == 200, body
+    reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, user=app_user, seed=-1,
+                                           temperature=1.0)
+    assert reply.model_extra["mace"]["recorded"] is True
+    with Client(gw.daemon.endpoint, timeout_s=30) as sdk:
+        exported = sdk.export(app_user)
+    assert [i["request_id"] for i in exported["interactions"]] == [reply.id]
+    cli = macectl(gw.daemon.endpoint, "users", "export", app_user)
+    assert cli.returncode == 0 and reply.id in cli.stdout
+
+
+def _post(gw: Gateway, path: str, body: dict) -> tuple[int, dict, bytes]:
+    request = urllib.request.Request(f"http://127.0.0.1:{gw.port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {gw.key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def _preflight(gw: Gateway, origin: str) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{gw.port}/v1/chat/completions", method="OPTIONS",
+                                     headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                              "Access-Control-Request-Headers": "authorization,content-type"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}
+    except urllib.error.HTTPError as exc:
+        return exc.code, {k.lower(): v for k, v in exc.headers.items()}
+
+
+@pytest.mark.parametrize("origin,allowed", [
+    ("http://localhost:5173", True), ("http://127.0.0.1:8080", True), (ORIGIN, True),
+    ("https://evil.example", False), ("http://localhost.evil.example", False),
+])
+def test_browser_preflights_are_answered_for_allowed_origins_only(gw: Gateway, origin: str, allowed: bool) -> None:
+    status, headers = _preflight(gw, origin)
+    if allowed:
+        assert status == 200 and headers.get("access-control-allow-origin") == origin
+        assert "POST" in headers["access-control-allow-methods"]
+        assert "authorization" in headers["access-control-allow-headers"].lower()
+    else:
+        assert status == 400 and "access-control-allow-origin" not in headers
+    # The request itself still needs the key, from any origin.
+    request = urllib.request.Request(f"http://127.0.0.1:{gw.port}/v1/models", headers={"Origin": origin})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=30)
+    assert info.value.code == 401
+
+
+def test_the_sdk_speaks_the_same_fields_over_zeromq(gw: Gateway) -> None:
+    with Client(gw.daemon.endpoint, timeout_s=60) as sdk:
+        whole = sdk.generate(messages=CHAT, tools=[WEATHER], tool_choice="required", max_tokens=600,
+                             temperature=1.0, seed=7)
+        [candidate] = whole.candidates
+        assert candidate.finish_reason == "tool_calls" and candidate.text == ""
+        assert candidate.tool_calls[0]["function"]["name"] == "get_weather"
+        stream = sdk.stream(messages=CHAT, tools=[WEATHER], tool_choice="required", max_tokens=600,
+                            temperature=1.0, seed=7, logprobs=1)
+        tokens = list(stream)
+        assert "".join(t.text for t in tokens) == ""  # the call never streams as text
+        [call] = [c for t in tokens for c in (t.tool_calls or [])]
+        assert call == stream.result.candidates[0].tool_calls[0]  # same id, same arguments
+        streamed = [x["token_id"] for t in tokens for x in (t.logprobs or [])]
+        assert streamed == [x["token_id"] for x in stream.result.candidates[0].logprobs]
+        constrained = sdk.generate("Answer:", max_tokens=30, temperature=1.0, seed=2,
+                                   response_format={"type": "regex", "regex": "(yes|no)!"})
+        assert constrained.text in ("yes!", "no!")
