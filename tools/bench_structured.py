@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""Structured output on the default model: how often JSON-schema answers validate with and
+without the grammar's mask, and what the mask costs per token at 1 and N streams.
+
+    python tools/bench_structured.py [--max-tokens 320] [--tokens 64] [--streams 1,16] [--repeats 3]
+
+Validity: 20 chat prompts, each naming its schema (a nested object, an enum, an array; four
+schemas, five prompts each), answered greedily once with `response_format` json_schema (the
+mask) and once without (the schema only in the prompt; a ```json fence around the answer is
+forgiven). Each answer must parse and validate with `jsonschema`.
+
+Overhead: decode tokens/s of the same prompts with and without a JSON-schema mask whose
+answer cannot end before `--tokens` tokens (a string with a minimum length), every stream
+generating exactly `--tokens` tokens; best of `--repeats` rounds, the two alternating. Then
+the mask alone, replayed on the recorded token sequences outside the engine: the time to
+compute one step's masks and advance the grammars, for llguidance (what the engine uses) and,
+when it is importable, xgrammar (the alternative the choice was made against).
+Writes tools/results/bench_structured.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jsonschema  # noqa: E402
+import torch  # noqa: E402
+
+from edge_runtime import Engine, SamplingParams  # noqa: E402
+from edge_runtime.constraints import Constraint  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "person": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["student", "teacher", "engineer", "artist"]},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                     "country": {"type": "string", "maxLength": 40}},
+                    "required": ["city", "country"], "additionalProperties": False},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30}, "minItems": 1, "maxItems": 4}},
+        "required": ["name", "age", "role", "address", "hobbies"], "additionalProperties": False},
+    "recipe": {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 60},
+        "difficulty": {"enum": ["easy", "medium", "hard"]},
+        "ingredients": {"type": "array", "minItems": 1, "maxItems": 6, "items": {
+            "type": "object", "properties": {"item": {"type": "string", "maxLength": 30},
+                                             "grams": {"type": "integer", "minimum": 1, "maximum": 5000}},
+            "required": ["item", "grams"], "additionalProperties": False}},
+        "vegetarian": {"type": "boolean"}},
+        "required": ["title", "difficulty", "ingredients", "vegetarian"], "additionalProperties": False},
+    "event": {"type": "object", "properties": {
+        "event": {"type": "string", "maxLength": 60},
+        "day": {"enum": ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]},
+        "time": {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                                                  "minute": {"type": "integer", "minimum": 0, "maximum": 59}},
+                 "required": ["hour", "minute"], "additionalProperties": False},
+        "attendees": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 5}},
+        "required": ["event", "day", "time", "attendees"], "additionalProperties": False},
+    "review": {"type": "object", "properties": {
+        "product": {"type": "string", "maxLength": 50},
+        "stars": {"enum": [1, 2, 3, 4, 5]},
+        "pros": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3},
+        "cons": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3},
+        "verdict": {"type": "object", "properties": {"buy": {"type": "boolean"},
+                                                     "summary": {"type": "string", "maxLength": 80}},
+                    "required": ["buy", "summary"], "additionalProperties": False}},
+        "required": ["product", "stars", "pros", "cons", "verdict"], "additionalProperties": False},
+}
+REQUESTS = {
+    "person": ["Describe a teacher named Ana who lives in Lisbon.", "Describe a young engineer from Kyoto.",
+               "Describe an artist who likes painting and hiking.", "Describe a student from Nairobi.",
+               "Describe your favourite fictional character."],
+    "recipe": ["Give a recipe for pancakes.", "Give a recipe for a tomato salad.", "Give a recipe for bread.",
+               "Give a recipe for a vegetable soup.", "Give a recipe for chocolate cake."],
+    "event": ["Plan a team meeting on Monday morning.", "Plan a birthday party on Saturday evening.",
+              "Plan a yoga class on Wednesday.", "Plan a dinner with three friends on Friday.",
+              "Plan a study session on Sunday afternoon."],
+    "review": ["Review a pair of running shoes.", "Review a cheap laptop.", "Review a coffee machine.",
+               "Review a science fiction novel.", "Review a pair of headphones."],
+}
+LONG_ANSWER = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}},
+               "required": ["story"], "additionalProperties": False}
+TOPICS = ["the sea", "a mountain", "a robot", "the moon", "a library", "a bakery", "a river", "winter",
+          "a violin", "a garden", "a train", "the desert", "a lighthouse", "a volcano", "a forest", "a city"]
+
+
+def chat(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def validity(engine: Engine, max_tokens: int) -> dict[str, Any]:
+    rows = []
+    for name, schema in SCHEMAS.items():
+        for ask in REQUESTS[name]:
+            prompt = chat(f"{ask} Answer with only a JSON object that follows this JSON schema:\n{json.dumps(schema)}")
+            masked = engine.generate([prompt], SamplingParams(max_tokens=max_tokens,
+                                                              constraint=Constraint.json_schema(schema)))[0]
+            free = engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0]
+            rows.append({"schema": name, "request": ask,
+                         "masked": masked.text, "masked_valid": _valid(masked.text, schema, fence=False),
+                         "masked_finish": masked.candidates[0].finish_reason,
+                         "free": free.text, "free_valid": _valid(free.text, schema, fence=True),
+                         "free_finish": free.candidates[0].finish_reason})
+            print(f"  {name:7s} masked {rows[-1]['masked_valid']!s:5s} free {rows[-1]['free_valid']!s:5s}  "
+                  f"{masked.text[:70]!r}", flush=True)
+    return {"prompts": len(rows), "masked_valid": sum(r["masked_valid"] for r in rows),
+            "free_valid": sum(r["free_valid"] for r in rows), "rows": rows}
+
+
+def _valid(text: str, schema: dict[str, Any], fence: bool) -> bool:
+    if fence:
+        found = re.search(r"```(?:json)?\s*(.*?)```", text, re.DOTALL)
+        text = found.group(1) if found else text
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def decode_rate(engine: Engine, streams: int, tokens: int, constraint: Constraint | None) -> tuple[float, list]:
+    """Aggregate decode tokens/s once every stream has its first token; every stream makes
+    exactly `tokens` tokens. Returns the rate and each stream's token ids."""
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, constraint=constraint)
+    prompts = [chat(f"Write a short story about {TOPICS[i % len(TOPICS)]} as JSON.") for i in range(streams)]
+    first: dict[str, float] = {}
+    ids = [engine.add_request(p, params, on_token=lambda e: first.setdefault(e.request_id, time.perf_counter()))
+           for p in prompts]
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    end = time.perf_counter()
+    made = [outputs[i].token_ids for i in ids]
+    assert all(len(t) == tokens for t in made), [len(t) for t in made]
+    return streams * (tokens - 1) / (end - max(first.values())), made
+
+
+def replay_llguidance(engine: Engine, sequences: list[list[int]], schema: dict[str, Any]) -> float:
+    """Seconds per step for masks + advancing the grammars of len(sequences) streams."""
+    compiler = engine.grammars
+    matchers = [compiler.matcher(Constraint.json_schema(schema)) for _ in sequences]
+    steps = min(len(s) for s in sequences)
+    start = time.perf_counter()
+    for t in range(steps):
+        compiler.masks(matchers)
+        for m, seq in zip(matchers, sequences, strict=True):
+            assert m.consume_token(seq[t]), m.get_error()
+    return (time.perf_counter() - start) / steps
+
+
+def replay_xgrammar(engine: Engine, sequences: list[list[int]], schema: dict[str, Any]) -> float | None:
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        return None
+    vocab = engine.model.cfg.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer.hf, vocab_size=vocab,
+                                              stop_token_ids=sorted(engine.tokenizer.eos_ids))
+    # The same schema; xgrammar's whitespace rule is its own (any run), so it accepts every
+    # sequence the engine's bounded-whitespace grammar produced.
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=True)
+    matchers = [xgr.GrammarMatcher(compiled) for _ in sequences]
+    bitmask = xgr.allocate_token_bitmask(len(sequences), vocab)
+    steps = min(len(s) for s in sequences)
+    start = time.perf_counter()
+    for t in range(steps):
+        for i, m in enumerate(matchers):
+            m.fill_next_token_bitmask(bitmask, i)
+        for m, seq in zip(matchers, sequences, strict=True):
+            assert m.accept_token(seq[t])
+    return (time.perf_counter() - start) / steps
+
+
+def overhead(engine: Engine, streams_list: list[int], tokens: int, repeats: int) -> list[dict[str, Any]]:
+    constraint = Constraint.json_schema(LONG_ANSWER)
+    engine.generate([chat("Warm up.")], SamplingParams(max_tokens=8, constraint=constraint))
+    rows = []
+    for streams in streams_list:
+        free_rates, masked_rates, sequences = [], [], []
+        for _ in range(repeats):  # alternate, so drifting load hits both alike
+            free_rates.append(decode_rate(engine, streams, tokens, None)[0])
+            rate, sequences = decode_rate(engine, streams, tokens, constraint)
+            masked_rates.append(rate)
+        free, masked = max(free_rates), max(masked_rates)
+        ll = min(replay_llguidance(engine, sequences, LONG_ANSWER) for _ in range(repeats))
+        xg = [replay_xgrammar(engine, sequences, LONG_ANSWER) for _ in range(repeats)]
+        xg_best = min(x for x in xg if x is not None) if any(x is not None for x in xg) else None
+        rows.append({"streams": streams, "decode_tok_s_free": round(free, 2), "decode_tok_s_masked": round(masked, 2),
+                     "ms_per_token_free": round(1000 / (free / streams), 3),
+                     "ms_per_token_masked": round(1000 / (masked / streams), 3),
+                     "overhead_ms_per_step": round(1000 * (streams / masked - streams / free), 3),
+                     "overhead_fraction": round(free / masked - 1, 4),
+                     "llguidance_ms_per_step": round(ll * 1000, 3),
+                     "xgrammar_ms_per_step": round(xg_best * 1000, 3) if xg_best is not None else None,
+                     "rates_free": [round(r, 2) for r in free_rates], "rates_masked": [round(r, 2) for r in masked_rates]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def write_markdown(result: dict[str, Any], path: Path) -> None:
+    v = result["validity"]
+    lines = [f"Default model ({result['model']}, {result['dtype']}), {result['machine']['cores']} cores "
+             f"({result['machine']['cpu']}), load average {result['loadavg_start']} -> {result['loadavg_end']}.", "",
+             f"**Validity** ({v['prompts']} prompts, greedy, at most {result['max_tokens']} tokens): "
+             f"with the mask **{v['masked_valid']}/{v['prompts']}** parse and validate; without it "
+             f"{v['free_valid']}/{v['prompts']}.", "",
+             "| schema | request | masked valid | free valid |", "|---|---|---|---|"]
+    for r in v["rows"]:
+        lines.append(f"| {r['schema']} | {r['request']} | {r['masked_valid']} | {r['free_valid']} |")
+    lines += ["", f"**Overhead** ({result['tokens']} tokens per stream, best of {result['repeats']} alternating "
+              "rounds; replay = masks + grammar advance alone, per step of all streams):", "",
+              "| streams | decode tok/s free | decode tok/s masked | ms/token free | ms/token masked | "
+              "overhead ms/step | llguidance replay ms/step | xgrammar replay ms/step |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in result["overhead"]:
+        lines.append(f"| {r['streams']} | {r['decode_tok_s_free']} | {r['decode_tok_s_masked']} | "
+                     f"{r['ms_per_token_free']} | {r['ms_per_token_masked']} | {r['overhead_ms_per_step']} | "
+                     f"{r['llguidance_ms_per_step']} | {r['xgrammar_ms_per_step']} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--max-tokens", type=int, default=320)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--streams", default="1,16")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-validity", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS / "bench_structured.json"))
+    args = ap.parse_args()
+    load_start = os.getloadavg()
+    engine = Engine.load(args.model, kv_cache_bytes=256 << 20)
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "")
+    result: dict[str, Any] = {
+        "model": engine.model_name, "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "max_tokens": args.max_tokens, "tokens": args.tokens, "repeats": args.repeats,
+        "machine": {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "python": platform.python_version(), "torch": torch.__version__},
+        "loadavg_start": [round(x, 2) for x in load_start]}
+    if not args.skip_validity:
+        print("validity ...", flush=True)
+        result["validity"] = validity(engine, args.max_tokens)
+    print("overhead ...", flush=True)
+    result["overhead"] = overhead(engine, [int(s) for s in args.streams.split(",")], args.tokens, args.repeats)
+    result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    if "validity" in result:
+        write_markdown(result, out.with_suffix(".md"))
+        print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
