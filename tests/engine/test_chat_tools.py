@@ -4,6 +4,7 @@ parsed back out of answers, whole and streamed."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -135,3 +136,25 @@ def test_token_id_prompts_run_as_given(engine):
     assert by_ids.token_ids == by_text.token_ids and by_ids.prompt_token_ids == ids
     with pytest.raises(BadRequest, match="token ids"):
         engine.add_request([len(engine.tokenizer.hf) + 5], SamplingParams())
+
+
+NATIVE_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+    "</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_calls_as_objects(engine):
+    hf = copy.deepcopy(engine.tokenizer.hf)
+    hf.chat_template = NATIVE_TEMPLATE
+    history = ASK + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5 C"}]
+    text = render(hf, ChatPrompt(tuple(history), (WEATHER,)))
+    assert text.startswith("<|im_start|>system\n# Tools\n<tools>") and '"get_weather"' in text
+    # The arguments reach the template as an object (as transformers' templates expect), not as text.
+    assert '"arguments": {"city": "Oslo", "unit": "C"}' in text
+    assert "<|im_start|>tool\n5 C<|im_end|>" in text and "You may call functions" not in text
