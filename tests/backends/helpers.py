@@ -11,6 +11,7 @@ from edge_runtime import Engine, SamplingParams
 from edge_runtime.lora import LoraSettings, LoraWeights
 from edge_runtime.model.config import ModelConfig
 
+
 def ort_device() -> str:
     """The torch device an engine whose graphs run on this onnxruntime build must use: the GPU
     only where the build has a GPU provider (the plain wheel has not, whatever torch sees)."""
