@@ -67,8 +67,8 @@ class LoraWeights:
     def check_shapes(self, cfg: ModelConfig) -> None:
         """Raise AdapterError unless every tensor fits this model."""
         for (layer, target), a in self.a.items():
-            fused = target in FUSED_TARGETS
-            if fused != cfg.fused_projections and (fused or any(target in g for g in FUSED_TARGETS.values())):
+            part_of_fused = any(target in parts for parts in FUSED_TARGETS.values())
+            if (target in FUSED_TARGETS and not cfg.fused_projections) or (part_of_fused and cfg.fused_projections):
                 raise AdapterError(
                     f"adapter targets {target}, which this {cfg.model_type} model does not have: its projections are "
                     + ("fused (qkv_proj, gate_up_proj)" if cfg.fused_projections else "separate (q/k/v_proj, gate/up_proj)"))

@@ -155,7 +155,10 @@ def _permute_for_gguf(weight, n_head: int):
 _GGUF_ARCH = {"mistral": "llama"}
 
 
-def make_tiny_gguf(model_dir: Path, gguf_path: Path, *, quantize: bool = True, extra_tensors: dict | None = None) -> Path:
+def make_tiny_gguf(
+    model_dir: Path, gguf_path: Path, *, quantize: bool = True, extra_tensors: dict | None = None,
+    extra_strings: dict[str, str] | None = None,
+) -> Path:
     """Write the model in `model_dir` (from `make_tiny_model_dir`) as a GGUF file of its family,
     with the metadata llama.cpp's converter writes for it: llama (and Mistral, written as llama
     with "mistral" in its name) with Q/K rows interleaved; qwen2, qwen3 (attention.key_length);
@@ -165,7 +168,8 @@ def make_tiny_gguf(model_dir: Path, gguf_path: Path, *, quantize: bool = True, e
 
     2-D weights are stored Q8_0 when `quantize` (so loading it de-quantises, as with the real
     default model), the rest F32. The tokenizer goes in as GGUF "gpt2" (byte-level BPE) metadata.
-    `extra_tensors`: more tensors (GGUF name -> array) to write, for tests of what a loader refuses.
+    `extra_tensors` (GGUF name -> array) and `extra_strings` (metadata key -> value): more to
+    write, for tests of what a loader refuses.
     """
     import json
     import math
@@ -233,6 +237,8 @@ def make_tiny_gguf(model_dir: Path, gguf_path: Path, *, quantize: bool = True, e
 
     arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(arch_id, n_layers)
+    for key, value in (extra_strings or {}).items():
+        writer.add_string(key, value)
     for name, array in {**extra, **(extra_tensors or {})}.items():
         writer.add_tensor(name, np.asarray(array, np.float32))
     for hf_name, array in load_file(model_dir / "model.safetensors").items():

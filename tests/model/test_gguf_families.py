@@ -140,12 +140,15 @@ def test_gguf_of_a_family_transformers_cannot_load_is_refused_by_name(model_type
     assert not any((tmp_path / "state" / "models").glob("gguf-*"))  # refused before converting
 
 
-@pytest.mark.parametrize("tensor,named", [
-    ("rope_freqs.weight", "rope_freqs: Llama 3.1\\+ 'llama3' scaling"),  # dropped by transformers
-    ("blk.0.attn_q.bias", "tensors it would skip: blk.0.attn_q.bias"),  # Llama without biases
-])
-def test_gguf_tensors_transformers_would_drop_are_refused(tmp_path, tensor, named):
+@pytest.mark.parametrize("extra,named", [
+    ({"rope_freqs.weight": np.ones(8)}, "rope_freqs: Llama 3.1\\+ 'llama3' scaling"),  # dropped by transformers
+    ({"blk.0.attn_q.bias": np.ones(64)}, "tensors it would skip: blk.0.attn_q.bias"),  # Llama without biases
+    ({"llama.rope.scaling.type": "yarn"}, "RoPE scaling \\('yarn'\\) is not read"),
+], ids=["rope_freqs", "bias", "rope-scaling-key"])
+def test_gguf_contents_transformers_would_drop_are_refused(tmp_path, extra, named):
     folder = make_tiny_model_dir(tmp_path / "hf")
-    path = make_tiny_gguf(folder, tmp_path / "tiny.gguf", quantize=False, extra_tensors={tensor: np.ones(8)})
+    tensors = {k: v for k, v in extra.items() if not isinstance(v, str)}
+    strings = {k: v for k, v in extra.items() if isinstance(v, str)}
+    path = make_tiny_gguf(folder, tmp_path / "tiny.gguf", quantize=False, extra_tensors=tensors, extra_strings=strings)
     with pytest.raises(ModelNotAvailable, match=named):
         Engine.load(str(path), dtype="float32")
