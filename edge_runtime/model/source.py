@@ -306,7 +306,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
             model, loading = AutoModelForCausalLM.from_pretrained(
                 gguf_path.parent, config=config, dtype=torch.float32, output_loading_info=True, **where
             )
-        except (ValueError, KeyError, OSError) as exc:
+        except (ValueError, KeyError, OSError, RuntimeError) as exc:  # RuntimeError: a shape mismatch
             raise ModelNotAvailable(f"transformers cannot load {gguf_path}: {exc}") from exc
         model.eval()
         _check_every_tensor_loaded(header, model, loading, gguf_path)
