@@ -14,6 +14,7 @@ so one trained here loads into PEFT on transformers' Phi3 with the same logits.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -214,3 +215,44 @@ def test_an_adapter_trained_here_loads_into_peft_on_transformers_phi3(phi3, tmp_
             base = model(input_ids=ids).logits[0]
     assert (got - want).abs().max().item() <= TOLERANCE
     assert (want - base).abs().max().item() > 10 * TOLERANCE
+
+
+@pytest.mark.parametrize("shape", [
+    # Phi-3.5-mini: head 96, full rotary, LongRoPE 4k -> 128k, untied
+    {"hidden_size": 3072, "num_attention_heads": 32, "partial_rotary_factor": 1.0, "tie_word_embeddings": False},
+    # Phi-4-mini: head 128, 96 dims turned, LongRoPE 4k -> 128k, tied
+    {"hidden_size": 3072, "num_attention_heads": 24, "partial_rotary_factor": 0.75, "tie_word_embeddings": True},
+], ids=["phi3.5-mini", "phi4-mini"])
+def test_rotary_table_of_real_phi_shapes_matches_transformers_on_both_sides_of_the_switch(shape):
+    """The released models' RoPE settings (their head widths, 4096 -> 131072, attention factor
+    sqrt(1 + ln 32 / ln 4096)), built on the meta device: our table rows against transformers'
+    Phi3RotaryEmbedding for a forward of 4096 tokens (short factors) and of 4100 (long)."""
+    from transformers import AutoConfig
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from edge_runtime.model.config import ModelConfig
+    from edge_runtime.model.llama import RotaryTable
+
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    half = int(head_dim * shape["partial_rotary_factor"]) // 2
+    gen = torch.Generator().manual_seed(0)
+    hf = AutoConfig.for_model(
+        "phi3", hidden_size=shape["hidden_size"], num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=8, num_hidden_layers=1, intermediate_size=8192, vocab_size=512, pad_token_id=0,
+        eos_token_id=0, bos_token_id=0, max_position_embeddings=131072, original_max_position_embeddings=4096,
+        tie_word_embeddings=shape["tie_word_embeddings"], sliding_window=262144,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "partial_rotary_factor": shape["partial_rotary_factor"],
+                         "short_factor": (1 + torch.rand(half, generator=gen) * 0.1).tolist(),
+                         "long_factor": (1 + torch.rand(half, generator=gen) * 40).tolist()})
+    cfg = ModelConfig.from_hf(hf)
+    assert (cfg.rotary_dim, cfg.rope_switch, cfg.fused_projections) == (2 * half, 4096, True)
+    table = RotaryTable(cfg, max_positions=4200)
+    reference = Phi3RotaryEmbedding(hf)
+    x = torch.zeros(1, dtype=torch.float32)
+    for length in (4096, 4100):
+        positions = torch.arange(length)
+        want_cos, want_sin = reference(x, positions[None])
+        cos, sin = table.lookup(positions + table.offset(length), torch.float32)
+        assert torch.allclose(cos, want_cos[0], atol=1e-6) and torch.allclose(sin, want_sin[0], atol=1e-6), length
+    assert reference.attention_scaling == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
