@@ -381,7 +381,7 @@ class OnnxRuntimeBackend:
             target.fill(row, table, start)
         key = tuple(slots)
         session = self._session_with_stack(key)
-        plan = plan_dense_step(steps, idle, self.cache.block_size)
+        plan = plan_dense_step(steps, idle, self.cache.block_size, self.rope_rows)
         self._bind_dense(session, target, base, len(steps))
         logits, _, plan = self._run(session, plan)
         for row, _, _, end in real:
@@ -443,15 +443,13 @@ class OnnxRuntimeBackend:
         cfg = self.cfg
         pad = self.pad_single_row if pad_single_row is None else pad_single_row
         if self.spec.flavour == "ort":
-            return plan_gqa_step(steps, self.cache.block_size, cfg.num_kv_heads, pad)
+            return plan_gqa_step(steps, self.cache.block_size, cfg.num_kv_heads, pad, self.rope_rows)
         return plan_step(steps, self.cache.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.sliding_window, pad)
 
     def _run(self, session: _Session, plan: StepPlan):
         cfg = self.cfg
         if not session.has_lora_inputs:
             plan.inputs.pop("lora_index", None)
-        if self.spec.flavour == "ort" and not self.rope_rows:
-            plan.inputs.pop("positions", None)
         _bind_cpu_inputs(session, plan.inputs)
         new_kv = None
         if self.dense is None:  # the dense layout's new keys/values stay in its rows
@@ -493,12 +491,10 @@ class OnnxRuntimeBackend:
         else:  # a scratch row: the engine's rows and paged cache stay untouched
             scratch = DenseKV(self.cache, None, n)
             scratch.ensure(1, n)
-            plan = plan_dense_step([item], [False], self.cache.block_size)
+            plan = plan_dense_step([item], [False], self.cache.block_size, self.rope_rows)
             self._bind_dense(session, scratch, 0, 1)
         plan.inputs["logit_rows"] = np.arange(n, dtype=np.int64)
         plan.inputs.pop("lora_index")
-        if self.spec.flavour == "ort" and not self.rope_rows:
-            plan.inputs.pop("positions")
         _bind_cpu_inputs(session, plan.inputs)
         if self.dense is None:
             session.binding.bind_output("new_kv", *self._ort_device())

@@ -151,10 +151,11 @@ def split_groups_gqa(q_lens: list[int], starts: list[int], max_waste: float = 2.
 
 
 def plan_gqa_step(
-    items: list[StepItem], block_size: int, num_kv_heads: int, pad_single_row: bool = True
+    items: list[StepItem], block_size: int, num_kv_heads: int, pad_single_row: bool = True, rope_rows: bool = False
 ) -> StepPlan:
     """Inputs of the "ort" graph: rows [B, S] (shorter first chunks padded with their last
-    token), each row's past slots for ONNX Runtime's GroupQueryAttention (see docs/onnx.md)."""
+    token), each row's past slots for ONNX Runtime's GroupQueryAttention (see docs/onnx.md);
+    with `rope_rows`, each token's rotary table row (`positions`, a `rope_by_row` graph's)."""
     real_tokens = sum(len(it.tokens) for it in items)
     if pad_single_row and real_tokens == 1:
         items = [items[0], StepItem(items[0].tokens, items[0].start, items[0].block_table, False, items[0].lora_slot,
@@ -199,10 +200,8 @@ def plan_gqa_step(
     new_kv_index[..., 2] = pos[:, None]
     real_rows = np.nonzero((np.arange(s)[None, :] < q_lens[:, None]).reshape(-1))[0][:real_tokens]
     sampling = [i for i, it in enumerate(items) if it.samples]
-    offsets = np.array([[it.rope_offset] for it in items], np.int64)
     inputs = {
         "input_ids": ids,
-        "positions": pos.reshape(b, s) + offsets,  # read by graphs that turn q/k by row (`rope_by_row`)
         "kv_index": past_slots[:, None, :] * num_kv_heads + heads[None, :, None],
         "seqlens_k": (ctx - 1).astype(np.int32),
         "total_sequence_length": np.array(total, np.int32),
@@ -210,11 +209,13 @@ def plan_gqa_step(
         "logit_rows": np.array([i * s + q_lens[i] - 1 for i in sampling], np.int64),
         "lora_index": lora_index,
     }
+    if rope_rows:
+        inputs["positions"] = pos.reshape(b, s) + np.array([[it.rope_offset] for it in items], np.int64)
     slot_mapping = slots_at(row_seq[real_rows], pos[real_rows])
     return StepPlan(inputs, slot_mapping, b * s, real_tokens, sampling, real_rows, present)
 
 
-def plan_dense_step(items: list[StepItem], idle: list[bool], block_size: int) -> StepPlan:
+def plan_dense_step(items: list[StepItem], idle: list[bool], block_size: int, rope_rows: bool = False) -> StepPlan:
     """Inputs of the "ort" graph with the dense KV layout. Row b of the run is row r0 + b of the
     backend's per-sequence buffers; `idle[b]` marks a row whose sequence is not in this step
     (it feeds one dummy token whose key lands past its valid context, where the next real token
@@ -247,12 +248,13 @@ def plan_dense_step(items: list[StepItem], idle: list[bool], block_size: int) ->
     slot_mapping = tables[rows, at // block_size] * block_size + at % block_size
     inputs = {
         "input_ids": ids,
-        "positions": pos.reshape(b, s) + np.array([[it.rope_offset] for it in items], np.int64),
         "seqlens_k": (ctx - 1).astype(np.int32),
         "total_sequence_length": np.array(int(ctx.max()), np.int32),
         "logit_rows": np.array([i * s + q_lens[i] - 1 for i in sampling], np.int64),
         "lora_index": np.repeat(np.array([[it.lora_slot] for it in items], np.int64), s, axis=1),
     }
+    if rope_rows:  # as for plan_gqa_step
+        inputs["positions"] = pos.reshape(b, s) + np.array([[it.rope_offset] for it in items], np.int64)
     return StepPlan(inputs, slot_mapping, b * s, len(real_rows), sampling, real_rows, int(ctx.max()), at)
 
 
