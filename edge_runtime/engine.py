@@ -105,6 +105,7 @@ class Engine:
             latency_budget_s=config.iteration_budget_fraction * slo_tbt_s, slo_tbt_s=slo_tbt_s,
             slo_ttft_factor=config.slo_ttft_factor,
             max_latency_budget_s=max(config.iteration_budget_fraction, config.iteration_budget_max_fraction) * slo_tbt_s,
+            rope_switch=cfg.rope_switch,
         )
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -604,6 +605,8 @@ class Engine:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
+        else:
+            self.scheduler.token_appended(seq)  # LongRoPE: past the switch, the sequence is recomputed
         self._emit(seq, self._releasable(seq, reason is not None), token, finished=reason is not None,
                    logprob=logprob)
         request = seq.request
@@ -707,6 +710,7 @@ class Engine:
             "prefix_cache_hit_blocks": pool.stats.hit_blocks,
             "prefix_cache_queried_blocks": pool.stats.queried_blocks,
             "preemptions": self.scheduler.num_preemptions,
+            "rope_recomputes": self.scheduler.num_rope_recomputes,
             "iterations": self.iterations,
             "tokens_generated": self.tokens_generated,
             "last_iteration_ms": round(self.last_iteration_s * 1000, 3),

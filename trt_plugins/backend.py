@@ -101,7 +101,8 @@ class TensorRTBackend:
             if ref is not None and ref not in slots:
                 slots[ref] = len(slots)
         steps = [StepItem(it.seq.token_ids[it.seq.num_computed : it.seq.num_computed + it.num_tokens],
-                          it.seq.num_computed, it.seq.block_table, it.samples, -1 if r is None else slots[r])
+                          it.seq.num_computed, it.seq.block_table, it.samples, -1 if r is None else slots[r],
+                          self.model.rope.offset(it.seq.num_tokens))
                  for it, r in zip(items, refs, strict=True)]
         cfg = self.cfg
         plan = plan_step(steps, self.cache.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.sliding_window, False)

@@ -14,7 +14,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch
 
-from edge_runtime.backends.onnx_graph import LORA_SITES
+from edge_runtime.backends.onnx_graph import lora_sites
 from edge_runtime.lora.weights import LoraWeights, projection_shape
 from edge_runtime.model.config import ModelConfig
 
@@ -28,7 +28,7 @@ def stack_adapters(cfg: ModelConfig, adapters: Sequence[LoraWeights]) -> dict[st
     offsets = np.concatenate([[0], np.cumsum(ranks)]).astype(int)
     columns = np.repeat(np.arange(len(adapters), dtype=np.int64), ranks) if adapters else np.array([-2], np.int64)
     out: dict[str, np.ndarray] = {"lora_columns": columns}
-    for site, targets in LORA_SITES.items():
+    for site, targets in lora_sites(cfg).items():
         k = len(targets)
         fan_in = projection_shape(cfg, targets[0])[0]
         fan_out = sum(projection_shape(cfg, t)[1] for t in targets)

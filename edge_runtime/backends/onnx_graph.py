@@ -21,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edge_runtime.backends.gqa_window import window_counts_current_token
 from edge_runtime.backends.quantize import BLOCK_SIZE, bits_of, pack_nbits, quantize_symmetric
+from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.llama import LlamaModel
 
 GRAPH_VERSION = 11  # bump when the graph's inputs, outputs or numerics change (part of the cache key)
@@ -37,6 +38,20 @@ LORA_SITES = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
+# ... for a model whose checkpoint and adapters have the fused modules (Phi-3).
+FUSED_LORA_SITES = {"qkv": ("qkv_proj",), "o": ("o_proj",), "gate_up": ("gate_up_proj",), "down": ("down_proj",)}
+
+
+def lora_sites(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    return FUSED_LORA_SITES if cfg.fused_projections else LORA_SITES
+
+
+def rope_by_row(cfg: ModelConfig) -> bool:
+    """Whether the "ort" graph turns q and k itself (RotaryEmbedding at a `positions` input, the
+    row of the rotary table per token) instead of inside GroupQueryAttention, whose table is
+    indexed by position alone: LongRoPE rows depend on the sequence's length (a batch mixes
+    sequences before and past the switch), and partial rotary is kept off GroupQueryAttention."""
+    return cfg.rope_switch is not None or cfg.rotary_dim < cfg.head_dim
 
 
 # Weight formats by the name `EngineConfig.onnx_quantization` takes: GraphSpec fields.
@@ -244,13 +259,27 @@ class _StepWriter:
         return g.op("Mul", [g.op("Mul", [total, inv]), w]), total
 
     def rotary(self, x: str, heads: int) -> str:
-        """RoPE (rotate-half convention) of x [1, T, heads * d] at `positions`."""
-        g, d = self.g, self.cfg.head_dim
+        """RoPE (rotate-half convention) of x [1, T, heads * d] at `positions` (rows of the rotary
+        table); with partial rotary only the first rotary_dim of each head turn."""
+        g, d, r = self.g, self.cfg.head_dim, self.cfg.rotary_dim
         xh = g.op("Reshape", [x, g.const([1, -1, heads, d])])
-        lo, hi = g.op("Split", [xh], n_out=2, axis=-1, num_outputs=2)
+        turned = xh
+        if r < d:
+            turned, kept = g.op("Split", [xh, g.const([r, d - r])], n_out=2, axis=-1)
+        lo, hi = g.op("Split", [turned], n_out=2, axis=-1, num_outputs=2)
         rotated = g.op("Concat", [g.op("Neg", [hi]), lo], axis=-1)
-        out = g.op("Add", [g.op("Mul", [xh, self.cos_full]), g.op("Mul", [rotated, self.sin_full])])
+        out = g.op("Add", [g.op("Mul", [turned, self.cos_full]), g.op("Mul", [rotated, self.sin_full])])
+        if r < d:
+            out = g.op("Concat", [out, kept], axis=-1)
         return g.op("Reshape", [out, g.const([1, -1, heads * d])])
+
+    def rotary_embedding(self, x: str, heads: int) -> str:
+        """The "ort" graph's RoPE of x [B, S, heads * d] outside GroupQueryAttention: ONNX
+        Runtime's RotaryEmbedding at the `positions` input's table rows (`rope_by_row`)."""
+        cfg = self.cfg
+        attrs = {"rotary_embedding_dim": cfg.rotary_dim} if cfg.rotary_dim < cfg.head_dim else {}
+        return self.g.op("RotaryEmbedding", [x, "positions", self.cos_half, self.sin_half], domain="com.microsoft",
+                         interleaved=0, num_heads=heads, **attrs)
 
     def qk_norm(self, q: str, k: str, layer: torch.nn.Module, name: str) -> tuple[str, str]:
         """q [.., .., H*d] and k [.., .., KVH*d] RMS-normalised as `ModelConfig.qk_norm` says
@@ -284,7 +313,7 @@ class _StepWriter:
             return base
         g = self.g
         u = g.op("MatMul", [x, self.lora_a[site][layer]])
-        u = g.op("Mul", [u, self.lora_mask[len(LORA_SITES[site])]])
+        u = g.op("Mul", [u, self.lora_mask[len(lora_sites(self.cfg)[site])]])
         return g.op("Add", [base, g.op("MatMul", [u, self.lora_b[site][layer]])])
 
     # -- the step -----------------------------------------------------------------------------
@@ -309,13 +338,15 @@ class _StepWriter:
                 # No kv_index (each row's past is its own buffer) and no new_kv_index (the
                 # backend reads this step's keys/values from that buffer).
                 ins = [i for i in ins if i.name not in ("kv_index", "new_kv_index")]
+            if rope_by_row(cfg):  # each token's row of the rotary table (LongRoPE, partial rotary)
+                ins.insert(1, vi("positions", i64, ["rows", "row_tokens"]))
         else:
             ins = self.flat_inputs()
         if not self.spec.lora:
             ins = ins[:-2]
         for layer in range(cfg.num_layers if self.spec.lora else 0):
             for site, (fan_in, fan_out) in self.site_sizes().items():
-                k = len(LORA_SITES[site])
+                k = len(lora_sites(cfg)[site])
                 ins.append(vi(f"lora.{layer}.{site}.a", f, [fan_in, f"lora_{site}_columns_x{k}"]))
                 ins.append(vi(f"lora.{layer}.{site}.b", f, [f"lora_{site}_columns_x{k}", fan_out]))
         for layer in range(cfg.num_layers):
@@ -357,7 +388,7 @@ class _StepWriter:
         cos = model.rope.cos.float().cpu().numpy()
         sin = model.rope.sin.float().cpu().numpy()
         if self.ort:
-            half = cfg.head_dim // 2
+            half = cfg.rotary_dim // 2
             self.cos_half = g.init("rope.cos_half", cos[:, :half])
             self.sin_half = g.init("rope.sin_half", sin[:, :half])
         else:
@@ -374,8 +405,8 @@ class _StepWriter:
         self.lora_mask = {1: mask, 2: g.op("Concat", [mask, mask], axis=-1),
                           3: g.op("Concat", [mask, mask, mask], axis=-1)}
         # Per-layer inputs (bound as views of one stacked array): a Split here would copy them all.
-        self.lora_a = {site: [f"lora.{i}.{site}.a" for i in range(L)] for site in LORA_SITES}
-        self.lora_b = {site: [f"lora.{i}.{site}.b" for i in range(L)] for site in LORA_SITES}
+        self.lora_a = {site: [f"lora.{i}.{site}.a" for i in range(L)] for site in lora_sites(cfg)}
+        self.lora_b = {site: [f"lora.{i}.{site}.b" for i in range(L)] for site in lora_sites(cfg)}
 
     def attention(self, layer: int, q: str, k: str, v: str) -> str:
         """q [1, T, H*d], k/v [1, T, KVH*d] (RoPE applied) -> [1, T, H*d] over cache + new keys."""
@@ -403,12 +434,16 @@ class _StepWriter:
         GroupQueryAttention applies RoPE at each row's positions (from seqlens_k), appends the
         new keys to the gathered past and attends causally; the new K/V are read back from its
         present outputs so our cache can store them. With q/k norms (applied before RoPE, so
-        before the node) q, k and v go in as three inputs instead of the packed one."""
+        before the node), or RoPE turned outside it (`rope_by_row`), q, k and v go in as three
+        inputs instead of the packed one."""
         g, cfg = self.g, self.cfg
         qkv_inputs = [qkv, "", ""]
-        if cfg.qk_norm is not None:
+        by_row = rope_by_row(cfg)
+        if cfg.qk_norm is not None or by_row:
             q, k, v = g.op("Split", [qkv, g.const([cfg.q_size, cfg.kv_size, cfg.kv_size])], n_out=3, axis=-1)
             q, k = self.qk_norm(q, k, self.model.layers[layer], f"layers.{layer}")
+            if by_row and cfg.rope_layers[layer]:
+                q, k = self.rotary_embedding(q, cfg.num_heads), self.rotary_embedding(k, cfg.num_kv_heads)
             qkv_inputs = [q, k, v]
 
         def past(kind: str) -> str:
@@ -425,7 +460,7 @@ class _StepWriter:
                 raise ValueError("a sliding-window 'ort' graph needs GraphSpec.gqa_window_counts_current "
                                  "(with_gqa_window probes it)")
             window = cfg.sliding_window if counts_current else cfg.sliding_window - 1
-        rope = cfg.rope_layers[layer]
+        rope = cfg.rope_layers[layer] and not by_row
         inputs = [*qkv_inputs, past("key"), past("value"), "seqlens_k", "total_sequence_length"]
         if rope:
             inputs += [self.cos_half, self.sin_half]

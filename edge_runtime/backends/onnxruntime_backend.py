@@ -20,7 +20,13 @@ import torch
 from edge_runtime.backends.dense_kv import DenseKV
 from edge_runtime.backends.lora_stack import LoraStackCache
 from edge_runtime.backends.onnx_export import DATA_FILE, export_step
-from edge_runtime.backends.onnx_graph import KV_DTYPES, GraphSpec, weight_format, with_gqa_window
+from edge_runtime.backends.onnx_graph import (
+    KV_DTYPES,
+    GraphSpec,
+    rope_by_row,
+    weight_format,
+    with_gqa_window,
+)
 from edge_runtime.backends.step_inputs import (
     DecodeInputs,
     StepItem,
@@ -137,6 +143,9 @@ class OnnxRuntimeBackend:
         self.num_threads = num_threads
         self.max_batch, self.max_tokens, self.max_context = max_batch, max_tokens, max_context
         self.stacks = LoraStackCache(self.cfg)
+        # The "ort" graph takes each token's rotary table row (LongRoPE, partial rotary); the
+        # "standard" one always reads its `positions` as rows.
+        self.rope_rows = flavour == "ort" and rope_by_row(self.cfg)
         # Two graphs of one export family: without LoRA nodes (batches where no row has an
         # adapter; 16 fewer nodes per layer, ~1.8 ms a step on 2 cores) and with them. Each is
         # opened on first use, so an engine that never serves adapters never loads the second.
@@ -295,7 +304,8 @@ class OnnxRuntimeBackend:
             return None
         valid, row_of = dense.valid, dense.row_of
         capacity, size = dense.capacity, self.cache.block_size
-        rows, tokens, starts, slots = [], [], [], []
+        rows, tokens, starts, slots, offsets = [], [], [], [], []
+        rope = self.model.rope
         for item in items:
             seq = item.seq
             start = seq.num_computed
@@ -307,6 +317,7 @@ class OnnxRuntimeBackend:
             tokens.append(seq.token_ids[start])
             starts.append(start)
             slots.append(seq.block_table[start // size] * size + start % size)
+            offsets.append(rope.offset(start + 1))
         adapters: dict[Hashable, int] = {}
         for ref in refs:
             if ref is not None and ref not in adapters:
@@ -315,11 +326,12 @@ class OnnxRuntimeBackend:
         inputs = self._decode_inputs
         if inputs is None or inputs.rows < n:
             inputs = self._decode_inputs = DecodeInputs(max(n, dense.rows_capacity))
-        inputs.fill(rows, tokens, starts, slots, [-1 if r is None else adapters[r] for r in refs] if lora else None)
+        inputs.fill(rows, tokens, starts, slots, [-1 if r is None else adapters[r] for r in refs] if lora else None,
+                    offsets)
         session = self._session_with_stack(tuple(adapters))
         key = (inputs, n)  # holds the arrays: a pointer bound here never outlives them
         if session.inputs_key != key:  # bound by pointer: later steps only refill the arrays
-            for name, array in inputs.views(n, lora).items():
+            for name, array in inputs.views(n, lora, self.rope_rows).items():
                 session.binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
             session.inputs_key = key
         self._bind_dense(session, dense, 0, n)
@@ -352,7 +364,7 @@ class OnnxRuntimeBackend:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed
             steps.append(StepItem(seq.token_ids[start : start + n], start, seq.block_table, item.samples,
-                                  -1 if ref is None else slots[ref]))
+                                  -1 if ref is None else slots[ref], self.model.rope.offset(seq.num_tokens)))
             idle.append(False)
             real.append((row, seq.block_table, start, start + n))
         capacity = max(st.start + len(st.tokens) for st in steps)
@@ -369,7 +381,7 @@ class OnnxRuntimeBackend:
             target.fill(row, table, start)
         key = tuple(slots)
         session = self._session_with_stack(key)
-        plan = plan_dense_step(steps, idle, self.cache.block_size)
+        plan = plan_dense_step(steps, idle, self.cache.block_size, self.rope_rows)
         self._bind_dense(session, target, base, len(steps))
         logits, _, plan = self._run(session, plan)
         for row, _, _, end in real:
@@ -416,7 +428,7 @@ class OnnxRuntimeBackend:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed
             steps.append(StepItem(seq.token_ids[start : start + n], start, seq.block_table, item.samples,
-                                  -1 if ref is None else slots[ref]))
+                                  -1 if ref is None else slots[ref], self.model.rope.offset(seq.num_tokens)))
         key = tuple(slots)
         session = self._session_with_stack(key)
         logits, new_kv, plan = self._run(session, self.plan(steps))
@@ -431,7 +443,7 @@ class OnnxRuntimeBackend:
         cfg = self.cfg
         pad = self.pad_single_row if pad_single_row is None else pad_single_row
         if self.spec.flavour == "ort":
-            return plan_gqa_step(steps, self.cache.block_size, cfg.num_kv_heads, pad)
+            return plan_gqa_step(steps, self.cache.block_size, cfg.num_kv_heads, pad, self.rope_rows)
         return plan_step(steps, self.cache.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.sliding_window, pad)
 
     def _run(self, session: _Session, plan: StepPlan):
@@ -472,14 +484,14 @@ class OnnxRuntimeBackend:
         is neither read (every key is new) nor written."""
         n = len(token_ids)
         blocks = -(-n // self.cache.block_size)
-        item = StepItem(list(token_ids), 0, [0] * blocks, True)
+        item = StepItem(list(token_ids), 0, [0] * blocks, True, rope_offset=self.model.rope.offset(n))
         session = self._session(lora=False)
         if self.dense is None:
             plan = self.plan([item], pad_single_row=False)
         else:  # a scratch row: the engine's rows and paged cache stay untouched
             scratch = DenseKV(self.cache, None, n)
             scratch.ensure(1, n)
-            plan = plan_dense_step([item], [False], self.cache.block_size)
+            plan = plan_dense_step([item], [False], self.cache.block_size, self.rope_rows)
             self._bind_dense(session, scratch, 0, 1)
         plan.inputs["logit_rows"] = np.arange(n, dtype=np.int64)
         plan.inputs.pop("lora_index")

@@ -23,6 +23,7 @@ class StepItem:
     block_table: list[int]
     samples: bool
     lora_slot: int = -1  # index into the step's stacked adapters; -1 = base model
+    rope_offset: int = 0  # added to positions for rows of the rotary table (`RotaryTable.offset`)
 
 
 @dataclass
@@ -69,7 +70,8 @@ def plan_step(
     if pad_single_row and real_tokens == 1:
         # A lone row would take the matrix-vector kernels, whose rounding differs from the
         # matrix paths a batch takes; a duplicate keeps greedy output batch-invariant.
-        items = [items[0], StepItem(items[0].tokens, items[0].start, items[0].block_table, False, items[0].lora_slot)]
+        items = [items[0], StepItem(items[0].tokens, items[0].start, items[0].block_table, False, items[0].lora_slot,
+                                    items[0].rope_offset)]
     group = num_heads // num_kv_heads
     q_lens = np.array([len(it.tokens) for it in items])
     starts = np.array([it.start for it in items])
@@ -125,7 +127,7 @@ def plan_step(
     lora_index = np.repeat(np.array([it.lora_slot for it in items], np.int64), q_lens)
     inputs = {
         "input_ids": np.array([tok_id for it in items for tok_id in it.tokens], np.int64),
-        "positions": pos_of.astype(np.int64),
+        "positions": (pos_of + np.array([it.rope_offset for it in items])[seq_of]).astype(np.int64),
         "q_index": np.ascontiguousarray(q_index, np.int64),
         "kv_index": np.ascontiguousarray(kv_index, np.int64),
         "new_kv_index": np.ascontiguousarray(new_kv_index, np.int64),
@@ -149,13 +151,15 @@ def split_groups_gqa(q_lens: list[int], starts: list[int], max_waste: float = 2.
 
 
 def plan_gqa_step(
-    items: list[StepItem], block_size: int, num_kv_heads: int, pad_single_row: bool = True
+    items: list[StepItem], block_size: int, num_kv_heads: int, pad_single_row: bool = True, rope_rows: bool = False
 ) -> StepPlan:
     """Inputs of the "ort" graph: rows [B, S] (shorter first chunks padded with their last
-    token), each row's past slots for ONNX Runtime's GroupQueryAttention (see docs/onnx.md)."""
+    token), each row's past slots for ONNX Runtime's GroupQueryAttention (see docs/onnx.md);
+    with `rope_rows`, each token's rotary table row (`positions`, a `rope_by_row` graph's)."""
     real_tokens = sum(len(it.tokens) for it in items)
     if pad_single_row and real_tokens == 1:
-        items = [items[0], StepItem(items[0].tokens, items[0].start, items[0].block_table, False, items[0].lora_slot)]
+        items = [items[0], StepItem(items[0].tokens, items[0].start, items[0].block_table, False, items[0].lora_slot,
+                                    items[0].rope_offset)]
     b = len(items)
     q_lens = np.array([len(it.tokens) for it in items])
     starts = np.array([it.start for it in items])
@@ -205,11 +209,13 @@ def plan_gqa_step(
         "logit_rows": np.array([i * s + q_lens[i] - 1 for i in sampling], np.int64),
         "lora_index": lora_index,
     }
+    if rope_rows:
+        inputs["positions"] = pos.reshape(b, s) + np.array([[it.rope_offset] for it in items], np.int64)
     slot_mapping = slots_at(row_seq[real_rows], pos[real_rows])
     return StepPlan(inputs, slot_mapping, b * s, real_tokens, sampling, real_rows, present)
 
 
-def plan_dense_step(items: list[StepItem], idle: list[bool], block_size: int) -> StepPlan:
+def plan_dense_step(items: list[StepItem], idle: list[bool], block_size: int, rope_rows: bool = False) -> StepPlan:
     """Inputs of the "ort" graph with the dense KV layout. Row b of the run is row r0 + b of the
     backend's per-sequence buffers; `idle[b]` marks a row whose sequence is not in this step
     (it feeds one dummy token whose key lands past its valid context, where the next real token
@@ -247,6 +253,8 @@ def plan_dense_step(items: list[StepItem], idle: list[bool], block_size: int) ->
         "logit_rows": np.array([i * s + q_lens[i] - 1 for i in sampling], np.int64),
         "lora_index": np.repeat(np.array([[it.lora_slot] for it in items], np.int64), s, axis=1),
     }
+    if rope_rows:  # as for plan_gqa_step
+        inputs["positions"] = pos.reshape(b, s) + np.array([[it.rope_offset] for it in items], np.int64)
     return StepPlan(inputs, slot_mapping, b * s, len(real_rows), sampling, real_rows, int(ctx.max()), at)
 
 
@@ -266,25 +274,27 @@ class DecodeInputs:
         self.lora_index = np.full((rows, 1), -1, np.int64)
         self.positions = np.zeros(rows, np.int64)  # each item's new position
         self.slot_mapping = np.zeros(rows, np.int64)  # each item's new paged-cache slot
+        self.rope_rows = np.zeros((rows, 1), np.int64)  # each row's rotary table row (`rope_by_row` graphs)
 
     def fill(self, rows: list[int], tokens: list[int], starts: list[int], slots: list[int],
-             lora_slots: list[int] | None) -> None:
+             lora_slots: list[int] | None, rope_offsets: list[int] | None = None) -> None:
         """Item i runs in row rows[i] (rows: a permutation of 0..n-1) and feeds tokens[i] at
         position starts[i] (its context after the step is starts[i] + 1); its key/value goes to
-        paged-cache slot slots[i]."""
+        paged-cache slot slots[i]; its rotary table row is starts[i] + rope_offsets[i]."""
         n = len(rows)
         if n > self.rows:
             raise ValueError(f"{n} decode rows; these inputs hold {self.rows}")
         self.logit_rows[:n] = rows
         self.input_ids[rows, 0] = tokens
         self.seqlens_k[rows] = starts
+        self.rope_rows[rows, 0] = starts if rope_offsets is None else np.add(starts, rope_offsets)
         self.total_sequence_length[()] = max(starts) + 1
         self.positions[:n] = starts
         self.slot_mapping[:n] = slots
         if lora_slots is not None:
             self.lora_index[rows, 0] = lora_slots
 
-    def views(self, n: int, lora: bool) -> dict[str, np.ndarray]:
+    def views(self, n: int, lora: bool, rope_rows: bool = False) -> dict[str, np.ndarray]:
         """The graph inputs for n rows (views of the preallocated arrays)."""
         out = {
             "input_ids": self.input_ids[:n],
@@ -294,4 +304,6 @@ class DecodeInputs:
         }
         if lora:
             out["lora_index"] = self.lora_index[:n]
+        if rope_rows:
+            out["positions"] = self.rope_rows[:n]
         return out

@@ -34,12 +34,15 @@ class TorchBackend:
         positions: list[int] = []
         seqs: list[SeqAttention] = []
         logit_rows: list[int] = []
+        rope = self.model.rope
         for item in batch.items:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed
             seqs.append(SeqAttention(len(ids), n, start + n, seq.block_table))
             ids.extend(seq.token_ids[start : start + n])
-            positions.extend(range(start, start + n))
+            # Rows of the rotary table: LongRoPE picks its factors by the sequence's whole length.
+            offset = rope.offset(seq.num_tokens)
+            positions.extend(range(start + offset, start + n + offset))
             if item.samples:
                 logit_rows.append(len(ids) - 1)
         device = self.device

@@ -24,7 +24,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 TEMP_PREFIX = ".tmp-"
 
 _MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+           "qkv_proj": "self_attn", "gate_up_proj": "mlp"}  # Phi-3's fused modules
 # PEFT saves without the adapter name ("default"); accept it too, and any wrapper prefix.
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from edge_runtime.errors import MaceError
-from edge_runtime.model.llama import ATTN_TARGETS, MLP_TARGETS
+from edge_runtime.model.llama import ATTN_TARGETS, FUSED_TARGETS, MLP_TARGETS
 
-ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS
+# Phi-3's fused modules are targets of their own: PEFT adapters on transformers' Phi3 name them.
+ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS + tuple(FUSED_TARGETS)
 
 
 class AdapterError(MaceError):
@@ -45,6 +46,27 @@ class LoraSettings:
             raise AdapterError(f"LoRA target modules must be a non-empty subset of {ALL_TARGETS}, got {self.target_modules}")
         # Canonical order, so two settings naming the same targets compare equal.
         object.__setattr__(self, "target_modules", tuple(t for t in ALL_TARGETS if t in self.target_modules))
+
+    def for_model(self, fused_projections: bool) -> LoraSettings:
+        """These settings as a model names its projections: on a model with fused ones (Phi-3),
+        q/k/v become `qkv_proj` and gate/up `gate_up_proj` (one rank-r LoRA on the fused output,
+        what PEFT puts on transformers' Phi3), and the reverse elsewhere. A group named in part
+        (q and v, not k) has no counterpart there and is refused."""
+        targets: list[str] = []
+        for target in self.target_modules:
+            group = FUSED_TARGETS.get(target)
+            fused = next((name for name, parts in FUSED_TARGETS.items() if target in parts), None)
+            if fused_projections and fused is not None:
+                if not set(FUSED_TARGETS[fused]) <= set(self.target_modules):
+                    raise AdapterError(
+                        f"this model fuses {', '.join(FUSED_TARGETS[fused])} into {fused}: a LoRA target "
+                        f"{target} alone has no module there; target {fused} (or all of them)")
+                targets.append(fused)
+            elif not fused_projections and group is not None:
+                targets.extend(group)
+            else:
+                targets.append(target)
+        return replace(self, target_modules=tuple(dict.fromkeys(targets)))
 
     @property
     def scale(self) -> float:
@@ -98,6 +120,9 @@ class LoraSettings:
             if targets != "all-linear":
                 raise AdapterError(f"target_modules regex {targets!r} is not supported; list the projections")
             targets = ALL_TARGETS
+        # PEFT expands "all-linear" into module paths ("model.layers.0.mlp.down_proj"); the last
+        # component is the projection, and the weights file says which layers have one.
+        targets = tuple(dict.fromkeys(str(t).rsplit(".", 1)[-1] for t in targets))
         return cls(
             rank=int(config["r"]),
             alpha=float(config.get("lora_alpha", config["r"])),

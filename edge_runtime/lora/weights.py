@@ -15,7 +15,7 @@ from torch import Tensor
 
 from edge_runtime.lora.config import AdapterError, LoraSettings
 from edge_runtime.model.config import ModelConfig
-from edge_runtime.model.llama import linear
+from edge_runtime.model.llama import FUSED_TARGETS, linear
 
 Key = tuple[int, str]  # (layer index, projection name)
 
@@ -31,6 +31,8 @@ def projection_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
         "gate_proj": (h, inter),
         "up_proj": (h, inter),
         "down_proj": (inter, h),
+        "qkv_proj": (h, q + 2 * kv),
+        "gate_up_proj": (h, 2 * inter),
     }[target]
 
 
@@ -47,7 +49,9 @@ class LoraWeights:
         cls, cfg: ModelConfig, settings: LoraSettings, seed: int = 0, dtype: torch.dtype = torch.float32
     ) -> LoraWeights:
         """PEFT's default init: A Kaiming-uniform (as nn.Linear), B zero, so the adapter starts
-        as the identity and the policy equals the reference at step 0."""
+        as the identity and the policy equals the reference at step 0. The targets are named as
+        the model names its projections (`LoraSettings.for_model`)."""
+        settings = settings.for_model(cfg.fused_projections)
         gen = torch.Generator().manual_seed(seed)
         a: dict[Key, Tensor] = {}
         b: dict[Key, Tensor] = {}
@@ -63,6 +67,11 @@ class LoraWeights:
     def check_shapes(self, cfg: ModelConfig) -> None:
         """Raise AdapterError unless every tensor fits this model."""
         for (layer, target), a in self.a.items():
+            part_of_fused = any(target in parts for parts in FUSED_TARGETS.values())
+            if (target in FUSED_TARGETS and not cfg.fused_projections) or (part_of_fused and cfg.fused_projections):
+                raise AdapterError(
+                    f"adapter targets {target}, which this {cfg.model_type} model does not have: its projections are "
+                    + ("fused (qkv_proj, gate_up_proj)" if cfg.fused_projections else "separate (q/k/v_proj, gate/up_proj)"))
             if layer >= cfg.num_layers or target not in self.settings.target_modules:
                 raise AdapterError(f"adapter has weights for layer {layer} {target}, which this model/config lacks")
             fan_in, fan_out = projection_shape(cfg, target)

@@ -1,4 +1,4 @@
-"""The shape of a llama-family model (Llama, Mistral, Qwen2/3, SmolLM, Granite, OLMo 2) as our
+"""The shape of a llama-family model (Llama, Mistral, Qwen2/3, SmolLM, Granite, OLMo 2, Phi-3) as our
 forward needs it.
 
 Read from a Hugging Face `config.json` through `transformers.AutoConfig`, which normalises the
@@ -34,6 +34,9 @@ class ModelConfig:
     mlp_bias: bool
     sliding_window: int | None  # keys a query attends to, itself included; the same in every layer
     rope_layers: tuple[bool, ...]  # whether layer i rotates q and k (SmolLM3's NoPE layers do not)
+    rotary_dim: int  # leading dims of each head that RoPE turns (head_dim; less with Phi's partial rotary)
+    rope_switch: int | None  # LongRoPE: sequences longer than this use the long factors (None: one set)
+    fused_projections: bool  # q/k/v and gate/up are single checkpoint tensors and LoRA targets (Phi-3)
     qk_norm: str | None  # RMSNorm of q and k before RoPE: None, "head" (per head, Qwen3), "full" (OLMo 2)
     norm_after_sublayer: bool  # norms on sublayer outputs, not inputs (OLMo 2)
     embedding_multiplier: float  # token embeddings are scaled by it (Granite; else 1)
@@ -81,6 +84,9 @@ class ModelConfig:
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             sliding_window=family.sliding_window(hf_config, layers),
             rope_layers=family.rope_layers(hf_config, layers),
+            rotary_dim=family.rotary_dim(hf_config, head_dim),
+            rope_switch=family.rope_switch(hf_config),
+            fused_projections=family.fused_projections(hf_config),
             qk_norm=family.qk_norm(hf_config),
             norm_after_sublayer=family.norm_after_sublayer(hf_config),
             embedding_multiplier=family.read_setting(hf_config, "embedding_multiplier", 1.0),

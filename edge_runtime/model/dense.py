@@ -57,9 +57,12 @@ class DenseCausalContext:
 def dense_logits(
     model: LlamaModel, input_ids: Tensor, attention_mask: Tensor | None = None, lora: LoraApplier | None = None
 ) -> Tensor:
-    """Logits [B, L, vocab] for every position of a right-padded batch."""
+    """Logits [B, L, vocab] for every position of a right-padded batch; each row is one sequence
+    of its unpadded length (which picks LongRoPE's factors, as a forward of that row alone would)."""
     b, n = input_ids.shape
-    positions = torch.arange(n, device=input_ids.device).repeat(b)
+    lengths = [n] * b if attention_mask is None else attention_mask.sum(dim=1).tolist()
+    offsets = torch.tensor([model.rope.offset(int(length)) for length in lengths], device=input_ids.device)
+    positions = (torch.arange(n, device=input_ids.device)[None, :] + offsets[:, None]).reshape(-1)
     ctx = DenseCausalContext(b, n, attention_mask, lora, model.cfg.sliding_window)
     hidden = model.run_layers(model.embed_tokens(input_ids.reshape(-1)), positions, ctx)
     return model.logits(hidden).view(b, n, -1)

@@ -12,7 +12,7 @@ from typing import Any
 
 from edge_runtime.errors import ModelNotAvailable
 
-SUPPORTED_MODEL_TYPES = ("granite", "llama", "mistral", "olmo2", "qwen2", "qwen3", "smollm3")
+SUPPORTED_MODEL_TYPES = ("granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3", "smollm3")
 
 # What a family's forward does beyond Llama's that its config does not spell out (transformers
 # hard-codes it in the family's modeling file), and the settings of UNIMPLEMENTED_SETTINGS that
@@ -21,6 +21,10 @@ SUPPORTED_MODEL_TYPES = ("granite", "llama", "mistral", "olmo2", "qwen2", "qwen3
 #             "full": over the whole q and k projections (weights of heads * head_dim, OLMo 2)
 #   norm_after_sublayer   True: RMSNorm on each sublayer's output before the residual add, none
 #             on its input (OLMo 2's post_attention_ and post_feedforward_layernorm)
+#   fused_projections   True: q/k/v and gate/up are one checkpoint tensor each (`qkv_proj`,
+#             `gate_up_proj`), and so one LoRA target each, as transformers' modules name them
+#   rope_types   RoPE types beyond ROPE_TYPES that the family's transformers model implements
+#   partial_rotary   True: RoPE turns the first `partial_rotary_factor` of each head only
 FAMILY_TRAITS: dict[str, dict[str, Any]] = {
     "qwen3": {"qk_norm": "head"},
     "olmo2": {"qk_norm": "full", "norm_after_sublayer": True},
@@ -28,6 +32,9 @@ FAMILY_TRAITS: dict[str, dict[str, Any]] = {
     # (not 1/sqrt(head_dim)), each sublayer's output times residual_multiplier before the
     # residual add, logits divided by logits_scaling.
     "granite": {"reads": ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")},
+    # Phi-3 / 3.5 / 4-mini: fused projections, partial rotary (Phi-4-mini: 0.75), LongRoPE (short
+    # factors up to original_max_position_embeddings, long ones past it: see RotaryTable).
+    "phi3": {"fused_projections": True, "rope_types": ("longrope",), "partial_rotary": True},
 }
 
 # SwiGLU's gate activation; a family that names it differently (Gemma: `hidden_activation`) is
@@ -36,8 +43,10 @@ ACTIVATION_SETTINGS = ("hidden_act", "hidden_activation")
 ACTIVATIONS = ("silu", "swish")
 
 # RoPE types whose inverse frequencies are fixed, so a table built once serves every position.
-# "dynamic" and "longrope" change with the running length (a paged cache would hold keys rotated
-# under other frequencies); anything else is unknown to this forward.
+# "dynamic" changes them with the running length (a paged cache would hold keys rotated under
+# other frequencies); "longrope" switches once, at original_max_position_embeddings, and runs only
+# where a family lists it in FAMILY_TRAITS (the engine recomputes a sequence that crosses the
+# switch); anything else is unknown to this forward.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # Settings of other families this forward does not implement, with the values that mean "off".
@@ -94,13 +103,18 @@ def _check_rope(hf_config: Any) -> None:
     if any(isinstance(v, dict) for v in params.values()):
         raise ModelNotAvailable(f"rope_parameters per layer type ({', '.join(params)}) are not implemented")
     rope_type = params.get("rope_type", "default")
-    if rope_type not in ROPE_TYPES:
+    traits = FAMILY_TRAITS.get(getattr(hf_config, "model_type", ""), {})
+    if rope_type not in ROPE_TYPES + traits.get("rope_types", ()):
         raise ModelNotAvailable(
-            f"rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)}; dynamic and "
-            "longrope rescale with the running length, which a paged cache cannot follow)"
+            f"rope_type {rope_type!r} is not supported for {hf_config.model_type} (supported: "
+            f"{', '.join(ROPE_TYPES + traits.get('rope_types', ()))}; dynamic rescales with the running length, "
+            "which a paged cache cannot follow; longrope is implemented for phi3 only)"
         )
     for factor in (params.get("partial_rotary_factor"), getattr(hf_config, "partial_rotary_factor", None)):
-        if factor is not None and factor != 1.0:
+        if traits.get("partial_rotary"):
+            if factor is not None and not 0.0 < factor <= 1.0:
+                raise ModelNotAvailable(f"partial_rotary_factor={factor!r} is outside (0, 1]")
+        elif factor is not None and factor != 1.0:
             raise ModelNotAvailable(f"partial_rotary_factor={factor!r} is not implemented (RoPE over the whole head)")
 
 
@@ -157,6 +171,37 @@ def qk_norm(hf_config: Any) -> str | None:
 
 def norm_after_sublayer(hf_config: Any) -> bool:
     return bool(FAMILY_TRAITS.get(hf_config.model_type, {}).get("norm_after_sublayer", False))
+
+
+def fused_projections(hf_config: Any) -> bool:
+    return bool(FAMILY_TRAITS.get(hf_config.model_type, {}).get("fused_projections", False))
+
+
+def rotary_dim(hf_config: Any, head_dim: int) -> int:
+    """The leading dimensions of each head that RoPE turns: head_dim, or int(head_dim *
+    partial_rotary_factor) where the family reads that factor (transformers' own rounding)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    if factor is None or not FAMILY_TRAITS.get(hf_config.model_type, {}).get("partial_rotary"):
+        return head_dim
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2:
+        raise ModelNotAvailable(f"partial_rotary_factor={factor!r} turns {dim} of {head_dim} dimensions per head; "
+                                "RoPE needs an even number of at least 2")
+    return dim
+
+
+def rope_switch(hf_config: Any) -> int | None:
+    """LongRoPE's switch: a sequence longer than this many tokens is computed with the long
+    factors, every position of it (transformers picks one set per forward, by its length); None
+    for every other RoPE type."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("rope_type") != "longrope":
+        return None
+    switch = params.get("original_max_position_embeddings")
+    if not isinstance(switch, int) or switch < 1:
+        raise ModelNotAvailable(f"longrope needs original_max_position_embeddings >= 1, got {switch!r}")
+    return switch
 
 
 def read_setting(hf_config: Any, name: str, default: float) -> float:

@@ -1,4 +1,4 @@
-"""Our llama-family forward (Llama, Mistral, Qwen2/3, SmolLM, Granite, OLMo 2) over a flat batch of tokens.
+"""Our llama-family forward (Llama, Mistral, Qwen2/3, SmolLM, Granite, OLMo 2, Phi-3) over a flat batch of tokens.
 
 The model owns weights and the per-token math (RMSNorm, RoPE, GQA projections, SwiGLU, tied
 embeddings, and the family variations `ModelConfig` names: q/k norms, norms after the sublayers,
@@ -20,6 +20,8 @@ from edge_runtime.model.config import ModelConfig
 # LoRA target names, as PEFT and Hugging Face name the projections.
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+# Families with fused projections (ModelConfig.fused_projections) name one module for each group.
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class LoraApplier(Protocol):
@@ -51,10 +53,17 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 class RotaryTable(nn.Module):
-    """cos/sin for every position up to the model's maximum, built once in fp32.
+    """cos/sin [rows, rotary_dim] for every position up to the model's maximum, built once in fp32.
 
     The inverse frequencies (including the config's scaling: linear, llama3, yarn, ...) come from
     `transformers`' own RoPE initialisers, so every scaling variant matches the reference.
+
+    LongRoPE (Phi-3.5, Phi-4-mini) has two sets of frequencies, and transformers computes a whole
+    forward with one of them, chosen by the forward's length: the short factors while a sequence
+    holds at most `switch` (original_max_position_embeddings) tokens, the long ones for every
+    position of a longer one. The table then holds the short rows of positions [0, switch) followed
+    by the long rows of every position: a token's row is its position plus `offset(n)`, n being
+    the length of the sequence it is computed in.
     """
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
@@ -62,30 +71,57 @@ class RotaryTable(nn.Module):
         hf = cfg.hf_config
         params = getattr(hf, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
+        n = max_positions or cfg.max_position_embeddings
+        self.rotary_dim = cfg.rotary_dim
+        self.switch = cfg.rope_switch
+        self.short_rows = 0
         if rope_type == "default":
             base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-            dim = cfg.head_dim
+            dim = cfg.rotary_dim
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             scaling = 1.0
-        else:  # a static type (edge_runtime.model.family refused the others)
+        else:  # a static type, or LongRoPE's short set (edge_runtime.model.family refused the others)
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, device=None)
-        n = max_positions or cfg.max_position_embeddings
-        freqs = torch.arange(n, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        cos, sin = _rotary_rows(inv_freq, n, scaling)
+        if self.switch is not None:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    def lookup(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+            # The long set, as transformers asks for it once a forward is past the switch; the
+            # attention factor does not depend on the length.
+            long_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](hf, device=None, seq_len=self.switch + 1)
+            long_cos, long_sin = _rotary_rows(long_freq, n, scaling)
+            self.short_rows = min(self.switch, n)
+            cos, sin = torch.cat([cos[: self.short_rows], long_cos]), torch.cat([sin[: self.short_rows], long_sin])
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def offset(self, length: int) -> int:
+        """What a token's position is shifted by to find its row, in a sequence of `length` tokens
+        (0 but for LongRoPE past its switch)."""
+        return self.short_rows if self.switch is not None and length > self.switch else 0
+
+    def lookup(self, rows: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        return self.cos[rows].to(dtype), self.sin[rows].to(dtype)
+
+
+def _rotary_rows(inv_freq: Tensor, n: int, scaling: float) -> tuple[Tensor, Tensor]:
+    freqs = torch.arange(n, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [T, heads, d]; cos, sin: [T, d]."""
+    """x: [T, heads, d]; cos, sin: [T, r]. The first r dims of each head turn; the rest (Phi's
+    partial rotary, r < d) pass through unscaled, as in transformers."""
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    turned, kept = x[..., :r], x[..., r:]
+    return torch.cat([turned * cos + rotate_half(turned) * sin, kept], dim=-1)
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -127,8 +163,11 @@ class DecoderLayer(nn.Module):
         residual = x
         hn = self._pre_norm(x, self.input_norm)
         qkv = linear(hn, self.qkv_weight, self.qkv_bias)
+        fused = cfg.fused_projections  # Phi-3: one LoRA on qkv_proj (and gate_up_proj), as PEFT has it
+        if lora is not None and fused:
+            qkv = _add(qkv, lora.delta(self.index, "qkv_proj", hn))
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        if lora is not None:
+        if lora is not None and not fused:
             q = _add(q, lora.delta(self.index, "q_proj", hn))
             k = _add(k, lora.delta(self.index, "k_proj", hn))
             v = _add(v, lora.delta(self.index, "v_proj", hn))
@@ -155,8 +194,10 @@ class DecoderLayer(nn.Module):
         residual = x
         hn = self._pre_norm(x, self.post_norm)
         gate_up = linear(hn, self.gate_up_weight, self.gate_up_bias)
+        if lora is not None and fused:
+            gate_up = _add(gate_up, lora.delta(self.index, "gate_up_proj", hn))
         gate, up = gate_up.chunk(2, dim=-1)
-        if lora is not None:
+        if lora is not None and not fused:
             gate = _add(gate, lora.delta(self.index, "gate_proj", hn))
             up = _add(up, lora.delta(self.index, "up_proj", hn))
         act = F.silu(gate) * up
@@ -228,7 +269,9 @@ class LlamaModel(nn.Module):
     def run_layers(
         self, x: Tensor, positions: Tensor, ctx: ForwardContext, start: int = 0, stop: int | None = None
     ) -> Tensor:
-        """Layers [start, stop) on hidden states x: [T, hidden]. Staged training calls this per group."""
+        """Layers [start, stop) on hidden states x: [T, hidden]. Staged training calls this per group.
+        `positions`: each token's row of the rotary table, its position plus `rope.offset(n)` for
+        a sequence of n tokens (the position itself but for LongRoPE)."""
         cos, sin = self.rope.lookup(positions, x.dtype)
         for layer in self.layers[start:stop]:
             x = layer(x, cos, sin, ctx)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from edge_runtime import paths
 from edge_runtime.errors import ModelNotAvailable
+from edge_runtime.model import gguf_config
 
 logger = logging.getLogger(__name__)
 
@@ -288,22 +289,30 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
     """
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     where = {"gguf_file": gguf_path.name, "local_files_only": True}
+    # What transformers' GGUF reading leaves out of the config (Phi-3's rotary dims, LongRoPE,
+    # window; Qwen3's head width), or a refusal naming what cannot be put back.
+    header = gguf_config.read_header(gguf_path)
+    overrides = gguf_config.config_overrides(header)
     with _transformers_progress(progress):
         logger.info(
             "converting %s (de-quantising; about 20 s for the default model)", gguf_path.name
         )
         try:
             tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **where)
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf_path.parent, dtype=torch.float32, **where
+            config = AutoConfig.from_pretrained(gguf_path.parent, **where)
+            if overrides:
+                config = AutoConfig.for_model(**{**config.to_dict(), **overrides})
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, config=config, dtype=torch.float32, output_loading_info=True, **where
             )
-        except (ValueError, KeyError, OSError) as exc:
+        except (ValueError, KeyError, OSError, RuntimeError) as exc:  # RuntimeError: a shape mismatch
             raise ModelNotAvailable(f"transformers cannot load {gguf_path}: {exc}") from exc
         model.eval()
+        _check_every_tensor_loaded(header, model, loading, gguf_path)
         _use_gguf_special_tokens(gguf_path, tokenizer, model)
 
         state = model.state_dict()
@@ -349,6 +358,22 @@ def _use_gguf_special_tokens(gguf_path: Path, tokenizer, model) -> None:
         if name != "unk":
             setattr(model.config, f"{name}_token_id", token_id)
             setattr(model.generation_config, f"{name}_token_id", token_id)
+
+
+def _check_every_tensor_loaded(header, model, loading: dict, gguf_path: Path) -> None:
+    """Every tensor of the file went into a parameter and every parameter came from the file:
+    transformers skips tensors it has no parameter for, and leaves parameters the file lacks at
+    their random initialisation, with no more than a log line."""
+    unused = gguf_config.unused_tensors(header, model)
+    missing = [k for k in loading.get("missing_keys", ())
+               if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if unused or missing:
+        raise ModelNotAvailable(
+            f"{gguf_path.name} does not map onto transformers' {model.config.model_type} model: "
+            + (f"tensors it would skip: {', '.join(unused[:4])}" if unused else "")
+            + ("; " if unused and missing else "")
+            + (f"weights the file lacks: {', '.join(sorted(missing)[:4])}" if missing else "")
+        )
 
 
 def _check_reload_is_exact(model, tokenizer, out_dir: Path) -> None:

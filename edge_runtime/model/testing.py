@@ -151,13 +151,28 @@ def _permute_for_gguf(weight, n_head: int):
     )
 
 
-def make_tiny_gguf(model_dir: Path, gguf_path: Path, *, quantize: bool = True) -> Path:
-    """Write the model in `model_dir` (from `make_tiny_model_dir`) as a llama GGUF file.
+# GGUF architecture by model type, as llama.cpp's converter writes each (Mistral as llama).
+_GGUF_ARCH = {"mistral": "llama"}
+
+
+def make_tiny_gguf(
+    model_dir: Path, gguf_path: Path, *, quantize: bool = True, extra_tensors: dict | None = None,
+    extra_strings: dict[str, str] | None = None,
+) -> Path:
+    """Write the model in `model_dir` (from `make_tiny_model_dir`) as a GGUF file of its family,
+    with the metadata llama.cpp's converter writes for it: llama (and Mistral, written as llama
+    with "mistral" in its name) with Q/K rows interleaved; qwen2, qwen3 (attention.key_length);
+    phi3 (fused tensors, rotary dims, LongRoPE's original context, attention factor and factor
+    tensors, sliding window, 0 for none). Other families get the same generic keys, enough for a
+    loader to read the architecture and refuse it.
 
     2-D weights are stored Q8_0 when `quantize` (so loading it de-quantises, as with the real
     default model), the rest F32. The tokenizer goes in as GGUF "gpt2" (byte-level BPE) metadata.
+    `extra_tensors` (GGUF name -> array) and `extra_strings` (metadata key -> value): more to
+    write, for tests of what a loader refuses.
     """
     import json
+    import math
 
     import gguf
     import numpy as np
@@ -181,17 +196,33 @@ def make_tiny_gguf(model_dir: Path, gguf_path: Path, *, quantize: bool = True) -
     ]
     chat_template = (model_dir / "chat_template.jinja").read_text()
 
-    writer = gguf.GGUFWriter(gguf_path, "llama")
-    writer.add_name("tiny-llama")
+    model_type = config["model_type"]
+    arch = _GGUF_ARCH.get(model_type, model_type)
+    rope = config["rope_parameters"]
+    writer = gguf.GGUFWriter(gguf_path, arch)
+    writer.add_name(f"tiny-{model_type}")
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(n_layers)
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if model_type == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    extra: dict[str, np.ndarray] = {}
+    if model_type == "phi3":
+        original = config["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_sliding_window(config.get("sliding_window") or 0)
+        if rope.get("rope_type") == "longrope":
+            scale = config["max_position_embeddings"] / original
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+            extra = {"rope_factors_long.weight": np.array(rope["long_factor"], np.float32),
+                     "rope_factors_short.weight": np.array(rope["short_factor"], np.float32)}
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -204,12 +235,17 @@ def make_tiny_gguf(model_dir: Path, gguf_path: Path, *, quantize: bool = True) -
     writer.add_add_bos_token(False)
     writer.add_chat_template(chat_template)
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, n_layers)
+    arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    names = gguf.get_tensor_name_map(arch_id, n_layers)
+    for key, value in (extra_strings or {}).items():
+        writer.add_string(key, value)
+    for name, array in {**extra, **(extra_tensors or {})}.items():
+        writer.add_tensor(name, np.asarray(array, np.float32))
     for hf_name, array in load_file(model_dir / "model.safetensors").items():
         array = array.astype(np.float32)
-        if hf_name.endswith("self_attn.q_proj.weight"):
+        if arch == "llama" and hf_name.endswith("self_attn.q_proj.weight"):
             array = _permute_for_gguf(array, n_head)
-        elif hf_name.endswith("self_attn.k_proj.weight"):
+        elif arch == "llama" and hf_name.endswith("self_attn.k_proj.weight"):
             array = _permute_for_gguf(array, n_kv)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:

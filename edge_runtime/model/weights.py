@@ -56,6 +56,9 @@ def load_llama(
         "mlp.up_proj": ("gate_up", inter, 2 * inter),
         "mlp.down_proj": ("down", None, None),
     }
+    if cfg.fused_projections:  # Phi-3 stores q/k/v and gate/up fused, in our row order
+        slices = {name: slices[name] for name in ("self_attn.o_proj", "mlp.down_proj")}
+        slices |= {"self_attn.qkv_proj": ("qkv", None, None), "mlp.gate_up_proj": ("gate_up", None, None)}
 
     def put(target: torch.Tensor, value: torch.Tensor, name: str, lo: int | None = None, hi: int | None = None) -> None:
         dst = target if lo is None else target[lo:hi]
@@ -128,8 +131,12 @@ def _check_complete(model: LlamaModel, filled: set[str]) -> None:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         required += [p + name for name in _norm_tensors(model.layers[i])]
-        required += [p + f"self_attn.{t}.weight" for t in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        required += [p + f"mlp.{t}.weight" for t in ("gate_proj", "up_proj", "down_proj")]
+        if cfg.fused_projections:
+            required += [p + name for name in ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight",
+                                               "mlp.gate_up_proj.weight", "mlp.down_proj.weight")]
+        else:
+            required += [p + f"self_attn.{t}.weight" for t in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            required += [p + f"mlp.{t}.weight" for t in ("gate_proj", "up_proj", "down_proj")]
         if cfg.attention_bias:
             required += [p + f"self_attn.{t}.bias" for t in ("q_proj", "k_proj", "v_proj")]
         if cfg.attention_out_bias:

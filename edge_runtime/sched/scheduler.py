@@ -46,6 +46,7 @@ class Scheduler:
         slo_ttft_factor: float = 5.0,
         max_latency_budget_s: float | None = None,
         headroom_margin: float = 0.85,
+        rope_switch: int | None = None,
     ) -> None:
         self.pool = pool
         self.policy = policy
@@ -71,6 +72,10 @@ class Scheduler:
         self._shed_preempted: list[Sequence] = []
         self._now = 0.0
         self.num_preemptions = 0
+        # LongRoPE's switch (ModelConfig.rope_switch): a sequence's keys/values are computed with
+        # the short factors while it holds at most this many tokens, with the long ones after.
+        self.rope_switch = rope_switch
+        self.num_rope_recomputes = 0
         self.overhead_s = 0.0  # wall time of the last schedule() (the scheduler's own cost)
         ledger.register_shedder(MemoryKind.ACTIVATIONS, self._shed_activations)
         ledger.register_shedder(MemoryKind.PREFIX_CACHE, self._shed_prefix_cache)
@@ -141,11 +146,33 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def token_appended(self, seq: Sequence) -> None:
+        """A running sequence got its next token. The one that takes it past LongRoPE's switch
+        makes every key/value it holds stale (computed with the short factors, which transformers
+        then no longer uses for any position): the sequence is prefilled again, whole, with the
+        long ones, as transformers' own generate() does at that point. Once per sequence."""
+        if (self.rope_switch is not None and seq.num_tokens == self.rope_switch + 1
+                and seq.status is SeqStatus.RUNNING and seq.num_computed > 0):
+            self.running.remove(seq)
+            self._release(seq)  # its full blocks stay in the prefix cache, under the short salt
+            seq.status = SeqStatus.WAITING
+            seq.preemptions += 1  # its prompt's cache hits were counted already
+            self.num_rope_recomputes += 1
+            self.waiting.appendleft(seq)
+
+    def _salt(self, seq: Sequence) -> str:
+        """What separates prefix-cache blocks of the same tokens with different keys/values: the
+        adapter version, and which LongRoPE factors the sequence is computed with."""
+        salt = seq.request.adapter_key
+        if self.rope_switch is not None and seq.num_tokens > self.rope_switch:
+            salt += "#rope-long"
+        return salt
+
     def _match_prefix(self, seq: Sequence) -> None:
         """Reuse cached full blocks of this sequence's tokens (never its last token: that one
         must run through the model to produce logits)."""
         size = self.pool.block_size
-        salt = seq.request.adapter_key
+        salt = self._salt(seq)
         parent = None
         for i in range((seq.num_tokens - 1) // size):
             h = block_hash(parent, seq.token_ids[i * size : (i + 1) * size], salt)
@@ -411,7 +438,7 @@ class Scheduler:
             if item.samples:
                 self._last_token[seq.seq_id] = now
             full = seq.num_computed // size
-            salt = seq.request.adapter_key
+            salt = self._salt(seq)
             while len(seq.block_hashes) < full:
                 i = len(seq.block_hashes)
                 parent = seq.block_hashes[-1] if seq.block_hashes else None

@@ -13,7 +13,7 @@ from torch import Tensor
 from edge_runtime.model.dense import dense_logits
 from edge_runtime.model.llama import LlamaModel, LoraApplier
 from edge_runtime.train.pairs import PairTokens
-from edge_runtime.train.windows import PairKV, plan_windows
+from edge_runtime.train.windows import PairKV, pair_rope_offsets, plan_windows
 
 
 def token_logps(model: LlamaModel, hidden: Tensor, targets: Tensor) -> Tensor:
@@ -30,7 +30,7 @@ def pair_logps(
     kv = PairKV(model.cfg.num_layers, model.cfg.sliding_window)
     sums = torch.zeros(2, dtype=torch.float64)
     device = model.device
-    for win in plan_windows(tokens, window_tokens):
+    for win in plan_windows(tokens, window_tokens, rope_offsets=pair_rope_offsets(model, tokens)):
         ctx = kv.context(win, lora)
         hidden = model.run_layers(model.embed_tokens(win.input_ids.to(device)), win.positions.to(device), ctx)
         if win.score_rows.numel():

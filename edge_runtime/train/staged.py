@@ -32,7 +32,7 @@ from edge_runtime.train.costs import StageEstimate
 from edge_runtime.train.dpo import DPOScore, dpo_loss
 from edge_runtime.train.logprobs import token_logps
 from edge_runtime.train.pairs import PairTokens
-from edge_runtime.train.windows import PairKV, plan_windows
+from edge_runtime.train.windows import PairKV, pair_rope_offsets, plan_windows
 
 if TYPE_CHECKING:
     from edge_runtime.train.trainer import AdapterTrainer
@@ -84,7 +84,8 @@ class DPOFineTuneTask:
         self.tokens = tokens
         self.pair_id = pair_id
         settings = trainer.dpo
-        self.windows = plan_windows(tokens, settings.window_tokens, trainer.pad_id)
+        self.windows = plan_windows(tokens, settings.window_tokens, trainer.pad_id,
+                                    pair_rope_offsets(trainer.model, tokens))
         self.groups = trainer.layer_groups()
         self.score: DPOScore | None = None  # from the score stage (before training)
         self.result: DPOScore | None = None  # the log-probs the gradient was taken at

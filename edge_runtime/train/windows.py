@@ -4,6 +4,11 @@ The prompt is shared: its windows run as one row, then the completion windows ru
 and rejected answers side by side (two rows) attending to the prompt's keys/values and to their
 own earlier windows (FlexLLM's token-level fine-tuning, sec. 6.1). Keys/values stay in the
 autograd graph, so gradients reach earlier windows exactly as in one full-sequence pass.
+
+Each answer is scored as its own sequence, prompt included, would be by one forward. Under
+LongRoPE that sequence's length picks the rotary factors of every position, the prompt's too: when
+one answer takes its sequence past the switch and the other does not, the prompt's keys differ
+between them, so its windows run as two rows as well.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from edge_runtime.model.llama import LoraApplier
+from edge_runtime.model.llama import LlamaModel, LoraApplier
 from edge_runtime.train.pairs import PairTokens
 
 CHOSEN, REJECTED = 0, 1
@@ -22,9 +27,10 @@ CHOSEN, REJECTED = 0, 1
 
 @dataclass
 class Window:
-    """Tokens [start, stop) of the prompt (batch 1) or of both completions (batch 2, the shorter
-    right-padded), flattened row-major. Rows `score_rows` predict `targets`, which belong to the
-    chosen (owner 0) or rejected (owner 1) completion's log-prob sum."""
+    """Tokens [start, stop) of the prompt (batch 1; 2 when the answers' rotary rows differ) or of
+    both completions (batch 2, the shorter right-padded), flattened row-major. Rows `score_rows`
+    predict `targets`, which belong to the chosen (owner 0) or rejected (owner 1) completion's
+    log-prob sum. `positions` are rows of the model's rotary table (`RotaryTable.offset`)."""
 
     index: int
     part: str  # "prompt" | "completion"
@@ -46,28 +52,34 @@ class Window:
         return self.batch * self.width
 
 
-def plan_windows(tokens: PairTokens, window_tokens: int | None = None, pad_id: int = 0) -> list[Window]:
+def plan_windows(
+    tokens: PairTokens, window_tokens: int | None = None, pad_id: int = 0, rope_offsets: tuple[int, int] = (0, 0)
+) -> list[Window]:
     """Cut the pair into windows of at most `window_tokens` token rows (None: one prompt window
     and one completion window): the prompt's windows are that many positions wide, the
     completions' half as many (two rows each), so every window's forward is about the same size
-    and none is twice the stage the scheduler must find room for."""
+    and none is twice the stage the scheduler must find room for. `rope_offsets`: the rotary
+    table offsets of the chosen and the rejected sequence (`pair_rope_offsets`)."""
     p = len(tokens.prompt)
     c = tokens.completion_length
     if p == 0 or c == 0:
         raise ValueError("a pair needs a non-empty prompt and completion")
     size = window_tokens or max(p, c)
     completions = (tokens.chosen, tokens.rejected)
+    # One prompt row serves both answers unless their rotary rows differ.
+    prompt_rows = (rope_offsets[0],) if rope_offsets[0] == rope_offsets[1] else rope_offsets
     windows: list[Window] = []
     for start in range(0, p, size):
         stop = min(p, start + size)
         rows, targets, owners = [], [], []
         if stop == p:  # the last prompt position predicts the first token of each completion
             for owner, comp in enumerate(completions):
-                rows.append(stop - 1 - start)
+                rows.append((owner if len(prompt_rows) == 2 else 0) * (stop - start) + stop - 1 - start)
                 targets.append(comp[0])
                 owners.append(owner)
-        windows.append(_window(len(windows), "prompt", start, stop, 1, list(tokens.prompt[start:stop]),
-                               list(range(start, stop)), rows, targets, owners))
+        windows.append(_window(len(windows), "prompt", start, stop, len(prompt_rows),
+                               list(tokens.prompt[start:stop]) * len(prompt_rows),
+                               [t + off for off in prompt_rows for t in range(start, stop)], rows, targets, owners))
     width = max(1, window_tokens // 2) if window_tokens else c
     for start in range(0, c, width):
         stop = min(c, start + width)
@@ -80,9 +92,15 @@ def plan_windows(tokens: PairTokens, window_tokens: int | None = None, pad_id: i
                 rows.append(base + t - start)
                 targets.append(comp[t + 1])
                 owners.append(owner)
-        positions = list(range(p + start, p + stop)) * 2
+        positions = [t + off for off in rope_offsets for t in range(p + start, p + stop)]
         windows.append(_window(len(windows), "completion", start, stop, 2, ids, positions, rows, targets, owners))
     return windows
+
+
+def pair_rope_offsets(model: LlamaModel, tokens: PairTokens) -> tuple[int, int]:
+    """The rotary table offsets of prompt + chosen and prompt + rejected, each by its own length."""
+    p = len(tokens.prompt)
+    return model.rope.offset(p + len(tokens.chosen)), model.rope.offset(p + len(tokens.rejected))
 
 
 def _window(
@@ -96,8 +114,8 @@ def _window(
 
 
 class PairKV:
-    """Per-layer keys/values of the windows run so far: the prompt's ([1, kv_heads, P, d]) and
-    the completions' ([2, kv_heads, C, d]); `sliding_window` is the model's (keys a query sees,
+    """Per-layer keys/values of the windows run so far: the prompt's ([1 or 2, kv_heads, P, d])
+    and the completions' ([2, kv_heads, C, d]); `sliding_window` is the model's (keys a query sees,
     itself included)."""
 
     def __init__(self, num_layers: int, sliding_window: int | None = None) -> None:

@@ -19,6 +19,7 @@ from edge_runtime.backends.step_inputs import (  # noqa: E402
     DecodeInputs,
     StepItem,
     plan_dense_step,
+    plan_gqa_step,
     split_groups_gqa,
 )
 from edge_runtime.config import EngineConfig  # noqa: E402
@@ -306,3 +307,22 @@ def test_dense_rows_grow_to_exactly_what_is_in_use_near_the_byte_limit(tiny_mode
     assert (dense.rows_capacity, dense.capacity) == (5, 2 * cap) and rows == [0, 1, 2, 3, 4]
     assert bool((dense.buffer[:, :, 4, :, :cap] == 1.0).all())  # the rows' contents moved along
     assert not dense.ensure(5, 3 * cap)  # past the limit even without spare rows
+
+
+def test_decode_inputs_carry_rotary_rows_as_the_plan_does():
+    # A graph that turns q/k by row (LongRoPE, partial rotary) takes each token's rotary table
+    # row: its position plus the sequence's offset (here one sequence past a switch of 32).
+    by_row = [StepItem([7], 5, [3], True), StepItem([9], 40, [0, 4, 2], True, 0, rope_offset=32)]
+    plan = plan_dense_step(by_row, [False] * 2, 16, rope_rows=True)
+    assert plan.inputs["positions"].tolist() == [[5], [72]]
+    order = [1, 0]
+    items = [by_row[r] for r in order]
+    inputs = DecodeInputs(4)
+    inputs.fill(order, [it.tokens[0] for it in items], [it.start for it in items],
+                [int(plan.slot_mapping[r]) for r in order], None, [it.rope_offset for it in items])
+    views = inputs.views(2, lora=True, rope_rows=True)
+    assert views.keys() == plan.inputs.keys()
+    assert np.array_equal(views["positions"], plan.inputs["positions"])
+    assert "positions" not in plan_dense_step(by_row, [False] * 2, 16).inputs
+    gqa = plan_gqa_step([StepItem([1, 2, 3], 0, [0], True, rope_offset=32)], 16, 2, rope_rows=True)
+    assert gqa.inputs["positions"].tolist() == [[32, 33, 34]]

@@ -33,7 +33,6 @@ from edge_runtime.model.weights import load_llama
 from edge_runtime.train.logprobs import pair_logps
 from edge_runtime.train.pairs import PairTokens
 from tests.engine.helpers import engine_greedy_batch, engine_logits_for, reference_logits
-from tests.lora.helpers import ALL_LINEAR
 from tests.train.helpers import (
     full_autograd_grads,
     make_trainer,
@@ -57,6 +56,14 @@ FAMILIES = {
                                                     "residual_multiplier": 0.22, "logits_scaling": 8.0}},
     # Norms after each sublayer (random weights, as every family's), q/k norms over the whole projection.
     "olmo2": {"model_type": "olmo2"},
+    # Fused qkv_proj / gate_up_proj (checkpoint and PEFT targets), RoPE over 12 of 16 dims per head
+    # (Phi-4-mini's 0.75), LongRoPE switching to its long factors past 16 tokens (prompts of 5-13
+    # tokens cross it while decoding: the engine recomputes them), a window of 8, untied head.
+    "phi3": {"model_type": "phi3", "tie_word_embeddings": False,
+             "rope_scaling": {"rope_type": "longrope", "partial_rotary_factor": 0.75,
+                              "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0],
+                              "long_factor": [1.5, 2.5, 4.0, 6.0, 9.0, 12.0]},
+             "config": {"original_max_position_embeddings": 16, "sliding_window": 8}},
 }
 PROMPT_LENGTHS = (24, 13, 9, 20, 5)
 STEPS = 16
@@ -103,8 +110,9 @@ def peft_case(family: Family, tmp_path_factory: pytest.TempPathFactory) -> PeftC
     save_pretrained), and PEFT's greedy tokens and logits under it."""
     from peft import LoraConfig, get_peft_model
 
+    # "all-linear": every projection, as the family's transformers modules name them (Phi-3's fused ones).
     model = get_peft_model(_reference(family.folder), LoraConfig(
-        r=4, lora_alpha=8, target_modules=list(ALL_LINEAR), task_type="CAUSAL_LM"))
+        r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
     gen = torch.Generator().manual_seed(11)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -122,10 +130,12 @@ def _reference(folder: Path) -> torch.nn.Module:
 
 
 def _greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    ids = list(prompt)
-    for _ in range(steps):  # greedy without a cache: every step is a full causal forward
-        ids.append(int(reference_logits(model, ids)[-1].argmax()))
-    return ids[len(prompt):], reference_logits(model, ids)[len(prompt) - 1 : len(prompt) - 1 + steps]
+    ids, logits = list(prompt), []
+    for _ in range(steps):  # greedy without a cache: every step is a full causal forward, whose
+        # length picks LongRoPE's factors (as transformers' generate() recomputes at the switch)
+        logits.append(reference_logits(model, ids)[-1])
+        ids.append(int(logits[-1].argmax()))
+    return ids[len(prompt):], torch.stack(logits)
 
 
 def _engine(family: Family, backend: str, flavour: str | None, kv_layout: str | None) -> Engine:

@@ -1,0 +1,154 @@
+"""A GGUF of each family transformers' GGUF loader reads (llama; Mistral, which llama.cpp writes as
+llama; qwen2; qwen3; phi3), written as llama.cpp's converter writes it from a tiny random model
+with the family's distinctive settings on, loads through `Engine.load(file.gguf)` and computes
+what transformers' own load of that file computes, and what the model it was written from
+computes. Where transformers' config table leaves a setting out (Phi-3's rotary dims, LongRoPE
+and window; Qwen3's head width), the engine reads it back from the metadata. GGUFs of the
+families transformers cannot load (granite, olmo2, smollm3), and metadata or tensors it would
+drop, are refused by name before any conversion."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from edge_runtime import Engine
+from edge_runtime.errors import ModelNotAvailable
+from edge_runtime.model import gguf_config
+from edge_runtime.model.testing import make_tiny_gguf, make_tiny_model_dir
+from tests.engine.helpers import engine_logits_for, reference_logits
+from tests.families.test_families import FAMILIES
+
+PHI3_LONGROPE = FAMILIES["phi3"]["rope_scaling"]
+GGUF_FAMILIES = {
+    "llama": {"tie_word_embeddings": False},  # an output.weight tensor
+    "mistral": {"model_type": "mistral"},  # general.name says mistral; the window stays transformers' default
+    "qwen2": {"model_type": "qwen2"},  # q/k/v biases
+    "qwen3": {"model_type": "qwen3", "config": {"head_dim": 32}},  # attention.key_length read back
+    # Phi-3.5-like: untied, partial rotary, LongRoPE past 16 tokens, window of 8
+    "phi3": FAMILIES["phi3"],
+    # Phi-4-mini-like: tied, partial rotary, LongRoPE, no window (written as 0)
+    "phi3-tied": {"model_type": "phi3", "rope_scaling": PHI3_LONGROPE,
+                  "config": {"original_max_position_embeddings": 16}},
+}
+PROMPTS = (10, 20)  # phi3: one prompt crosses the LongRoPE switch while decoding, one starts past it
+STEPS = 8
+TOLERANCE = 1e-4
+
+
+@dataclass
+class GgufCase:
+    name: str
+    folder: Path  # the model the files were written from
+    exact: Path  # F32 GGUF
+    quantized: Path  # Q8_0 GGUF
+    prompts: list[list[int]]
+
+
+@pytest.fixture(scope="module", params=sorted(GGUF_FAMILIES))
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> GgufCase:
+    root = tmp_path_factory.mktemp(f"gguf-{request.param}")
+    folder = make_tiny_model_dir(root / "hf", random_norms=True, **GGUF_FAMILIES[request.param])
+    (root / "exact").mkdir()
+    (root / "q8").mkdir()
+    exact = make_tiny_gguf(folder, root / "exact" / "tiny.F32.gguf", quantize=False)
+    quantized = make_tiny_gguf(folder, root / "q8" / "tiny.Q8_0.gguf")
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in PROMPTS]
+    return GgufCase(request.param, folder, exact, quantized, prompts)
+
+
+@pytest.fixture(autouse=True)
+def private_state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine.load(file.gguf) converts into the state directory's model cache: a private one."""
+    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "state"))
+
+
+def _per_step_reference(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    ids, logits = list(prompt), []
+    for _ in range(STEPS):
+        logits.append(reference_logits(model, ids)[-1])
+        ids.append(int(logits[-1].argmax()))
+    return ids[len(prompt):], torch.stack(logits)
+
+
+def _transformers_gguf(path: Path) -> torch.nn.Module:
+    """transformers' own load of the file, with the settings its config table leaves out put back
+    (none for llama, Mistral and qwen2)."""
+    where = {"gguf_file": path.name, "local_files_only": True}
+    config = AutoConfig.from_pretrained(path.parent, **where)
+    overrides = gguf_config.config_overrides(gguf_config.read_header(path))
+    if overrides:
+        config = AutoConfig.for_model(**{**config.to_dict(), **overrides})
+    return AutoModelForCausalLM.from_pretrained(path.parent, config=config, dtype=torch.float32, **where).eval()
+
+
+def _assert_engine_decodes_like(engine: Engine, reference: torch.nn.Module, prompts: list[list[int]]) -> None:
+    for prompt in prompts:
+        tokens, logits = _per_step_reference(reference, prompt)
+        ours, generated = engine_logits_for(engine, prompt, steps=STEPS)
+        assert generated == tokens, f"prompt of {len(prompt)}"
+        diff = (ours - logits).abs().max().item()
+        assert diff <= TOLERANCE, f"logits differ by {diff:.2e} (prompt of {len(prompt)})"
+
+
+def test_gguf_loads_through_the_engine_as_the_model_it_was_written_from(case):
+    engine = Engine.load(str(case.exact), dtype="float32", kv_cache_bytes=4 << 20, block_size=4, max_batched_tokens=8)
+    original = AutoModelForCausalLM.from_pretrained(str(case.folder), local_files_only=True, dtype=torch.float32).eval()
+    _assert_engine_decodes_like(engine, original, case.prompts)
+    _assert_engine_decodes_like(engine, _transformers_gguf(case.exact), case.prompts)
+
+
+@pytest.mark.slow  # the exact files above check the same load path; this adds Q8_0 de-quantisation
+def test_quantized_gguf_matches_transformers_own_load_of_it(case):
+    engine = Engine.load(str(case.quantized), dtype="float32", kv_cache_bytes=4 << 20, block_size=4,
+                         max_batched_tokens=8)
+    _assert_engine_decodes_like(engine, _transformers_gguf(case.quantized), case.prompts)
+
+
+@pytest.mark.parametrize("name", ["phi3", "qwen3"])
+def test_transformers_config_table_alone_would_lose_phi3_and_qwen3_settings(name, tmp_path):
+    """Why the engine reads the metadata itself: transformers' plain GGUF load of Phi-3 runs full
+    rotary without LongRoPE or window (a different model), and of this Qwen3 fails outright (it
+    assumes heads of 128)."""
+    folder = make_tiny_model_dir(tmp_path / "hf", random_norms=True, **GGUF_FAMILIES[name])
+    path = make_tiny_gguf(folder, tmp_path / "tiny.gguf", quantize=False)
+    where = {"gguf_file": path.name, "local_files_only": True}
+    if name == "qwen3":
+        with pytest.raises((RuntimeError, ValueError), match="mismatched_sizes|size mismatch"):
+            AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **where)
+        return
+    plain = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **where).eval()
+    assert plain.config.rope_parameters["rope_type"] == "default"
+    assert plain.config.sliding_window is None
+    original = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32).eval()
+    ids = list(range(3, 23))
+    assert (reference_logits(plain, ids) - reference_logits(original, ids)).abs().max().item() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("model_type", ["granite", "olmo2", "smollm3"])
+def test_gguf_of_a_family_transformers_cannot_load_is_refused_by_name(model_type, tmp_path):
+    folder = make_tiny_model_dir(tmp_path / "hf", model_type=model_type)
+    path = make_tiny_gguf(folder, tmp_path / "tiny.gguf", quantize=False)
+    with pytest.raises(ModelNotAvailable, match=f"GGUF architecture '{model_type}' is not one this engine loads"):
+        Engine.load(str(path), dtype="float32")
+    assert not any((tmp_path / "state" / "models").glob("gguf-*"))  # refused before converting
+
+
+@pytest.mark.parametrize("extra,named", [
+    ({"rope_freqs.weight": np.ones(8)}, "rope_freqs: Llama 3.1\\+ 'llama3' scaling"),  # dropped by transformers
+    ({"blk.0.attn_q.bias": np.ones(64)}, "tensors it would skip: blk.0.attn_q.bias"),  # Llama without biases
+    ({"llama.rope.scaling.type": "yarn"}, "RoPE scaling \\('yarn'\\) is not read"),
+], ids=["rope_freqs", "bias", "rope-scaling-key"])
+def test_gguf_contents_transformers_would_drop_are_refused(tmp_path, extra, named):
+    folder = make_tiny_model_dir(tmp_path / "hf")
+    tensors = {k: v for k, v in extra.items() if not isinstance(v, str)}
+    strings = {k: v for k, v in extra.items() if isinstance(v, str)}
+    path = make_tiny_gguf(folder, tmp_path / "tiny.gguf", quantize=False, extra_tensors=tensors, extra_strings=strings)
+    with pytest.raises(ModelNotAvailable, match=named):
+        Engine.load(str(path), dtype="float32")
