@@ -284,8 +284,9 @@ def test_fetch_cli_offline_exits_1_with_the_message(
 
 
 @pytest.mark.slow
-def test_default_model_resolves_from_cache_and_loads_in_about_a_second() -> None:
-    """The real SmolLM2 (downloads ~93 MB and converts ~30 s the first time on this machine)."""
+def test_default_model_resolves_from_the_cache_without_converting_again() -> None:
+    """The real SmolLM2 (downloads ~93 MB and converts ~30 s the first time on this machine).
+    How fast a cached load is belongs to a benchmark (time to ready), not to a timed test."""
     from safetensors.torch import load_file
 
     first = resolve_model()  # builds the cache if missing
@@ -293,13 +294,9 @@ def test_default_model_resolves_from_cache_and_loads_in_about_a_second() -> None
     assert manifest["source"]["member"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert manifest["gguf_sha256"] == source.DEFAULT_GGUF_SHA256
 
-    started = time.monotonic()
     model = resolve_model(allow_download=False)
-    # clone() forces every byte off the mmap, as a real load into the runtime's own tensors would.
-    weights = {k: v.clone() for k, v in load_file(model.path / "model.safetensors").items()}
-    elapsed = time.monotonic() - started
+    weights = load_file(model.path / "model.safetensors")
     assert not model.converted and model.path == first.path
-    assert elapsed < 2.0, f"cached resolve + safetensors load took {elapsed:.2f} s"
 
     tokenizer = AutoTokenizer.from_pretrained(model.path, local_files_only=True)
 
