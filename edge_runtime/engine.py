@@ -30,6 +30,7 @@ from edge_runtime.errors import BadRequest, EngineBroken, InsufficientMemory, Un
 from edge_runtime.ids import validate_request_id
 from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.kv.cache import KVCache, bytes_per_block
+from edge_runtime.kv.pruning import HeadPruning, PruningSettings
 from edge_runtime.lora.registry import AdapterRef, AdapterRegistry
 from edge_runtime.lora.weights import LoraWeights
 from edge_runtime.memory import MemoryKind, MemoryLedger, ShedReport
@@ -89,6 +90,10 @@ class Engine:
         )
         self.adapters.preload()
         self.backend = make_backend(config, model, self.cache, self.adapters)
+        self.kv_pruning = PruningSettings.from_config(config)
+        if self.kv_pruning is not None and (self.backend.name != "torch" or cfg.sliding_window is not None):
+            raise ValueError("KV pruning runs on the torch backend, for models without a sliding window, "
+                             "so far (docs/kv.md); set kv_prune_policy='off'")
         self.clock = time.monotonic  # the one scheduling clock (tests may substitute a fake)
         self.costs = load_cost_model(cfg, model.dtype, model.device, self.backend.name, self.backend.execute,
                                      self.pool, per_block, mode=config.cost_profile,
@@ -219,6 +224,9 @@ class Engine:
                     generator = torch.Generator().manual_seed(seed)
                 seq = Sequence(next(self._seq_ids), request, index, list(ids), self.tokenizer.stream_decoder(),
                                generator)
+                if self.kv_pruning is not None:
+                    seq.kv_pruning = HeadPruning(self.kv_pruning, self.model.cfg.num_layers,
+                                                 self.model.cfg.num_kv_heads, self.model.device)
                 if matcher is not None:
                     seq.matcher = matcher if index == 0 else matcher.deep_copy()
                 request.seqs.append(seq)

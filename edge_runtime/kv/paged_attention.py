@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from edge_runtime.kv.cache import KVCache
+from edge_runtime.kv.pruning import DecodePruning, HeadPruning
 from edge_runtime.model.llama import LoraApplier
 
 
@@ -21,12 +22,14 @@ from edge_runtime.model.llama import LoraApplier
 class SeqAttention:
     """One sequence's part of the flat batch: rows [q_start, q_start + q_len) are its new tokens,
     whose positions end at ctx_len - 1; `block_table` lists the cache blocks of positions
-    0..ctx_len-1 in order."""
+    0..ctx_len-1 in order. With `pruning`, a decode step attends each KV head's retained
+    positions only (edge_runtime.kv.pruning)."""
 
     q_start: int
     q_len: int
     ctx_len: int
     block_table: list[int]
+    pruning: HeadPruning | None = None
 
 
 class PagedContext:
@@ -78,6 +81,11 @@ class PagedContext:
             # [B, 1, 1, width]: broadcast over kv heads and the folded query heads.
             self.decode_mask = valid.to(device)[:, None, None, :]
             self.decode_full = bool(valid.all())
+            pruned = [(i, s.ctx_len, s.pruning) for i, s in enumerate(decodes) if s.pruning is not None]
+            self.decode_pruning = None
+            if pruned:
+                layers, _, _, kv_heads, _ = cache.data.shape
+                self.decode_pruning = DecodePruning(pruned, self.decode_mask, layers, kv_heads)
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache, v_cache = self.cache.layer(layer)
@@ -104,7 +112,10 @@ class PagedContext:
             qd = q.index_select(0, self.decode_rows).view(b, kv_heads, group, d)
             kd = k_cache[self.decode_index].permute(0, 2, 1, 3)  # [B, kv_heads, width, d]
             vd = v_cache[self.decode_index].permute(0, 2, 1, 3)
-            o = attend(qd, kd, vd, self.decode_mask)
+            if self.decode_pruning is None:
+                o = attend(qd, kd, vd, self.decode_mask)
+            else:
+                o = self.decode_pruning.attend(layer, qd, kd, vd)
             out.index_copy_(0, self.decode_rows, o.reshape(b, heads * d))
         return out
 
