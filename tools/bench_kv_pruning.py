@@ -10,7 +10,8 @@ explain) decode `--tokens` tokens greedily, together in one batch (the engine's 
 depend on the batch), EOS ignored. A budget is a share of each sequence's final context
 (prompt + tokens): every KV head keeps on average that many positions (kv_prune_capacity), so
 the retained keys/values peak at the budget's share of the unpruned ones. Per method and budget:
-- perplexity of each generated continuation under the unpruned model (one dense forward);
+- perplexity of each generated continuation under the unpruned model (a forward over it after
+  the prompt's keys/values, computed once per prompt);
 - greedy agreement with the unpruned decoding: the share of positions with the same token, and
   the first position where they differ (after it the histories differ);
 - TBT: median and p90 of the decode iterations' wall time (two streams per iteration);
@@ -41,7 +42,6 @@ import torch  # noqa: E402
 
 from edge_runtime import Engine, SamplingParams  # noqa: E402
 from edge_runtime.kv.pruning import HeadPruning, PruningSettings  # noqa: E402
-from edge_runtime.model.dense import dense_logits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "tools" / "results"
@@ -115,10 +115,49 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
     return results
 
 
+class _PromptKV:
+    """Causal attention that keeps the prompt's keys/values per layer (first pass) and lets a
+    continuation attend to them (later passes): every continuation of a prompt is scored
+    without recomputing the prompt."""
+
+    lora = None
+
+    def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        self.past = past
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.past is None:
+            self.kv.append((k, v))
+        else:
+            k, v = torch.cat([self.past[layer][0], k]), torch.cat([self.past[layer][1], v])
+        t, keys = q.shape[0], k.shape[0]
+        mask = torch.ones(t, keys, dtype=torch.bool, device=q.device).tril(keys - t)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+            enable_gqa=True)
+        return out[0].transpose(0, 1).reshape(t, -1)
+
+
 @torch.inference_mode()
-def perplexity(engine: Engine, prompt: list[int], continuation: list[int]) -> float:
-    ids = torch.tensor([prompt + continuation], device=engine.model.device)
-    logits = dense_logits(engine.model, ids)[0, len(prompt) - 1 : -1].float()
+def prompt_state(engine: Engine, prompt: list[int]) -> tuple[Any, torch.Tensor]:
+    """The unpruned model's keys/values over the prompt, and its logits for the first new token."""
+    model = engine.model
+    keep = _PromptKV()
+    ids = torch.tensor(prompt, device=model.device)
+    hidden = model.run_layers(model.embed_tokens(ids), torch.arange(len(prompt), device=model.device), keep)
+    return keep.kv, model.logits(hidden[-1:]).float()
+
+
+@torch.inference_mode()
+def perplexity(engine: Engine, prompt: tuple[Any, torch.Tensor], prompt_len: int, continuation: list[int]) -> float:
+    """exp(mean NLL) of `continuation` after the prompt, under the unpruned model."""
+    model = engine.model
+    kv, first = prompt
+    ids = torch.tensor(continuation[:-1], device=model.device)
+    positions = torch.arange(prompt_len, prompt_len + len(ids), device=model.device)
+    hidden = model.run_layers(model.embed_tokens(ids), positions, _PromptKV(kv))
+    logits = torch.cat([first, model.logits(hidden).float()])
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(continuation, device=logits.device))
     return float(torch.exp(nll))
 
@@ -156,17 +195,16 @@ def main() -> None:
     quality = decode(engine, prompt_ids, args.tokens, configs, settings)
     print(f"decoded {len(configs)} configs in {time.time() - began:.0f} s", flush=True)
 
+    reference = quality[0]
+    states = [prompt_state(engine, p) for p in prompt_ids]
+    rows = []
+    for config, run in zip(configs, quality, strict=True):
+        rows.append({"method": config[0], "budget": config[1], **summarise(engine, prompt_ids, states, run, reference)})
+        print(json.dumps(rows[-1]), flush=True)
     # TBT: each method alone (two streams), its budget a share of prompt + tbt_tokens so that it
     # prunes from the first step.
     timed = [("unpruned", 1.0), ("mace", 1.0)] + [(m, args.tbt_budget) for m in methods]
     tbt = {c: decode(engine, prompt_ids, args.tbt_tokens, [c], settings)[0]["tbt_ms"] for c in timed}
-
-    reference = quality[0]
-    rows = []
-    print(f"timed TBT at {time.time() - began:.0f} s", flush=True)
-    for config, run in zip(configs, quality, strict=True):
-        rows.append({"method": config[0], "budget": config[1], **summarise(engine, prompt_ids, run, reference)})
-        print(json.dumps(rows[-1]), flush=True)
     tbt_rows = []
     for (method, budget), times in tbt.items():
         times = sorted(times)
@@ -189,9 +227,10 @@ def main() -> None:
     plot(result, RESULTS / f"{args.out}.png")
 
 
-def summarise(base: Engine, prompt_ids: list[list[int]], run: dict[str, Any],
+def summarise(base: Engine, prompt_ids: list[list[int]], prompt_states: list[Any], run: dict[str, Any],
               reference: dict[str, Any]) -> dict[str, Any]:
-    ppl = [perplexity(base, p, ids) for p, ids in zip(prompt_ids, run["ids"], strict=True)]
+    ppl = [perplexity(base, state, len(p), ids)
+           for state, p, ids in zip(prompt_states, prompt_ids, run["ids"], strict=True)]
     agree = [agreement(ids, ref) for ids, ref in zip(run["ids"], reference["ids"], strict=True)]
     return {
         "perplexity": [round(p, 3) for p in ppl],

@@ -92,14 +92,21 @@ def head_capacities(mean_norms: Tensor, total: int, limit: int | None = None) ->
 def evict_over_capacity(retained: Tensor, key: Tensor, caps: Tensor, protected: Tensor) -> None:
     """Drop, in place, each head's retained, unprotected positions of smallest `key` until the head
     holds at most caps[h] positions (or only protected ones). retained/protected: [..., n] bool;
-    key: [..., n]; caps: [...]."""
+    key: [..., n] (distinct values per head make the choice unique); caps: [...]."""
     excess = (retained.sum(-1) - caps).clamp(min=0)
-    if not bool(excess.any()):
+    most = int(excess.max()) if excess.numel() else 0
+    if most == 0:
         return
     evictable = retained & ~protected
-    key = key.masked_fill(~evictable, float("inf"))
-    rank = key.argsort(dim=-1, stable=True).argsort(dim=-1)
-    retained &= ~(evictable & (rank < excess.unsqueeze(-1)))
+    never = float("inf") if key.is_floating_point() else torch.iinfo(key.dtype).max
+    key = key.masked_fill(~evictable, never)
+    # Usually one position per head per step: topk finds it without sorting the whole context.
+    found = key.topk(min(most, key.shape[-1]), dim=-1, largest=False, sorted=True)
+    take = torch.arange(found.indices.shape[-1], device=key.device) < excess.unsqueeze(-1)
+    take &= found.values != never
+    drop = torch.zeros_like(retained)
+    drop.scatter_(-1, found.indices, take)
+    retained &= ~drop
 
 
 class HeadPruning:
@@ -173,7 +180,7 @@ class HeadPruning:
         retained = self.retained[:, :, :n]
         counts = retained.sum(-1, keepdim=True)
         used = retained & (weight_max.to(self.device).float() * counts >= self.settings.use_ratio)
-        self.last_used[:, :, :n][used] = t
+        self.last_used[:, :, :n].masked_fill_(used, t)
         self.score[:, :, :n] += weight_sum.to(self.device).float()
         norms = norms.to(self.device, torch.float64)
         self.norm_sum += norms
@@ -199,10 +206,10 @@ class HeadPruning:
             retained &= ~(drop & ~protected)
             caps = head_capacities(self.mean_norms(), s.capacity * self.num_heads, limit=n)
             # Least recently used first; among equals, the oldest position.
-            key = (last_used * (n + 1) + positions).double()
+            key = last_used * (n + 1) + positions
         elif s.policy == "window":
             caps = torch.full(heads, s.capacity, dtype=torch.long, device=self.device)
-            key = positions.double().expand_as(retained)
+            key = positions.expand_as(retained)
         else:  # h2o: the recent half of the budget stays, the rest goes to the heaviest hitters
             caps = torch.full(heads, s.capacity, dtype=torch.long, device=self.device)
             protected = protected | (positions >= n - s.capacity // 2)
