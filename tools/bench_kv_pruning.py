@@ -3,7 +3,7 @@
 norm-guided per-head pruning beside a sliding window with sinks (StreamingLLM) and H2O.
 
     python tools/bench_kv_pruning.py [--tokens 1000] [--budgets 1,0.75,0.5,0.25]
-                                     [--methods mace,window,h2o] [--sinks 4] [--window 0] [--tau 0]
+                                     [--methods mace,window,h2o] [--sinks 4] [--window 0] [--tau 0] [--prompts 2]
 
 Two long chat prompts (tools/data/perplexity.txt, to continue; docs/scheduler.md's opening, to
 explain) decode `--tokens` tokens greedily, together in one batch (the engine's output does not
@@ -14,7 +14,7 @@ the retained keys/values peak at the budget's share of the unpruned ones. Per me
   the prompt's keys/values, computed once per prompt);
 - greedy agreement with the unpruned decoding: the share of positions with the same token, and
   the first position where they differ (after it the histories differ);
-- TBT: median and p90 of the decode iterations' wall time (two streams per iteration);
+- TBT: median and p90 of the decode iterations' wall time, each method alone (one stream per prompt);
 - peak KV bytes: the most (head, position) entries retained at once x bytes per entry, per
   sequence (what a per-head compacted cache holds; the paged blocks this slice allocates do not
   shrink yet, see docs/kv.md).
@@ -176,6 +176,7 @@ def main() -> None:
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--window", type=int, default=0, help="MACE's W (0 = no idle rule)")
     ap.add_argument("--tau", type=float, default=0.0, help="MACE's norm threshold (0 = no norm rule)")
+    ap.add_argument("--prompts", type=int, default=2, help="how many of the two prompts (1: the story)")
     ap.add_argument("--tbt-tokens", type=int, default=64)
     ap.add_argument("--tbt-budget", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared machine's spin-waits "
@@ -190,7 +191,7 @@ def main() -> None:
     engine = Engine.load(num_threads=args.threads, kv_cache_bytes=2 << 30, kv_cache_max_bytes=2 << 30,
                          max_num_seqs=64)
     settings = PruningSettings("mace", capacity=1, window=args.window, norm_threshold=args.tau, sinks=args.sinks)
-    prompt_ids = [engine.tokenizer.encode_prompt(p)[1] for p in prompts()]
+    prompt_ids = [engine.tokenizer.encode_prompt(p)[1] for p in prompts()[: args.prompts]]
     configs = [("unpruned", 1.0)] + [(m, b) for m in methods for b in budgets if b < 1.0 or m == "mace"]
     quality = decode(engine, prompt_ids, args.tokens, configs, settings)
     print(f"decoded {len(configs)} configs in {time.time() - began:.0f} s", flush=True)
@@ -201,7 +202,7 @@ def main() -> None:
     for config, run in zip(configs, quality, strict=True):
         rows.append({"method": config[0], "budget": config[1], **summarise(engine, prompt_ids, states, run, reference)})
         print(json.dumps(rows[-1]), flush=True)
-    # TBT: each method alone (two streams), its budget a share of prompt + tbt_tokens so that it
+    # TBT: each method alone (one stream per prompt), its budget a share of prompt + tbt_tokens so that it
     # prunes from the first step.
     timed = [("unpruned", 1.0), ("mace", 1.0)] + [(m, args.tbt_budget) for m in methods]
     tbt = {c: decode(engine, prompt_ids, args.tbt_tokens, [c], settings)[0]["tbt_ms"] for c in timed}
@@ -249,7 +250,7 @@ def markdown(r: dict[str, Any]) -> str:
         f"{r['model']} ({r['dtype']}), {r['machine']}, {r['threads']} torch threads on {r['cpus']} shared "
         f"cores; load average {r['load_average']['start']} at start, {r['load_average']['end']} at end; "
         f"{r['wall_s']} s in all.",
-        f"Two chat prompts of {r['prompt_tokens']} tokens, {r['tokens']} greedy tokens each (EOS ignored), "
+        f"{len(r['prompt_tokens'])} chat prompt(s) of {r['prompt_tokens']} tokens, {r['tokens']} greedy tokens each (EOS ignored), "
         f"decoded together. Sinks: {r['sinks']}; MACE W = {r['mace_window'] or 'off'}, "
         f"tau = {r['mace_tau'] or 'off'}. Budget = share of the final context each KV head keeps on "
         "average. Perplexity: of the generated continuation under the unpruned model. Agreement: share "
@@ -267,9 +268,9 @@ def markdown(r: dict[str, Any]) -> str:
             f"| {row['mean_agreement']:.3f} ({', '.join(f'{a:.3f}' for a in row['agreement'])}) "
             f"| {', '.join(map(str, row['first_divergence']))} | {kv:.1f} ({row['peak_kv_share']:.0%}) |")
     lines += [
-        "", f"All {len(r['rows'])} configurations decoded in one batch ({2 * len(r['rows'])} sequences; "
+        "", f"All {len(r['rows'])} configurations decoded in one batch ({len(r['prompt_tokens']) * len(r['rows'])} sequences; "
         f"median iteration {r['batch_decode_ms_median']} ms).", "",
-        f"TBT: each method alone (the two prompts as two streams), {r['tbt_tokens']} decode steps, its "
+        f"TBT: each method alone (one stream per prompt), {r['tbt_tokens']} decode steps, its "
         "budget a share of prompt + those steps so it prunes from the first step:", "",
         "| method | budget | steps | TBT median ms | TBT p90 ms |", "|---|---|---|---|---|",
     ]

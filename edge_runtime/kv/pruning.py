@@ -141,6 +141,16 @@ class HeadPruning:
         """Bytes of keys and values the retained entries hold."""
         return 2 * self.retained_entries * head_dim * element_size
 
+    def pruned_blocks(self, block_size: int) -> list[int]:
+        """Indices into the sequence's block table of the full blocks whose every position every
+        head has pruned: what a paged cache could give back without compacting (not done yet)."""
+        full = self.length // block_size
+        if full == 0:
+            return []
+        layers, heads = self.retained.shape[:2]
+        blocks = self.retained[:, :, : full * block_size].reshape(layers, heads, full, block_size)
+        return (~blocks.any(-1).any(0).any(0)).nonzero().view(-1).tolist()
+
     def mean_norms(self) -> Tensor:
         """The rolling mean of each head's attention-output L2 norm over the decode steps so far."""
         return self.norm_sum / max(1, self.steps)

@@ -244,6 +244,17 @@ def test_window_baseline_keeps_sinks_and_the_most_recent_positions() -> None:
     assert state.retained[0, 0, :20].nonzero().view(-1).tolist() == [0, 1, 17, 18, 19]
 
 
+def test_pruned_blocks_are_full_blocks_no_head_of_any_layer_keeps() -> None:
+    state = HeadPruning(PruningSettings("window", capacity=5, sinks=2), 2, 2)
+    weights = torch.zeros(2, 2, 20)
+    weights[..., 7] = 1.0
+    state.observe(20, weights, weights, torch.ones(2, 2))
+    assert state.pruned_blocks(4) == [1, 2, 3]  # 4..15; block 0 holds the sinks, block 4 17..19
+    state.retained[1, 0, 9] = True  # one head of one layer still keeps a position of block 2
+    assert state.pruned_blocks(4) == [1, 3]
+    assert state.pruned_blocks(32) == []  # no full block
+
+
 def test_h2o_baseline_keeps_the_recent_half_and_the_heaviest_hitters() -> None:
     state = HeadPruning(PruningSettings("h2o", capacity=6, sinks=0), 1, 1)
     weights = torch.zeros(1, 1, 20)
