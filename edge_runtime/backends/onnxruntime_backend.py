@@ -444,7 +444,7 @@ class OnnxRuntimeBackend:
         pad = self.pad_single_row if pad_single_row is None else pad_single_row
         if self.spec.flavour == "ort":
             return plan_gqa_step(steps, self.cache.block_size, cfg.num_kv_heads, pad, self.rope_rows)
-        return plan_step(steps, self.cache.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.sliding_window, pad)
+        return plan_step(steps, self.cache.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.layer_windows, pad)
 
     def _run(self, session: _Session, plan: StepPlan):
         cfg = self.cfg

@@ -188,7 +188,7 @@ class DPOFineTuneTask:
         trainer, model = self.trainer, self.trainer.model
         if j == 0:
             trainer.reference_logps(self.tokens)
-            self._score_kv = PairKV(model.cfg.num_layers, model.cfg.sliding_window)
+            self._score_kv = PairKV(model.cfg.num_layers, model.cfg.layer_windows, model.cfg.attn_softcap)
             self._score_sums = torch.zeros(2, dtype=torch.float64)
         kv = self._score_kv
         if kv is None:
@@ -234,7 +234,7 @@ class DPOFineTuneTask:
             trainer.claim(self)
             self.trainer.reference_logps(self.tokens)  # needed by the top backward group (normally cached)
             n = len(self.groups)
-            self._acts = _Activations(PairKV(model.cfg.num_layers, model.cfg.sliding_window), [[] for _ in range(n)], [[] for _ in range(n)])
+            self._acts = _Activations(PairKV(model.cfg.num_layers, model.cfg.layer_windows, model.cfg.attn_softcap), [[] for _ in range(n)], [[] for _ in range(n)])
             self._held = 0
         acts = self._acts
         if acts is None:
