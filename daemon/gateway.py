@@ -67,7 +67,6 @@ MODEL_ALIAS = "default"
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 # Pages served from this machine (any port) may call the gateway from a browser.
 LOOPBACK_ORIGIN = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?"
-_PARAM = re.compile(r"'([A-Za-z_]+)'")
 _TYPE_NAME = re.compile(r"(str|int|float|bool|none|list|dict|literal|function-\w+)(\[.*\])?", re.IGNORECASE)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -93,14 +92,11 @@ class GatewayError(Exception):
         if isinstance(exc, GatewayError):
             return exc
         if isinstance(exc, ProtocolError):
-            param = None
-            if exc.code == "bad_request":
-                found = _PARAM.search(exc.message)
-                param = found.group(1) if found else None
-            return cls(exc.code, exc.message, param=param, retry_after_s=exc.retry_after_s,
+            return cls(exc.code, exc.message, param=exc.param, retry_after_s=exc.retry_after_s,
                        details=exc.details)
-        if isinstance(exc, MaceError):
-            return cls(exc.code, str(exc), retry_after_s=getattr(exc, "retry_after_s", None))
+        if isinstance(exc, MaceError):  # the engine's BadRequest names its field too
+            return cls(exc.code, str(exc), param=getattr(exc, "param", None),
+                       retry_after_s=getattr(exc, "retry_after_s", None))
         log.error("HTTP request failed", exc_info=exc)
         return cls("internal", f"{type(exc).__name__}: {exc}")
 
@@ -253,10 +249,12 @@ class Gateway:
             ("/v1/completions", self.completions, "POST"),
             ("/v1/embeddings", self.embeddings, "POST"),
             ("/v1/feedback", self.feedback, "POST"),
-            ("/v1/users/{user}/consent", self.consent, "POST"),
-            ("/v1/users/{user}/export", self.export, "GET"),
-            ("/v1/users/{user}/adapters", self.adapters, "GET"),
-            ("/v1/users/{user}", self.forget, "DELETE"),
+            # `user` is the app's own string, which may hold a '/' (sent as %2F, which routing
+            # sees decoded): a path parameter, matched before the route's fixed end.
+            ("/v1/users/{user:path}/consent", self.consent, "POST"),
+            ("/v1/users/{user:path}/export", self.export, "GET"),
+            ("/v1/users/{user:path}/adapters", self.adapters, "GET"),
+            ("/v1/users/{user:path}", self.forget, "DELETE"),
         ]
         origins = [o.strip() for o in service.config.http.cors_origins.split(",") if o.strip()]
         self.app = Starlette(
@@ -476,10 +474,7 @@ class Gateway:
         try:
             return parse_request({"v": 1, "id": "http", **{k: v for k, v in message.items() if v is not None}}).args
         except ProtocolError as exc:
-            error = GatewayError.from_exc(exc)
-            if error.param is not None:
-                error.param = names.get(error.param, error.param)
-            raise error from None
+            raise _as_sent(GatewayError.from_exc(exc), names) from None
 
     async def _generate(self, request: Request, body: _Sampling, kind: str, prompts: list[dict[str, Any]],
                         max_tokens: int | None, names: dict[str, str]) -> Response:
@@ -509,12 +504,17 @@ class Gateway:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             if all_args[0].echo:
                 reply.echo = [p["prompt"] for p in prompts]
-            return await self._stream(request, all_args, reply, include_usage)
+            try:
+                return await self._stream(request, all_args, reply, include_usage)
+            except Exception as exc:
+                raise _as_sent(GatewayError.from_exc(exc), names) from None
         self.in_flight += len(all_args)
         try:
             calls = [GenerateCall(None, api="http", client=_http_client(request)) for _ in all_args]
             work = asyncio.gather(*(self.service.generate(a, c) for a, c in zip(all_args, calls, strict=True)))
             results = await self._until_done_or_gone(request, calls, work)
+        except Exception as exc:  # the engine's refusals (a schema that does not compile) name fields too
+            raise _as_sent(GatewayError.from_exc(exc), names) from None
         finally:
             self.in_flight -= len(all_args)
         return _json(reply.whole(results), headers=_adapter_header(results[0]))
@@ -762,6 +762,16 @@ class _Reply:
         return {"tokens": tokens, "token_logprobs": [x["logprob"] for x in logprobs],
                 "top_logprobs": [{_token_text(b): v for _, v, b in x["top"]} for x in logprobs],
                 "text_offset": offsets}
+
+
+def _as_sent(error: GatewayError, names: dict[str, str]) -> GatewayError:
+    """The error with its field named as the client sent it (`max_completion_tokens` where the
+    protocol says `max_tokens`, `messages` where it says `prompt`), in `param` and the message."""
+    sent = names.get(error.param or "")
+    if sent:
+        error.message = error.message.replace(f"'{error.param}'", f"'{sent}'")
+        error.param = sent
+    return error
 
 
 def _token_text(raw: bytes) -> str:
