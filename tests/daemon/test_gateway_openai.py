@@ -358,3 +358,37 @@ def test_tool_choice_none_hides_the_tools_and_auto_shows_them(gw: Gateway) -> No
     assert hidden.choices[0].message.content == bare.choices[0].message.content
     for reply in (hidden, shown):  # a random model calls nothing: plain content, no calls
         assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "length"
+
+
+def test_the_remaining_rows_of_the_compatibility_table(gw: Gateway) -> None:
+    """docs/gateway.md's table, the rows no other test drives: each as the table says."""
+    client = gw.openai()
+    greedy = dict(model="tiny", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    system = client.chat.completions.create(messages=[{"role": "system", "content": "Be brief."}, *CHAT], **greedy)
+    developer = client.chat.completions.create(messages=[{"role": "developer", "content": "Be brief."}, *CHAT],
+                                               **greedy)
+    assert developer.choices[0].message.content == system.choices[0].message.content
+    assert developer.usage.prompt_tokens == system.usage.prompt_tokens
+    joined = client.chat.completions.create(messages=[{"role": "user", "content": "Hello\nthere"}], **greedy)
+    parts = client.chat.completions.create(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}], **greedy)
+    assert parts.choices[0].message.content == joined.choices[0].message.content
+    assert parts.usage.prompt_tokens == joined.usage.prompt_tokens
+    accepted = client.chat.completions.create(messages=CHAT, parallel_tool_calls=False, tools=[WEATHER], top_p=0.5,
+                                              model="tiny", max_tokens=2, temperature=0,
+                                              extra_body={"ignore_eos": True, "not_a_field": 1})
+    assert accepted.choices[0].finish_reason == "length"
+    two = client.completions.create(model="tiny", prompt="Hi", n=2, best_of=2, max_tokens=2, temperature=1.0, seed=1)
+    assert len(two.choices) == 2
+    unrecorded = client.chat.completions.create(messages=CHAT, user="alice", **{**greedy, "extra_body": {"record": False}})
+    assert unrecorded.model_extra["mace"]["recorded"] is False
+    refused = [
+        (dict(prompt="Hi", suffix="!"), "suffix"),
+        (dict(prompt="Hi", n=1, best_of=3), "best_of"),
+        (dict(prompt=[1, 2, 3], echo=True, stream=True), "echo"),
+        (dict(prompt="Hi", echo=True, logprobs=1), "echo"),
+    ]
+    for kwargs, param in refused:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny", max_tokens=2, **kwargs)
+        assert info.value.param == param, kwargs
