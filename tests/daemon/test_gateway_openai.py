@@ -227,6 +227,11 @@ def test_embeddings_float_and_base64(gw: Gateway) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.embeddings.create(model="tiny", input="x", dimensions=8)
     assert info.value.param == "dimensions"
+    assert len(client.embeddings.create(model="tiny", input=["a"] * 256, encoding_format="float").data) == 256
+    for bad in ("", [], ["a"] * 257, ["a", ""], [[]]):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.embeddings.create(model="tiny", input=bad, encoding_format="float")
+        assert info.value.param == "input", bad
 
 
 def test_a_final_assistant_message_is_continued(gw: Gateway, tiny_model: Path) -> None:
