@@ -321,6 +321,12 @@ def test_browser_preflights_are_answered_for_allowed_origins_only(gw: Gateway, o
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=30)
     assert info.value.code == 401
+    # With it, an allowed page may read the reply (and an error's), another origin's page may not.
+    request.add_header("Authorization", f"Bearer {gw.key}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+        assert response.headers.get("access-control-allow-origin") == (origin if allowed else None)
+    assert info.value.headers.get("access-control-allow-origin") == (origin if allowed else None)
 
 
 def test_the_sdk_speaks_the_same_fields_over_zeromq(gw: Gateway) -> None:
