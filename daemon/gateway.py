@@ -28,6 +28,7 @@ from typing import Any, Literal
 import uvicorn
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.applications import Starlette
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -69,6 +70,22 @@ MAX_PROMPTS = 64  # prompts in one /v1/completions request
 LOOPBACK_ORIGIN = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?"
 _TYPE_NAME = re.compile(r"(str|int|float|bool|none|list|dict|literal|function-\w+)(\[.*\])?", re.IGNORECASE)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class _AppUser(Convertor[str]):
+    """A path segment that is an app's `user` string: any characters, '/' and line breaks too
+    (Starlette's `path` stops at a line break; the protocol refuses one with a 400)."""
+
+    regex = r"[\s\S]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("app_user", _AppUser())
 
 
 class GatewayError(Exception):
@@ -250,11 +267,12 @@ class Gateway:
             ("/v1/embeddings", self.embeddings, "POST"),
             ("/v1/feedback", self.feedback, "POST"),
             # `user` is the app's own string, which may hold a '/' (sent as %2F, which routing
-            # sees decoded): a path parameter, matched before the route's fixed end.
-            ("/v1/users/{user:path}/consent", self.consent, "POST"),
-            ("/v1/users/{user:path}/export", self.export, "GET"),
-            ("/v1/users/{user:path}/adapters", self.adapters, "GET"),
-            ("/v1/users/{user:path}", self.forget, "DELETE"),
+            # sees decoded) or anything else: matched whole, before the route's fixed end, so
+            # that the protocol (not a 404) judges it.
+            ("/v1/users/{user:app_user}/consent", self.consent, "POST"),
+            ("/v1/users/{user:app_user}/export", self.export, "GET"),
+            ("/v1/users/{user:app_user}/adapters", self.adapters, "GET"),
+            ("/v1/users/{user:app_user}", self.forget, "DELETE"),
         ]
         origins = [o.strip() for o in service.config.http.cors_origins.split(",") if o.strip()]
         self.app = Starlette(
