@@ -432,7 +432,7 @@ class Service:
         else:
             chars = 0  # token ids: the engine checks their count against its context
         if chars > limit:
-            raise ProtocolError("bad_request", f"prompt has {chars} characters; the limit is {limit}")
+            raise ProtocolError("bad_request", f"prompt has {chars} characters; the limit is {limit}", param="prompt")
         from edge_runtime.chat import ChatPrompt
         from edge_runtime.constraints import Constraint
 

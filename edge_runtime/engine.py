@@ -187,22 +187,25 @@ class Engine:
         if request_id in self.requests:
             raise BadRequest(f"request id {request_id!r} is already in flight")
         if isinstance(prompt, str) and len(prompt) > self.config.max_prompt_chars:
-            raise BadRequest(f"prompt has {len(prompt)} characters; the limit is {self.config.max_prompt_chars}")
+            raise BadRequest(f"prompt has {len(prompt)} characters; the limit is {self.config.max_prompt_chars}",
+                             param="prompt")
         if isinstance(prompt, ChatPrompt):
             forced = forced_call_constraint(prompt, self.tokenizer.tool_style)
             if forced is not None:
                 if params.constraint is not None:
-                    raise BadRequest("a forced tool call and a response format cannot both shape one answer")
+                    raise BadRequest("a forced tool call and a response format cannot both shape one answer",
+                                     param="response_format")
                 params = dataclasses.replace(params, constraint=forced)
         text, ids = self.tokenizer.encode_prompt(prompt)
         if len(ids) >= self.max_context:
             raise BadRequest(
                 f"prompt has {len(ids)} tokens; this engine holds at most {self.max_context - 1} "
-                "prompt tokens per sequence (model limit and KV cache size)"
+                "prompt tokens per sequence (model limit and KV cache size)", param="prompt"
             )
         vocab = self.model.cfg.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
-            raise BadRequest(f"logit_bias names a token id outside this model's vocabulary of {vocab}")
+            raise BadRequest(f"logit_bias names a token id outside this model's vocabulary of {vocab}",
+                             param="logit_bias")
         # One compile per request (a schema or grammar that does not compile is the request's
         # fault); each candidate gets its own copy of the grammar's state.
         matcher = self.grammars.matcher(params.constraint) if params.constraint is not None else None
