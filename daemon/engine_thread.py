@@ -387,4 +387,7 @@ def _model_info(engine: Engine) -> dict[str, Any]:
     """Facts about the loaded model that never change (read once, on the engine thread)."""
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     weights += sum(b.numel() * b.element_size() for b in engine.model.buffers())
-    return {"weights_bytes": int(weights), "parameters": int(sum(p.numel() for p in engine.model.parameters()))}
+    choice = engine.backend_choice
+    return {"weights_bytes": int(weights), "parameters": int(sum(p.numel() for p in engine.model.parameters())),
+            "backend_requested": choice.requested, "quantization": choice.quantization,
+            "backend_reason": choice.reason}

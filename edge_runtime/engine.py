@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from edge_runtime.backends import make_backend
+from edge_runtime.backends.auto import SELF_CHECK_PROMPTS, choose_backend, first_candidate
 from edge_runtime.chat import ChatPrompt, forced_call_constraint
 from edge_runtime.config import EngineConfig
 from edge_runtime.constraints import GrammarCompiler, unpack_mask
@@ -88,9 +88,12 @@ class Engine:
             cache_bytes=config.adapter_cache_bytes, base_model=name,
         )
         self.adapters.preload()
-        self.backend = make_backend(config, model, self.cache, self.adapters)
+        prompts = ([tokenizer.hf.encode(text)[: config.block_size * 2] for text in SELF_CHECK_PROMPTS]
+                   if config.backend == "auto" else [])
+        self.backend, self.backend_choice = choose_backend(config, model, self.cache, self.adapters,
+                                                           self.pool, prompts)
         self.clock = time.monotonic  # the one scheduling clock (tests may substitute a fake)
-        self.costs = load_cost_model(cfg, model.dtype, model.device, self.backend.name, self.backend.execute,
+        self.costs = load_cost_model(cfg, model.dtype, model.device, self._costs_key, self.backend.execute,
                                      self.pool, per_block, mode=config.cost_profile,
                                      cache_dir=config.cost_cache_dir)
         self.ledger = MemoryLedger(self._memory_budget_bytes())
@@ -130,7 +133,11 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         path, name = _resolve(config.model)
         device = _engine_device(config)
-        dtype = pick_dtype(config.dtype, device)
+        dtype_name = config.dtype
+        if dtype_name == "auto" and config.backend == "auto" and device.type == "cpu" \
+                and first_candidate(device) != "torch":
+            dtype_name = "float32"  # ONNX Runtime's CPU kernels and the dense KV rows are float32
+        dtype = pick_dtype(dtype_name, device)
         if config.memory_budget_bytes:  # refuse before reading gigabytes of weights
             cfg = ModelConfig.from_dir(path)
             with torch.device("meta"):
@@ -138,6 +145,12 @@ class Engine:
             check_memory_budget(config, cfg, dtype, _weights_bytes(shell, dtype))
         net = load_llama(path, dtype=dtype, device=device)
         return cls(net, Tokenizer(path), config, name=name)
+
+    @property
+    def _costs_key(self) -> str:
+        """What the cost caches are keyed by besides the machine: the backend and its weights."""
+        choice = self.backend_choice
+        return choice.name if choice.quantization == "none" else f"{choice.name}/{choice.quantization}"
 
     def _kv_budget_bytes(self) -> int:
         if self.config.kv_cache_bytes:
@@ -377,7 +390,7 @@ class Engine:
         from edge_runtime.lora.config import LoraSettings
 
         return load_stage_costs(self.model, settings or LoraSettings(), cache_dir=self.config.cost_cache_dir,
-                                backend_name=self.backend.name, block_size=self.config.block_size)
+                                backend_name=self._costs_key, block_size=self.config.block_size)
 
     def finetune_stats(self) -> dict[str, Any]:
         queue = self.scheduler.finetune

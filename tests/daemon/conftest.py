@@ -18,8 +18,10 @@ import pytest
 from daemon.client import Client, ClientError
 
 REPO = Path(__file__).resolve().parents[2]
+# The torch backend: daemon tests test the daemon, and the default ("auto") would export and
+# self-check an ONNX graph at every start (tests/daemon/test_backend_choice.py tests that).
 TINY_ENGINE_FLAGS = ["--dtype", "float32", "--set", "engine.kv_cache_bytes=8388608",
-                     "--set", "engine.num_threads=1"]
+                     "--set", "engine.num_threads=1", "--set", "engine.backend=torch"]
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,55 @@
+"""The daemon's backend: "auto" by default; `macectl status` (text and --json) and `/metrics`
+say which backend serves and why."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon.config import load_config
+from tests.daemon.conftest import REPO, free_tcp_port
+
+pytest.importorskip("onnxruntime")
+
+
+def test_the_daemon_defaults_to_the_auto_backend() -> None:
+    config = load_config(None, {}, [])
+    assert (config.engine.backend, config.engine.onnx_quantization) == ("auto", "auto")
+    explicit = load_config(None, {"MACE_ENGINE_BACKEND": "torch"}, [])
+    assert explicit.engine.backend == "torch"
+
+
+def macectl(endpoint: str, *args: str) -> str:
+    run = subprocess.run([sys.executable, "-m", "daemon.cli", "--endpoint", endpoint, "status", *args],
+                         cwd=REPO, capture_output=True, text=True, timeout=60, env=os.environ.copy())
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+def test_status_and_metrics_say_which_backend_and_why(start_daemon, tmp_path: Path) -> None:
+    port = free_tcp_port()
+    flags = ["--dtype", "float32", "--set", "engine.kv_cache_bytes=8388608", "--set", "engine.num_threads=1",
+             "--set", "engine.onnx_quantization=none",  # the tiny model's float graph: exact
+             "--set", f"engine.onnx_cache_dir={tmp_path / 'onnx'}", "--set", "engine.cost_profile=off"]
+    d = start_daemon(engine_flags=flags, extra_args=["--http", f"127.0.0.1:{port}"])
+    model = json.loads(macectl(d.endpoint, "--json"))["model"]
+    assert (model["backend"], model["backend_requested"], model["quantization"]) == ("onnxruntime", "auto", "none")
+    assert "self-check: greedy tokens equal" in model["backend_reason"]
+    text = macectl(d.endpoint)
+    assert "onnxruntime on cpu, auto" in text and "backend choice" in text
+    with d.client() as c:
+        assert c.generate(prompt="Hello", max_tokens=4, temperature=0.0).candidates[0].text is not None
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        body = response.read().decode()
+    info = [s for f in text_string_to_metric_families(body) for s in f.samples if s.name == "mace_backend_info"]
+    assert len(info) == 1 and info[0].value == 1.0
+    assert (info[0].labels["requested"], info[0].labels["backend"]) == ("auto", "onnxruntime")
+    assert "self-check" in info[0].labels["reason"]
