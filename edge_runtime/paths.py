@@ -42,10 +42,12 @@ def models_dir() -> Path:
     return cache_dir() / "models"
 
 
-def legacy_models_dir() -> Path:
-    """Where the model cache lived before it was shared (<state dir>/models): still read, so an
-    upgraded device does not fetch again."""
-    return state_dir() / "models"
+def legacy_models_dirs() -> list[Path]:
+    """Where the model cache lived before it was shared (<state dir>/models, this one's and the
+    default state dir's): still read, so an upgraded device does not fetch again."""
+    xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    dirs = [state_dir() / "models", Path(xdg) / "mace-edge" / "models"]
+    return [d for i, d in enumerate(dirs) if d not in dirs[:i]]
 
 
 def make_private(root: Path) -> int:

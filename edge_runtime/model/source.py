@@ -79,17 +79,17 @@ def resolve_model(
     every cached file.
     """
     if cache_dir is not None:
-        models, legacy = Path(cache_dir) / "models", None
+        models, legacy = Path(cache_dir) / "models", []
     elif state_dir is not None:
-        models, legacy = Path(state_dir) / "models", None
+        models, legacy = Path(state_dir) / "models", []
     else:
-        models, legacy = paths.models_dir(), paths.legacy_models_dir()
-    if legacy is not None and legacy.resolve() == models.resolve():
-        legacy = None
+        models, legacy = paths.models_dir(), paths.legacy_models_dirs()
+    legacy = [d for d in legacy if d.resolve() != models.resolve()]
     if spec is None or str(spec).strip().lower() in _DEFAULT_ALIASES:
-        found = _cached_elsewhere(legacy, DEFAULT_NAME, verify)
-        if found is not None and _check_cache(models / DEFAULT_NAME, verify) is None:
-            return found
+        if _check_cache(models / DEFAULT_NAME, verify) is None:
+            found = _cached_elsewhere(legacy, DEFAULT_NAME, verify)
+            if found is not None:
+                return found
         return _resolve_default(models, allow_download, progress, verify, gguf_file, wheel_file)
     if gguf_file is not None or wheel_file is not None:
         raise ModelNotAvailable(
@@ -105,7 +105,7 @@ def resolve_model(
             )
         return _resolve_gguf_file(path, models, legacy, progress, verify)
     name = str(spec)
-    folders = [f for f in (models, legacy) if f is not None and (f / name / MANIFEST_NAME).is_file()]
+    folders = [f for f in (models, *legacy) if (f / name / MANIFEST_NAME).is_file()]
     if _CACHE_NAME.fullmatch(name) and folders:
         manifest = _check_cache(folders[0] / name, verify)
         if manifest is not None:
@@ -136,15 +136,17 @@ def _use_hf_dir(path: Path) -> ResolvedModel:
     )
 
 
-def _cached_elsewhere(legacy: Path | None, name: str, verify: bool) -> ResolvedModel | None:
-    """A complete cache of `name` in the state directory's older model folder, if there is one."""
-    if legacy is None:
-        return None
-    manifest = _check_cache(legacy / name, verify) if (legacy / name / MANIFEST_NAME).is_file() else None
-    return _from_manifest(legacy / name, manifest) if manifest is not None else None
+def _cached_elsewhere(legacy: list[Path], name: str, verify: bool) -> ResolvedModel | None:
+    """A complete cache of `name` in a state directory's older model folder, if there is one."""
+    for folder in legacy:
+        if (folder / name / MANIFEST_NAME).is_file():
+            manifest = _check_cache(folder / name, verify)
+            if manifest is not None:
+                return _from_manifest(folder / name, manifest)
+    return None
 
 
-def _resolve_gguf_file(path: Path, models: Path, legacy: Path | None, progress: bool,
+def _resolve_gguf_file(path: Path, models: Path, legacy: list[Path], progress: bool,
                        verify: bool) -> ResolvedModel:
     sha = _sha256(path)
     # The default model's GGUF given by path shares the default cache instead of a second copy.

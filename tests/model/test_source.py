@@ -421,6 +421,12 @@ def test_a_cache_an_older_release_left_under_the_state_dir_is_still_read(
     assert not upgraded.converted and upgraded.path == old.path
     assert resolve_model(old.path.name, progress=False).path == old.path
     assert not (tmp_path / "cache" / "models" / old.path.name).exists()
+    # ... and so is the default state dir's, when a daemon starts with a new --state-dir.
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "new-state"))
+    (tmp_path / "state").rename(tmp_path / "mace-edge")
+    moved = resolve_model(tiny_gguf, progress=False)
+    assert not moved.converted and moved.path == tmp_path / "mace-edge" / "models" / old.path.name
 
 
 def test_cache_dir_follows_mace_then_systemd_then_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
