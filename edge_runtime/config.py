@@ -46,7 +46,10 @@ class EngineConfig:
     iteration_budget_max_fraction: float = 1.5
     memory_budget_bytes: int = 0  # ledger budget; 0 = weights + KV cache + adapters + finetune_memory_bytes
     finetune_memory_bytes: int = 256 << 20  # room the derived budget leaves for fine-tuning
-    cost_profile: str = "auto"  # "auto": calibrate once per machine and cache; "off": nominal + online
+    # "auto": calibrate once per machine (before serving) and cache; "background": the cached
+    # calibration, else nominal costs at once and calibrate while idle (the daemon's default);
+    # "off": nominal + online correction only
+    cost_profile: str = "auto"
     cost_cache_dir: str | None = None  # None = <state dir>/costs; "" = calibrate at every start
     max_prompt_chars: int = 200_000
     adapters_root: str = ""  # per-user LoRA versions (<root>/<user>/v<N>/); "" = in memory only

@@ -93,23 +93,21 @@ class Engine:
         self.backend, self.backend_choice = choose_backend(config, model, self.cache, self.adapters,
                                                            self.pool, prompts)
         self.clock = time.monotonic  # the one scheduling clock (tests may substitute a fake)
-        self.costs = load_cost_model(cfg, model.dtype, model.device, self._costs_key, self.backend.execute,
-                                     self.pool, per_block, mode=config.cost_profile,
-                                     cache_dir=config.cost_cache_dir)
+        # With cost_profile "background", a machine without a cached calibration serves on
+        # nominal costs at once and calibrates while idle (`calibrate_step`).
+        self.costs, self._calibration = load_cost_model(
+            cfg, model.dtype, model.device, self._costs_key, self.backend.execute, self.pool, per_block,
+            mode=config.cost_profile, cache_dir=config.cost_cache_dir)
         self.ledger = MemoryLedger(self._memory_budget_bytes())
         self.ledger.set(MemoryKind.WEIGHTS, "model", _weights_bytes(model))
         self._note_backend_memory()
         self.ledger.register_shedder(MemoryKind.ADAPTERS, self._shed_adapters)
-        slo_tbt_s = (config.slo_tbt_ms / 1000 if config.slo_tbt_ms > 0
-                     else config.slo_tbt_factor * self.costs.unloaded_decode_s())
         self.scheduler = Scheduler(
             self.pool, make_policy(config.policy, config.policy_params), self.costs, self.ledger,
             max_batched_tokens=config.max_batched_tokens, max_num_seqs=config.max_num_seqs,
-            latency_budget_s=config.iteration_budget_fraction * slo_tbt_s, slo_tbt_s=slo_tbt_s,
-            slo_ttft_factor=config.slo_ttft_factor,
-            max_latency_budget_s=max(config.iteration_budget_fraction, config.iteration_budget_max_fraction) * slo_tbt_s,
-            rope_switch=cfg.rope_switch,
+            slo_ttft_factor=config.slo_ttft_factor, rope_switch=cfg.rope_switch,
         )
+        self._set_slo()
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
@@ -145,6 +143,41 @@ class Engine:
             check_memory_budget(config, cfg, dtype, _weights_bytes(shell, dtype))
         net = load_llama(path, dtype=dtype, device=device)
         return cls(net, Tokenizer(path), config, name=name)
+
+    def _set_slo(self) -> None:
+        """The TBT SLO and the iteration's latency budgets: configured, or a multiple of the
+        cost model's unloaded decode step (set again when a background calibration lands)."""
+        config = self.config
+        slo_tbt_s = (config.slo_tbt_ms / 1000 if config.slo_tbt_ms > 0
+                     else config.slo_tbt_factor * self.costs.unloaded_decode_s())
+        self.scheduler.slo_tbt_s = slo_tbt_s
+        self.scheduler.latency_budget_s = self.scheduler.iteration_budget_s = config.iteration_budget_fraction * slo_tbt_s
+        self.scheduler.max_latency_budget_s = slo_tbt_s * max(config.iteration_budget_fraction,
+                                                              config.iteration_budget_max_fraction)
+
+    @property
+    def calibrating(self) -> bool:
+        """A background cost calibration still has shapes to measure."""
+        return self._calibration is not None
+
+    def calibrate_step(self) -> None:
+        """Measure one more shape of the background calibration (a host calls this only while
+        no request is in flight, so no request waits behind more than one shape); the last one
+        replaces the nominal costs and the SLO derived from them."""
+        calibration = self._calibration
+        if calibration is None or self.has_unfinished():
+            return
+        try:
+            fitted = calibration.step()
+        except Exception:  # a probe that fails costs the calibration, never the engine
+            log.exception("background cost calibration failed; serving on nominal costs, corrected online")
+            self._calibration = None
+            return
+        if calibration.done:
+            self._calibration = None
+            if fitted is not None:
+                self.costs.recalibrate(fitted)
+                self._set_slo()
 
     @property
     def _costs_key(self) -> str:

@@ -53,3 +53,14 @@ def test_status_and_metrics_say_which_backend_and_why(start_daemon, tmp_path: Pa
     assert len(info) == 1 and info[0].value == 1.0
     assert (info[0].labels["requested"], info[0].labels["backend"]) == ("auto", "onnxruntime")
     assert "self-check" in info[0].labels["reason"]
+
+
+def test_the_daemon_answers_before_calibrating_and_calibrates_while_idle(start_daemon) -> None:
+    from tests.daemon.conftest import wait_for
+
+    d = start_daemon()  # an empty state directory: no cost calibration cached
+    with d.client() as c:
+        assert c.generate(prompt="Hello", max_tokens=4, temperature=0.0).candidates
+        wait_for(lambda: c.status()["engine"]["cost_model"]["source"] == "calibrated", 120)
+    assert list((d.state_dir / "costs").glob("forward-*.json"))
+    assert "calibrated the forward cost model in the background" in d.log()
