@@ -64,3 +64,34 @@ def test_the_daemon_answers_before_calibrating_and_calibrates_while_idle(start_d
         wait_for(lambda: c.status()["engine"]["cost_model"]["source"] == "calibrated", 120)
     assert list((d.state_dir / "costs").glob("forward-*.json"))
     assert "calibrated the forward cost model in the background" in d.log()
+
+
+def test_a_daemon_on_the_auto_backend_trains_publishes_and_serves_an_adapter(
+        start_daemon, tiny_model: Path, tmp_path: Path) -> None:
+    """Training reads the torch weights, serving runs the ONNX graph with the adapter's weights as
+    inputs: what the daemon serves for the user is what the torch reference computes with the
+    adapter it published."""
+    from edge_runtime import Engine, SamplingParams
+    from tests.daemon.conftest import wait_for
+
+    flags = ["--dtype", "float32", "--set", "engine.kv_cache_bytes=8388608", "--set", "engine.num_threads=1",
+             "--set", "engine.onnx_quantization=none", "--set", f"engine.onnx_cache_dir={tmp_path / 'onnx'}"]
+    d = start_daemon(engine_flags=flags, extra_args=["--set", "finetune.pairs_per_version=2",
+                                                     "--set", "feedback.heldout_fraction=0.0"])
+    with d.client() as c:
+        assert c.status()["model"]["backend"] == "onnxruntime"
+        c.consent("gina")
+        for prompt in ("Say hi", "Say bye"):
+            r = c.generate(prompt, max_tokens=6, n=2, temperature=1.0, seed=3, user="gina")
+            c.choose("gina", r.interaction_id, 1)
+        wait_for(lambda: c.status()["finetune"]["versions_published"] == 1, 120)
+        served = c.generate("Say hi", max_tokens=8, temperature=0.0, user="gina")
+        assert served.adapter == "gina@1"
+    reference = Engine.load(str(tiny_model), dtype="float32", kv_cache_bytes=8 << 20, cost_profile="off",
+                            adapters_root=str(d.state_dir / "adapters"))
+    reference.add_request("Say hi", SamplingParams(max_tokens=8), adapter="gina")
+    finished = []
+    while reference.has_unfinished():
+        finished += reference.step()
+    assert finished[0].adapter == "gina@1"
+    assert served.candidates[0].text == finished[0].text
