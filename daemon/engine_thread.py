@@ -204,11 +204,11 @@ class EngineThread:
         failures = 0
         while not self._stopping:
             self._on_alive()
-            idle = not engine.has_unfinished()
             # Idle with a cost calibration still to run: one shape of it per turn (a request
             # arriving meanwhile waits for that shape at most), without blocking on the queue.
-            self._drain(engine, block=idle and not engine.calibrating)
-            if not engine.has_unfinished() and engine.calibrating and not self._stopping:
+            calibrating = getattr(engine, "calibrating", False)
+            self._drain(engine, block=not engine.has_unfinished() and not calibrating)
+            if calibrating and not engine.has_unfinished() and not self._stopping:
                 engine.calibrate_step()
             if engine.has_unfinished() and not self._stopping:
                 try:
