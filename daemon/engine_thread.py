@@ -208,7 +208,7 @@ class EngineThread:
             # arriving meanwhile waits for that shape at most), without blocking on the queue.
             calibrating = getattr(engine, "calibrating", False)
             self._drain(engine, block=not engine.has_unfinished() and not calibrating)
-            if calibrating and not engine.has_unfinished() and not self._stopping:
+            if calibrating and not engine.requests and not self._stopping:
                 engine.calibrate_step()
             if engine.has_unfinished() and not self._stopping:
                 try:

@@ -161,11 +161,11 @@ class Engine:
         return self._calibration is not None
 
     def calibrate_step(self) -> None:
-        """Measure one more shape of the background calibration (a host calls this only while
-        no request is in flight, so no request waits behind more than one shape); the last one
-        replaces the nominal costs and the SLO derived from them."""
+        """Measure one more shape of the background calibration (only while no request is in
+        flight, so no request waits behind more than one shape; fine-tune stages may be queued);
+        the last one replaces the quick or nominal costs and the SLO derived from them."""
         calibration = self._calibration
-        if calibration is None or self.has_unfinished():
+        if calibration is None or self.requests:
             return
         try:
             fitted = calibration.step()

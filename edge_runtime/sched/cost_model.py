@@ -92,7 +92,7 @@ class CostModel:
     activation_bytes_per_token: int  # transient activations of one token through the forward
     logits_bytes_per_row: int
     ema_alpha: float = 0.2
-    source: str = "nominal"  # "calibrated", "cached" or "nominal"
+    source: str = "nominal"  # "calibrated", "cached", "quick" (before a background one) or "nominal"
     forward_fix: Correction = field(init=False)
     stage_fix: dict[str, Correction] = field(init=False)
 
@@ -240,6 +240,32 @@ def measure_shape(execute: Callable[[Batch], Any], pool: BlockPool, vocab: int,
     # The fastest of a few runs: on a machine shared with other work, slower runs measure
     # the others; the online correction adds today's contention back.
     return tokens, attended, logit_rows, min(times)
+
+
+# The quick calibration before serving: one shape per coefficient (the fixed cost of a small
+# decode, attended pairs and LM-head rows of a wide deep decode, new tokens of two prefills),
+# timed once after a warm-up: a fit good to tens of percent in ~8 forwards, so the SLO and the
+# iteration budget start near this machine's, not a guess ten times off.
+QUICK_SHAPES: tuple[tuple[tuple[int, int, int], ...], ...] = (
+    ((1, 16, 1),), ((16, 256, 1),), ((1, 0, 64),), ((1, 0, 192),),
+)
+
+
+def quick_calibration(execute: Callable[[Batch], Any], pool: BlockPool, cfg: ModelConfig,
+                      seed: int = 0) -> ForwardCoefficients | None:
+    """Coefficients from `QUICK_SHAPES` (None if they do not fit the pool or the fit misses its
+    own points by more than their size)."""
+    started = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)
+    rows = [measure_shape(execute, pool, cfg.vocab_size, shape, 1, gen) for shape in QUICK_SHAPES]
+    rows = [row for row in rows if row is not None]
+    if len(rows) < len(QUICK_SHAPES):
+        return None
+    fitted = fit_forward(rows)
+    miss = fit_error(fitted, rows)
+    log.info("quick forward cost calibration in %.1f s (largest miss %.0f%%): %s",
+             time.perf_counter() - started, 100 * miss, fitted)
+    return fitted if miss < 1.0 else None
 
 
 class BackgroundCalibration:
@@ -406,8 +432,9 @@ def load_cost_model(
 ) -> tuple[CostModel, BackgroundCalibration | None]:
     """The forward's cost model: `mode` "auto" loads this machine's cached calibration or runs
     one (~11 synthetic batches through the real backend, before any request: seconds on a quiet
-    machine, minutes on a busy one); "background" loads the cached one or starts from nominal
-    figures and returns the calibration for the engine to run while idle; "off" starts from
+    machine, minutes on a busy one); "background" loads the cached one or starts from a quick
+    one (4 batches, each timed once; nominal figures if that fails) and returns the full
+    calibration for the engine to run while idle; "off" starts from
     nominal figures and relies on the online correction alone. Returns (model, calibration
     still to run or None)."""
     per_token, per_row = activation_sizes(cfg, dtype)
@@ -421,6 +448,9 @@ def load_cost_model(
         if values is not None:
             return CostModel(ForwardCoefficients(**values), kv_block_bytes, pool.block_size, per_token, per_row,
                              ema_alpha, "cached"), None
+        quick = quick_calibration(execute, pool, cfg)
+        if quick is not None:
+            coefficients, source = quick, "quick"
         return (CostModel(coefficients, kv_block_bytes, pool.block_size, per_token, per_row, ema_alpha, source),
                 BackgroundCalibration(cfg, execute, pool, path))
     if mode == "auto":

@@ -282,8 +282,10 @@ def test_background_calibration_serves_at_once_then_calibrates_while_idle(
     monkeypatch.setattr(cost_model, "machine_busy", lambda: False)
     monkeypatch.setattr(cost_model, "fit_error", lambda coefficients, rows: 0.0)
     engine = make_engine(tiny_model_dir, tmp_path, cost_profile="background")
-    assert engine.costs.source == "nominal" and engine.calibrating
-    nominal_slo = engine.scheduler.slo_tbt_s
+    # A quick calibration (4 batches, timed once) before serving, the full one while idle.
+    assert engine.costs.source == "quick" and engine.calibrating
+    quick_slo = engine.scheduler.slo_tbt_s
+    assert quick_slo == pytest.approx(5.0 * engine.costs.unloaded_decode_s())
     reference = make_engine(tiny_model_dir, tmp_path / "other", cost_profile="off").generate(PROMPTS[:2], GREEDY)
     # A request in flight: no calibration step runs beside it.
     engine.add_request(PROMPTS[0], GREEDY)
@@ -298,10 +300,14 @@ def test_background_calibration_serves_at_once_then_calibrates_while_idle(
         steps += 1
     assert steps == len(cost_model.SHAPES)
     assert engine.costs.source == "calibrated" and engine.costs.forward_fix.samples == 0
-    assert engine.scheduler.slo_tbt_s != nominal_slo
+    assert engine.scheduler.slo_tbt_s != quick_slo
     assert engine.scheduler.slo_tbt_s == pytest.approx(5.0 * engine.costs.unloaded_decode_s())
     # Probes between requests change no answer, and the next start reads the cache.
     assert [o.text for o in engine.generate(PROMPTS[:2], GREEDY)] == [o.text for o in reference]
     again = make_engine(tiny_model_dir, tmp_path, cost_profile="background")
     assert again.costs.source == "cached" and not again.calibrating
     assert again.costs.forward == engine.costs.forward
+    # A quick fit that misses its own points by more than their size is not used.
+    monkeypatch.setattr(cost_model, "fit_error", lambda coefficients, rows: 1.5)
+    nominal = make_engine(tiny_model_dir, tmp_path / "third", cost_profile="background")
+    assert nominal.costs.source == "nominal" and nominal.calibrating
