@@ -34,6 +34,7 @@ from daemon.client import Client, ClientError  # noqa: E402
 PHASES = {
     "ready_s": r"ready in ([\d.]+) s",
     "forward_calibration_s": r"calibrated the forward cost model in ([\d.]+) s",
+    "quick_calibration_s": r"quick forward cost calibration in ([\d.]+) s",
     "export_s": r"exported \S+ in ([\d.]+) s",
     "background_calibration_s": r"in the background, ([\d.]+) s of forwards",
 }
@@ -152,12 +153,12 @@ def main() -> int:
     lines = [f"# Time to ready ({stem})", "", f"`{result['command']}` ({os.cpu_count()} CPUs; warm model "
              "cache, a new empty state directory per run)", "",
              "| run | load avg | first answer (s) | its CPU time (s) | daemon ready (s) | graph export (s) | "
-             "cost calibration before ready (s) | backend |",
+             "cost calibration before ready (s), full / quick | backend |",
              "|---:|---:|---:|---:|---:|---:|---:|---|"]
     for i, r in enumerate(rows):
         lines.append(f"| {i + 1} | {r['load_average_at_start']} | **{r['first_answer_s']}** | "
                      f"{r['first_answer_cpu_s']} | {r['ready_s']} | "
-                     f"{r['export_s'] or '-'} | {r['forward_calibration_s'] or '-'} | "
+                     f"{r['export_s'] or '-'} | {r['forward_calibration_s'] or '-'} / {r.get('quick_calibration_s') or '-'} | "
                      f"{r['backend']} ({r['quantization']}) |")
     if args.finetune:
         lines += ["", "| run | adapter served | train 2 pairs + publish (s) | peak RSS (MiB) | RSS after (MiB) |",
