@@ -58,7 +58,9 @@ def test_status_and_metrics_say_which_backend_and_why(start_daemon, tmp_path: Pa
 def test_the_daemon_answers_before_calibrating_and_calibrates_while_idle(start_daemon) -> None:
     from tests.daemon.conftest import wait_for
 
-    d = start_daemon()  # an empty state directory: no cost calibration cached
+    # The daemon's default cost_profile ("background"); an empty state dir: nothing cached.
+    d = start_daemon(engine_flags=["--dtype", "float32", "--set", "engine.kv_cache_bytes=8388608",
+                                   "--set", "engine.num_threads=1", "--set", "engine.backend=torch"])
     with d.client() as c:
         assert c.generate(prompt="Hello", max_tokens=4, temperature=0.0).candidates
         wait_for(lambda: c.status()["engine"]["cost_model"]["source"] == "calibrated", 120)
