@@ -84,3 +84,18 @@ def test_auto_loads_float32_weights_for_onnxruntime_on_cpu(tiny_model_dir, tmp_p
                                              (0.2, "int4"), (0.3, "int4-compact")])
 def test_quantization_is_the_fastest_within_the_perplexity_margin(margin, expected):
     assert auto.pick_quantization(margin) == expected
+
+
+def test_candidates_follow_the_device_and_what_is_installed(monkeypatch):
+    from edge_runtime.backends import onnxruntime_backend
+
+    have = {"onnx", "onnxruntime", "tensorrt"}
+    monkeypatch.setattr(auto, "installed", lambda module: module in have)
+    monkeypatch.setattr(onnxruntime_backend, "onnxruntime_has_gpu", lambda: True)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert auto.candidates(cuda) == ["tensorrt", "onnxruntime"]  # native TensorRT, then the EPs
+    assert auto.candidates(cpu) == ["onnxruntime"]  # TensorRT needs a GPU
+    monkeypatch.setattr(onnxruntime_backend, "onnxruntime_has_gpu", lambda: False)
+    assert auto.candidates(cuda) == ["tensorrt"]  # a CPU-only onnxruntime cannot read a CUDA cache
+    have.discard("tensorrt")
+    assert auto.candidates(cuda) == [] and auto.first_candidate(cuda) == "torch"
