@@ -12,6 +12,7 @@ shapes are documented in docs/onnx.md; `StepInputs` (step_inputs.py) builds the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -171,10 +172,11 @@ def _np(t: torch.Tensor) -> np.ndarray:
 class _StepWriter:
     """Emits the step for one model and spec; methods mirror `DecoderLayer.forward`."""
 
-    def __init__(self, model: LlamaModel, spec: GraphSpec) -> None:
+    def __init__(self, model: LlamaModel, spec: GraphSpec, on_layer: Callable[[], None] | None = None) -> None:
         self.model = model
         self.cfg = model.cfg
         self.spec = spec
+        self.on_layer = on_layer  # called after each decoder layer is written (a progress bar)
         self.g = _Graph()
         self.ort = spec.flavour == "ort"
         self.dense = spec.kv_layout == "dense"
@@ -557,6 +559,8 @@ class _StepWriter:
             if post:
                 delta, _ = self.rms_norm(delta, layer.mlp_out_norm, f"{p}.mlp_out_norm")
             delta = self.scaled(delta, cfg.residual_multiplier)
+            if self.on_layer is not None:
+                self.on_layer()
         normed, _ = self.rms_norm(residual, model.norm, "norm", delta)
         flat = g.op("Reshape", [normed, g.const([-1, cfg.hidden_size])])
         rows = g.op("Gather", [flat, "logit_rows"], axis=0)  # [R, h]
@@ -593,6 +597,8 @@ class _StepWriter:
         return proto
 
 
-def build_step_graph(model: LlamaModel, spec: GraphSpec) -> onnx.ModelProto:
-    """The whole step (embedding to logits and new K/V) as an ONNX model, weights inline."""
-    return _StepWriter(model, spec).build()
+def build_step_graph(model: LlamaModel, spec: GraphSpec,
+                     on_layer: Callable[[], None] | None = None) -> onnx.ModelProto:
+    """The whole step (embedding to logits and new K/V) as an ONNX model, weights inline;
+    `on_layer` is called after each decoder layer (quantising the layers is most of the time)."""
+    return _StepWriter(model, spec, on_layer).build()
