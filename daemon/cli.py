@@ -203,7 +203,9 @@ def cmd_feedback(client: Client, args: argparse.Namespace) -> int:
         _print_json(ack)
     else:
         pairs = ack.get("pair_ids") or []
-        print(f"stored feedback {ack.get('feedback_id', '')}; {len(pairs)} preference pair(s)")
+        unpaired = ack.get("unpaired_ids") or []
+        print(f"stored feedback {ack.get('feedback_id', '')}; {len(pairs)} preference pair(s), "
+              f"{len(unpaired)} unpaired example(s)")
     return EXIT_OK
 
 

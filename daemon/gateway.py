@@ -629,7 +629,8 @@ class Gateway:
                               "interaction_id": body.id, "feedback": fields}).args
         ack = await self.service.feedback(args)
         return _json({"object": "feedback", "id": ack["feedback_id"], "completion_id": body.id,
-                      "user": body.user, "pair_ids": ack["pair_ids"], "durable": ack["durable"]})
+                      "user": body.user, "pair_ids": ack["pair_ids"], "unpaired_ids": ack["unpaired_ids"],
+                      "durable": ack["durable"]})
 
     def _user_args(self, request: Request, op: str, **extra: Any) -> Any:
         return parse_request({"v": 1, "id": "http", "op": op, "user": request.path_params["user"],
