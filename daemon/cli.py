@@ -203,7 +203,9 @@ def cmd_feedback(client: Client, args: argparse.Namespace) -> int:
         _print_json(ack)
     else:
         pairs = ack.get("pair_ids") or []
-        print(f"stored feedback {ack.get('feedback_id', '')}; {len(pairs)} preference pair(s)")
+        unpaired = ack.get("unpaired_ids") or []
+        print(f"stored feedback {ack.get('feedback_id', '')}; {len(pairs)} preference pair(s), "
+              f"{len(unpaired)} unpaired example(s)")
     return EXIT_OK
 
 
@@ -313,6 +315,17 @@ def _num(value: Any, unit: str = "", digits: int = 1) -> str:
     return f"{value}{unit}"
 
 
+def _backend(model: dict[str, Any]) -> str:
+    """What runs, its weight format, where, and the setting: "onnxruntime (int8) on cpu, auto"."""
+    text = str(model.get("backend"))
+    if model.get("quantization") not in (None, "", "none"):
+        text += f" ({model['quantization']})"
+    text += f" on {model.get('device')}"
+    if model.get("backend_requested"):
+        text += f", {model['backend_requested']}"
+    return text
+
+
 def _http(http: dict[str, Any] | None) -> str:
     if not http:
         return "off"
@@ -344,7 +357,8 @@ def render_status(status: dict[str, Any], tokens_per_s: float | None = None) -> 
                            ("http", _http(status.get("http"))),
                            ("clients", str(srv.get("clients", "-"))),
                            ("requests", str(srv.get("requests_in_flight", "-")))]),
-        section("model", [("model", str(m.get("model"))), ("backend", f"{m.get('backend')} on {m.get('device')}"),
+        section("model", [("model", str(m.get("model"))), ("backend", _backend(m)),
+                          ("backend choice", str(m.get("backend_reason", "-"))),
                           ("dtype", str(m.get("dtype"))), ("parameters", f"{m.get('parameters', 0):,}"),
                           ("max context", str(m.get("max_context"))),
                           ("adapters", f"{status.get('adapters', {}).get('versions_served', 0)} versions, "

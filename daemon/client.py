@@ -40,12 +40,13 @@ class RemoteError(ClientError):
     """The daemon answered with a typed error (`code`, see docs/protocol.md)."""
 
     def __init__(self, code: str, message: str, retry_after_s: float | None = None,
-                 details: dict[str, Any] | None = None) -> None:
+                 details: dict[str, Any] | None = None, param: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.retry_after_s = retry_after_s
         self.details = details or {}
+        self.param = param  # the request field at fault, for bad_request
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def _final(message: dict[str, Any]) -> dict[str, Any]:
     if message.get("type") == "error":
         error = message.get("error") or {}
         raise RemoteError(str(error.get("code", "internal")), str(error.get("message", "")),
-                          error.get("retry_after_s"), error.get("details"))
+                          error.get("retry_after_s"), error.get("details"), error.get("param"))
     return message.get("result") or {}
 
 

@@ -203,8 +203,12 @@ def _schema() -> dict[str, Setting]:
 
 
 # Where the daemon's default differs from the library's: the daemon co-serves inference and
-# fine-tuning, so its engine schedules with MACE (the library's default is plain FCFS).
-_DAEMON_DEFAULTS = {"engine.policy": "mace"}
+# fine-tuning, so its engine schedules with MACE (the library's default is plain FCFS); and it
+# serves on the fastest backend that passes its self-check (the library's default is the torch
+# reference, which exports no graph). A daemon answers before its cost calibration has run: it
+# serves on nominal costs and calibrates while idle.
+_DAEMON_DEFAULTS = {"engine.policy": "mace", "engine.backend": "auto", "engine.onnx_quantization": "auto",
+                    "engine.cost_profile": "background"}
 
 
 SCHEMA = _schema()

@@ -204,7 +204,12 @@ class EngineThread:
         failures = 0
         while not self._stopping:
             self._on_alive()
-            self._drain(engine, block=not engine.has_unfinished())
+            # Idle with a cost calibration still to run: one shape of it per turn (a request
+            # arriving meanwhile waits for that shape at most), without blocking on the queue.
+            calibrating = getattr(engine, "calibrating", False)
+            self._drain(engine, block=not engine.has_unfinished() and not calibrating)
+            if calibrating and not engine.requests and not self._stopping:
+                engine.calibrate_step()
             if engine.has_unfinished() and not self._stopping:
                 try:
                     finished = engine.step()
@@ -387,4 +392,7 @@ def _model_info(engine: Engine) -> dict[str, Any]:
     """Facts about the loaded model that never change (read once, on the engine thread)."""
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     weights += sum(b.numel() * b.element_size() for b in engine.model.buffers())
-    return {"weights_bytes": int(weights), "parameters": int(sum(p.numel() for p in engine.model.parameters()))}
+    choice = engine.backend_choice
+    return {"weights_bytes": int(weights), "parameters": int(sum(p.numel() for p in engine.model.parameters())),
+            "backend_requested": choice.requested, "quantization": choice.quantization,
+            "backend_reason": choice.reason}

@@ -28,6 +28,7 @@ from typing import Any, Literal
 import uvicorn
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.applications import Starlette
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -67,9 +68,24 @@ MODEL_ALIAS = "default"
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 # Pages served from this machine (any port) may call the gateway from a browser.
 LOOPBACK_ORIGIN = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?"
-_PARAM = re.compile(r"'([A-Za-z_]+)'")
 _TYPE_NAME = re.compile(r"(str|int|float|bool|none|list|dict|literal|function-\w+)(\[.*\])?", re.IGNORECASE)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class _AppUser(Convertor[str]):
+    """A path segment that is an app's `user` string: any characters, '/' and line breaks too
+    (Starlette's `path` stops at a line break; the protocol refuses one with a 400)."""
+
+    regex = r"[\s\S]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("app_user", _AppUser())
 
 
 class GatewayError(Exception):
@@ -93,14 +109,11 @@ class GatewayError(Exception):
         if isinstance(exc, GatewayError):
             return exc
         if isinstance(exc, ProtocolError):
-            param = None
-            if exc.code == "bad_request":
-                found = _PARAM.search(exc.message)
-                param = found.group(1) if found else None
-            return cls(exc.code, exc.message, param=param, retry_after_s=exc.retry_after_s,
+            return cls(exc.code, exc.message, param=exc.param, retry_after_s=exc.retry_after_s,
                        details=exc.details)
-        if isinstance(exc, MaceError):
-            return cls(exc.code, str(exc), retry_after_s=getattr(exc, "retry_after_s", None))
+        if isinstance(exc, MaceError):  # the engine's BadRequest names its field too
+            return cls(exc.code, str(exc), param=getattr(exc, "param", None),
+                       retry_after_s=getattr(exc, "retry_after_s", None))
         log.error("HTTP request failed", exc_info=exc)
         return cls("internal", f"{type(exc).__name__}: {exc}")
 
@@ -253,10 +266,13 @@ class Gateway:
             ("/v1/completions", self.completions, "POST"),
             ("/v1/embeddings", self.embeddings, "POST"),
             ("/v1/feedback", self.feedback, "POST"),
-            ("/v1/users/{user}/consent", self.consent, "POST"),
-            ("/v1/users/{user}/export", self.export, "GET"),
-            ("/v1/users/{user}/adapters", self.adapters, "GET"),
-            ("/v1/users/{user}", self.forget, "DELETE"),
+            # `user` is the app's own string, which may hold a '/' (sent as %2F, which routing
+            # sees decoded) or anything else: matched whole, before the route's fixed end, so
+            # that the protocol (not a 404) judges it.
+            ("/v1/users/{user:app_user}/consent", self.consent, "POST"),
+            ("/v1/users/{user:app_user}/export", self.export, "GET"),
+            ("/v1/users/{user:app_user}/adapters", self.adapters, "GET"),
+            ("/v1/users/{user:app_user}", self.forget, "DELETE"),
         ]
         origins = [o.strip() for o in service.config.http.cors_origins.split(",") if o.strip()]
         self.app = Starlette(
@@ -476,10 +492,7 @@ class Gateway:
         try:
             return parse_request({"v": 1, "id": "http", **{k: v for k, v in message.items() if v is not None}}).args
         except ProtocolError as exc:
-            error = GatewayError.from_exc(exc)
-            if error.param is not None:
-                error.param = names.get(error.param, error.param)
-            raise error from None
+            raise _as_sent(GatewayError.from_exc(exc), names) from None
 
     async def _generate(self, request: Request, body: _Sampling, kind: str, prompts: list[dict[str, Any]],
                         max_tokens: int | None, names: dict[str, str]) -> Response:
@@ -509,12 +522,17 @@ class Gateway:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             if all_args[0].echo:
                 reply.echo = [p["prompt"] for p in prompts]
-            return await self._stream(request, all_args, reply, include_usage)
+            try:
+                return await self._stream(request, all_args, reply, include_usage)
+            except Exception as exc:
+                raise _as_sent(GatewayError.from_exc(exc), names) from None
         self.in_flight += len(all_args)
         try:
             calls = [GenerateCall(None, api="http", client=_http_client(request)) for _ in all_args]
             work = asyncio.gather(*(self.service.generate(a, c) for a, c in zip(all_args, calls, strict=True)))
             results = await self._until_done_or_gone(request, calls, work)
+        except Exception as exc:  # the engine's refusals (a schema that does not compile) name fields too
+            raise _as_sent(GatewayError.from_exc(exc), names) from None
         finally:
             self.in_flight -= len(all_args)
         return _json(reply.whole(results), headers=_adapter_header(results[0]))
@@ -611,7 +629,8 @@ class Gateway:
                               "interaction_id": body.id, "feedback": fields}).args
         ack = await self.service.feedback(args)
         return _json({"object": "feedback", "id": ack["feedback_id"], "completion_id": body.id,
-                      "user": body.user, "pair_ids": ack["pair_ids"], "durable": ack["durable"]})
+                      "user": body.user, "pair_ids": ack["pair_ids"], "unpaired_ids": ack["unpaired_ids"],
+                      "durable": ack["durable"]})
 
     def _user_args(self, request: Request, op: str, **extra: Any) -> Any:
         return parse_request({"v": 1, "id": "http", "op": op, "user": request.path_params["user"],
@@ -762,6 +781,16 @@ class _Reply:
         return {"tokens": tokens, "token_logprobs": [x["logprob"] for x in logprobs],
                 "top_logprobs": [{_token_text(b): v for _, v, b in x["top"]} for x in logprobs],
                 "text_offset": offsets}
+
+
+def _as_sent(error: GatewayError, names: dict[str, str]) -> GatewayError:
+    """The error with its field named as the client sent it (`max_completion_tokens` where the
+    protocol says `max_tokens`, `messages` where it says `prompt`), in `param` and the message."""
+    sent = names.get(error.param or "")
+    if sent:
+        error.message = error.message.replace(f"'{error.param}'", f"'{sent}'")
+        error.param = sent
+    return error
 
 
 def _token_text(raw: bytes) -> str:

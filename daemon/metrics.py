@@ -122,6 +122,15 @@ class _StatusCollector(Collector):
             up.add_metric([state], 1.0 if daemon.get("state") == state else 0.0)
         yield up
         yield _gauge("mace_uptime_seconds", "Seconds since the daemon started", daemon.get("uptime_s"))
+        model = s.get("model", {})
+        if model.get("backend"):
+            backend = GaugeMetricFamily(
+                "mace_backend_info", "1 for the backend serving the model: the setting (requested), "
+                "what runs, its weight format, and why (auto's choice or its fallback)",
+                labels=["requested", "backend", "quantization", "reason"])
+            backend.add_metric([str(model.get("backend_requested", "")), str(model["backend"]),
+                                str(model.get("quantization", "")), str(model.get("backend_reason", ""))], 1.0)
+            yield backend
 
         queues = GaugeMetricFamily("mace_queue_depth", "Requests waiting or running, by queue",
                                    labels=["queue"])

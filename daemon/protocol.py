@@ -88,12 +88,13 @@ class ProtocolError(Exception):
     """A request the daemon refuses, with the error code the reply carries."""
 
     def __init__(self, code: str, message: str, *, retry_after_s: float | None = None,
-                 details: dict[str, Any] | None = None) -> None:
+                 details: dict[str, Any] | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code if code in ERROR_CODES else "internal"
         self.message = message
         self.retry_after_s = retry_after_s
         self.details = details
+        self.param = param  # the request field at fault (`messages.2.tool_calls`), when one is
 
 
 # --- frames ------------------------------------------------------------------------------------
@@ -183,8 +184,10 @@ def result_message(request_id: Any, result: Mapping[str, Any]) -> dict[str, Any]
 
 
 def error_message(request_id: Any, code: str, message: str, *, retry_after_s: float | None = None,
-                  details: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                  details: Mapping[str, Any] | None = None, param: str | None = None) -> dict[str, Any]:
     error: dict[str, Any] = {"code": code if code in ERROR_CODES else "internal", "message": message}
+    if param is not None:
+        error["param"] = param
     if retry_after_s is not None:
         error["retry_after_s"] = float(retry_after_s)
     if details:
@@ -194,7 +197,7 @@ def error_message(request_id: Any, code: str, message: str, *, retry_after_s: fl
 
 def error_from(request_id: Any, exc: ProtocolError) -> dict[str, Any]:
     return error_message(request_id, exc.code, exc.message, retry_after_s=exc.retry_after_s,
-                         details=exc.details)
+                         details=exc.details, param=exc.param)
 
 
 # --- requests ----------------------------------------------------------------------------------
@@ -253,7 +256,7 @@ class _Fields:
     def _fail(self, name: str, want: str) -> ProtocolError:
         got = self.values.get(name)
         shown = repr(got) if isinstance(got, (int, float, bool)) or got is None else type(got).__name__
-        return ProtocolError("bad_request", f"{self.op}: '{name}' must be {want}; got {shown}")
+        return ProtocolError("bad_request", f"{self.op}: '{name}' must be {want}; got {shown}", param=name)
 
     def has(self, name: str) -> bool:
         return self.values.get(name) is not None
@@ -362,7 +365,7 @@ def _parse_generate(f: _Fields) -> GenerateArgs:
     has_prompt, has_messages = f.has("prompt"), f.has("messages")
     if has_prompt == has_messages:
         raise ProtocolError("bad_request", "generate: give exactly one of 'prompt' (text) or "
-                            "'messages' (chat: a list of {role, content})")
+                            "'messages' (chat: a list of {role, content})", param="prompt")
     prompt: str | list[dict[str, Any]] | list[int]
     if has_prompt and isinstance(f.values["prompt"], list):
         prompt = f.values["prompt"]
@@ -372,14 +375,15 @@ def _parse_generate(f: _Fields) -> GenerateArgs:
     elif has_prompt:
         prompt = f.text("prompt", max_chars=1 << 24, what="a string, or a non-empty list of token ids") or ""
         if not prompt.strip():
-            raise ProtocolError("bad_request", "generate: 'prompt' is empty")
+            raise ProtocolError("bad_request", "generate: 'prompt' is empty", param="prompt")
     else:
         prompt = _parse_messages(f.values["messages"])
     tools = _parse_tools(f)
     tool_choice = _parse_tool_choice(f, tools)
     continue_final = bool(f.flag("continue_final_message", default=False))
     if (tools or continue_final) and not has_messages:
-        raise ProtocolError("bad_request", "generate: 'tools' and 'continue_final_message' need 'messages'")
+        raise ProtocolError("bad_request", "generate: 'tools' and 'continue_final_message' need 'messages'",
+                            param="tools" if tools else "continue_final_message")
     if continue_final and prompt[-1].get("role") != "assistant":  # type: ignore[index, union-attr]
         raise f._fail("continue_final_message", "true only when the last message is the assistant's")
     stop_value = f.values.get("stop")
@@ -404,7 +408,7 @@ def _parse_generate(f: _Fields) -> GenerateArgs:
         raise f._fail("adapter", "'latest', 'base' or a version number >= 0")
     user = f.user(required=False)
     if adapter not in ("latest", "base") and user is None:
-        raise ProtocolError("bad_request", "generate: an adapter version needs 'user'")
+        raise ProtocolError("bad_request", "generate: an adapter version needs 'user'", param="adapter")
     return GenerateArgs(
         prompt=prompt,
         max_tokens=f.integer("max_tokens", lo=1, hi=MAX_TOKENS_CAP),
@@ -528,17 +532,18 @@ def _parse_messages(value: Any) -> list[dict[str, Any]]:
     be nil), a `tool` turn answers one with `tool_call_id`."""
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_MESSAGES:
         raise ProtocolError("bad_request", f"generate: 'messages' must be a list of 1-{MAX_MESSAGES} "
-                            "{role, content} maps")
+                            "{role, content} maps", param="messages")
     messages = []
     for i, m in enumerate(value):
         role = m.get("role") if isinstance(m, dict) else None
         if role not in ROLES or not set(m) <= _MESSAGE_FIELDS[role] or "content" not in m:
             raise ProtocolError("bad_request", f"generate: messages[{i}] must be a map with 'role' (one of "
                                 f"{', '.join(ROLES)}) and 'content'; assistant turns may add 'tool_calls', "
-                                "tool turns 'tool_call_id' and 'name'")
+                                "tool turns 'tool_call_id' and 'name'", param=f"messages.{i}")
         content, calls = m["content"], m.get("tool_calls")
         if not (isinstance(content, str) or (content is None and role == "assistant" and calls)):
-            raise ProtocolError("bad_request", f"generate: messages[{i}] needs string content")
+            raise ProtocolError("bad_request", f"generate: messages[{i}] needs string content",
+                                param=f"messages.{i}.content")
         message: dict[str, Any] = {"role": role, "content": content}
         if calls is not None:
             message["tool_calls"] = _parse_tool_calls(calls, i)
@@ -546,7 +551,7 @@ def _parse_messages(value: Any) -> list[dict[str, Any]]:
             if key in m:
                 if not isinstance(m[key], str) or not 0 < len(m[key]) <= MAX_ID_CHARS:
                     raise ProtocolError("bad_request", f"generate: messages[{i}].{key} must be a string "
-                                        f"of 1-{MAX_ID_CHARS} characters")
+                                        f"of 1-{MAX_ID_CHARS} characters", param=f"messages.{i}.{key}")
                 message[key] = m[key]
         messages.append(message)
     return messages
@@ -555,8 +560,9 @@ def _parse_messages(value: Any) -> list[dict[str, Any]]:
 def _parse_tool_calls(value: Any, i: int) -> list[dict[str, Any]]:
     want = (f"generate: messages[{i}].tool_calls must be a list of {{'id', 'type': 'function', "
             "'function': {'name', 'arguments': JSON text}} maps")
+    param = f"messages.{i}.tool_calls"
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_TOOLS:
-        raise ProtocolError("bad_request", want)
+        raise ProtocolError("bad_request", want, param=param)
     calls = []
     for c in value:
         function = c.get("function") if isinstance(c, dict) else None
@@ -564,7 +570,7 @@ def _parse_tool_calls(value: Any, i: int) -> list[dict[str, Any]]:
                 or not _FUNCTION_NAME.fullmatch(function["name"])
                 or not isinstance(function.get("arguments", "{}"), (str, dict))
                 or not isinstance(c.get("id", ""), str) or len(c.get("id", "")) > MAX_ID_CHARS):
-            raise ProtocolError("bad_request", want)
+            raise ProtocolError("bad_request", want, param=param)
         arguments = function.get("arguments", "{}")
         calls.append({"id": c.get("id", ""), "type": "function",
                       "function": {"name": function["name"],

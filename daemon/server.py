@@ -245,7 +245,7 @@ class Server:
         except AdmissionRejected as exc:
             reply = error_message(request.id, exc.code, str(exc), retry_after_s=exc.retry_after_s)
         except MaceError as exc:
-            reply = error_message(request.id, exc.code, str(exc))
+            reply = error_message(request.id, exc.code, str(exc), param=getattr(exc, "param", None))
         except asyncio.CancelledError:
             reply = error_message(request.id, "shutting_down", "the daemon stopped before answering")
             self._final(item, reply)

@@ -432,7 +432,7 @@ class Service:
         else:
             chars = 0  # token ids: the engine checks their count against its context
         if chars > limit:
-            raise ProtocolError("bad_request", f"prompt has {chars} characters; the limit is {limit}")
+            raise ProtocolError("bad_request", f"prompt has {chars} characters; the limit is {limit}", param="prompt")
         from edge_runtime.chat import ChatPrompt
         from edge_runtime.constraints import Constraint
 
@@ -629,7 +629,8 @@ class Service:
             self.ops_in_flight -= 1
         self.counters["feedback"] += 1
         self.fine_tuner.on_feedback(args.user, ack.pair_ids)
-        return {"feedback_id": ack.feedback_id, "pair_ids": list(ack.pair_ids), "durable": True}
+        return {"feedback_id": ack.feedback_id, "pair_ids": list(ack.pair_ids),
+                "unpaired_ids": list(ack.unpaired_ids), "durable": True}
 
     def _store(self) -> AsyncFeedbackStore:
         self._require("serving", "draining", "loading")

@@ -1,5 +1,6 @@
 """Per-user adapters served and trained inside the daemon: the engine's adapter registry for
-serving, listing, rollback and erasure, and continual DPO on consented users' pairs.
+serving, listing, rollback and erasure, and continual DPO on consented users' pairs and KTO on
+their unpaired examples (lone thumbs, ratings).
 
 Training is the engine's own work, not a side loop: each preference pair ready for a user
 becomes a staged fine-tune task (`AdapterTrainer.task(pair)`) handed to `Engine.add_finetune`,
@@ -8,7 +9,8 @@ steps and prefill chunks, within the latency budget and the memory ledger. This 
 which pairs to hand over, records finished pairs in the store, and publishes a new adapter
 version through the regression guard once a user has `pairs_per_version` trained pairs.
 
-A user's pairs go to the engine in batches of at most `pairs_per_version`; the next batch waits
+A user's pairs and unpaired examples (each an "item": one staged task, DPO or KTO) go to the
+engine in batches of at most `pairs_per_version` items; the next batch waits
 until the current one has finished and been published, so a published version is never taken
 in the middle of an update.
 """
@@ -29,11 +31,15 @@ from edge_runtime.errors import MaceError
 
 if TYPE_CHECKING:
     from edge_runtime.engine import Engine
-    from edge_runtime.feedback import FeedbackStore, PreferencePair
+    from edge_runtime.feedback import FeedbackStore, PreferencePair, UnpairedExample
     from edge_runtime.sched.finetune import FineTuneJob
     from edge_runtime.train.trainer import AdapterTrainer
 
 log = logging.getLogger(__name__)
+
+# A training item: ("pair", pair id) or ("unpaired", unpaired example id).
+Item = tuple[str, int]
+PAIR, UNPAIRED = "pair", "unpaired"
 
 # A pair whose update fails this many times is left pending in the store and not retried by
 # this process (a broken pair must not keep the engine busy forever).
@@ -42,8 +48,8 @@ MAX_ATTEMPTS = 3
 
 @dataclass
 class _UserProgress:
-    trained_pair_ids: list[int] = field(default_factory=list)  # since the last published version
-    in_flight: dict[int, str] = field(default_factory=dict)  # pair id -> engine job id
+    trained: list[Item] = field(default_factory=list)  # since the last published version
+    in_flight: dict[Item, str] = field(default_factory=dict)  # item -> engine job id
     publishing: bool = False
 
 
@@ -52,7 +58,7 @@ class _Done:
     """A fine-tune job's end, handed from the engine thread to the event loop."""
 
     user: str
-    pair_id: int
+    item: Item
     job_id: str
     loss: float | None
     error: str | None
@@ -76,6 +82,7 @@ class EngineFineTuner:
         self.paused_reason: str | None = None
         self.pairs_queued = 0  # handed to the engine, in total
         self.pairs_trained = 0
+        self.unpaired_trained = 0
         self.pairs_cancelled = 0
         self.versions_published = 0
         self.versions_rejected = 0
@@ -86,7 +93,7 @@ class EngineFineTuner:
         self._trainers: dict[str, AdapterTrainer] = {}  # touched on the engine thread only
         self._stage_costs: Any = None  # engine thread only
         self._progress: dict[str, _UserProgress] = {}
-        self._attempts: dict[int, int] = {}
+        self._attempts: dict[Item, int] = {}
         self._forgotten: set[str] = set()
         self._generation: dict[str, int] = {}  # per user; bumped when the trainer is reset
         self._done: asyncio.Queue[_Done] = asyncio.Queue()
@@ -117,7 +124,7 @@ class EngineFineTuner:
         await self._handle_done()
         for user, progress in list(self._progress.items()):
             progress.in_flight.clear()
-            if progress.trained_pair_ids:
+            if progress.trained:
                 try:
                     await self._publish(user)
                 except Exception:
@@ -146,6 +153,7 @@ class EngineFineTuner:
                     info = published.get(version, {})
                     out.append({"user": name, "version": version, "created_at": info.get("time"),
                                 "pairs": len(info.get("pair_ids", [])),
+                                "unpaired": len(info.get("unpaired_ids", [])),
                                 "heldout": info.get("heldout"),
                                 "active": newest is not None and newest.version == version})
             return out
@@ -175,7 +183,8 @@ class EngineFineTuner:
     def status(self) -> dict[str, Any]:
         decision = self.last_decision or {}
         stats = self.engine.stats  # the engine thread's last published snapshot
-        in_flight = {user: sorted(p.in_flight) for user, p in self._progress.items() if p.in_flight}
+        in_flight = {user: [f"{kind}:{row}" for kind, row in sorted(p.in_flight)]
+                     for user, p in self._progress.items() if p.in_flight}
         if self.paused_reason:
             state = "paused"
         elif self.publishing:
@@ -190,7 +199,8 @@ class EngineFineTuner:
             "policy": stats.get("policy"),
             "current": in_flight or None,
             "pairs_queued": sum(len(p) for p in in_flight.values()),
-            "pairs_trained": self.pairs_trained, "pairs_cancelled": self.pairs_cancelled,
+            "pairs_trained": self.pairs_trained, "unpaired_trained": self.unpaired_trained,
+            "pairs_cancelled": self.pairs_cancelled,
             "stages_run": stats.get("finetune_stages_run", 0),
             "finetune_seconds": stats.get("finetune_seconds", 0.0),
             "versions_published": self.versions_published, "versions_rejected": self.versions_rejected,
@@ -275,81 +285,90 @@ class EngineFineTuner:
             progress = self._progress.get(item.user)
             if progress is None or item.user in self._forgotten:
                 continue  # erased meanwhile
-            progress.in_flight.pop(item.pair_id, None)
+            progress.in_flight.pop(item.item, None)
             touched.add(item.user)
             if item.error is None and item.generation != self._generation.get(item.user, 0):
                 # Finished on weights a rollback has since replaced: its update is gone, so
                 # the pair stays pending and is trained again.
-                item = _Done(item.user, item.pair_id, item.job_id, None, "cancelled", item.stages,
+                item = _Done(item.user, item.item, item.job_id, None, "cancelled", item.stages,
                              item.seconds, item.generation)
             if item.error is not None:
                 if item.error == "cancelled":
                     self.pairs_cancelled += 1
                 else:
                     self.errors += 1
-                    self._attempts[item.pair_id] = self._attempts.get(item.pair_id, 0) + 1
-                    log.warning("fine-tuning pair %d of %s failed: %s", item.pair_id, self.names.tag(item.user),
+                    self._attempts[item.item] = self._attempts.get(item.item, 0) + 1
+                    log.warning("fine-tuning %s %d of %s failed: %s", *item.item, self.names.tag(item.user),
                                 self.names.scrub(item.error, item.user))
                 continue
             assert self.store is not None
             try:
-                await asyncio.to_thread(self.store.mark_trained, item.pair_id, item.loss)
+                kind, row = item.item
+                mark = self.store.mark_trained if kind == PAIR else self.store.mark_unpaired_trained
+                await asyncio.to_thread(mark, row, item.loss)
             except MaceError as exc:  # erased between the update and now
-                log.info("pair %d of %s not recorded as trained: %s", item.pair_id, self.names.tag(item.user),
+                log.info("%s %d of %s not recorded as trained: %s", *item.item, self.names.tag(item.user),
                          self.names.scrub(exc, item.user))
                 continue
-            progress.trained_pair_ids.append(item.pair_id)
-            self.pairs_trained += 1
+            progress.trained.append(item.item)
+            if item.item[0] == PAIR:
+                self.pairs_trained += 1
+            else:
+                self.unpaired_trained += 1
             self.last_loss = item.loss
         for user in touched:
             progress = self._progress.get(user)
             if (progress is not None and not progress.in_flight and not self._stopping
-                    and len(progress.trained_pair_ids) >= self.settings.pairs_per_version):
+                    and len(progress.trained) >= self.settings.pairs_per_version):
                 await self._publish(user)
 
     async def _feed(self) -> None:
-        """Hand pairs ready for training to the engine: per user, a batch of up to
-        `pairs_per_version`, once the previous batch is done. With nothing left to train, a
-        user's trained-but-unpublished pairs are published."""
+        """Hand pairs and unpaired examples ready for training to the engine: per user, a batch
+        of up to `pairs_per_version` items (oldest first), once the previous batch is done. With
+        nothing left to train, a user's trained-but-unpublished items are published."""
         assert self.store is not None
         if self.paused_reason is not None:
             return
         busy = {u for u, p in self._progress.items() if p.in_flight or p.publishing}
         pairs = await asyncio.to_thread(self.store.next_pairs, None, 64)
-        batches: dict[str, list[PreferencePair]] = {}
-        for pair in pairs:
-            user = pair.user_id
-            if user in busy or user in self._forgotten or self._attempts.get(pair.id, 0) >= MAX_ATTEMPTS:
+        unpaired = await asyncio.to_thread(self.store.next_unpaired, None, 64)
+        records: list[tuple[Item, PreferencePair | UnpairedExample]] = sorted(
+            [((PAIR, p.id), p) for p in pairs] + [((UNPAIRED, e.id), e) for e in unpaired],
+            key=lambda r: (r[1].created_at, r[0]))
+        batches: dict[str, list[tuple[Item, PreferencePair | UnpairedExample]]] = {}
+        for key, record in records:
+            user = record.user_id
+            if user in busy or user in self._forgotten or self._attempts.get(key, 0) >= MAX_ATTEMPTS:
                 continue
             progress = self._progress.setdefault(user, _UserProgress())
-            room = self.settings.pairs_per_version - len(progress.trained_pair_ids)
+            room = self.settings.pairs_per_version - len(progress.trained)
             batch = batches.setdefault(user, [])
             if len(batch) < max(1, room):
-                batch.append(pair)
+                batch.append((key, record))
         if batches:
             await self._queue(batches)
-        waiting = {p.user_id for p in pairs}
+        waiting = {r.user_id for _, r in records}
         for user, progress in list(self._progress.items()):
             if (user not in waiting and not progress.in_flight and not progress.publishing
-                    and progress.trained_pair_ids):
+                    and progress.trained):
                 await self._publish(user)  # nothing left to add: publish what there is
 
-    async def _queue(self, batches: dict[str, list[PreferencePair]]) -> None:
+    async def _queue(self, batches: dict[str, list[tuple[Item, PreferencePair | UnpairedExample]]]) -> None:
         loop = self._loop
         assert loop is not None
         done_queue = self._done
 
-        def queue(engine: Engine) -> dict[str, dict[int, str]]:
-            queued: dict[str, dict[int, str]] = {}
-            for user, pairs in batches.items():
+        def queue(engine: Engine) -> dict[str, dict[Item, str]]:
+            queued: dict[str, dict[Item, str]] = {}
+            for user, items in batches.items():
                 trainer = self._trainer(engine, user)
                 generation = self._generation.get(user, 0)
-                for pair in pairs:
-                    def finished(job: FineTuneJob, user: str = user, pair_id: int = pair.id,
+                for key, record in items:
+                    def finished(job: FineTuneJob, user: str = user, key: Item = key,
                                  generation: int = generation) -> None:
                         result = getattr(job.work, "result", None)
                         loss = float(result.loss) if result is not None and job.error is None else None
-                        item = _Done(user, pair_id, job.job_id, loss, job.error, job.stages_run, job.seconds,
+                        item = _Done(user, key, job.job_id, loss, job.error, job.stages_run, job.seconds,
                                      generation)
                         try:
                             loop.call_soon_threadsafe(done_queue.put_nowait, item)
@@ -357,9 +376,10 @@ class EngineFineTuner:
                             pass
 
                     # No score stages: MACE ranks the job by the adapter's expected loss (its
-                    # recent pairs'), which spares a third of the update's compute.
-                    job_id = engine.add_finetune(trainer.task(pair, score=False), user=user, on_done=finished)
-                    queued.setdefault(user, {})[pair.id] = job_id
+                    # recent items'), which spares a third of the update's compute. An unpaired
+                    # example becomes a staged KTO task (trainer.task dispatches on the record).
+                    job_id = engine.add_finetune(trainer.task(record, score=False), user=user, on_done=finished)
+                    queued.setdefault(user, {})[key] = job_id
             return queued
 
         queued = await self.engine.call(queue)
@@ -392,22 +412,27 @@ class EngineFineTuner:
     async def _publish(self, user: str) -> None:
         assert self.store is not None
         progress = self._progress.get(user)
-        if progress is None or not progress.trained_pair_ids or user in self._forgotten or progress.publishing:
+        if progress is None or not progress.trained or user in self._forgotten or progress.publishing:
             return
-        pair_ids = list(progress.trained_pair_ids)
+        items = list(progress.trained)
+        pair_ids = [row for kind, row in items if kind == PAIR]
+        unpaired_ids = [row for kind, row in items if kind == UNPAIRED]
         progress.publishing = True
         self.publishing = user
         try:
             heldout = await asyncio.to_thread(self.store.heldout_pairs, user)
+            heldout_unpaired = await asyncio.to_thread(self.store.heldout_unpaired, user)
 
             def publish(engine: Engine) -> tuple[dict[str, Any], Any]:
                 from edge_runtime.train.guard import RegressionGuard, publish_guarded
 
                 trainer = self._trainers[user]
                 trainer.flush()  # apply a partly accumulated optimizer window before the snapshot
-                guard = RegressionGuard() if self.settings.guard else RegressionGuard(min_heldout_pairs=1 << 30)
+                guard = (RegressionGuard() if self.settings.guard
+                         else RegressionGuard(min_heldout_pairs=1 << 30, min_heldout_unpaired=1 << 30))
                 decision, ref = publish_guarded(engine.adapters, trainer, user, heldout, guard,
-                                                pair_ids=pair_ids)
+                                                heldout_unpaired=heldout_unpaired, pair_ids=pair_ids,
+                                                unpaired_ids=unpaired_ids)
                 path = engine.adapters.path(ref) if ref is not None else None
                 return decision.as_dict(), (ref, path)
 
@@ -415,17 +440,19 @@ class EngineFineTuner:
         finally:
             progress.publishing = False
             self.publishing = None
-        del progress.trained_pair_ids[: len(pair_ids)]
+        del progress.trained[: len(items)]
         self.last_decision = decision
         if ref is None:
             self.versions_rejected += 1
             log.info("adapter candidate for %s rejected: %s", self.names.tag(user),
                      self.names.scrub(decision["reason"], user))
             return
-        log.info("published adapter %s trained on %d pair(s)", self.names.adapter(user, ref.version), len(pair_ids))
+        log.info("published adapter %s trained on %d pair(s) and %d unpaired example(s)",
+                 self.names.adapter(user, ref.version), len(pair_ids), len(unpaired_ids))
         if path is not None:
             try:
-                await asyncio.to_thread(self.store.record_adapter_version, user, ref.version, path, pair_ids)
+                await asyncio.to_thread(self.store.record_adapter_version, user, ref.version, path, pair_ids,
+                                        unpaired_ids)
             except MaceError as exc:
                 # The user (or a pair) was erased while training: the store deleted the files;
                 # make sure the engine forgets the version too.

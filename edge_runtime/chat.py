@@ -55,16 +55,17 @@ class ChatPrompt:
         object.__setattr__(self, "messages", tuple(self.messages))
         object.__setattr__(self, "tools", tuple(self.tools))
         if len(self.tools) > MAX_TOOLS:
-            raise BadRequest(f"at most {MAX_TOOLS} tools")
+            raise BadRequest(f"at most {MAX_TOOLS} tools", param="tools")
         names = [function_of(t)["name"] for t in self.tools]
         if len(set(names)) != len(names):
-            raise BadRequest("two tools have the same name")
+            raise BadRequest("two tools have the same name", param="tools")
         if self.tool_choice not in ("auto", "none", "required") and self.tool_choice not in names:
-            raise BadRequest(f"tool_choice names {self.tool_choice!r}, which is not one of the tools")
+            raise BadRequest(f"tool_choice names {self.tool_choice!r}, which is not one of the tools",
+                             param="tool_choice")
         if self.tool_choice == "required" and not self.tools:
-            raise BadRequest("tool_choice 'required' needs tools")
+            raise BadRequest("tool_choice 'required' needs tools", param="tool_choice")
         if self.continue_final and (not self.messages or self.messages[-1].get("role") != "assistant"):
-            raise BadRequest("continue_final_message needs an assistant message last")
+            raise BadRequest("continue_final_message needs an assistant message last", param="continue_final_message")
 
     @property
     def offers_tools(self) -> bool:
@@ -78,13 +79,13 @@ def function_of(tool: Any) -> dict[str, Any]:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
             or not _FUNCTION_NAME.fullmatch(function["name"]):
         raise BadRequest("each tool must be {'type': 'function', 'function': {'name': 1-64 letters, digits, "
-                         "'_', '.', '-', 'description': ..., 'parameters': a JSON schema}}")
+                         "'_', '.', '-', 'description': ..., 'parameters': a JSON schema}}", param="tools")
     parameters = function.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(parameters, dict):
-        raise BadRequest(f"tool {function['name']!r}: 'parameters' must be a JSON schema object")
+        raise BadRequest(f"tool {function['name']!r}: 'parameters' must be a JSON schema object", param="tools")
     description = function.get("description", "")
     if not isinstance(description, str):
-        raise BadRequest(f"tool {function['name']!r}: 'description' must be a string")
+        raise BadRequest(f"tool {function['name']!r}: 'description' must be a string", param="tools")
     return {"name": function["name"], "description": description, "parameters": parameters}
 
 
@@ -187,7 +188,7 @@ def render(hf_tokenizer: Any, prompt: ChatPrompt) -> str:
                 return hf_tokenizer.apply_chat_template(messages, **kwargs)
             except Exception as again:  # noqa: BLE001
                 exc = again
-        raise BadRequest(f"the model's chat template refused these messages: {exc}") from None
+        raise BadRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None
 
 
 # -- forcing and parsing calls -------------------------------------------------------------------

@@ -15,9 +15,14 @@ class EngineConfig:
     model: str | None = None  # None = the default model (SmolLM2-135M-Instruct)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
-    backend: str = "torch"  # "torch" | "onnxruntime" | "tensorrt" (see docs/onnx.md)
-    onnx_quantization: str = "none"  # ONNX backends' weight-only quantisation: "none" | "int8" | "int4" | "int4-compact"
-    onnx_cache_dir: str = ""  # exported graphs and TensorRT engines; "" = <state dir>/onnx
+    # "torch" | "onnxruntime" | "tensorrt" | "auto" (the fastest installed backend that passes a
+    # start-up self-check against torch; the daemon's default; see docs/onnx.md)
+    backend: str = "torch"
+    # ONNX backends' weight-only quantisation: "none" | "int8" | "int4" | "int4-compact" | "auto"
+    # (the fastest format whose perplexity stays within onnx_perplexity_margin of float)
+    onnx_quantization: str = "none"
+    onnx_perplexity_margin: float = 0.05  # for onnx_quantization = "auto": +5 % perplexity at most
+    onnx_cache_dir: str = ""  # exported graphs and TensorRT engines; "" = <cache dir>/onnx
     # ONNX Runtime's KV layout: "dense" (per-sequence rows GroupQueryAttention appends to in place,
     # beside the paged cache) | "paged" (each step gathers the paged past); docs/onnx.md
     onnx_kv_layout: str = "dense"
@@ -49,7 +54,10 @@ class EngineConfig:
     iteration_budget_max_fraction: float = 1.5
     memory_budget_bytes: int = 0  # ledger budget; 0 = weights + KV cache + adapters + finetune_memory_bytes
     finetune_memory_bytes: int = 256 << 20  # room the derived budget leaves for fine-tuning
-    cost_profile: str = "auto"  # "auto": calibrate once per machine and cache; "off": nominal + online
+    # "auto": calibrate once per machine (before serving) and cache; "background": the cached
+    # calibration, else nominal costs at once and calibrate while idle (the daemon's default);
+    # "off": nominal + online correction only
+    cost_profile: str = "auto"
     cost_cache_dir: str | None = None  # None = <state dir>/costs; "" = calibrate at every start
     max_prompt_chars: int = 200_000
     adapters_root: str = ""  # per-user LoRA versions (<root>/<user>/v<N>/); "" = in memory only

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 KINDS = ("json", "json_schema", "regex", "lark")
 MAX_GRAMMAR_CHARS = 1 << 18  # 256 KiB of schema, regex or grammar text
+PARAM = "response_format"  # the request field a constraint comes from, named in its errors
 # Whitespace between JSON tokens: what compact and pretty-printed JSON use (one space or tab, one
 # line break indented by at most 32 columns). llguidance's default allows any run of it, and a
 # small model can then spend every remaining token on blank lines.
@@ -37,11 +38,13 @@ class Constraint:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise BadRequest(f"constraint kind must be one of {', '.join(KINDS)}; got {self.kind!r}")
+            raise BadRequest(f"constraint kind must be one of {', '.join(KINDS)}; got {self.kind!r}", param=PARAM)
         if not isinstance(self.value, str) or len(self.value) > MAX_GRAMMAR_CHARS:
-            raise BadRequest(f"a {self.kind} constraint must be a string of at most {MAX_GRAMMAR_CHARS} characters")
+            raise BadRequest(f"a {self.kind} constraint must be a string of at most {MAX_GRAMMAR_CHARS} characters",
+                             param=PARAM)
         if self.kind != "json" and not self.value.strip():
-            raise BadRequest(f"a {self.kind} constraint needs its {'schema' if self.kind == 'json_schema' else 'pattern' if self.kind == 'regex' else 'grammar'}")
+            what = {"json_schema": "schema", "regex": "pattern"}.get(self.kind, "grammar")
+            raise BadRequest(f"a {self.kind} constraint needs its {what}", param=PARAM)
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str) -> Constraint:
@@ -58,13 +61,13 @@ class Constraint:
             try:
                 schema = json.loads(self.value)
             except ValueError as exc:
-                raise BadRequest(f"the JSON schema is not valid JSON: {exc}") from None
+                raise BadRequest(f"the JSON schema is not valid JSON: {exc}", param=PARAM) from None
             if not isinstance(schema, (dict, bool)):
-                raise BadRequest("a JSON schema must be an object (or true/false)")
+                raise BadRequest("a JSON schema must be an object (or true/false)", param=PARAM)
             try:
                 return LLMatcher.grammar_from_json_schema(schema, overrides=options)
             except ValueError as exc:
-                raise BadRequest(f"the JSON schema cannot be compiled: {exc}") from None
+                raise BadRequest(f"the JSON schema cannot be compiled: {exc}", param=PARAM) from None
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.value)
         return LLMatcher.grammar_from_lark(self.value)
@@ -98,7 +101,8 @@ class GrammarCompiler:
 
         matcher = LLMatcher(self.ll_tokenizer, constraint.grammar(), log_level=0)
         if matcher.is_error():
-            raise BadRequest(f"the {constraint.kind} constraint does not compile: {matcher.get_error()}")
+            raise BadRequest(f"the {constraint.kind} constraint does not compile: {matcher.get_error()}",
+                             param=PARAM)
         return matcher
 
     def masks(self, matchers: list[Any]) -> torch.Tensor:

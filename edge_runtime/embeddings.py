@@ -22,6 +22,6 @@ def embed_ids(model: LlamaModel, ids: list[int]) -> list[float]:
     """The unit-length mean of `ids`' final hidden states, in float32."""
     tokens = torch.tensor(ids, dtype=torch.long, device=model.device)
     positions = torch.arange(len(ids), device=model.device)
-    ctx = DenseCausalContext(1, len(ids), None, None, model.cfg.sliding_window)
+    ctx = DenseCausalContext(1, len(ids), None, None, model.cfg.layer_windows, model.cfg.attn_softcap)
     hidden = model.final_hidden(model.run_layers(model.embed_tokens(tokens), positions, ctx))
     return F.normalize(hidden.float().mean(dim=0), dim=0).cpu().tolist()

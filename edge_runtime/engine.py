@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from edge_runtime.backends import make_backend
+from edge_runtime.backends.auto import SELF_CHECK_PROMPTS, choose_backend, first_candidate
 from edge_runtime.chat import ChatPrompt, forced_call_constraint
 from edge_runtime.config import EngineConfig
 from edge_runtime.constraints import GrammarCompiler, unpack_mask
@@ -89,29 +89,31 @@ class Engine:
             cache_bytes=config.adapter_cache_bytes, base_model=name,
         )
         self.adapters.preload()
-        self.backend = make_backend(config, model, self.cache, self.adapters)
+        prompts = ([tokenizer.hf.encode(text)[: config.block_size * 2] for text in SELF_CHECK_PROMPTS]
+                   if config.backend == "auto" else [])
+        self.backend, self.backend_choice = choose_backend(config, model, self.cache, self.adapters,
+                                                           self.pool, prompts)
         self.kv_pruning = PruningSettings.from_config(config)
-        if self.kv_pruning is not None and (self.backend.name != "torch" or cfg.sliding_window is not None):
-            raise ValueError("KV pruning runs on the torch backend, for models without a sliding window, "
-                             "so far (docs/kv.md); set kv_prune_policy='off'")
+        if self.kv_pruning is not None and (self.backend.name != "torch" or any(w is not None for w in cfg.layer_windows)
+                                            or cfg.attn_softcap is not None):
+            raise ValueError("KV pruning runs on the torch backend, for models without sliding windows or attention "
+                             "soft-capping, so far (docs/kv.md); set kv_prune_policy='off'")
         self.clock = time.monotonic  # the one scheduling clock (tests may substitute a fake)
-        self.costs = load_cost_model(cfg, model.dtype, model.device, self.backend.name, self.backend.execute,
-                                     self.pool, per_block, mode=config.cost_profile,
-                                     cache_dir=config.cost_cache_dir)
+        # With cost_profile "background", a machine without a cached calibration serves on
+        # nominal costs at once and calibrates while idle (`calibrate_step`).
+        self.costs, self._calibration = load_cost_model(
+            cfg, model.dtype, model.device, self._costs_key, self.backend.execute, self.pool, per_block,
+            mode=config.cost_profile, cache_dir=config.cost_cache_dir)
         self.ledger = MemoryLedger(self._memory_budget_bytes())
         self.ledger.set(MemoryKind.WEIGHTS, "model", _weights_bytes(model))
         self._note_backend_memory()
         self.ledger.register_shedder(MemoryKind.ADAPTERS, self._shed_adapters)
-        slo_tbt_s = (config.slo_tbt_ms / 1000 if config.slo_tbt_ms > 0
-                     else config.slo_tbt_factor * self.costs.unloaded_decode_s())
         self.scheduler = Scheduler(
             self.pool, make_policy(config.policy, config.policy_params), self.costs, self.ledger,
             max_batched_tokens=config.max_batched_tokens, max_num_seqs=config.max_num_seqs,
-            latency_budget_s=config.iteration_budget_fraction * slo_tbt_s, slo_tbt_s=slo_tbt_s,
-            slo_ttft_factor=config.slo_ttft_factor,
-            max_latency_budget_s=max(config.iteration_budget_fraction, config.iteration_budget_max_fraction) * slo_tbt_s,
-            rope_switch=cfg.rope_switch,
+            slo_ttft_factor=config.slo_ttft_factor, rope_switch=cfg.rope_switch,
         )
+        self._set_slo()
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
@@ -135,7 +137,11 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         path, name = _resolve(config.model)
         device = _engine_device(config)
-        dtype = pick_dtype(config.dtype, device)
+        dtype_name = config.dtype
+        if dtype_name == "auto" and config.backend == "auto" and device.type == "cpu" \
+                and first_candidate(device) != "torch":
+            dtype_name = "float32"  # ONNX Runtime's CPU kernels and the dense KV rows are float32
+        dtype = pick_dtype(dtype_name, device)
         if config.memory_budget_bytes:  # refuse before reading gigabytes of weights
             cfg = ModelConfig.from_dir(path)
             with torch.device("meta"):
@@ -143,6 +149,47 @@ class Engine:
             check_memory_budget(config, cfg, dtype, _weights_bytes(shell, dtype))
         net = load_llama(path, dtype=dtype, device=device)
         return cls(net, Tokenizer(path), config, name=name)
+
+    def _set_slo(self) -> None:
+        """The TBT SLO and the iteration's latency budgets: configured, or a multiple of the
+        cost model's unloaded decode step (set again when a background calibration lands)."""
+        config = self.config
+        slo_tbt_s = (config.slo_tbt_ms / 1000 if config.slo_tbt_ms > 0
+                     else config.slo_tbt_factor * self.costs.unloaded_decode_s())
+        self.scheduler.slo_tbt_s = slo_tbt_s
+        self.scheduler.latency_budget_s = self.scheduler.iteration_budget_s = config.iteration_budget_fraction * slo_tbt_s
+        self.scheduler.max_latency_budget_s = slo_tbt_s * max(config.iteration_budget_fraction,
+                                                              config.iteration_budget_max_fraction)
+
+    @property
+    def calibrating(self) -> bool:
+        """A background cost calibration still has shapes to measure."""
+        return self._calibration is not None
+
+    def calibrate_step(self) -> None:
+        """Measure one more shape of the background calibration (only while no request is in
+        flight, so no request waits behind more than one shape; fine-tune stages may be queued);
+        the last one replaces the quick or nominal costs and the SLO derived from them."""
+        calibration = self._calibration
+        if calibration is None or self.requests:
+            return
+        try:
+            fitted = calibration.step()
+        except Exception:  # a probe that fails costs the calibration, never the engine
+            log.exception("background cost calibration failed; serving on nominal costs, corrected online")
+            self._calibration = None
+            return
+        if calibration.done:
+            self._calibration = None
+            if fitted is not None:
+                self.costs.recalibrate(fitted)
+                self._set_slo()
+
+    @property
+    def _costs_key(self) -> str:
+        """What the cost caches are keyed by besides the machine: the backend and its weights."""
+        choice = self.backend_choice
+        return choice.name if choice.quantization == "none" else f"{choice.name}/{choice.quantization}"
 
     def _kv_budget_bytes(self) -> int:
         if self.config.kv_cache_bytes:
@@ -192,22 +239,25 @@ class Engine:
         if request_id in self.requests:
             raise BadRequest(f"request id {request_id!r} is already in flight")
         if isinstance(prompt, str) and len(prompt) > self.config.max_prompt_chars:
-            raise BadRequest(f"prompt has {len(prompt)} characters; the limit is {self.config.max_prompt_chars}")
+            raise BadRequest(f"prompt has {len(prompt)} characters; the limit is {self.config.max_prompt_chars}",
+                             param="prompt")
         if isinstance(prompt, ChatPrompt):
             forced = forced_call_constraint(prompt, self.tokenizer.tool_style)
             if forced is not None:
                 if params.constraint is not None:
-                    raise BadRequest("a forced tool call and a response format cannot both shape one answer")
+                    raise BadRequest("a forced tool call and a response format cannot both shape one answer",
+                                     param="response_format")
                 params = dataclasses.replace(params, constraint=forced)
         text, ids = self.tokenizer.encode_prompt(prompt)
         if len(ids) >= self.max_context:
             raise BadRequest(
                 f"prompt has {len(ids)} tokens; this engine holds at most {self.max_context - 1} "
-                "prompt tokens per sequence (model limit and KV cache size)"
+                "prompt tokens per sequence (model limit and KV cache size)", param="prompt"
             )
         vocab = self.model.cfg.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
-            raise BadRequest(f"logit_bias names a token id outside this model's vocabulary of {vocab}")
+            raise BadRequest(f"logit_bias names a token id outside this model's vocabulary of {vocab}",
+                             param="logit_bias")
         # One compile per request (a schema or grammar that does not compile is the request's
         # fault); each candidate gets its own copy of the grammar's state.
         matcher = self.grammars.matcher(params.constraint) if params.constraint is not None else None
@@ -385,7 +435,7 @@ class Engine:
         from edge_runtime.lora.config import LoraSettings
 
         return load_stage_costs(self.model, settings or LoraSettings(), cache_dir=self.config.cost_cache_dir,
-                                backend_name=self.backend.name, block_size=self.config.block_size)
+                                backend_name=self._costs_key, block_size=self.config.block_size)
 
     def finetune_stats(self) -> dict[str, Any]:
         queue = self.scheduler.finetune

@@ -13,9 +13,14 @@ class MaceError(Exception):
 
 
 class BadRequest(MaceError):
-    """The request itself is invalid (bad parameter, empty or oversized prompt, bad text)."""
+    """The request itself is invalid (bad parameter, empty or oversized prompt, bad text).
+    `param` names the request field at fault where one is (fronts report it to the client)."""
 
     code = "bad_request"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotAvailable(MaceError):

@@ -1,7 +1,8 @@
-"""Where the runtime keeps its state (model cache, adapters, feedback database).
+"""Where the runtime keeps its state (adapters, feedback database, cost calibration) and its
+shared cache (the model, exported graphs).
 
-One place decides it: $MACE_STATE_DIR, else systemd's $STATE_DIRECTORY, else
-$XDG_STATE_HOME/mace-edge (default ~/.local/state/mace-edge).
+One place decides them: state: $MACE_STATE_DIR, else systemd's $STATE_DIRECTORY, else
+$XDG_STATE_HOME/mace-edge (default ~/.local/state/mace-edge); cache: `cache_dir()`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,29 @@ def state_dir() -> Path:
     return Path(xdg) / "mace-edge"
 
 
+def cache_dir() -> Path:
+    """Downloads and builds that any state directory may share and that can be made again (the
+    model cache, exported graphs), like HF_HOME: $MACE_CACHE_DIR, else systemd's
+    $CACHE_DIRECTORY, else $XDG_CACHE_HOME/mace-edge (default ~/.cache/mace-edge)."""
+    for var in ("MACE_CACHE_DIR", "CACHE_DIRECTORY"):
+        value = os.environ.get(var)
+        if value:
+            return Path(value.split(":")[0]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "mace-edge"
+
+
 def models_dir() -> Path:
-    return state_dir() / "models"
+    """The shared model cache: a new state directory does not fetch or convert again."""
+    return cache_dir() / "models"
+
+
+def legacy_models_dirs() -> list[Path]:
+    """Where the model cache lived before it was shared (<state dir>/models, this one's and the
+    default state dir's): still read, so an upgraded device does not fetch again."""
+    xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    dirs = [state_dir() / "models", Path(xdg) / "mace-edge" / "models"]
+    return [d for i, d in enumerate(dirs) if d not in dirs[:i]]
 
 
 def make_private(root: Path) -> int:

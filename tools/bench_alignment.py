@@ -12,6 +12,14 @@ through the regression guard and both users are measured: held-out win rate and 
 
     .venv/bin/python tools/bench_alignment.py                    # default model, 100 pairs
     .venv/bin/python tools/bench_alignment.py --replay hh.jsonl  # replay local HH-RLHF/SHP pairs
+    .venv/bin/python tools/bench_alignment.py --feedback thumbs  # lone thumbs only (KTO), 200
+
+With `--feedback thumbs` the trained user gives only lone thumbs: one answer per prompt (sampled
+under their newest adapter), thumbs up when it satisfies their hidden preference (the answer first:
+it does not open with "The", as the base model's restatements do), down otherwise; no prompt is
+asked twice. Every thumb is also recorded in a real feedback store, which shows what the pair rules
+make of it; the adapter trains by staged KTO, guarded by the held-out desirable-vs-undesirable
+margin (results: tools/results/bench_alignment_thumbs.*).
 """
 
 from __future__ import annotations
@@ -43,7 +51,9 @@ from edge_runtime.train import AdapterTrainer, DPOSettings, PreferenceRecord  # 
 from edge_runtime.train.costs import StageCostModel  # noqa: E402
 from edge_runtime.train.dpo import AlignmentMetrics  # noqa: E402
 from edge_runtime.train.guard import RegressionGuard, publish_guarded  # noqa: E402
+from edge_runtime.train.kto import UnpairedMetrics  # noqa: E402
 from edge_runtime.train.optim import OptimizerSettings  # noqa: E402
+from edge_runtime.train.unpaired import UnpairedRecord  # noqa: E402
 
 RESULTS = ROOT / "tools" / "results"
 
@@ -123,15 +133,49 @@ class SignOffUser:
         return None
 
 
+# Second phrasings of each family's question: the thumbs user's training prompts are the training
+# items in both phrasings (about 200 distinct prompts, none asked twice); held-out and evaluation
+# items stay disjoint from them.
+REPHRASED: dict[str, str] = {
+    "capital": "Which city is the capital of {}?",
+    "legs": "How many legs has a {} got?",
+    "opposite": "Give the opposite of the word '{}'.",
+    "french": "Translate '{}' into French.",
+    "math": "Compute {}.",
+}
+
+
+@dataclass
+class AnswerFirstUser:
+    """Wants the answer first: a reply (two words or more) that does not open with `opener`, the
+    restatement ("The capital of France is ...") the base model's greedy answers mostly start
+    with. Gives one thumb per answer it is shown, and nothing else."""
+
+    name: str
+    opener: str = "The"
+
+    @property
+    def preference(self) -> str:
+        return f"the answer first: a reply that does not open with {self.opener!r}"
+
+    def satisfied(self, text: str) -> bool:
+        text = text.strip()
+        return len(text.split()) >= 2 and not text.startswith(self.opener)
+
+    def thumb(self, prompt: Any, text: str) -> UnpairedRecord:
+        return UnpairedRecord(prompt, text, self.satisfied(text))
+
+
 def chat(text: str) -> tuple[dict[str, str], ...]:
     return ({"role": "user", "content": text},)
 
 
-def split_prompts(seed: int, heldout_items: int, eval_items: int) -> tuple[list, list, list]:
-    """Per family, items go to held-out pairs, greedy evaluation, or training (disjoint)."""
+def split_prompts(seed: int, heldout_items: int, eval_items: int, rephrase: bool = False) -> tuple[list, list, list]:
+    """Per family, items go to held-out pairs, greedy evaluation, or training (disjoint);
+    `rephrase` adds each training item's second phrasing to the training prompts."""
     rng = random.Random(seed)
     train, heldout, evaluation = [], [], []
-    for template, items in FAMILIES.values():
+    for family, (template, items) in FAMILIES.items():
         items = items[:]
         rng.shuffle(items)
         share = len(items) / sum(len(v[1]) for v in FAMILIES.values())
@@ -140,6 +184,8 @@ def split_prompts(seed: int, heldout_items: int, eval_items: int) -> tuple[list,
         heldout += [chat(template.format(x) + BRIEF) for x in items[:h]]
         evaluation += [chat(template.format(x) + BRIEF) for x in items[h:h + e]]
         train += [chat(template.format(x) + BRIEF) for x in items[h + e:]]
+        if rephrase:
+            train += [chat(REPHRASED[family].format(x) + BRIEF) for x in items[h + e:]]
     rng.shuffle(train)
     return train, heldout, evaluation
 
@@ -358,6 +404,208 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def unpaired_dict(m: UnpairedMetrics) -> dict[str, float]:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in m.as_dict().items()}
+
+
+def record_thumbs_in_store(store: Any, user: str, thumbs: Sequence[tuple[Any, UnpairedRecord]], start: int) -> None:
+    """Each thumb as the daemon records it: the interaction (one candidate), then the thumb."""
+    from edge_runtime.feedback import Thumbs
+
+    for i, (prompt, record) in enumerate(thumbs, start):
+        request_id = f"thumb-{i}"
+        store.record_interaction(user, request_id, json.dumps(list(prompt)), [record.completion], model="bench")
+        store.record_feedback(user, request_id, Thumbs(candidate=0, up=record.desirable))
+
+
+def store_counts(store: Any, user: str) -> dict[str, int]:
+    """What the store holds for training from these thumbs: pairs (all the old code trains on)
+    and, where this version has them, unpaired examples."""
+    out = {"pairs": len(store.next_pairs(user, 100_000)) + len(store.heldout_pairs(user))}
+    if hasattr(store, "next_unpaired"):
+        out["unpaired"] = len(store.next_unpaired(user, 100_000)) + len(store.heldout_unpaired(user))
+    return out
+
+
+def online_thumbs(args: argparse.Namespace) -> dict[str, Any]:
+    """Lone thumbs only: one sampled answer per new prompt, one thumb each, staged KTO."""
+    import tempfile
+
+    from edge_runtime.feedback import FeedbackStore
+
+    torch.manual_seed(args.seed)
+    t_start = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    path = args.model or _default_model_path()
+    model = load_llama(path, dtype=torch.float32)
+    from edge_runtime.model.tokenizer import Tokenizer
+
+    config = EngineConfig(kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=64, max_batched_tokens=512)
+    engine = Engine(model, Tokenizer(path), config, name=Path(path).name)
+    trained = AnswerFirstUser(args.user)
+    untouched = SignOffUser(args.untouched_user, args.untouched_signoff)
+    lora = LoraSettings(rank=args.rank, alpha=2 * args.rank)
+    costs = StageCostModel.profile(model, lora)
+    trainer = AdapterTrainer(
+        model, engine.tokenizer, lora,
+        DPOSettings(beta=args.beta, kto_beta=args.beta, window_tokens=args.window_tokens,
+                    layers_per_group=args.layers_per_group,
+                    optimizer=OptimizerSettings(learning_rate=args.lr, accumulation_steps=args.accumulation)),
+        costs=costs,
+    )
+    guard = RegressionGuard(args.guard_win_rate_tolerance, args.guard_clpd_tolerance,
+                            margin_tolerance=args.guard_margin_tolerance)
+    train_prompts, heldout_prompts, eval_prompts = split_prompts(args.seed, args.heldout_prompts, args.eval_prompts,
+                                                                 rephrase=True)
+    if len(train_prompts) < args.thumbs:
+        raise SystemExit(f"only {len(train_prompts)} distinct training prompts for {args.thumbs} thumbs")
+    sample = SamplingParams(n=2, temperature=args.temperature, top_p=0.95, max_tokens=args.max_new_tokens,
+                            seed=args.seed)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.eval_new_tokens)
+    store_dir = Path(tempfile.mkdtemp(prefix="bench-thumbs-"))
+    store = FeedbackStore(store_dir / "feedback.sqlite3", adapters_root=store_dir / "adapters")
+    store.set_consent(trained.name, True)
+
+    # Held-out thumbs: the trained user's verdicts on the base model's sampled answers to the
+    # held-out prompts (two each); the first `guard_examples` guard publishing, the rest measure.
+    t0 = time.perf_counter()
+    base_outputs = run_requests(engine, heldout_prompts, sample, [None] * len(heldout_prompts))
+    heldout = [trained.thumb(p, c.text) for p, o in zip(heldout_prompts, base_outputs, strict=True)
+               for c in o.candidates if c.text.strip()]
+    random.Random(args.seed).shuffle(heldout)
+    guard_examples, heldout_eval = heldout[: args.guard_examples], heldout[args.guard_examples:]
+    setup_s = time.perf_counter() - t0
+    print(f"held-out thumbs: {len(heldout_eval)} (+{len(guard_examples)} guard), "
+          f"{sum(e.desirable for e in heldout)} up; {setup_s:.0f}s", flush=True)
+
+    history: list[dict[str, Any]] = []
+    publishes: list[dict[str, Any]] = []
+    initial_untouched: list[list[int]] | None = None
+    served_unpaired: UnpairedMetrics | None = None
+    eval_seconds = 0.0
+
+    def publish(done: int) -> None:
+        nonlocal served_unpaired, eval_seconds
+        t = time.perf_counter()
+        trainer.flush()
+        decision, ref = publish_guarded(engine.adapters, trainer, trained.name, [], guard,
+                                        heldout_unpaired=guard_examples, served_unpaired=served_unpaired,
+                                        trained_thumbs=done)
+        if decision.accepted:
+            served_unpaired = decision.unpaired_after
+        publishes.append({"thumbs": done, "accepted": decision.accepted, "reason": decision.reason,
+                          "version": None if ref is None else ref.version,
+                          "before": decision.unpaired_before and unpaired_dict(decision.unpaired_before),
+                          "after": decision.unpaired_after and unpaired_dict(decision.unpaired_after)})
+        eval_seconds += time.perf_counter() - t
+
+    def checkpoint(done: int, thumbs_up: int) -> None:
+        nonlocal initial_untouched, eval_seconds
+        t = time.perf_counter()
+        served = engine.adapters.newest(trained.name)
+        served_weights = None if served is None else engine.adapters.weights(served)
+        m = trainer.evaluate_unpaired(heldout_eval, served_weights)
+        outs = run_requests(engine, list(eval_prompts) * 2, greedy,
+                            [trained.name] * len(eval_prompts) + [untouched.name] * len(eval_prompts))
+        mine, theirs = outs[: len(eval_prompts)], outs[len(eval_prompts):]
+        untouched_ids = [o.candidates[0].token_ids for o in theirs]
+        if initial_untouched is None:
+            initial_untouched = untouched_ids
+        satisfied = sum(trained.satisfied(o.candidates[0].text) for o in mine)
+        record = {
+            "thumbs": done, "thumbs_up": thumbs_up, "served_version": None if served is None else served.version,
+            "guard": publishes[-1] if publishes else None,
+            "trained": {**unpaired_dict(m), "share": round(satisfied / len(mine), 4), "satisfied": satisfied,
+                        "answers": len(mine)},
+            "untouched": {"share": round(sum(untouched.satisfied(o.candidates[0].text) for o in theirs) / len(theirs), 4),
+                          "greedy_unchanged": untouched_ids == initial_untouched},
+            "store": store_counts(store, trained.name),
+            "elapsed_s": round(time.perf_counter() - t_start, 1),
+            "examples": [o.candidates[0].text for o in mine[:6]],
+        }
+        eval_seconds += time.perf_counter() - t
+        history.append(record)
+        tr = record["trained"]
+        print(f"[{done:4d} thumbs, {thumbs_up} up] v{record['served_version']} {trained.name}: margin "
+              f"{tr['margin']:+.2f} acc {tr['accuracy']:.2f} share {tr['share']:.2f} | {untouched.name} unchanged "
+              f"{record['untouched']['greedy_unchanged']} | store {record['store']} | {record['elapsed_s']:.0f}s",
+              flush=True)
+        print("    e.g.", record["examples"][:3], flush=True)
+
+    checkpoint(0, 0)
+    done = thumbs_up = rounds = max_held = 0
+    train_seconds = generate_seconds = 0.0
+    stage_seconds: dict[str, float] = {}
+    next_checkpoint = args.eval_every
+    while done < args.thumbs:
+        rounds += 1
+        prompts = train_prompts[done: min(args.thumbs, done + args.round_prompts)]  # each asked once
+        t = time.perf_counter()
+        fresh = SamplingParams(n=1, temperature=args.temperature, top_p=0.95, max_tokens=args.max_new_tokens,
+                               seed=args.seed * 100_003 + rounds)
+        outputs = run_requests(engine, prompts, fresh, [trained.name] * len(prompts))
+        generate_seconds += time.perf_counter() - t
+        thumbs = [(p, trained.thumb(p, o.candidates[0].text)) for p, o in zip(prompts, outputs, strict=True)]
+        record_thumbs_in_store(store, trained.name, thumbs, done)
+        for _, example in thumbs:
+            if not example.completion.strip():
+                done += 1  # an empty answer: thumbed, but nothing to learn from
+                continue
+            task = trainer.task(example, score=False)
+            t = time.perf_counter()
+            while not task.done:
+                task.run_next()
+                max_held = max(max_held, task.held_bytes)
+            train_seconds += time.perf_counter() - t
+            for kind, sec in task.seconds_by_kind().items():
+                stage_seconds[kind] = stage_seconds.get(kind, 0.0) + sec
+            done += 1
+            thumbs_up += example.desirable
+        publish(done)
+        if done >= next_checkpoint or done >= args.thumbs:
+            checkpoint(done, thumbs_up)
+            next_checkpoint = (done // args.eval_every + 1) * args.eval_every
+    store.close()
+
+    first, last = history[0], history[-1]
+    summary = {
+        "thumbs": done, "thumbs_up": thumbs_up, "rounds": rounds,
+        "versions_published": sum(p["accepted"] for p in publishes),
+        "guard_rejections": sum(not p["accepted"] for p in publishes),
+        "base_margin": first["trained"]["margin"], "trained_margin": last["trained"]["margin"],
+        "base_accuracy": first["trained"]["accuracy"], "trained_accuracy": last["trained"]["accuracy"],
+        "base_share": first["trained"]["share"], "trained_share": last["trained"]["share"],
+        "base_satisfied": f"{first['trained']['satisfied']}/{first['trained']['answers']}",
+        "trained_satisfied": f"{last['trained']['satisfied']}/{last['trained']['answers']}",
+        "untouched_greedy_unchanged": all(h["untouched"]["greedy_unchanged"] for h in history),
+        "store_after": last["store"],
+        "old_path_pairs": last["store"]["pairs"],
+        "train_s_per_thumb": round(train_seconds / max(1, done), 3),
+        "stage_s_per_thumb": {k: round(v / max(1, done), 3) for k, v in stage_seconds.items()},
+        "generate_s_per_thumb": round(generate_seconds / max(1, done), 3),
+        "total_s": round(time.perf_counter() - t_start, 1),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "max_activation_bytes_estimate": max_held,
+        "bar": {
+            "share_at_least_doubles": last["trained"]["share"] >= 2 * first["trained"]["share"] > 0,
+            "heldout_margin_up": last["trained"]["margin"] > first["trained"]["margin"],
+            "untouched_unchanged": all(h["untouched"]["greedy_unchanged"] for h in history),
+            "old_path_trains_nothing": last["store"]["pairs"] == 0,
+        },
+    }
+    return {
+        "mode": "thumbs", "model": str(path),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("func",)},
+        "users": {"trained": vars(trained) | {"preference": trained.preference},
+                  "untouched": vars(untouched) | {"preference": untouched.preference}},
+        "heldout_thumbs": {"eval": len(heldout_eval), "guard": len(guard_examples),
+                           "up": sum(e.desirable for e in heldout)},
+        "threads": torch.get_num_threads(),
+        "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
+        "summary": summary, "history": history, "publishes": publishes,
+    }
+
+
 def replay(args: argparse.Namespace) -> dict[str, Any]:
     """Train one user on the first `--pairs` records of a local HH-RLHF/SHP file; measure win
     rate and CLPD on the next `--heldout-pairs` records as training proceeds."""
@@ -414,6 +662,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     history = result["history"]
+    if result["mode"] == "thumbs":
+        plot_thumbs(result, path, plt)
+        return
     xs = [h["pairs"] for h in history]
     panels = [("win_rate", "win rate"), ("clpd", "CLPD (nats)")]
     if result["mode"] == "online":
@@ -434,10 +685,77 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_thumbs(result: dict[str, Any], path: Path, plt: Any) -> None:
+    history = result["history"]
+    xs = [h["thumbs"] for h in history]
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.4))
+    for ax, key, label in ((axes[0], "margin", "held-out desirable-vs-undesirable margin (nats)"),
+                           (axes[1], "share", "greedy answers with the preference")):
+        ax.plot(xs, [h["trained"][key] for h in history], "o-", label="trained user (thumbs, KTO)")
+        if key == "share":
+            ax.plot(xs, [h["untouched"]["share"] for h in history], "s--", label="untouched user")
+        ax.axhline(history[0]["trained"][key], color="grey", lw=0.8, ls=":", label="base model")
+        ax.set_xlabel("lone thumbs")
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle("MACE-edge: learning from lone thumbs (KTO); the pair rules derive 0 pairs from them",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown_thumbs(result: dict[str, Any]) -> list[str]:
+    s, users = result["summary"], result["users"]
+    lines = [
+        f"Model `{Path(result['model']).name}`, fp32, {result['threads']} thread(s). Trained user "
+        f"`{users['trained']['name']}` gives only lone thumbs (one per answer, no prompt twice); hidden "
+        f"preference: {users['trained']['preference']}. Untouched user `{users['untouched']['name']}` "
+        f"(never trained). Held-out thumbs on the base model's answers: {result['heldout_thumbs']['eval']} "
+        f"(+{result['heldout_thumbs']['guard']} for the guard), {result['heldout_thumbs']['up']} up.",
+        "",
+        "| | base | after training |",
+        "|---|---|---|",
+        f"| greedy answers with the preference | {s['base_share']:.2f} ({s['base_satisfied']}) "
+        f"| {s['trained_share']:.2f} ({s['trained_satisfied']}) |",
+        f"| held-out desirable-vs-undesirable margin | {s['base_margin']:+.2f} | {s['trained_margin']:+.2f} |",
+        f"| held-out examples on their side of z0 = 0 | {s['base_accuracy']:.2f} | {s['trained_accuracy']:.2f} |",
+        "",
+        f"- lone thumbs: {s['thumbs']} ({s['thumbs_up']} up) in {s['rounds']} rounds; each round's update offered "
+        f"to the guard: {s['versions_published']} versions published, {s['guard_rejections']} rejected",
+        f"- the same thumbs in the feedback store: {s['store_after']} -> the pair rules (the old, pairs-only "
+        f"path) give {s['old_path_pairs']} pairs: nothing to train",
+        f"- untouched user's greedy outputs unchanged at every checkpoint: {s['untouched_greedy_unchanged']}",
+        f"- train time per thumb (staged reference + forward + backward + AdamW): {s['train_s_per_thumb']} s "
+        f"(by stage: {s['stage_s_per_thumb']}); generation per thumb {s['generate_s_per_thumb']} s; "
+        f"total run {s['total_s']} s",
+        f"- load average (1/5/15 min) at start {result['load_average']['start']}, at end "
+        f"{result['load_average']['end']} on {os.cpu_count()} CPUs; peak RSS {s['peak_rss_mb']} MB",
+        f"- bar: {s['bar']}",
+        "",
+        "| thumbs | up | served | margin | accuracy | share | untouched unchanged | store | last guard decision |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for h in result["history"]:
+        guard = h.get("guard")
+        verdict = "-" if not guard else (f"v{guard['version']} published" if guard["accepted"]
+                                         else f"kept served ({guard['reason']})")
+        lines.append(f"| {h['thumbs']} | {h['thumbs_up']} | {h['served_version']} | {h['trained']['margin']:+.2f} "
+                     f"| {h['trained']['accuracy']:.2f} | {h['trained']['share']:.2f} "
+                     f"| {h['untouched']['greedy_unchanged']} | {h['store']} | {verdict} |")
+    lines += ["", "Greedy answers of the trained user at the start and at the end:", ""]
+    lines += [f"- {json.dumps(a)} -> {json.dumps(b)}"
+              for a, b in zip(result["history"][0]["examples"], result["history"][-1]["examples"], strict=True)]
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
     s = result["summary"]
     lines = [f"# Personalisation benchmark ({result['mode']})", ""]
-    if result["mode"] == "online":
+    if result["mode"] == "thumbs":
+        lines += markdown_thumbs(result)
+    elif result["mode"] == "online":
         users = result["users"]
         lines += [
             f"Model `{Path(result['model']).name}`, fp32, {result['threads']} thread(s). Trained user "
@@ -492,6 +810,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--model", help="HF model directory (default: the default model)")
     p.add_argument("--replay", type=Path, help="HH-RLHF / SHP / explicit JSONL file to replay instead")
     p.add_argument("--format", default="auto", help="replay file format: auto, hh, shp, explicit")
+    p.add_argument("--feedback", choices=("pairs", "thumbs"), default="pairs",
+                   help="pairs: choices and edits (DPO); thumbs: lone thumbs only (KTO)")
+    p.add_argument("--thumbs", type=int, default=200, help="lone thumbs to train on (--feedback thumbs)")
+    p.add_argument("--guard-examples", type=int, default=16, help="held-out thumbs that guard publishing")
+    p.add_argument("--guard-margin-tolerance", type=float, default=1.0)
     p.add_argument("--pairs", type=int, default=100,
                    help="feedback pairs to train on (the bar allows <= 300; past ~90 most rounds yield no pair)")
     p.add_argument("--eval-every", type=int, default=25)
@@ -519,10 +842,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1 by default: on a shared CPU a 2-thread GEMM waits for a descheduled thread)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS / "bench_alignment")
+    p.add_argument("--out", type=Path, default=None,
+                   help="result path without suffix (default tools/results/bench_alignment[_thumbs])")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = RESULTS / ("bench_alignment_thumbs" if args.feedback == "thumbs" else "bench_alignment")
     torch.set_num_threads(args.threads)
-    result = replay(args) if args.replay else online(args)
+    if args.replay:
+        result = replay(args)
+    else:
+        result = online_thumbs(args) if args.feedback == "thumbs" else online(args)
     result["plot"] = f"{args.out}.png"
     write_report(result, args.out)
     print(markdown(result))

@@ -3,6 +3,7 @@
 without the grammar's mask, and what the mask costs per token at 1 and N streams.
 
     python tools/bench_structured.py [--max-tokens 320] [--tokens 64] [--streams 1,16] [--repeats 3]
+                                     [--threads 1]
 
 Validity: 20 chat prompts, each naming its schema (a nested object, an enum, an array; four
 schemas, five prompts each), answered greedily once with `response_format` json_schema (the
@@ -12,10 +13,12 @@ forgiven). Each answer must parse and validate with `jsonschema`.
 Overhead: decode tokens/s of the same prompts with and without a JSON-schema mask whose
 answer cannot end before `--tokens` tokens (a string with a minimum length), every stream
 generating exactly `--tokens` tokens; best of `--repeats` rounds, the two alternating. Then
-the mask alone, replayed on the recorded token sequences outside the engine: the time to
-compute one step's masks and advance the grammars, for llguidance (what the engine uses) and,
-when it is importable, xgrammar (the alternative the choice was made against).
-Writes tools/results/bench_structured.{json,md}.
+the mask alone, replayed on the recorded token sequences outside the forward: the engine's
+whole mask path per step (masks, unpacking, the masked row, argmax, advancing; the figure that
+a loaded machine leaves readable), and the masks plus advancing alone for llguidance (what the
+engine uses) and, when it is importable, xgrammar (the alternative the choice was made against).
+Writes tools/results/bench_structured.{json,md}; `--skip-validity` re-measures the overhead and
+keeps the validity section of the earlier result.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import jsonschema  # noqa: E402
 import torch  # noqa: E402
 
 from edge_runtime import Engine, SamplingParams  # noqa: E402
-from edge_runtime.constraints import Constraint  # noqa: E402
+from edge_runtime.constraints import Constraint, unpack_mask  # noqa: E402
+from edge_runtime.sampling import choose, shape_logits  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -100,22 +104,36 @@ def chat(text: str) -> list[dict[str, str]]:
 
 
 def validity(engine: Engine, max_tokens: int) -> dict[str, Any]:
+    """Every prompt with its schema's mask, then every prompt without, each set as one batch
+    (greedy: a row's answer does not depend on the others')."""
+    asks = [(name, ask) for name in SCHEMAS for ask in REQUESTS[name]]
+    prompts = [chat(f"{ask} Answer with only a JSON object that follows this JSON schema:\n"
+                    f"{json.dumps(SCHEMAS[name])}") for name, ask in asks]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=max_tokens,
+                                                constraint=Constraint.json_schema(SCHEMAS[name])))
+           for p, (name, _) in zip(prompts, asks, strict=True)]
+    masked_out = _run(engine, ids)
+    free_out = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
     rows = []
-    for name, schema in SCHEMAS.items():
-        for ask in REQUESTS[name]:
-            prompt = chat(f"{ask} Answer with only a JSON object that follows this JSON schema:\n{json.dumps(schema)}")
-            masked = engine.generate([prompt], SamplingParams(max_tokens=max_tokens,
-                                                              constraint=Constraint.json_schema(schema)))[0]
-            free = engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0]
-            rows.append({"schema": name, "request": ask,
-                         "masked": masked.text, "masked_valid": _valid(masked.text, schema, fence=False),
-                         "masked_finish": masked.candidates[0].finish_reason,
-                         "free": free.text, "free_valid": _valid(free.text, schema, fence=True),
-                         "free_finish": free.candidates[0].finish_reason})
-            print(f"  {name:7s} masked {rows[-1]['masked_valid']!s:5s} free {rows[-1]['free_valid']!s:5s}  "
-                  f"{masked.text[:70]!r}", flush=True)
+    for (name, ask), masked, free in zip(asks, masked_out, free_out, strict=True):
+        schema = SCHEMAS[name]
+        rows.append({"schema": name, "request": ask,
+                     "masked": masked.text, "masked_valid": _valid(masked.text, schema, fence=False),
+                     "masked_finish": masked.candidates[0].finish_reason,
+                     "free": free.text, "free_valid": _valid(free.text, schema, fence=True),
+                     "free_finish": free.candidates[0].finish_reason})
+        print(f"  {name:7s} masked {rows[-1]['masked_valid']!s:5s} free {rows[-1]['free_valid']!s:5s}  "
+              f"{masked.text[:70]!r}", flush=True)
     return {"prompts": len(rows), "masked_valid": sum(r["masked_valid"] for r in rows),
             "free_valid": sum(r["free_valid"] for r in rows), "rows": rows}
+
+
+def _run(engine: Engine, ids: list[str]) -> list[Any]:
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    return [outputs[i] for i in ids]
 
 
 def _valid(text: str, schema: dict[str, Any], fence: bool) -> bool:
@@ -160,6 +178,29 @@ def replay_llguidance(engine: Engine, sequences: list[list[int]], schema: dict[s
     return (time.perf_counter() - start) / steps
 
 
+def replay_engine_path(engine: Engine, sequences: list[list[int]], schema: dict[str, Any]) -> float:
+    """Seconds per step for everything a mask adds to a decode step in the engine's own code
+    (`Engine._grammar_masks` and the row shaping of `_commit_token`): the streams' packed masks,
+    each unpacked to [vocab], a float32 copy of the row with the disallowed tokens at -inf, the
+    argmax over it, and the grammars advanced (all of it counted: the engine's batched argmax of
+    the unmasked path runs either way). Independent of the model's forward, so machine load
+    moves it far less than the end-to-end rates."""
+    compiler = engine.grammars
+    vocab = engine.model.cfg.vocab_size
+    logits = torch.randn(len(sequences), vocab, dtype=engine.model.dtype)
+    params = SamplingParams(constraint=Constraint.json_schema(schema))
+    matchers = [compiler.matcher(params.constraint) for _ in sequences]
+    steps = min(len(s) for s in sequences)
+    start = time.perf_counter()
+    for t in range(steps):
+        packed = compiler.masks(matchers)
+        for i, (m, seq) in enumerate(zip(matchers, sequences, strict=True)):
+            row = shape_logits(logits[i], params, None, unpack_mask(packed[i], vocab))
+            choose(row, params, None)
+            assert m.consume_token(seq[t]), m.get_error()
+    return (time.perf_counter() - start) / steps
+
+
 def replay_xgrammar(engine: Engine, sequences: list[list[int]], schema: dict[str, Any]) -> float | None:
     try:
         import xgrammar as xgr
@@ -195,6 +236,7 @@ def overhead(engine: Engine, streams_list: list[int], tokens: int, repeats: int)
             masked_rates.append(rate)
         free, masked = max(free_rates), max(masked_rates)
         ll = min(replay_llguidance(engine, sequences, LONG_ANSWER) for _ in range(repeats))
+        path = min(replay_engine_path(engine, sequences, LONG_ANSWER) for _ in range(repeats))
         xg = [replay_xgrammar(engine, sequences, LONG_ANSWER) for _ in range(repeats)]
         xg_best = min(x for x in xg if x is not None) if any(x is not None for x in xg) else None
         rows.append({"streams": streams, "decode_tok_s_free": round(free, 2), "decode_tok_s_masked": round(masked, 2),
@@ -203,6 +245,8 @@ def overhead(engine: Engine, streams_list: list[int], tokens: int, repeats: int)
                      "overhead_ms_per_step": round(1000 * (streams / masked - streams / free), 3),
                      "overhead_fraction": round(free / masked - 1, 4),
                      "llguidance_ms_per_step": round(ll * 1000, 3),
+                     "mask_path_ms_per_step": round(path * 1000, 3),
+                     "mask_path_ms_per_token": round(path * 1000 / streams, 3),
                      "xgrammar_ms_per_step": round(xg_best * 1000, 3) if xg_best is not None else None,
                      "rates_free": [round(r, 2) for r in free_rates], "rates_masked": [round(r, 2) for r in masked_rates]})
         print(json.dumps(rows[-1]), flush=True)
@@ -211,23 +255,36 @@ def overhead(engine: Engine, streams_list: list[int], tokens: int, repeats: int)
 
 def write_markdown(result: dict[str, Any], path: Path) -> None:
     v = result["validity"]
-    lines = [f"Default model ({result['model']}, {result['dtype']}), {result['machine']['cores']} cores "
-             f"({result['machine']['cpu']}), load average {result['loadavg_start']} -> {result['loadavg_end']}.", "",
-             f"**Validity** ({v['prompts']} prompts, greedy, at most {result['max_tokens']} tokens): "
-             f"with the mask **{v['masked_valid']}/{v['prompts']}** parse and validate; without it "
-             f"{v['free_valid']}/{v['prompts']}.", "",
-             "| schema | request | masked valid | free valid |", "|---|---|---|---|"]
+    machine = result["machine"]
+    lines = [f"Default model ({result['model']}, {result['dtype']}, {machine['torch_threads']} torch thread(s)), "
+             f"{machine['cores']} cores ({machine['cpu']}), shared with other work: load average (1, 5, 15 min) "
+             f"{result['loadavg_start']} at the start, {result['loadavg_end']} at the end.", ""]
+    if "from" in v:
+        lines += [f"Validity from an earlier run of the same code (load average {v['from']['loadavg_start']} -> "
+                  f"{v['from']['loadavg_end']}); overhead re-measured in this one.", ""]
+    lines += [f"**Validity** ({v['prompts']} prompts, greedy, at most {result['max_tokens']} tokens, the schema "
+              "in the prompt both times): "
+              f"with the mask **{v['masked_valid']}/{v['prompts']}** parse and validate; without it "
+              f"{v['free_valid']}/{v['prompts']}.", "",
+              "| schema | request | masked valid | masked finish | free valid | free finish |",
+              "|---|---|---|---|---|---|"]
     for r in v["rows"]:
-        lines.append(f"| {r['schema']} | {r['request']} | {r['masked_valid']} | {r['free_valid']} |")
-    lines += ["", f"**Overhead** ({result['tokens']} tokens per stream, best of {result['repeats']} alternating "
-              "rounds; replay = masks + grammar advance alone, per step of all streams):", "",
-              "| streams | decode tok/s free | decode tok/s masked | ms/token free | ms/token masked | "
-              "overhead ms/step | llguidance replay ms/step | xgrammar replay ms/step |",
+        lines.append(f"| {r['schema']} | {r['request']} | {r['masked_valid']} | {r['masked_finish']} | "
+                     f"{r['free_valid']} | {r['free_finish']} |")
+    lines += ["", f"**Overhead** ({result['tokens']} tokens per stream). Mask path = what a mask adds to a decode "
+              "step in the engine's own code (masks of all streams, each unpacked and applied to a float32 copy "
+              "of its row, argmax, grammars advanced), replayed on the recorded token sequences, best of "
+              f"{result['repeats']}; independent of the forward, so the machine's load moves it little. "
+              "llguidance replay = masks + advance alone. End to end = decode tok/s of the same streams with "
+              f"and without the mask, best of {result['repeats']} alternating rounds (noisy on a loaded machine: "
+              "the rounds are listed in the JSON).", "",
+              "| streams | mask path ms/step | mask path ms/token | llguidance replay ms/step | "
+              "xgrammar replay ms/step | decode tok/s free | decode tok/s masked | end-to-end overhead ms/step |",
               "|---|---|---|---|---|---|---|---|"]
     for r in result["overhead"]:
-        lines.append(f"| {r['streams']} | {r['decode_tok_s_free']} | {r['decode_tok_s_masked']} | "
-                     f"{r['ms_per_token_free']} | {r['ms_per_token_masked']} | {r['overhead_ms_per_step']} | "
-                     f"{r['llguidance_ms_per_step']} | {r['xgrammar_ms_per_step']} |")
+        lines.append(f"| {r['streams']} | {r.get('mask_path_ms_per_step')} | {r.get('mask_path_ms_per_token')} | "
+                     f"{r['llguidance_ms_per_step']} | {r['xgrammar_ms_per_step']} | {r['decode_tok_s_free']} | "
+                     f"{r['decode_tok_s_masked']} | {r['overhead_ms_per_step']} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -238,11 +295,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", default="1,16")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--skip-validity", action="store_true")
+    ap.add_argument("--skip-validity", action="store_true",
+                    help="measure the overhead only; the validity section of an earlier result at --out is kept")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (1: OpenMP workers spinning on a shared box slow every step)")
     ap.add_argument("--out", default=str(RESULTS / "bench_structured.json"))
     args = ap.parse_args()
+    out = Path(args.out)
     load_start = os.getloadavg()
-    engine = Engine.load(args.model, kv_cache_bytes=256 << 20)
+    engine = Engine.load(args.model, kv_cache_bytes=512 << 20, num_threads=args.threads)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "")
     result: dict[str, Any] = {
@@ -254,10 +315,15 @@ def main() -> None:
     if not args.skip_validity:
         print("validity ...", flush=True)
         result["validity"] = validity(engine, args.max_tokens)
+    elif out.exists():
+        earlier = json.loads(out.read_text())
+        if "validity" in earlier:
+            result["validity"] = {**earlier["validity"], "from": {
+                k: earlier["validity"].get("from", {}).get(k, earlier.get(k)) for k in ("loadavg_start", "loadavg_end")}}
+            result["max_tokens"] = earlier["max_tokens"]
     print("overhead ...", flush=True)
     result["overhead"] = overhead(engine, [int(s) for s in args.streams.split(",")], args.tokens, args.repeats)
     result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     if "validity" in result:

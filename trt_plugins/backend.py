@@ -105,7 +105,7 @@ class TensorRTBackend:
                           self.model.rope.offset(it.seq.num_tokens))
                  for it, r in zip(items, refs, strict=True)]
         cfg = self.cfg
-        plan = plan_step(steps, self.cache.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.sliding_window, False)
+        plan = plan_step(steps, self.cache.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.layer_windows, False)
         key = tuple(slots)
         context = self._context(lora=bool(key))
         feeds: dict[str, np.ndarray] = dict(plan.inputs)

@@ -12,11 +12,12 @@ if TYPE_CHECKING:
     from edge_runtime.lora.registry import AdapterRegistry
     from edge_runtime.model.llama import LlamaModel
 
-BACKENDS = ("torch", "onnxruntime", "tensorrt")
+BACKENDS = ("torch", "onnxruntime", "tensorrt", "auto")
 
 
 def make_backend(config: EngineConfig, model: LlamaModel, cache: KVCache, adapters: AdapterRegistry | None) -> Any:
-    """The backend `config.backend` names, built over the engine's model, KV cache and adapters."""
+    """The backend `config.backend` names, built over the engine's model, KV cache and adapters
+    ("auto" is resolved by `auto.choose_backend`, which calls this with a concrete name)."""
     name = config.backend
     if name == "torch":
         from edge_runtime.backends.torch_backend import TorchBackend

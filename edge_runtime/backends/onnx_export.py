@@ -1,5 +1,7 @@
 """Exports the step graph once per (model weights, graph spec, graph version) and caches it under
-`<state dir>/onnx/<key>/` (model.onnx + model.onnx.data + meta.json), written atomically.
+`<cache dir>/onnx/<key>/` (model.onnx + model.onnx.data + meta.json), written atomically and
+shared by every state directory (exports an older release left under `<state dir>/onnx/` are
+still used).
 
 Owns the cache key and the files; the graph itself comes from `onnx_graph`.
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -16,7 +19,9 @@ from pathlib import Path
 
 import onnx
 import torch
+from tqdm import tqdm
 
+from edge_runtime import paths
 from edge_runtime.backends.onnx_graph import (
     GRAPH_VERSION,
     OPSET,
@@ -25,7 +30,8 @@ from edge_runtime.backends.onnx_graph import (
     with_gqa_window,
 )
 from edge_runtime.model.llama import LlamaModel
-from edge_runtime.paths import state_dir
+
+log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -51,7 +57,12 @@ def export_key(digest: str, spec: GraphSpec) -> str:
 
 
 def default_cache_dir() -> Path:
-    return state_dir() / "onnx"
+    return paths.cache_dir() / "onnx"
+
+
+def legacy_cache_dir() -> Path:
+    """Where exports lived before the cache was shared."""
+    return paths.state_dir() / "onnx"
 
 
 def export_step(
@@ -61,12 +72,19 @@ def export_step(
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     spec = with_gqa_window(spec, model)  # a no-op where the backend probed its own providers
     digest = digest or model_hash(model)
-    target = root / export_key(digest, spec)
+    key = export_key(digest, spec)
+    target = root / key
     if (target / META_FILE).exists():
         return target / MODEL_FILE
+    if not cache_dir and (legacy_cache_dir() / key / META_FILE).exists():
+        return legacy_cache_dir() / key / MODEL_FILE
     root.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    proto = build_step_graph(model, spec)
+    log.info("exporting the %s step graph to %s (once per model and format)", spec.tag, target)
+    # A bar on a terminal; the log lines above and below under a service manager.
+    with tqdm(total=model.cfg.num_layers, desc=f"exporting {spec.quantization} graph", unit="layer",
+              disable=None, leave=False) as bar:
+        proto = build_step_graph(model, spec, on_layer=lambda: bar.update(1))
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=root))
     try:
         onnx.save_model(proto, str(tmp / MODEL_FILE), save_as_external_data=True,
@@ -85,6 +103,7 @@ def export_step(
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        log.info("exported %s in %.1f s", key, meta["export_seconds"])
         try:
             os.rename(tmp, target)
         except OSError:

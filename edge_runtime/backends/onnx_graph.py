@@ -12,6 +12,7 @@ shapes are documented in docs/onnx.md; `StepInputs` (step_inputs.py) builds the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -44,6 +45,13 @@ FUSED_LORA_SITES = {"qkv": ("qkv_proj",), "o": ("o_proj",), "gate_up": ("gate_up
 
 def lora_sites(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     return FUSED_LORA_SITES if cfg.fused_projections else LORA_SITES
+
+
+def local_window(cfg: ModelConfig) -> int | None:
+    """The windowed layers' window where windowed and full layers mix (Gemma): the "standard"
+    graph then gathers whole contexts and masks those layers with `attn_bias_local`."""
+    windows = set(cfg.layer_windows)
+    return next((w for w in windows if w is not None), None) if len(windows) > 1 else None
 
 
 def rope_by_row(cfg: ModelConfig) -> bool:
@@ -126,7 +134,7 @@ def with_gqa_window(spec: GraphSpec, model: LlamaModel,
                     providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> GraphSpec:
     """`spec` with GroupQueryAttention's window convention, probed on `providers`, filled in where
     the graph needs it (an "ort" graph of a sliding-window model); otherwise `spec` as it is."""
-    if spec.flavour != "ort" or model.cfg.sliding_window is None or spec.gqa_window_counts_current is not None:
+    if spec.flavour != "ort" or not model.cfg.windowed or spec.gqa_window_counts_current is not None:
         return spec
     return replace(spec, gqa_window_counts_current=window_counts_current_token(providers))
 
@@ -164,10 +172,11 @@ def _np(t: torch.Tensor) -> np.ndarray:
 class _StepWriter:
     """Emits the step for one model and spec; methods mirror `DecoderLayer.forward`."""
 
-    def __init__(self, model: LlamaModel, spec: GraphSpec) -> None:
+    def __init__(self, model: LlamaModel, spec: GraphSpec, on_layer: Callable[[], None] | None = None) -> None:
         self.model = model
         self.cfg = model.cfg
         self.spec = spec
+        self.on_layer = on_layer  # called after each decoder layer is written (a progress bar)
         self.g = _Graph()
         self.ort = spec.flavour == "ort"
         self.dense = spec.kv_layout == "dense"
@@ -246,7 +255,9 @@ class _StepWriter:
     def rms_norm(self, x: str, weight: torch.Tensor, name: str, skip: str | None = None) -> tuple[str, str]:
         """RMSNorm of (x + skip); returns (normalised, the sum that is the next residual)."""
         g, eps = self.g, self.cfg.rms_norm_eps
-        w = g.init(f"{name}.weight", _np(weight))
+        # Gemma's weights are offsets from 1: added here in float32, as its RMSNorm does.
+        w = _np(weight)
+        w = g.init(f"{name}.weight", w + np.float32(self.cfg.norm_offset) if self.cfg.norm_offset else w)
         if self.ort:
             if skip is None:
                 return g.op("SimplifiedLayerNormalization", [x, w], epsilon=eps, axis=-1, stash_type=1), x
@@ -258,9 +269,9 @@ class _StepWriter:
         inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, g.const(eps, np.float32)])])])
         return g.op("Mul", [g.op("Mul", [total, inv]), w]), total
 
-    def rotary(self, x: str, heads: int) -> str:
-        """RoPE (rotate-half convention) of x [1, T, heads * d] at `positions` (rows of the rotary
-        table); with partial rotary only the first rotary_dim of each head turn."""
+    def rotary(self, x: str, heads: int, table: int = 0) -> str:
+        """RoPE (rotate-half convention) of x [1, T, heads * d] at `positions` (rows of rotary
+        table `table`); with partial rotary only the first rotary_dim of each head turn."""
         g, d, r = self.g, self.cfg.head_dim, self.cfg.rotary_dim
         xh = g.op("Reshape", [x, g.const([1, -1, heads, d])])
         turned = xh
@@ -268,17 +279,19 @@ class _StepWriter:
             turned, kept = g.op("Split", [xh, g.const([r, d - r])], n_out=2, axis=-1)
         lo, hi = g.op("Split", [turned], n_out=2, axis=-1, num_outputs=2)
         rotated = g.op("Concat", [g.op("Neg", [hi]), lo], axis=-1)
-        out = g.op("Add", [g.op("Mul", [turned, self.cos_full]), g.op("Mul", [rotated, self.sin_full])])
+        cos, sin = self.cos_full[table], self.sin_full[table]
+        out = g.op("Add", [g.op("Mul", [turned, cos]), g.op("Mul", [rotated, sin])])
         if r < d:
             out = g.op("Concat", [out, kept], axis=-1)
         return g.op("Reshape", [out, g.const([1, -1, heads * d])])
 
-    def rotary_embedding(self, x: str, heads: int) -> str:
+    def rotary_embedding(self, x: str, heads: int, table: int = 0) -> str:
         """The "ort" graph's RoPE of x [B, S, heads * d] outside GroupQueryAttention: ONNX
         Runtime's RotaryEmbedding at the `positions` input's table rows (`rope_by_row`)."""
         cfg = self.cfg
         attrs = {"rotary_embedding_dim": cfg.rotary_dim} if cfg.rotary_dim < cfg.head_dim else {}
-        return self.g.op("RotaryEmbedding", [x, "positions", self.cos_half, self.sin_half], domain="com.microsoft",
+        caches = [self.cos_half[table], self.sin_half[table]]
+        return self.g.op("RotaryEmbedding", [x, "positions", *caches], domain="com.microsoft",
                          interleaved=0, num_heads=heads, **attrs)
 
     def qk_norm(self, q: str, k: str, layer: torch.nn.Module, name: str) -> tuple[str, str]:
@@ -301,7 +314,14 @@ class _StepWriter:
     def scores(self, q: str, k: str) -> str:
         g, scale = self.g, float(self.cfg.attention_scale)
         kt = g.op("Transpose", [k], perm=[0, 1, 3, 2])
-        return g.op("Mul", [g.op("MatMul", [q, kt]), g.const(scale, np.float32)])
+        return self.softcap(g.op("Mul", [g.op("MatMul", [q, kt]), g.const(scale, np.float32)]), self.cfg.attn_softcap)
+
+    def softcap(self, x: str, cap: float | None) -> str:
+        """Gemma's tanh(x / cap) * cap; x itself where cap is None."""
+        if cap is None:
+            return x
+        g, c = self.g, self.g.const(cap, np.float32)
+        return g.op("Mul", [g.op("Tanh", [g.op("Div", [x, c])]), c])
 
     def scaled(self, x: str, factor: float) -> str:
         """x * factor (Granite's multipliers); x itself where the factor is 1."""
@@ -371,6 +391,7 @@ class _StepWriter:
             vi("kv_index", i64, ["seqs", cfg.num_kv_heads, "keys"]),
             vi("new_kv_index", i64, ["new_kv_rows", 3]),
             vi("attn_bias", f, ["seqs", 1, "group_queries", "keys"]),
+        *([vi("attn_bias_local", f, ["seqs", 1, "group_queries", "keys"])] if local_window(cfg) else []),
             vi("out_index", i64, ["tokens", cfg.num_heads]),
             vi("logit_rows", i64, ["logit_rows"]),
             vi("lora_index", i64, ["tokens"]),
@@ -385,18 +406,23 @@ class _StepWriter:
     def prepare_shared(self) -> None:
         g, cfg, model = self.g, self.cfg, self.model
         L = cfg.num_layers
-        cos = model.rope.cos.float().cpu().numpy()
-        sin = model.rope.sin.float().cpu().numpy()
-        if self.ort:
-            half = cfg.rotary_dim // 2
-            self.cos_half = g.init("rope.cos_half", cos[:, :half])
-            self.sin_half = g.init("rope.sin_half", sin[:, :half])
-        else:
+        # One set of tables per rotary table of the model (Gemma 3's sliding layers have their own).
+        self.cos_half, self.sin_half, self.cos_full, self.sin_full = [], [], [], []
+        if not self.ort:
             self.position_ids = g.op("Unsqueeze", ["positions", g.const([0])])  # [1, T]
+        for t, rope in enumerate(model.ropes):
+            tag = "rope" if t == 0 else f"rope{t}"
+            cos = rope.cos.float().cpu().numpy()
+            sin = rope.sin.float().cpu().numpy()
+            if self.ort:
+                half = cfg.rotary_dim // 2
+                self.cos_half.append(g.init(f"{tag}.cos_half", cos[:, :half]))
+                self.sin_half.append(g.init(f"{tag}.sin_half", sin[:, :half]))
+                continue
             # [1, T, 1, d]: broadcast over heads, gathered once per step for every layer.
             for name, table in (("cos_full", cos), ("sin_full", sin)):
-                rows = g.op("Gather", [g.init(f"rope.{name}", table), self.position_ids], axis=0)
-                setattr(self, name, g.op("Unsqueeze", [rows, g.const([2])]))
+                rows = g.op("Gather", [g.init(f"{tag}.{name}", table), self.position_ids], axis=0)
+                getattr(self, name).append(g.op("Unsqueeze", [rows, g.const([2])]))
         if not self.spec.lora:
             return
         # Row masks: column c of the stacked LoRA weights belongs to adapter lora_columns[c].
@@ -424,7 +450,9 @@ class _StepWriter:
             return g.op("ScatterND", [past, "new_kv_index", g.op("Reshape", [new, rows])])
 
         keys, values = context("key", k), context("value", v)
-        probs = g.op("Softmax", [g.op("Add", [self.scores(qh, keys), "attn_bias"])], axis=-1)
+        # Windowed layers of a model that mixes them with full ones mask their own window.
+        bias = "attn_bias_local" if local_window(cfg) and cfg.layer_windows[layer] is not None else "attn_bias"
+        probs = g.op("Softmax", [g.op("Add", [self.scores(qh, keys), bias])], axis=-1)
         ctx = g.op("Reshape", [g.op("MatMul", [probs, values]), rows])  # [B*KVH*GS, d]
         out = g.op("Gather", [ctx, "out_index"], axis=0)  # [T, H, d]
         return g.op("Reshape", [out, g.const([1, -1, cfg.q_size])])
@@ -443,7 +471,8 @@ class _StepWriter:
             q, k, v = g.op("Split", [qkv, g.const([cfg.q_size, cfg.kv_size, cfg.kv_size])], n_out=3, axis=-1)
             q, k = self.qk_norm(q, k, self.model.layers[layer], f"layers.{layer}")
             if by_row and cfg.rope_layers[layer]:
-                q, k = self.rotary_embedding(q, cfg.num_heads), self.rotary_embedding(k, cfg.num_kv_heads)
+                table = cfg.layer_rope_table[layer]
+                q, k = self.rotary_embedding(q, cfg.num_heads, table), self.rotary_embedding(k, cfg.num_kv_heads, table)
             qkv_inputs = [q, k, v]
 
         def past(kind: str) -> str:
@@ -453,20 +482,23 @@ class _StepWriter:
             return rows if self.spec.kv_dtype == "float32" else g.op("Cast", [rows], to=TensorProto.FLOAT)
 
         window = -1
-        if cfg.sliding_window is not None:
+        if cfg.layer_windows[layer] is not None:  # this layer's window (Gemma mixes windowed and full layers)
             # transformers' window counts the query's own key; this build's attribute may not.
             counts_current = self.spec.gqa_window_counts_current
             if counts_current is None:
                 raise ValueError("a sliding-window 'ort' graph needs GraphSpec.gqa_window_counts_current "
                                  "(with_gqa_window probes it)")
-            window = cfg.sliding_window if counts_current else cfg.sliding_window - 1
+            window = cfg.layer_windows[layer] if counts_current else cfg.layer_windows[layer] - 1
         rope = cfg.rope_layers[layer] and not by_row
         inputs = [*qkv_inputs, past("key"), past("value"), "seqlens_k", "total_sequence_length"]
         if rope:
-            inputs += [self.cos_half, self.sin_half]
+            table = cfg.layer_rope_table[layer]
+            inputs += [self.cos_half[table], self.sin_half[table]]
         attrs = dict(domain="com.microsoft", num_heads=cfg.num_heads, kv_num_heads=cfg.num_kv_heads,
                      scale=float(cfg.attention_scale), do_rotary=int(rope), rotary_interleaved=0,
                      local_window_size=window)
+        if cfg.attn_softcap is not None:  # Gemma 2: tanh(s / cap) * cap on the scaled scores
+            attrs["softcap"] = float(cfg.attn_softcap)
         if self.dense:
             # present.* are graph outputs bound to the same memory as past.*: ONNX Runtime then
             # shares the buffer and writes only this step's keys/values, at each row's position.
@@ -488,10 +520,11 @@ class _StepWriter:
         x = self.scaled(self.embedding(ids), cfg.embedding_multiplier)
         residual, delta = x, None
         kv_out = []
-        post = cfg.norm_after_sublayer  # OLMo 2: norms on the sublayers' outputs, none on inputs
+        # Norms on the sublayers' inputs (all but OLMo 2), on their outputs (OLMo 2, Gemma).
+        pre, post = cfg.norm_before_sublayer, cfg.norm_after_sublayer
         for i, layer in enumerate(model.layers):
             p = f"layers.{i}"
-            if post:
+            if not pre:
                 residual = residual if delta is None else g.op("Add", [residual, delta])
                 hn = residual
             else:
@@ -504,29 +537,37 @@ class _StepWriter:
                 q, k, v = g.op("Split", [qkv, g.const([cfg.q_size, cfg.kv_size, cfg.kv_size])], n_out=3, axis=-1)
                 q, k = self.qk_norm(q, k, layer, p)
                 if cfg.rope_layers[i]:  # SmolLM3's NoPE layers attend without positions
-                    q, k = self.rotary(q, cfg.num_heads), self.rotary(k, cfg.num_kv_heads)
+                    table = cfg.layer_rope_table[i]
+                    q, k = self.rotary(q, cfg.num_heads, table), self.rotary(k, cfg.num_kv_heads, table)
                 kv_out.append(g.op("Concat", [k, v], axis=-1))
                 attn = self.attention(i, q, k, v)
             o = self.lora(self.linear(attn, layer.o_weight, layer.o_bias, f"{p}.o"), attn, "o", i)
             if post:
                 o, _ = self.rms_norm(o, layer.attn_out_norm, f"{p}.attn_out_norm")
-                residual = hn = g.op("Add", [residual, self.scaled(o, cfg.residual_multiplier)])
+            o = self.scaled(o, cfg.residual_multiplier)
+            if not pre:
+                residual = hn = g.op("Add", [residual, o])
             else:
-                o = self.scaled(o, cfg.residual_multiplier)
                 hn, residual = self.rms_norm(residual, layer.post_norm, f"{p}.post_norm", o)
             gu = self.lora(self.linear(hn, layer.gate_up_weight, layer.gate_up_bias, f"{p}.gate_up"), hn, "gate_up", i)
             gate, up = g.op("Split", [gu], n_out=2, axis=-1, num_outputs=2)
-            act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+            if cfg.activation == "silu":
+                act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+            else:  # Gemma's GELU-tanh (ai.onnx Gelu, opset 20+)
+                act = g.op("Mul", [g.op("Gelu", [gate], approximate="tanh"), up])
             delta = self.lora(self.linear(act, layer.down_weight, layer.down_bias, f"{p}.down"), act, "down", i)
             if post:
                 delta, _ = self.rms_norm(delta, layer.mlp_out_norm, f"{p}.mlp_out_norm")
             delta = self.scaled(delta, cfg.residual_multiplier)
+            if self.on_layer is not None:
+                self.on_layer()
         normed, _ = self.rms_norm(residual, model.norm, "norm", delta)
         flat = g.op("Reshape", [normed, g.const([-1, cfg.hidden_size])])
         rows = g.op("Gather", [flat, "logit_rows"], axis=0)  # [R, h]
         logits = self.lm_head(rows)
         if cfg.logits_scaling != 1.0:  # Granite divides its logits
             logits = g.op("Div", [logits, g.const(cfg.logits_scaling, np.float32)])
+        logits = self.softcap(logits, cfg.final_softcap)  # Gemma's final soft-cap
         g.nodes.append(helper.make_node("Reshape", [logits, g.const([-1, cfg.vocab_size])], ["logits"]))
         outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["logit_rows", cfg.vocab_size])]
         if not self.dense:
@@ -556,6 +597,8 @@ class _StepWriter:
         return proto
 
 
-def build_step_graph(model: LlamaModel, spec: GraphSpec) -> onnx.ModelProto:
-    """The whole step (embedding to logits and new K/V) as an ONNX model, weights inline."""
-    return _StepWriter(model, spec).build()
+def build_step_graph(model: LlamaModel, spec: GraphSpec,
+                     on_layer: Callable[[], None] | None = None) -> onnx.ModelProto:
+    """The whole step (embedding to logits and new K/V) as an ONNX model, weights inline;
+    `on_layer` is called after each decoder layer (quantising the layers is most of the time)."""
+    return _StepWriter(model, spec, on_layer).build()

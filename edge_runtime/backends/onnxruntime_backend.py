@@ -19,7 +19,7 @@ import torch
 
 from edge_runtime.backends.dense_kv import DenseKV
 from edge_runtime.backends.lora_stack import LoraStackCache
-from edge_runtime.backends.onnx_export import DATA_FILE, export_step
+from edge_runtime.backends.onnx_export import DATA_FILE, export_step, model_hash
 from edge_runtime.backends.onnx_graph import (
     KV_DTYPES,
     GraphSpec,
@@ -150,6 +150,9 @@ class OnnxRuntimeBackend:
         # adapter; 16 fewer nodes per layer, ~1.8 ms a step on 2 cores) and with them. Each is
         # opened on first use, so an engine that never serves adapters never loads the second.
         self._sessions: dict[bool, _Session] = {}
+        # The export key's digest of every weight, taken once (~1 CPU second for the default
+        # model): the LoRA graph, opened when a first adapter is served, reuses it.
+        self._digest = model_hash(model)
         self._decode_inputs: DecodeInputs | None = None  # the dense layout's steady decode step
         self.model_path = self._session(lora=False).path
 
@@ -161,7 +164,7 @@ class OnnxRuntimeBackend:
             import onnxruntime as ort
 
             spec = replace(self.spec, lora=lora)
-            path = export_step(self.model, spec, self.cache_dir)
+            path = export_step(self.model, spec, self.cache_dir, self._digest)
             options = ort.SessionOptions()
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             if self.num_threads:
@@ -444,7 +447,7 @@ class OnnxRuntimeBackend:
         pad = self.pad_single_row if pad_single_row is None else pad_single_row
         if self.spec.flavour == "ort":
             return plan_gqa_step(steps, self.cache.block_size, cfg.num_kv_heads, pad, self.rope_rows)
-        return plan_step(steps, self.cache.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.sliding_window, pad)
+        return plan_step(steps, self.cache.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.layer_windows, pad)
 
     def _run(self, session: _Session, plan: StepPlan):
         cfg = self.cfg

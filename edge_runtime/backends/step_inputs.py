@@ -62,10 +62,22 @@ def plan_step(
     block_size: int,
     num_heads: int,
     num_kv_heads: int,
-    sliding_window: int | None = None,
+    sliding_window: int | None | tuple[int | None, ...] = None,
     pad_single_row: bool = True,
 ) -> StepPlan:
-    """Index tensors for one graph run over `items` (see docs/onnx.md for each input)."""
+    """Index tensors for one graph run over `items` (see docs/onnx.md for each input).
+
+    `sliding_window`: the keys a query sees (itself included) in every layer, or a tuple per
+    layer (`ModelConfig.layer_windows`). Where windowed and full layers mix (Gemma), the keys
+    gathered are every sequence's whole context and `attn_bias_local` masks the window for the
+    windowed layers."""
+    local_window = None
+    if isinstance(sliding_window, tuple):
+        windows = set(sliding_window)
+        if len(windows) > 2 or (len(windows) == 2 and None not in windows):
+            raise ValueError(f"layer windows {sorted(windows, key=str)}: one window and full attention at most")
+        local_window = next((w for w in windows if w is not None), None) if len(windows) == 2 else None
+        sliding_window = None if len(windows) == 2 else windows.pop()
     real_tokens = sum(len(it.tokens) for it in items)
     if pad_single_row and real_tokens == 1:
         # A lone row would take the matrix-vector kernels, whose rounding differs from the
@@ -107,6 +119,11 @@ def plan_step(
         allowed &= key_pos[:, None, :] > qpos[:, :, None] - sliding_window
     bias = np.where(allowed, 0.0, MASKED).astype(np.float32)
     attn_bias = np.broadcast_to(bias[:, None], (b, group, s, w)).reshape(b, 1, group * s, w)
+    local_bias = None
+    if local_window is not None:
+        allowed &= key_pos[:, None, :] > qpos[:, :, None] - local_window
+        bias = np.where(allowed, 0.0, MASKED).astype(np.float32)
+        local_bias = np.broadcast_to(bias[:, None], (b, group, s, w)).reshape(b, 1, group * s, w)
 
     seq_of = np.repeat(np.arange(b), q_lens)  # [T]
     chunk_of = np.arange(t) - row0[seq_of]
@@ -136,6 +153,8 @@ def plan_step(
         "logit_rows": logit_rows,
         "lora_index": lora_index,
     }
+    if local_bias is not None:
+        inputs["attn_bias_local"] = np.ascontiguousarray(local_bias)
     return StepPlan(inputs, slot_mapping.astype(np.int64), t, real_tokens, sampling)
 
 

@@ -50,7 +50,8 @@ class TorchBackend:
         if lora is None and self.adapters is not None:
             runs = [(item.seq.request.adapter, item.num_tokens) for item in batch.items]
             lora = applier_for(runs, self.adapters.weights, device)
-        ctx = PagedContext(self.cache, seqs, device, lora, self.model.cfg.sliding_window)
+        ctx = PagedContext(self.cache, seqs, device, lora, self.model.cfg.layer_windows,
+                           self.model.cfg.attn_softcap)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=device)

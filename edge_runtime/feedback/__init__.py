@@ -34,6 +34,7 @@ from edge_runtime.feedback.records import (
     RetentionReport,
     StoreStats,
     Thumbs,
+    UnpairedExample,
     feedback_from_dict,
 )
 from edge_runtime.feedback.store import FeedbackStore, default_db_path
@@ -43,6 +44,6 @@ __all__ = [
     "DuplicateInteraction", "Edit", "ErasureReport", "Feedback", "FeedbackAck", "FeedbackStore",
     "FeedbackStoreConfig", "HELDOUT", "InvalidFeedback", "PENDING", "PreferencePair", "Rating",
     "RetentionReport", "SKIPPED", "StoreClosed", "StoreStats", "StoreUnavailable", "TRAIN",
-    "TRAINED", "Thumbs", "UnknownInteraction", "UnknownPair", "UnknownUser", "default_db_path",
+    "TRAINED", "Thumbs", "UnknownInteraction", "UnpairedExample", "UnknownPair", "UnknownUser", "default_db_path",
     "feedback_from_dict",
 ]

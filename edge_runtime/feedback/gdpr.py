@@ -21,7 +21,7 @@ from edge_runtime.feedback.records import RetentionReport
 from edge_runtime.feedback.training_queue import adapter_versions
 
 EXPORT_FORMAT = "mace-edge.feedback-export"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2  # 2: unpaired_examples, trained_on_unpaired_ids
 ALL_USERS = "*"  # audit subject of operations over every user (retention)
 
 log = logging.getLogger(__name__)
@@ -145,9 +145,19 @@ def export_user(conn: sqlite3.Connection, user_id: str, now: float) -> dict[str,
             "split": row[5], "status": row[6], "support": row[7], "train_count": row[8],
             "last_dpo_loss": row[9], "created_at": row[10], "from_request_ids": sources,
         })
+    unpaired = [
+        {"id": row[0], "request_id": request_of.get(row[1]), "prompt": row[2], "completion": row[3],
+         "desirable": bool(row[4]), "rule": row[5], "split": row[6], "status": row[7],
+         "train_count": row[8], "last_loss": row[9], "created_at": row[10]}
+        for row in conn.execute(
+            "SELECT id, interaction_id, prompt, completion, desirable, rule, split, status, train_count,"
+            " last_loss, created_at FROM unpaired WHERE user_id = ? ORDER BY id",
+            (user_id,),
+        ).fetchall()
+    ]
     adapters = [
         {"version": a.version, "path": a.path, "created_at": a.created_at,
-         "trained_on_pair_ids": list(a.pair_ids)}
+         "trained_on_pair_ids": list(a.pair_ids), "trained_on_unpaired_ids": list(a.unpaired_ids)}
         for a in adapter_versions(conn, user_id)
     ]
     return {
@@ -160,6 +170,7 @@ def export_user(conn: sqlite3.Connection, user_id: str, now: float) -> dict[str,
         "created_at": user[2],
         "interactions": interactions,
         "preference_pairs": pairs,
+        "unpaired_examples": unpaired,
         "adapter_versions": adapters,
         "audit_log": [
             {"at": e["at"], "op": e["op"], "detail": e["detail"]}
@@ -229,13 +240,14 @@ def count_user_rows(conn: sqlite3.Connection, user_id: str) -> dict[str, int] | 
             " WHERE i.user_id = ?"
         ),
         "pairs": count("SELECT count(*) FROM pairs WHERE user_id = ?"),
+        "unpaired": count("SELECT count(*) FROM unpaired WHERE user_id = ?"),
         "adapter_versions": count("SELECT count(*) FROM adapter_versions WHERE user_id = ?"),
     }
 
 
 def delete_user_rows(conn: sqlite3.Connection, user_id: str) -> None:
-    # ON DELETE CASCADE takes interactions, candidates, feedback, pairs, pair sources and
-    # adapter records with the user row.
+    # ON DELETE CASCADE takes interactions, candidates, feedback, pairs, pair sources, unpaired
+    # examples and adapter records with the user row.
     conn.execute("DELETE FROM users WHERE user_id = ?", (user_id,))
 
 
@@ -270,7 +282,8 @@ def apply_retention(
     """Delete interactions past the age limit or beyond each user's newest `max_per_user`.
 
     A pair that quotes a deleted interaction goes with it, even if another interaction also
-    supports it: no text outlives the limit inside a derived pair.
+    supports it: no text outlives the limit inside a derived pair. Unpaired examples go with
+    their interaction (ON DELETE CASCADE).
     """
     conn.execute("CREATE TEMP TABLE IF NOT EXISTS doomed (id INTEGER PRIMARY KEY)")
     conn.execute("DELETE FROM temp.doomed")
@@ -293,13 +306,16 @@ def apply_retention(
         "DELETE FROM pairs WHERE id IN (SELECT pair_id FROM pair_sources"
         " WHERE interaction_id IN (SELECT id FROM temp.doomed))"
     ).rowcount
+    unpaired = int(conn.execute(
+        "SELECT count(*) FROM unpaired WHERE interaction_id IN (SELECT id FROM temp.doomed)"
+    ).fetchone()[0])
     interactions = conn.execute(
         "DELETE FROM interactions WHERE id IN (SELECT id FROM temp.doomed)"
     ).rowcount
     conn.execute("DELETE FROM temp.doomed")
     report = RetentionReport(interactions_deleted=interactions, pairs_deleted=pairs,
-                             users_affected=users)
+                             users_affected=users, unpaired_deleted=unpaired)
     if interactions or pairs:
         write_audit(conn, "retention", None,
-                    {"interactions": interactions, "pairs": pairs, "users": users}, now)
+                    {"interactions": interactions, "pairs": pairs, "unpaired": unpaired, "users": users}, now)
     return report

@@ -129,7 +129,29 @@ def insert_feedback(
     feedback_id = int(cur.lastrowid)
     drafts = _derive(conn, user_id, prompt, interaction_id, candidates, feedback, feedback_id)
     pair_ids = upsert_pairs(conn, user_id, prompt, drafts, now, heldout_fraction)
-    return FeedbackAck(feedback_id=feedback_id, pair_ids=tuple(pair_ids))
+    unpaired_ids = insert_unpaired(conn, user_id, prompt, interaction_id, candidates[index], feedback,
+                                   feedback_id, value, now, heldout_fraction)
+    return FeedbackAck(feedback_id=feedback_id, pair_ids=tuple(pair_ids), unpaired_ids=unpaired_ids)
+
+
+def insert_unpaired(
+    conn: sqlite3.Connection, user_id: str, prompt: str, interaction_id: int, text: str,
+    feedback: Feedback, feedback_id: int, value: int | None, now: float, heldout_fraction: float,
+) -> tuple[int, ...]:
+    """Rule 5: a thumb or a non-neutral rating is an unpaired example of the response it judged."""
+    if value is None:
+        return ()
+    desirable = rules.unpaired_verdict(feedback.kind, value)
+    if desirable is None:
+        return ()
+    key = rules.unpaired_key(user_id, prompt, text)
+    split = HELDOUT if rules.is_heldout(key, heldout_fraction) else TRAIN
+    cur = conn.execute(
+        "INSERT INTO unpaired (user_id, feedback_id, interaction_id, prompt, completion, desirable,"
+        " rule, split, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (user_id, feedback_id, interaction_id, prompt, text, int(desirable), feedback.kind, split, now, now),
+    )
+    return (int(cur.lastrowid),)
 
 
 def _derive(

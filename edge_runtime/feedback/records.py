@@ -103,6 +103,7 @@ class FeedbackAck:
 
     feedback_id: int
     pair_ids: tuple[int, ...]  # pairs created or merged into by this feedback
+    unpaired_ids: tuple[int, ...] = ()  # the unpaired example it made (a thumb, a non-neutral rating)
 
 
 @dataclass(frozen=True)
@@ -124,14 +125,32 @@ class PreferencePair:
 
 
 @dataclass(frozen=True)
+class UnpairedExample:
+    """One answer the user judged desirable or undesirable (a thumb, a rating): a KTO example."""
+
+    id: int
+    user_id: str
+    prompt: str
+    completion: str
+    desirable: bool
+    rule: str  # "thumbs" or "rating"
+    split: str
+    status: str
+    train_count: int
+    last_loss: float | None
+    created_at: float
+
+
+@dataclass(frozen=True)
 class AdapterVersionRecord:
-    """A published adapter version and the pairs it was trained on."""
+    """A published adapter version and the pairs and unpaired examples it was trained on."""
 
     user_id: str
     version: int
     path: str
     created_at: float
     pair_ids: tuple[int, ...]
+    unpaired_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -149,6 +168,9 @@ class StoreStats:
     adapter_versions: int
     db_bytes: int
     wal_bytes: int
+    unpaired_pending: int = 0
+    unpaired_trained: int = 0
+    unpaired_heldout: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -165,6 +187,7 @@ class ErasureReport:
     adapter_versions: int
     adapter_dir_removed: bool
     wal_truncated: bool
+    unpaired: int = 0
 
 
 @dataclass(frozen=True)
@@ -174,3 +197,4 @@ class RetentionReport:
     interactions_deleted: int
     pairs_deleted: int
     users_affected: int
+    unpaired_deleted: int = 0

@@ -6,11 +6,38 @@ Owns how a connection is opened; knows nothing about feedback rules or the write
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
-# Each migration is a list of statements run in one transaction together with the bump of
-# user_version, so a crash mid-migration leaves the previous version intact.
-MIGRATIONS: tuple[tuple[str, ...], ...] = (
+from edge_runtime.feedback import pairs as rules
+
+
+def _backfill_unpaired(conn: sqlite3.Connection, heldout_fraction: float) -> None:
+    """Version 2: thumbs and ratings recorded before unpaired examples existed become them, with
+    the split their key gives (the same rule as new ones)."""
+    rows = conn.execute(
+        "SELECT f.id, f.interaction_id, i.user_id, i.prompt, c.text, f.kind, f.value, f.created_at"
+        " FROM feedback f JOIN interactions i ON i.id = f.interaction_id"
+        " JOIN candidates c ON c.interaction_id = i.id AND c.idx = f.candidate_idx"
+        " WHERE f.kind IN ('thumbs', 'rating') ORDER BY f.id"
+    ).fetchall()
+    for feedback_id, interaction_id, user_id, prompt, text, kind, value, at in rows:
+        desirable = rules.unpaired_verdict(kind, int(value))
+        if desirable is None:
+            continue
+        split = "heldout" if rules.is_heldout(rules.unpaired_key(user_id, prompt, text), heldout_fraction) else "train"
+        conn.execute(
+            "INSERT INTO unpaired (user_id, feedback_id, interaction_id, prompt, completion, desirable,"
+            " rule, split, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (user_id, feedback_id, interaction_id, prompt, text, int(desirable), kind, split, at, at),
+        )
+
+
+# Each migration is a list of statements (or functions of the connection and the store's held-out
+# fraction) run in one transaction
+# together with the bump of user_version, so a crash mid-migration leaves the previous version
+# intact.
+MIGRATIONS: tuple[tuple[str | Callable[[sqlite3.Connection, float], None], ...], ...] = (
     (
         """CREATE TABLE meta (
             key   TEXT PRIMARY KEY,
@@ -110,6 +137,41 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )""",
         "CREATE INDEX audit_by_subject ON audit_log(subject)",
     ),
+    (
+        # Unpaired examples (KTO): one judged answer each, from a thumb or a rating that clears
+        # the thresholds (pairs.py, rule 5). Erasing the user, or retention dropping the
+        # interaction or the feedback, takes the row with it (CASCADE; secure_delete zeroes it).
+        """CREATE TABLE unpaired (
+            id             INTEGER PRIMARY KEY,
+            user_id        TEXT NOT NULL REFERENCES users(user_id) ON DELETE CASCADE,
+            feedback_id    INTEGER NOT NULL UNIQUE REFERENCES feedback(id) ON DELETE CASCADE,
+            interaction_id INTEGER NOT NULL REFERENCES interactions(id) ON DELETE CASCADE,
+            prompt         TEXT NOT NULL,
+            completion     TEXT NOT NULL,
+            desirable      INTEGER NOT NULL CHECK (desirable IN (0, 1)),
+            rule           TEXT NOT NULL CHECK (rule IN ('thumbs', 'rating')),
+            split          TEXT NOT NULL CHECK (split IN ('train', 'heldout')),
+            status         TEXT NOT NULL DEFAULT 'pending'
+                           CHECK (status IN ('pending', 'trained', 'skipped')),
+            train_count    INTEGER NOT NULL DEFAULT 0,
+            last_loss      REAL,
+            created_at     REAL NOT NULL,
+            updated_at     REAL NOT NULL
+        )""",
+        "CREATE INDEX unpaired_queue ON unpaired(split, status, user_id, id)",
+        "CREATE INDEX unpaired_by_user ON unpaired(user_id)",
+        "CREATE INDEX unpaired_by_interaction ON unpaired(interaction_id)",
+        """CREATE TABLE adapter_unpaired (
+            user_id    TEXT NOT NULL,
+            version    INTEGER NOT NULL,
+            example_id INTEGER NOT NULL REFERENCES unpaired(id) ON DELETE CASCADE,
+            PRIMARY KEY (user_id, version, example_id),
+            FOREIGN KEY (user_id, version)
+                REFERENCES adapter_versions(user_id, version) ON DELETE CASCADE
+        ) WITHOUT ROWID""",
+        "CREATE INDEX adapter_unpaired_by_example ON adapter_unpaired(example_id)",
+        _backfill_unpaired,
+    ),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -130,8 +192,9 @@ def connect(path: Path, busy_timeout_ms: int) -> sqlite3.Connection:
     return conn
 
 
-def prepare_database(conn: sqlite3.Connection) -> int:
-    """Create or upgrade the schema; returns the version now in force. Idempotent."""
+def prepare_database(conn: sqlite3.Connection, heldout_fraction: float = 0.1) -> int:
+    """Create or upgrade the schema; returns the version now in force. Idempotent.
+    `heldout_fraction`: the store's, for examples a migration derives from old feedback."""
     # auto_vacuum only takes effect before the first table exists; incremental mode lets
     # retention hand freed pages back to the file system without a full VACUUM.
     if _user_version(conn) == 0:
@@ -153,7 +216,10 @@ def prepare_database(conn: sqlite3.Connection) -> int:
                 conn.execute("ROLLBACK")
                 continue
             for statement in MIGRATIONS[version]:
-                conn.execute(statement)
+                if callable(statement):
+                    statement(conn, heldout_fraction)
+                else:
+                    conn.execute(statement)
             conn.execute(f"PRAGMA user_version = {version + 1}")
             conn.execute("COMMIT")
         except BaseException:

@@ -32,6 +32,7 @@ from edge_runtime.feedback.records import (
     PreferencePair,
     RetentionReport,
     StoreStats,
+    UnpairedExample,
 )
 from edge_runtime.feedback.schema import connect, prepare_database
 from edge_runtime.feedback.validation import (
@@ -77,7 +78,7 @@ class FeedbackStore:
         _create_private_file(self.path)
         writer_conn = connect(self.path, self.config.busy_timeout_ms)
         try:
-            prepare_database(writer_conn)
+            prepare_database(writer_conn, self.config.heldout_fraction)
         except BaseException:
             writer_conn.close()
             raise
@@ -226,12 +227,33 @@ class FeedbackStore:
         now = self._clock()
         self._write(lambda conn: tq.set_status(conn, pair_id, SKIPPED, now)).result()
 
+    def next_unpaired(
+        self, user_id: str | None = None, limit: int = 32, split: str = TRAIN, status: str = PENDING
+    ) -> list[UnpairedExample]:
+        """Unpaired examples (thumbs, ratings) to train by KTO, oldest first, consented users only."""
+        if user_id is not None:
+            user_id = validate_user_id(user_id)
+        return self._read(lambda c: tq.next_unpaired(c, user_id, limit, split, status))
+
+    def heldout_unpaired(self, user_id: str) -> list[UnpairedExample]:
+        user_id = validate_user_id(user_id)
+        return self._read(lambda c: tq.heldout_unpaired(c, user_id))
+
+    def pending_unpaired_counts(self) -> dict[str, int]:
+        return self._read(lambda c: tq.pending_counts(c, "unpaired"))
+
+    def mark_unpaired_trained(self, example_id: int, kto_loss: float) -> None:
+        checked = tq.check_losses([(example_id, kto_loss)])
+        now = self._clock()
+        self._write(lambda conn: tq.mark_unpaired_trained(conn, checked, now)).result()
+
     # --- adapters ------------------------------------------------------------------------------
 
     def record_adapter_version(
-        self, user_id: str, version: int, path: Path | str, pair_ids: Iterable[int]
+        self, user_id: str, version: int, path: Path | str, pair_ids: Iterable[int],
+        unpaired_ids: Iterable[int] = (),
     ) -> None:
-        """Register a published adapter version and the pairs it was trained on.
+        """Register a published adapter version and the pairs and unpaired examples it was trained on.
 
         If the user or any pair was erased meanwhile, the adapter files at `path` are deleted
         (they hold erased data) and UnknownUser / UnknownPair is raised.
@@ -242,16 +264,18 @@ class FeedbackStore:
         user_dir = None if self.adapters_root is None else self.adapters_root / user_id
         if user_dir is not None and not gdpr.inside(adapter_path, user_dir):
             raise BadRequest(f"adapter path {adapter_path} is not inside {user_dir}")
-        ids = []
-        for pair_id in pair_ids:
-            if not isinstance(pair_id, int) or isinstance(pair_id, bool):
-                raise BadRequest(f"pair ids must be integers; got {pair_id!r}")
-            ids.append(pair_id)
+        ids, example_ids = [], []
+        for out, given in ((ids, pair_ids), (example_ids, unpaired_ids)):
+            for row_id in given:
+                if not isinstance(row_id, int) or isinstance(row_id, bool):
+                    raise BadRequest(f"pair and example ids must be integers; got {row_id!r}")
+                out.append(row_id)
         now = self._clock()
 
         def job(conn: sqlite3.Connection) -> None:
             try:
                 tq.insert_adapter_version(conn, user_id, version, str(adapter_path), ids, now)
+                tq.link_adapter_unpaired(conn, user_id, version, example_ids)
             except (UnknownUser, UnknownPair) as exc:
                 if user_dir is None or not gdpr.remove_tree(adapter_path):
                     raise
@@ -271,7 +295,8 @@ class FeedbackStore:
         user_id = validate_user_id(user_id)
         now = self._clock()
         data = self._read(lambda c: gdpr.export_user(c, user_id, now), snapshot=True)
-        counts = {"interactions": len(data["interactions"]), "pairs": len(data["preference_pairs"])}
+        counts = {"interactions": len(data["interactions"]), "pairs": len(data["preference_pairs"]),
+                  "unpaired": len(data["unpaired_examples"])}
         self._write(lambda conn: gdpr.write_audit(conn, "export", user_id, counts, now)).result()
         return data
 
@@ -289,7 +314,7 @@ class FeedbackStore:
             has_adapters = (target is not None and target.exists()) or adapters_removed
             if counts is None and not has_adapters:
                 raise UnknownUser(f"the feedback store holds nothing on user {user_id!r}")
-            counts = counts or dict.fromkeys(("interactions", "feedback", "pairs", "adapter_versions"), 0)
+            counts = counts or dict.fromkeys(("interactions", "feedback", "pairs", "unpaired", "adapter_versions"), 0)
             gdpr.delete_user_rows(conn, user_id)
             gdpr.write_audit(conn, "erasure", user_id, {**counts, "adapter_dir": has_adapters}, now)
             conn.execute("COMMIT")
@@ -314,7 +339,7 @@ class FeedbackStore:
             report = gdpr.apply_retention(
                 conn, cfg.retention_max_age_s, cfg.retention_max_interactions_per_user, now)
             conn.execute("COMMIT")
-            if report.interactions_deleted or report.pairs_deleted:
+            if report.interactions_deleted or report.pairs_deleted or report.unpaired_deleted:
                 with self._read_lock:
                     gdpr.reclaim_space(conn, full_vacuum=False)
             return report
@@ -363,6 +388,9 @@ class FeedbackStore:
                 "pairs_skipped": pairs.get((TRAIN, SKIPPED), 0),
                 "pairs_heldout": sum(n for (split, _), n in pairs.items() if split != TRAIN),
                 "adapter_versions": one("SELECT count(*) FROM adapter_versions"),
+                "unpaired_pending": one("SELECT count(*) FROM unpaired WHERE split = 'train' AND status = 'pending'"),
+                "unpaired_trained": one("SELECT count(*) FROM unpaired WHERE split = 'train' AND status = 'trained'"),
+                "unpaired_heldout": one("SELECT count(*) FROM unpaired WHERE split = 'heldout'"),
             }
 
         counts = self._read(query, snapshot=True)

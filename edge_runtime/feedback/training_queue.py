@@ -1,6 +1,7 @@
-"""The training queue over preference pairs: what the trainer draws, and what it reports back.
+"""The training queue over preference pairs and unpaired examples: what the trainer draws, and
+what it reports back.
 
-Only consented users' train-split pairs are ever drawn for training; held-out pairs are read for
+Only consented users' train-split rows are ever drawn for training; held-out rows are read for
 evaluation and refuse `mark_trained`. Adapter versions and the pairs they learned from live here
 too, so erasure and export can name them.
 """
@@ -20,6 +21,7 @@ from edge_runtime.feedback.records import (
     TRAINED,
     AdapterVersionRecord,
     PreferencePair,
+    UnpairedExample,
 )
 
 _PAIR_COLUMNS = (
@@ -75,10 +77,13 @@ def get_pair(conn: sqlite3.Connection, pair_id: int) -> PreferencePair:
     return _pair(row)
 
 
-def pending_counts(conn: sqlite3.Connection) -> dict[str, int]:
-    """Pending train-split pairs per consented user (users with none are absent)."""
+def pending_counts(conn: sqlite3.Connection, table: str = "pairs") -> dict[str, int]:
+    """Pending train-split pairs (or, `table="unpaired"`, unpaired examples) per consented user
+    (users with none are absent)."""
+    if table not in ("pairs", "unpaired"):
+        raise BadRequest(f"table must be 'pairs' or 'unpaired'; got {table!r}")
     rows = conn.execute(
-        "SELECT p.user_id, count(*) FROM pairs p JOIN users u ON u.user_id = p.user_id"
+        f"SELECT p.user_id, count(*) FROM {table} p JOIN users u ON u.user_id = p.user_id"
         " WHERE u.consent = 1 AND p.split = 'train' AND p.status = 'pending' GROUP BY p.user_id"
     )
     return {str(user): int(n) for user, n in rows}
@@ -163,5 +168,88 @@ def adapter_versions(conn: sqlite3.Connection, user_id: str) -> list[AdapterVers
                 (user_id, version),
             )
         )
-        records.append(AdapterVersionRecord(user_id, int(version), str(path), float(created_at), pair_ids))
+        unpaired_ids = tuple(
+            int(eid)
+            for (eid,) in conn.execute(
+                "SELECT example_id FROM adapter_unpaired WHERE user_id = ? AND version = ? ORDER BY example_id",
+                (user_id, version),
+            )
+        )
+        records.append(AdapterVersionRecord(user_id, int(version), str(path), float(created_at), pair_ids,
+                                            unpaired_ids))
     return records
+
+
+# --- unpaired examples (thumbs, ratings: KTO) ------------------------------------------------
+
+_UNPAIRED_COLUMNS = (
+    "x.id, x.user_id, x.prompt, x.completion, x.desirable, x.rule, x.split, x.status,"
+    " x.train_count, x.last_loss, x.created_at"
+)
+
+
+def _unpaired(row: Sequence) -> UnpairedExample:
+    return UnpairedExample(
+        id=int(row[0]), user_id=row[1], prompt=row[2], completion=row[3], desirable=bool(row[4]),
+        rule=row[5], split=row[6], status=row[7], train_count=int(row[8]),
+        last_loss=None if row[9] is None else float(row[9]), created_at=float(row[10]),
+    )
+
+
+def next_unpaired(
+    conn: sqlite3.Connection, user_id: str | None, limit: int, split: str, status: str
+) -> list[UnpairedExample]:
+    if split not in SPLITS:
+        raise BadRequest(f"split must be one of {SPLITS}; got {split!r}")
+    if status not in PAIR_STATUSES:
+        raise BadRequest(f"status must be one of {PAIR_STATUSES}; got {status!r}")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise BadRequest(f"limit must be an integer >= 1; got {limit!r}")
+    sql = (
+        f"SELECT {_UNPAIRED_COLUMNS} FROM unpaired x JOIN users u ON u.user_id = x.user_id"
+        " WHERE u.consent = 1 AND x.split = ? AND x.status = ?"
+    )
+    args: list[object] = [split, status]
+    if user_id is not None:
+        sql += " AND x.user_id = ?"
+        args.append(user_id)
+    sql += " ORDER BY x.id LIMIT ?"
+    args.append(limit)
+    return [_unpaired(row) for row in conn.execute(sql, args)]
+
+
+def heldout_unpaired(conn: sqlite3.Connection, user_id: str) -> list[UnpairedExample]:
+    rows = conn.execute(
+        f"SELECT {_UNPAIRED_COLUMNS} FROM unpaired x WHERE x.user_id = ? AND x.split = ? ORDER BY x.id",
+        (user_id, HELDOUT),
+    )
+    return [_unpaired(row) for row in rows]
+
+
+def mark_unpaired_trained(conn: sqlite3.Connection, results: Sequence[tuple[int, float]], now: float) -> None:
+    """All or nothing, like `mark_trained`; the loss is the example's KTO loss."""
+    for example_id, loss in results:
+        row = conn.execute("SELECT split FROM unpaired WHERE id = ?", (example_id,)).fetchone()
+        if row is None:
+            raise UnknownPair(f"no unpaired example {example_id!r} (erased, expired or never created)")
+        if row[0] == HELDOUT:
+            raise BadRequest(f"unpaired example {example_id} is held out for evaluation and must never train")
+        conn.execute(
+            "UPDATE unpaired SET status = ?, train_count = train_count + 1, last_loss = ?,"
+            " updated_at = ? WHERE id = ?",
+            (TRAINED, loss, now, example_id),
+        )
+
+
+def link_adapter_unpaired(conn: sqlite3.Connection, user_id: str, version: int, example_ids: Sequence[int]) -> None:
+    """Raises UnknownPair when an example is not a live train-split example of this user."""
+    for example_id in example_ids:
+        row = conn.execute("SELECT user_id, split FROM unpaired WHERE id = ?", (example_id,)).fetchone()
+        if row is None or row[0] != user_id:
+            raise UnknownPair(f"unpaired example {example_id!r} is not a live example of user {user_id!r}")
+        if row[1] == HELDOUT:
+            raise BadRequest(f"unpaired example {example_id} is held out; an adapter cannot train on it")
+    conn.executemany(
+        "INSERT OR IGNORE INTO adapter_unpaired (user_id, version, example_id) VALUES (?, ?, ?)",
+        [(user_id, version, example_id) for example_id in example_ids],
+    )

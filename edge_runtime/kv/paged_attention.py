@@ -15,7 +15,7 @@ from torch import Tensor
 
 from edge_runtime.kv.cache import KVCache
 from edge_runtime.kv.pruning import DecodePruning, HeadPruning
-from edge_runtime.model.llama import LoraApplier
+from edge_runtime.model.llama import LoraApplier, layer_window, softcap, window_mask
 
 
 @dataclass
@@ -33,24 +33,83 @@ class SeqAttention:
 
 
 class PagedContext:
+    """`sliding_window`: keys a query sees, itself included, in every layer, or a tuple per layer
+    (`ModelConfig.layer_windows`: Gemma mixes sliding and full layers); each distinct window
+    gets its own plan of which cached keys each sequence reads. `softcap`: the attention
+    scores' (`ModelConfig.attn_softcap`)."""
+
     def __init__(
         self,
         cache: KVCache,
         seqs: list[SeqAttention],
         device: torch.device,
         lora: LoraApplier | None = None,
-        sliding_window: int | None = None,
+        sliding_window: int | None | tuple[int | None, ...] = None,
+        softcap: float | None = None,
     ) -> None:
         self.cache = cache
         self.lora = lora
+        self.sliding_window = sliding_window
+        self.softcap = softcap
         offsets = torch.arange(cache.block_size)
         slots = {
             id(s): (torch.tensor(s.block_table, dtype=torch.long)[:, None] * cache.block_size + offsets).view(-1)
             for s in seqs
         }
         self.slot_mapping = torch.cat([slots[id(s)][s.ctx_len - s.q_len : s.ctx_len] for s in seqs]).to(device)
+        windows = set(sliding_window) if isinstance(sliding_window, tuple) else {sliding_window}
+        self.plans = {w: _WindowPlan(seqs, slots, device, w) for w in windows}
+        # Decode KV pruning (edge_runtime.kv.pruning) runs only where every layer sees its whole
+        # context (the engine refuses it with windows), so it masks the one plan there is.
+        self.decode_pruning = None
+        pruned = [s for s in seqs if s.q_len == 1 and s.pruning is not None]
+        if pruned:
+            plan = self.plans[None]
+            rows = [(i, s.ctx_len, s.pruning) for i, s in enumerate(plan.decodes) if s.pruning is not None]
+            layers, _, _, kv_heads, _ = cache.data.shape
+            self.decode_pruning = DecodePruning(rows, plan.decode_mask, layers, kv_heads)
 
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        k_cache, v_cache = self.cache.layer(layer)
+        k_cache.index_copy_(0, self.slot_mapping, k)
+        v_cache.index_copy_(0, self.slot_mapping, v)
+        plan = self.plans[layer_window(self.sliding_window, layer)]
+        t, heads, d = q.shape
+        kv_heads = k.shape[1]
+        group = heads // kv_heads
+        out = q.new_empty(t, heads * d)
+
+        for start, n, kv_index, mask in plan.prefills:
+            # [n, heads, d] -> [kv_heads, group * n, d]: the query heads sharing a KV head are
+            # folded into the rows, so GQA needs no copy of keys or values.
+            qh = q[start : start + n].view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * n, d)
+            kh = k_cache.index_select(0, kv_index).transpose(0, 1)  # [kv_heads, ctx, d]
+            vh = v_cache.index_select(0, kv_index).transpose(0, 1)
+            if mask is None:
+                mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+            o = attend(qh, kh, vh, mask.repeat(group, 1), self.softcap)
+            out[start : start + n] = o.view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
+
+        if plan.decode_rows is not None:
+            b = plan.decode_rows.shape[0]
+            qd = q.index_select(0, plan.decode_rows).view(b, kv_heads, group, d)
+            kd = k_cache[plan.decode_index].permute(0, 2, 1, 3)  # [B, kv_heads, width, d]
+            vd = v_cache[plan.decode_index].permute(0, 2, 1, 3)
+            if self.decode_pruning is None:
+                o = attend(qd, kd, vd, plan.decode_mask, self.softcap)
+            else:
+                o = self.decode_pruning.attend(layer, qd, kd, vd)
+            out.index_copy_(0, plan.decode_rows, o.reshape(b, heads * d))
+        return out
+
+
+class _WindowPlan:
+    """Which cached keys each sequence reads under one window (None: its whole context)."""
+
+    def __init__(self, seqs: list[SeqAttention], slots: dict[int, Tensor], device: torch.device,
+                 sliding_window: int | None) -> None:
         decodes = [s for s in seqs if s.q_len == 1]
+        self.decodes = decodes
         self.prefills = []
         for s in seqs:
             if s.q_len == 1:
@@ -61,9 +120,7 @@ class PagedContext:
             if s.ctx_len != s.q_len or sliding_window is not None:
                 q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=device)[:, None]
                 k_pos = torch.arange(first, s.ctx_len, device=device)[None, :]
-                mask = k_pos <= q_pos
-                if sliding_window is not None:
-                    mask &= k_pos > q_pos - sliding_window
+                mask = window_mask(q_pos, k_pos, sliding_window)
             self.prefills.append((s.q_start, s.q_len, kv_index, mask))
 
         self.decode_rows = None
@@ -80,49 +137,12 @@ class PagedContext:
             self.decode_index = index.to(device)
             # [B, 1, 1, width]: broadcast over kv heads and the folded query heads.
             self.decode_mask = valid.to(device)[:, None, None, :]
-            self.decode_full = bool(valid.all())
-            pruned = [(i, s.ctx_len, s.pruning) for i, s in enumerate(decodes) if s.pruning is not None]
-            self.decode_pruning = None
-            if pruned:
-                layers, _, _, kv_heads, _ = cache.data.shape
-                self.decode_pruning = DecodePruning(pruned, self.decode_mask, layers, kv_heads)
-
-    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        k_cache, v_cache = self.cache.layer(layer)
-        k_cache.index_copy_(0, self.slot_mapping, k)
-        v_cache.index_copy_(0, self.slot_mapping, v)
-        t, heads, d = q.shape
-        kv_heads = k.shape[1]
-        group = heads // kv_heads
-        out = q.new_empty(t, heads * d)
-
-        for start, n, kv_index, mask in self.prefills:
-            # [n, heads, d] -> [kv_heads, group * n, d]: the query heads sharing a KV head are
-            # folded into the rows, so GQA needs no copy of keys or values.
-            qh = q[start : start + n].view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * n, d)
-            kh = k_cache.index_select(0, kv_index).transpose(0, 1)  # [kv_heads, ctx, d]
-            vh = v_cache.index_select(0, kv_index).transpose(0, 1)
-            if mask is None:
-                mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            o = attend(qh, kh, vh, mask.repeat(group, 1))
-            out[start : start + n] = o.view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
-
-        if self.decode_rows is not None:
-            b = self.decode_rows.shape[0]
-            qd = q.index_select(0, self.decode_rows).view(b, kv_heads, group, d)
-            kd = k_cache[self.decode_index].permute(0, 2, 1, 3)  # [B, kv_heads, width, d]
-            vd = v_cache[self.decode_index].permute(0, 2, 1, 3)
-            if self.decode_pruning is None:
-                o = attend(qd, kd, vd, self.decode_mask)
-            else:
-                o = self.decode_pruning.attend(layer, qd, kd, vd)
-            out.index_copy_(0, self.decode_rows, o.reshape(b, heads * d))
-        return out
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cap: float | None = None) -> Tensor:
     """softmax(q k^T / sqrt(d)) v with the softmax in fp32; q [..., rows, d], k/v [..., keys, d],
-    mask (True = may attend) broadcastable to [..., rows, keys].
+    mask (True = may attend) broadcastable to [..., rows, keys]; the scores soft-capped by `cap`
+    (Gemma 2) before the mask.
 
     Written out rather than through SDPA on purpose: SDPA's blocked kernels round differently
     depending on how many keys (padding included) and queries share a call, so a sequence's
@@ -133,7 +153,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     rows = q.shape[-2]
     if rows == 1:
         q = q.expand(*q.shape[:-2], 2, q.shape[-1]).contiguous()
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5), cap)
     scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(weights, v)

@@ -1,5 +1,5 @@
-"""The shape of a llama-family model (Llama, Mistral, Qwen2/3, SmolLM, Granite, OLMo 2, Phi-3) as our
-forward needs it.
+"""The shape of a llama-family model (Llama, Mistral, Qwen2/3, SmolLM, Granite, OLMo 2, Phi-3, Gemma 2/3)
+as our forward needs it.
 
 Read from a Hugging Face `config.json` through `transformers.AutoConfig`, which normalises the
 many spellings of RoPE settings (`rope_theta`/`rope_scaling` vs `rope_parameters`). What each
@@ -32,15 +32,24 @@ class ModelConfig:
     attention_bias: bool  # q/k/v biases
     attention_out_bias: bool  # o_proj bias
     mlp_bias: bool
-    sliding_window: int | None  # keys a query attends to, itself included; the same in every layer
+    layer_windows: tuple[int | None, ...]  # keys a query of layer i attends to, itself included (None: all)
     rope_layers: tuple[bool, ...]  # whether layer i rotates q and k (SmolLM3's NoPE layers do not)
+    rope_tables: tuple[str | None, ...]  # rotary tables by their key in rope_parameters (None: the one set)
+    layer_rope_table: tuple[int, ...]  # layer i's rotary table (Gemma 3's sliding layers have their own)
     rotary_dim: int  # leading dims of each head that RoPE turns (head_dim; less with Phi's partial rotary)
     rope_switch: int | None  # LongRoPE: sequences longer than this use the long factors (None: one set)
     fused_projections: bool  # q/k/v and gate/up are single checkpoint tensors and LoRA targets (Phi-3)
     qk_norm: str | None  # RMSNorm of q and k before RoPE: None, "head" (per head, Qwen3), "full" (OLMo 2)
-    norm_after_sublayer: bool  # norms on sublayer outputs, not inputs (OLMo 2)
-    embedding_multiplier: float  # token embeddings are scaled by it (Granite; else 1)
-    attention_scale: float  # on q.k: head_dim ** -0.5, or Granite's attention_multiplier
+    norm_before_sublayer: bool  # RMSNorm on each sublayer's input (all but OLMo 2)
+    norm_after_sublayer: bool  # RMSNorm on each sublayer's output before the residual add (OLMo 2, Gemma)
+    norm_offset: float  # RMSNorm scales by (norm_offset + w) in float32 (Gemma: 1), else by w (0)
+    activation: str  # the gated MLP's: "silu" (SwiGLU) or "gelu_tanh" (Gemma)
+    embedding_multiplier: float  # token embeddings are scaled by it (Granite; Gemma: sqrt(hidden); else 1)
+    embedding_multiplier_in_dtype: bool  # the multiplier is rounded to the weights' dtype first (Gemma)
+    attention_scale: float  # on q.k: head_dim ** -0.5, Granite's attention_multiplier, Gemma's
+    # query_pre_attn_scalar ** -0.5
+    attn_softcap: float | None  # attention scores s -> tanh(s / cap) * cap after the scale (Gemma 2)
+    final_softcap: float | None  # the same on the logits (Gemma 2, Gemma 3 where set)
     residual_multiplier: float  # each sublayer's output is scaled by it before the residual add
     logits_scaling: float  # logits are divided by it (Granite; else 1)
     hf_config: Any  # the transformers config, kept for RoPE initialisation
@@ -54,9 +63,23 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def sliding_window(self) -> int | None:
+        """The window every layer shares (None: full attention everywhere). ValueError where the
+        layers differ: code that serves such a model reads `layer_windows`."""
+        windows = set(self.layer_windows)
+        if len(windows) > 1:
+            raise ValueError("layers have different attention windows; read ModelConfig.layer_windows")
+        return windows.pop()
+
+    @property
+    def windowed(self) -> bool:
+        """Whether any layer has a sliding window."""
+        return any(w is not None for w in self.layer_windows)
+
+    @property
     def query_scale(self) -> float:
         """The factor on q that turns the attention contexts' 1/sqrt(head_dim) into
-        `attention_scale` (1.0 for every family but Granite)."""
+        `attention_scale` (1.0 for every family but Granite and Gemma)."""
         if self.attention_scale == self.head_dim**-0.5:
             return 1.0
         return self.attention_scale * self.head_dim**0.5
@@ -67,6 +90,9 @@ class ModelConfig:
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         layers = hf_config.num_hidden_layers
+        before, after = family.norms(hf_config)
+        tables, layer_table = family.rope_tables(hf_config, layers)
+        gemma = family.is_gemma(hf_config)
         return cls(
             model_type=hf_config.model_type,
             vocab_size=hf_config.vocab_size,
@@ -82,15 +108,24 @@ class ModelConfig:
             attention_bias=family.attention_qkv_bias(hf_config),
             attention_out_bias=family.attention_out_bias(hf_config),
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-            sliding_window=family.sliding_window(hf_config, layers),
+            layer_windows=family.layer_windows(hf_config, layers),
             rope_layers=family.rope_layers(hf_config, layers),
+            rope_tables=tables,
+            layer_rope_table=layer_table,
             rotary_dim=family.rotary_dim(hf_config, head_dim),
             rope_switch=family.rope_switch(hf_config),
             fused_projections=family.fused_projections(hf_config),
             qk_norm=family.qk_norm(hf_config),
-            norm_after_sublayer=family.norm_after_sublayer(hf_config),
-            embedding_multiplier=family.read_setting(hf_config, "embedding_multiplier", 1.0),
-            attention_scale=family.read_setting(hf_config, "attention_multiplier", head_dim**-0.5),
+            norm_before_sublayer=before,
+            norm_after_sublayer=after,
+            norm_offset=1.0 if gemma else 0.0,
+            activation=family.activation(hf_config),
+            embedding_multiplier=hf_config.hidden_size**0.5 if gemma else family.read_setting(
+                hf_config, "embedding_multiplier", 1.0),
+            embedding_multiplier_in_dtype=gemma,
+            attention_scale=family.attention_scale(hf_config, head_dim),
+            attn_softcap=family.softcap(hf_config, "attn_logit_softcapping"),
+            final_softcap=family.softcap(hf_config, "final_logit_softcapping"),
             residual_multiplier=family.read_setting(hf_config, "residual_multiplier", 1.0),
             logits_scaling=family.read_setting(hf_config, "logits_scaling", 1.0),
             hf_config=hf_config,

@@ -7,10 +7,9 @@ through it) and by tests that compare our forward with `transformers`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from edge_runtime.model.llama import LlamaModel, LoraApplier
+from edge_runtime.model.llama import LlamaModel, LoraApplier, layer_window, sdpa
 
 
 class DenseCausalContext:
@@ -18,28 +17,40 @@ class DenseCausalContext:
 
     `attention_mask` [batch, length] marks real tokens (1) and right-padding (0); padded queries
     produce finite garbage that callers ignore. `sliding_window`: a query sees that many keys,
-    itself included (the model's `ModelConfig.sliding_window`).
+    itself included, in every layer, or a tuple per layer (the model's
+    `ModelConfig.layer_windows`); `softcap`: the attention scores' (`ModelConfig.attn_softcap`).
     """
 
     def __init__(
         self, batch: int, length: int, attention_mask: Tensor | None = None, lora: LoraApplier | None = None,
-        sliding_window: int | None = None,
+        sliding_window: int | None | tuple[int | None, ...] = None, softcap: float | None = None,
     ) -> None:
         self.batch = batch
         self.length = length
         self.lora = lora
+        self.sliding_window = sliding_window
+        self.softcap = softcap
+        self.attention_mask = attention_mask
+        self._masks: dict[int | None, Tensor | None] = {}
+
+    def _mask(self, window: int | None) -> Tensor | None:
+        """[B or 1, 1, L, L] (True = may attend), or None for plain causal attention."""
+        if window in self._masks:
+            return self._masks[window]
+        length, attention_mask = self.length, self.attention_mask
         causal = torch.ones(length, length, dtype=torch.bool).tril()
-        if sliding_window is not None:
-            causal = causal.triu(1 - sliding_window)
-        self.mask = None
+        if window is not None:
+            causal = causal.triu(1 - window)
+        mask = None
         if attention_mask is not None:
             causal = causal[None] & attention_mask.bool()[:, None, :]
             # A padded query row with every key masked would softmax to NaN; let it see itself.
             causal = causal | torch.eye(length, dtype=torch.bool)[None]
-            self.mask = causal[:, None]  # [B, 1, L, L]
-        elif sliding_window is not None:
-            self.mask = causal[None, None]
-        self._causal_only = self.mask is None
+            mask = causal[:, None]  # [B, 1, L, L]
+        elif window is not None:
+            mask = causal[None, None]
+        self._masks[window] = mask
+        return mask
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         b, n = self.batch, self.length
@@ -47,10 +58,8 @@ class DenseCausalContext:
         qh = q.view(b, n, heads, d).transpose(1, 2)
         kh = k.view(b, n, k.shape[1], d).transpose(1, 2)
         vh = v.view(b, n, v.shape[1], d).transpose(1, 2)
-        if self._causal_only:
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-        else:
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=self.mask.to(q.device), enable_gqa=True)
+        mask = self._mask(layer_window(self.sliding_window, layer))
+        out = sdpa(qh, kh, vh, None if mask is None else mask.to(q.device), self.softcap)
         return out.transpose(1, 2).reshape(b * n, heads * d)
 
 
@@ -63,6 +72,6 @@ def dense_logits(
     lengths = [n] * b if attention_mask is None else attention_mask.sum(dim=1).tolist()
     offsets = torch.tensor([model.rope.offset(int(length)) for length in lengths], device=input_ids.device)
     positions = (torch.arange(n, device=input_ids.device)[None, :] + offsets[:, None]).reshape(-1)
-    ctx = DenseCausalContext(b, n, attention_mask, lora, model.cfg.sliding_window)
+    ctx = DenseCausalContext(b, n, attention_mask, lora, model.cfg.layer_windows, model.cfg.attn_softcap)
     hidden = model.run_layers(model.embed_tokens(input_ids.reshape(-1)), positions, ctx)
     return model.logits(hidden).view(b, n, -1)

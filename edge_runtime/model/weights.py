@@ -16,7 +16,7 @@ from safetensors import safe_open
 from edge_runtime.errors import ModelNotAvailable
 from edge_runtime.model import family
 from edge_runtime.model.config import ModelConfig
-from edge_runtime.model.llama import DecoderLayer, LlamaModel
+from edge_runtime.model.llama import DecoderLayer, LlamaModel, rotary_tables
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -44,7 +44,7 @@ def load_llama(
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions=None)
     model = model.to_empty(device=device).to(dtype)
-    model.rope = type(model.rope)(cfg, max_positions).to(device)
+    model.ropes = rotary_tables(cfg, max_positions).to(device)
     filled: set[str] = set()
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
     slices = {
@@ -113,12 +113,16 @@ def _target(
 
 
 def _norm_tensors(layer: DecoderLayer) -> dict[str, torch.Tensor]:
-    """A layer's norm weights by checkpoint name (after `model.layers.{i}.`), as its config has them."""
+    """A layer's norm weights by checkpoint name (after `model.layers.{i}.`), as its config has them:
+    `post_attention_layernorm` is the MLP's input norm in Llama, the attention output's in OLMo 2
+    and Gemma (whose MLP input norm is `pre_feedforward_layernorm`)."""
+    norms: dict[str, torch.Tensor | None] = {}
     if layer.cfg.norm_after_sublayer:
-        norms = {"post_attention_layernorm.weight": layer.attn_out_norm,
-                 "post_feedforward_layernorm.weight": layer.mlp_out_norm}
-    else:
-        norms = {"input_layernorm.weight": layer.input_norm, "post_attention_layernorm.weight": layer.post_norm}
+        norms |= {"post_attention_layernorm.weight": layer.attn_out_norm,
+                  "post_feedforward_layernorm.weight": layer.mlp_out_norm}
+    if layer.cfg.norm_before_sublayer:
+        mlp_in = "pre_feedforward_layernorm" if layer.cfg.norm_after_sublayer else "post_attention_layernorm"
+        norms |= {"input_layernorm.weight": layer.input_norm, f"{mlp_in}.weight": layer.post_norm}
     norms |= {"self_attn.q_norm.weight": layer.q_norm, "self_attn.k_norm.weight": layer.k_norm}
     return {name: weight for name, weight in norms.items() if weight is not None}
 

@@ -92,7 +92,7 @@ class CostModel:
     activation_bytes_per_token: int  # transient activations of one token through the forward
     logits_bytes_per_row: int
     ema_alpha: float = 0.2
-    source: str = "nominal"  # "calibrated", "cached" or "nominal"
+    source: str = "nominal"  # "calibrated", "cached", "quick" (before a background one) or "nominal"
     forward_fix: Correction = field(init=False)
     stage_fix: dict[str, Correction] = field(init=False)
 
@@ -121,6 +121,12 @@ class CostModel:
 
     def unloaded_decode_s(self, context: int = 256) -> float:
         return self.forward.seconds(1, context + 1, 1)
+
+    def recalibrate(self, forward: ForwardCoefficients) -> None:
+        """Coefficients measured while serving replace the nominal ones; the online correction
+        starts over from them."""
+        self.forward, self.source = forward, "calibrated"
+        self.forward_fix = Correction(self.ema_alpha)
 
     def observe_forward(self, planned_s: float, observed_s: float) -> None:
         """`planned_s`: what this model predicted for the forward (correction included)."""
@@ -196,38 +202,114 @@ def measure_forward(execute: Callable[[Batch], Any], pool: BlockPool, vocab: int
     afterwards). Returns rows of (tokens, attended pairs, logit rows, seconds); shapes that do not
     fit the pool are skipped."""
     gen = torch.Generator().manual_seed(seed)
-    rows = []
+    rows = [measure_shape(execute, pool, vocab, shape, repeats, gen) for shape in SHAPES]
+    return [row for row in rows if row is not None]
+
+
+def measure_shape(execute: Callable[[Batch], Any], pool: BlockPool, vocab: int,
+                  shape: tuple[tuple[int, int, int], ...], repeats: int,
+                  gen: torch.Generator) -> tuple[int, int, int, float] | None:
+    """One shape of `measure_forward`: (tokens, attended pairs, logit rows, seconds), or None
+    when it does not fit the pool's free blocks."""
     size = pool.block_size
-    for shape in SHAPES:
-        blocks_needed = sum(n * -(-(ctx + new) // size) for n, ctx, new in shape)
-        if blocks_needed > pool.num_free:
-            continue
-        taken: list[int] = []
-        items = []
-        for n, ctx, new in shape:
-            for _ in range(n):
-                table = [pool.allocate() for _ in range(-(-(ctx + new) // size))]
-                taken += table
-                ids = torch.randint(0, vocab, (ctx + new,), generator=gen).tolist()
-                items.append(ScheduledSeq(_ProbeSeq(ids, ctx, table), new))  # type: ignore[arg-type]
-        batch = Batch(items, [])
-        try:
-            execute(batch)  # warm-up: allocator growth, kernel choice
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                execute(batch)
-                times.append(time.perf_counter() - t0)
-        finally:
-            for block in taken:
-                pool.release(block)
-        tokens = sum(n * new for n, _, new in shape)
-        attended = sum(n * attended_pairs(ctx, new) for n, ctx, new in shape)
-        logit_rows = sum(n for n, _, _ in shape)
-        # The fastest of a few runs: on a machine shared with other work, slower runs measure
-        # the others; the online correction adds today's contention back.
-        rows.append((tokens, attended, logit_rows, min(times)))
-    return rows
+    blocks_needed = sum(n * -(-(ctx + new) // size) for n, ctx, new in shape)
+    if blocks_needed > pool.num_free:
+        return None
+    taken: list[int] = []
+    items = []
+    for n, ctx, new in shape:
+        for _ in range(n):
+            table = [pool.allocate() for _ in range(-(-(ctx + new) // size))]
+            taken += table
+            ids = torch.randint(0, vocab, (ctx + new,), generator=gen).tolist()
+            items.append(ScheduledSeq(_ProbeSeq(ids, ctx, table), new))  # type: ignore[arg-type]
+    batch = Batch(items, [])
+    try:
+        execute(batch)  # warm-up: allocator growth, kernel choice
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            execute(batch)
+            times.append(time.perf_counter() - t0)
+    finally:
+        for block in taken:
+            pool.release(block)
+    tokens = sum(n * new for n, _, new in shape)
+    attended = sum(n * attended_pairs(ctx, new) for n, ctx, new in shape)
+    logit_rows = sum(n for n, _, _ in shape)
+    # The fastest of a few runs: on a machine shared with other work, slower runs measure
+    # the others; the online correction adds today's contention back.
+    return tokens, attended, logit_rows, min(times)
+
+
+# The quick calibration before serving: one shape per coefficient (the fixed cost of a small
+# decode, attended pairs and LM-head rows of a wider, deeper decode, new tokens of two
+# prefills), timed once after a warm-up: a fit good to tens of percent in 8 small forwards
+# (~1-2 CPU seconds for the default model on ONNX Runtime), so the SLO and the iteration budget
+# start near this machine's, not a guess ten times off.
+QUICK_SHAPES: tuple[tuple[tuple[int, int, int], ...], ...] = (
+    ((1, 16, 1),), ((8, 128, 1),), ((1, 0, 32),), ((1, 0, 128),),
+)
+
+
+def quick_calibration(execute: Callable[[Batch], Any], pool: BlockPool, cfg: ModelConfig,
+                      seed: int = 0) -> ForwardCoefficients | None:
+    """Coefficients from `QUICK_SHAPES` (None if they do not fit the pool or the fit misses its
+    own points by more than their size)."""
+    started = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)
+    rows = [measure_shape(execute, pool, cfg.vocab_size, shape, 1, gen) for shape in QUICK_SHAPES]
+    rows = [row for row in rows if row is not None]
+    if len(rows) < len(QUICK_SHAPES):
+        return None
+    fitted = fit_forward(rows)
+    miss = fit_error(fitted, rows)
+    log.info("quick forward cost calibration in %.1f s (largest miss %.0f%%): %s",
+             time.perf_counter() - started, 100 * miss, fitted)
+    return fitted if miss < 1.0 else None
+
+
+class BackgroundCalibration:
+    """The forward's calibration one shape at a time, for an engine that serves meanwhile on
+    nominal costs (corrected online): `step()` measures the next shape (a few forwards, well
+    under a second on the default model) whenever the engine is idle, and once all are measured
+    fits, caches and returns the coefficients."""
+
+    def __init__(self, cfg: ModelConfig, execute: Callable[[Batch], Any], pool: BlockPool,
+                 path: Path | None, repeats: int = 3, seed: int = 0) -> None:
+        self.cfg, self.execute, self.pool, self.path, self.repeats = cfg, execute, pool, path, repeats
+        self.gen = torch.Generator().manual_seed(seed)
+        self.pending = list(SHAPES)
+        self.rows: list[tuple[int, int, int, float]] = []
+        self.busy = machine_busy()
+        self.seconds = 0.0
+
+    def step(self) -> ForwardCoefficients | None:
+        """Measure one more shape; the fitted coefficients once the last is measured (None
+        before, and when the fit is not worth using: the nominal ones and the online correction
+        stay)."""
+        if not self.pending:
+            return None
+        started = time.perf_counter()
+        row = measure_shape(self.execute, self.pool, self.cfg.vocab_size, self.pending.pop(0), self.repeats, self.gen)
+        if row is not None:
+            self.rows.append(row)
+        self.seconds += time.perf_counter() - started
+        if self.pending or len(self.rows) < 4:
+            return None
+        fitted = fit_forward(self.rows)
+        miss = fit_error(fitted, self.rows)
+        busy = self.busy or machine_busy()
+        log.info("calibrated the forward cost model in the background, %.1f s of forwards (largest "
+                 "miss %.0f%%%s): %s", self.seconds, 100 * miss, ", machine busy" if busy else "", fitted)
+        if miss >= 1.0:
+            return None
+        store(self.path, asdict(fitted), busy)
+        return fitted
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
 
 
 def fit_error(coefficients: ForwardCoefficients, rows: list[tuple[int, int, int, float]]) -> float:
@@ -290,23 +372,39 @@ def cached(path: Path | None, build: Callable[[], tuple[dict[str, Any], bool, bo
     provisional), written atomically when worth keeping. A provisional entry (measured on an
     oversubscribed machine) is used while the machine stays busy and measured again on the
     first quiet start. Returns (values, whether they came from the cache)."""
-    if path is not None and path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            if data.get("version") == CACHE_VERSION and not (data.get("provisional") and not machine_busy()):
-                return data["values"], True
-        except (OSError, ValueError, KeyError) as exc:
-            log.warning("ignoring unreadable cost cache %s: %s", path, exc)
+    values = read_cached(path)
+    if values is not None:
+        return values, True
     values, keep, provisional = build()
-    if path is not None and keep:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"version": CACHE_VERSION, "provisional": provisional, "values": values}, indent=1))
-            os.replace(tmp, path)
-        except OSError as exc:  # a read-only state dir costs a re-profile next start, nothing else
-            log.warning("cannot write cost cache %s: %s", path, exc)
+    if keep:
+        store(path, values, provisional)
     return values, False
+
+
+def read_cached(path: Path | None) -> dict[str, Any] | None:
+    """The values at `path` if they are there and current (see `cached`)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") == CACHE_VERSION and not (data.get("provisional") and not machine_busy()):
+            return data["values"]
+    except (OSError, ValueError, KeyError) as exc:
+        log.warning("ignoring unreadable cost cache %s: %s", path, exc)
+    return None
+
+
+def store(path: Path | None, values: dict[str, Any], provisional: bool) -> None:
+    """Write a cost cache atomically (nothing when `path` is None)."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"version": CACHE_VERSION, "provisional": provisional, "values": values}, indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only state dir costs a re-profile next start, nothing else
+        log.warning("cannot write cost cache %s: %s", path, exc)
 
 
 def cache_path(cache_dir: str | None, name: str) -> Path | None:
@@ -332,16 +430,31 @@ def load_cost_model(
     mode: str = "auto",
     cache_dir: str | None = None,
     ema_alpha: float = 0.2,
-) -> CostModel:
+) -> tuple[CostModel, BackgroundCalibration | None]:
     """The forward's cost model: `mode` "auto" loads this machine's cached calibration or runs
-    one (a few seconds: ~11 synthetic batches through the real backend, before any request);
-    "off" starts from nominal figures and relies on the online correction alone."""
+    one (~11 synthetic batches through the real backend, before any request: seconds on a quiet
+    machine, minutes on a busy one); "background" loads the cached one or starts from a quick
+    one (4 batches, each timed once; nominal figures if that fails) and returns the full
+    calibration for the engine to run while idle; "off" starts from
+    nominal figures and relies on the online correction alone. Returns (model, calibration
+    still to run or None)."""
     per_token, per_row = activation_sizes(cfg, dtype)
     coefficients, source = ForwardCoefficients.nominal(cfg), "nominal"
-    if mode not in ("auto", "off"):
-        raise ValueError(f"unknown cost profile mode {mode!r}; use 'auto' or 'off'")
+    if mode not in ("auto", "background", "off"):
+        raise ValueError(f"unknown cost profile mode {mode!r}; use 'auto', 'background' or 'off'")
+    key = fingerprint(cfg, device, dtype, backend_name, pool.block_size)
+    path = cache_path(cache_dir, f"forward-{key}.json")
+    if mode == "background":
+        values = read_cached(path)
+        if values is not None:
+            return CostModel(ForwardCoefficients(**values), kv_block_bytes, pool.block_size, per_token, per_row,
+                             ema_alpha, "cached"), None
+        quick = quick_calibration(execute, pool, cfg)
+        if quick is not None:
+            coefficients, source = quick, "quick"
+        return (CostModel(coefficients, kv_block_bytes, pool.block_size, per_token, per_row, ema_alpha, source),
+                BackgroundCalibration(cfg, execute, pool, path))
     if mode == "auto":
-        key = fingerprint(cfg, device, dtype, backend_name, pool.block_size)
 
         def calibrate() -> tuple[dict[str, Any], bool, bool]:
             started = time.perf_counter()
@@ -358,9 +471,9 @@ def load_cost_model(
                      time.perf_counter() - started, 100 * miss, ", machine busy" if busy else "", fitted)
             return asdict(fitted), miss < 1.0, busy
 
-        values, hit = cached(cache_path(cache_dir, f"forward-{key}.json"), calibrate)
+        values, hit = cached(path, calibrate)
         coefficients, source = ForwardCoefficients(**values), "cached" if hit else "calibrated"
-    return CostModel(coefficients, kv_block_bytes, pool.block_size, per_token, per_row, ema_alpha, source)
+    return CostModel(coefficients, kv_block_bytes, pool.block_size, per_token, per_row, ema_alpha, source), None
 
 
 def load_stage_costs(model: Any, settings: Any, *, cache_dir: str | None = None, backend_name: str = "torch",

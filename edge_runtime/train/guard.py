@@ -1,6 +1,7 @@
-"""Regression guard: a candidate adapter is published only if its held-out win rate and CLPD did
-not fall more than a tolerance below the version being served; otherwise the served version stays
-and the rejection is recorded in the user's adapter event log.
+"""Regression guard: a candidate adapter is published only if its held-out win rate and CLPD (on
+held-out pairs) and its desirable-vs-undesirable log-ratio margin (on held-out unpaired examples:
+thumbs, ratings) did not fall more than a tolerance below the version being served; otherwise the
+served version stays and the rejection is recorded in the user's adapter event log.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from typing import Any
 from edge_runtime.lora.registry import AdapterRef, AdapterRegistry
 from edge_runtime.lora.weights import LoraWeights
 from edge_runtime.train.dpo import AlignmentMetrics
+from edge_runtime.train.kto import UnpairedMetrics
 from edge_runtime.train.pairs import PairLike, PairTokens
 from edge_runtime.train.trainer import AdapterTrainer
+from edge_runtime.train.unpaired import UnpairedLike
 
 
 @dataclass(frozen=True)
@@ -22,14 +25,20 @@ class GuardDecision:
     reason: str
     before: AlignmentMetrics | None  # the served version (or the base) on the held-out pairs
     after: AlignmentMetrics | None  # the candidate
+    unpaired_before: UnpairedMetrics | None = None  # the same on held-out unpaired examples
+    unpaired_after: UnpairedMetrics | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "accepted": self.accepted,
             "reason": self.reason,
             "before": None if self.before is None else self.before.as_dict(),
             "after": None if self.after is None else self.after.as_dict(),
         }
+        if self.unpaired_before is not None or self.unpaired_after is not None:
+            out["unpaired_before"] = None if self.unpaired_before is None else self.unpaired_before.as_dict()
+            out["unpaired_after"] = None if self.unpaired_after is None else self.unpaired_after.as_dict()
+        return out
 
 
 @dataclass(frozen=True)
@@ -37,16 +46,33 @@ class RegressionGuard:
     win_rate_tolerance: float = 0.05  # absolute drop in win rate allowed
     clpd_tolerance: float = 1.0  # absolute drop in CLPD (nats per pair) allowed
     min_heldout_pairs: int = 1  # fewer: nothing to judge by, publish (and say so)
+    margin_tolerance: float = 1.0  # absolute drop in the unpaired log-ratio margin (nats) allowed
+    min_heldout_unpaired: int = 2  # and at least one desirable and one undesirable example
 
-    def check(self, before: AlignmentMetrics, after: AlignmentMetrics) -> GuardDecision:
-        drops = []
-        if after.win_rate < before.win_rate - self.win_rate_tolerance:
-            drops.append(f"win rate fell {before.win_rate:.3f} -> {after.win_rate:.3f}")
-        if after.clpd < before.clpd - self.clpd_tolerance:
-            drops.append(f"CLPD fell {before.clpd:.3f} -> {after.clpd:.3f}")
+    def check(self, before: AlignmentMetrics | None, after: AlignmentMetrics | None,
+              unpaired_before: UnpairedMetrics | None = None,
+              unpaired_after: UnpairedMetrics | None = None) -> GuardDecision:
+        """Judge by whichever held-out kinds are given (pairs, unpaired examples, or both)."""
+        drops, judged = [], []
+        if before is not None and after is not None:
+            judged.append("win rate and CLPD")
+            if after.win_rate < before.win_rate - self.win_rate_tolerance:
+                drops.append(f"win rate fell {before.win_rate:.3f} -> {after.win_rate:.3f}")
+            if after.clpd < before.clpd - self.clpd_tolerance:
+                drops.append(f"CLPD fell {before.clpd:.3f} -> {after.clpd:.3f}")
+        if unpaired_before is not None and unpaired_after is not None:
+            judged.append("desirable-vs-undesirable margin")
+            if unpaired_after.margin < unpaired_before.margin - self.margin_tolerance:
+                drops.append(f"unpaired margin fell {unpaired_before.margin:.3f} -> {unpaired_after.margin:.3f}")
         if drops:
-            return GuardDecision(False, "; ".join(drops) + " (beyond tolerance)", before, after)
-        return GuardDecision(True, "held-out win rate and CLPD within tolerance", before, after)
+            return GuardDecision(False, "; ".join(drops) + " (beyond tolerance)", before, after,
+                                 unpaired_before, unpaired_after)
+        return GuardDecision(True, f"held-out {' and '.join(judged)} within tolerance", before, after,
+                             unpaired_before, unpaired_after)
+
+    def judges_unpaired(self, examples: Sequence[UnpairedLike]) -> bool:
+        kinds = {bool(e.desirable) for e in examples}
+        return len(examples) >= self.min_heldout_unpaired and kinds == {True, False}
 
 
 def publish_guarded(
@@ -58,6 +84,8 @@ def publish_guarded(
     candidate: LoraWeights | None = None,
     reset_on_reject: bool = False,
     served_metrics: AlignmentMetrics | None = None,
+    heldout_unpaired: Sequence[UnpairedLike] = (),
+    served_unpaired: UnpairedMetrics | None = None,
     **info: Any,
 ) -> tuple[GuardDecision, AdapterRef | None]:
     """Evaluate `candidate` (default: the trainer's current weights) against the user's served
@@ -66,19 +94,31 @@ def publish_guarded(
     pairs that correct a regression come from the regressed policy, so discarding it would also
     discard the correction (`reset_on_reject=True` restarts from the served weights instead).
     `served_metrics`: the served version's metrics on these same pairs, if already known (a
-    version is immutable, so callers publishing often can skip re-evaluating it)."""
+    version is immutable, so callers publishing often can skip re-evaluating it).
+    `heldout_unpaired` (thumbs, ratings; `served_unpaired` likewise): judged by the margin."""
     guard = guard or RegressionGuard()
     candidate = candidate if candidate is not None else trainer.snapshot()
     served = registry.newest(user)
     served_weights = None if served is None else registry.weights(served)
-    if len(heldout) < guard.min_heldout_pairs:
-        decision = GuardDecision(True, f"only {len(heldout)} held-out pairs; published unguarded", None, None)
+    pairs = len(heldout) >= guard.min_heldout_pairs
+    unpaired = guard.judges_unpaired(heldout_unpaired)
+    if not pairs and not unpaired:
+        decision = GuardDecision(True, f"only {len(heldout)} held-out pairs and {len(heldout_unpaired)} "
+                                 "unpaired examples (of one kind or none); published unguarded", None, None)
     else:
-        before = served_metrics if served_metrics is not None else trainer.evaluate(heldout, served_weights)
-        after = trainer.evaluate(heldout, candidate)
-        decision = guard.check(before, after)
+        before = after = u_before = u_after = None
+        if pairs:
+            before = served_metrics if served_metrics is not None else trainer.evaluate(heldout, served_weights)
+            after = trainer.evaluate(heldout, candidate)
+        if unpaired:
+            u_before = (served_unpaired if served_unpaired is not None
+                        else trainer.evaluate_unpaired(heldout_unpaired, served_weights))
+            u_after = trainer.evaluate_unpaired(heldout_unpaired, candidate)
+        decision = guard.check(before, after, u_before, u_after)
     if decision.accepted:
-        metrics = {} if decision.after is None else {"heldout": decision.after.as_dict()}
+        metrics: dict[str, Any] = {} if decision.after is None else {"heldout": decision.after.as_dict()}
+        if decision.unpaired_after is not None:
+            metrics["heldout_unpaired"] = decision.unpaired_after.as_dict()
         ref = registry.publish(user, candidate, **metrics, **info)
         return decision, ref
     registry.record_event(user, "rejected", serving=None if served is None else served.version,

@@ -27,7 +27,7 @@ def pair_logps(
     model: LlamaModel, tokens: PairTokens, lora: LoraApplier | None, window_tokens: int | None = None
 ) -> tuple[float, float]:
     """(log pi(chosen|prompt), log pi(rejected|prompt)) in one pass that runs the prompt once."""
-    kv = PairKV(model.cfg.num_layers, model.cfg.sliding_window)
+    kv = PairKV(model.cfg.num_layers, model.cfg.layer_windows, model.cfg.attn_softcap)
     sums = torch.zeros(2, dtype=torch.float64)
     device = model.device
     for win in plan_windows(tokens, window_tokens, rope_offsets=pair_rope_offsets(model, tokens)):

@@ -188,7 +188,7 @@ class DPOFineTuneTask:
         trainer, model = self.trainer, self.trainer.model
         if j == 0:
             trainer.reference_logps(self.tokens)
-            self._score_kv = PairKV(model.cfg.num_layers, model.cfg.sliding_window)
+            self._score_kv = PairKV(model.cfg.num_layers, model.cfg.layer_windows, model.cfg.attn_softcap)
             self._score_sums = torch.zeros(2, dtype=torch.float64)
         kv = self._score_kv
         if kv is None:
@@ -202,9 +202,7 @@ class DPOFineTuneTask:
                 logp = token_logps(model, hidden.index_select(0, win.score_rows.to(device)), win.targets.to(device))
                 self._score_sums.index_add_(0, win.owners, logp.double().cpu())
         if j == len(self.windows) - 1:
-            ref_c, ref_r = trainer.reference_logps(self.tokens)
-            self.score = DPOScore(float(self._score_sums[0]), float(self._score_sums[1]), ref_c, ref_r,
-                                  trainer.dpo.beta)
+            self.score = self._scored(self._score_sums)
             self._score_kv = None
 
     def _estimate_reference(self) -> StageEstimate:
@@ -234,7 +232,7 @@ class DPOFineTuneTask:
             trainer.claim(self)
             self.trainer.reference_logps(self.tokens)  # needed by the top backward group (normally cached)
             n = len(self.groups)
-            self._acts = _Activations(PairKV(model.cfg.num_layers, model.cfg.sliding_window), [[] for _ in range(n)], [[] for _ in range(n)])
+            self._acts = _Activations(PairKV(model.cfg.num_layers, model.cfg.layer_windows, model.cfg.attn_softcap), [[] for _ in range(n)], [[] for _ in range(n)])
             self._held = 0
         acts = self._acts
         if acts is None:
@@ -265,8 +263,7 @@ class DPOFineTuneTask:
                 acts.head_grads.append((rows, x.new_zeros(0, x.shape[1]), win.owners.to(device)))
         self._held = self._estimator_forward(j)().held_bytes
         if j == len(self.windows) - 1:
-            ref_c, ref_r = trainer.reference_logps(self.tokens)
-            self.result = DPOScore(float(acts.sums[0]), float(acts.sums[1]), ref_c, ref_r, trainer.dpo.beta)
+            self.result = self._scored(acts.sums)
 
     # -- backward by layer groups ------------------------------------------------------------
 
@@ -278,6 +275,11 @@ class DPOFineTuneTask:
 
     def _runner_backward(self, g: int) -> Callable[[], None]:
         return lambda: self._run_backward(g)
+
+    def _scored(self, sums: Tensor) -> DPOScore:
+        """The pair's score from the policy's summed log-probs of its two answers."""
+        ref_c, ref_r = self.trainer.reference_logps(self.tokens)
+        return DPOScore(float(sums[0]), float(sums[1]), ref_c, ref_r, self.trainer.dpo.beta)
 
     def _loss_coefficients(self) -> Tensor:
         """dL/d(sum log pi(chosen)), dL/d(sum log pi(rejected)) for this pair's share of the

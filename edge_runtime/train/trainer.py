@@ -8,8 +8,10 @@ reference policy is the same model with the adapter off, its log-probs cached pe
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -19,10 +21,17 @@ from edge_runtime.model.llama import LlamaModel
 from edge_runtime.model.tokenizer import Tokenizer
 from edge_runtime.train.costs import StageCostModel
 from edge_runtime.train.dpo import AlignmentMetrics, DPOScore, alignment_metrics
+from edge_runtime.train.kto import UnpairedMetrics, unpaired_metrics
 from edge_runtime.train.logprobs import ReferenceCache, pair_logps
 from edge_runtime.train.optim import LoraOptimizer, OptimizerSettings
 from edge_runtime.train.pairs import PairLike, PairTokens, tokenize_pair
 from edge_runtime.train.staged import DPOFineTuneTask
+from edge_runtime.train.unpaired import (
+    KTOFineTuneTask,
+    UnpairedLike,
+    UnpairedTokens,
+    tokenize_unpaired,
+)
 
 
 @dataclass(frozen=True)
@@ -34,6 +43,13 @@ class DPOSettings:
     max_prompt_tokens: int = 512
     max_completion_tokens: int = 256
     seed: int = 0  # LoRA A init
+    # KTO for unpaired feedback (train/kto.py; TRL's KTOConfig defaults). In a job mixing pairs
+    # and unpaired examples each example adds its own loss / accumulation_steps: DPO for a pair,
+    # KTO (weighted lambda_D / lambda_U inside) for an unpaired one, with equal weight per example.
+    kto_beta: float = 0.1
+    kto_desirable_weight: float = 1.0  # lambda_D
+    kto_undesirable_weight: float = 1.0  # lambda_U
+    kto_kl_window: int = 16  # recent mismatched log-ratios averaged into the reference point z0
 
 
 class AdapterTrainer:
@@ -66,6 +82,10 @@ class AdapterTrainer:
         # score stage. None until a pair was trained.
         self.recent_loss: float | None = None
         self._active: DPOFineTuneTask | None = None
+        # The user's recent answers (ids) that mismatched completions are drawn from, and the
+        # mismatched log-ratios their forwards measured (the samples of KTO's z0).
+        self.recent_completions: deque[tuple[int, ...]] = deque(maxlen=max(1, self.dpo.kto_kl_window))
+        self.kl_samples: deque[float] = deque(maxlen=max(1, self.dpo.kto_kl_window))
 
     # -- pairs and log-probs -----------------------------------------------------------------
 
@@ -103,15 +123,29 @@ class AdapterTrainer:
         n, size = self.model.cfg.num_layers, max(1, self.dpo.layers_per_group)
         return [(start, min(n, start + size)) for start in range(0, n, size)]
 
-    def task(self, pair: PairLike | PairTokens, score: bool = True) -> DPOFineTuneTask:
+    def tokenize_unpaired(self, example: UnpairedLike, mismatched: bool = True) -> UnpairedTokens:
+        """`mismatched`: draw the KL completion from the user's recent answers and add this one
+        to them (training); False for evaluation, which needs the answer's log-ratio only."""
+        out = tokenize_unpaired(self.tokenizer, example, self.recent_completions if mismatched else (),
+                                self.dpo.max_prompt_tokens, self.dpo.max_completion_tokens)
+        if mismatched:
+            self.recent_completions.append(out.tokens.chosen)
+        return out
+
+    def task(self, pair: PairLike | PairTokens | UnpairedLike | UnpairedTokens,
+             score: bool = True) -> DPOFineTuneTask:
         """The staged update for one pair (see `staged.py`); the scheduler runs its stages.
         `score` adds the no-grad score stages that measure the pair's DPO loss under the current
         adapter before training (MACE's priority input, exact); without them, priorities use
         `expected_loss` and the update costs about a third less."""
-        tokens = pair if isinstance(pair, PairTokens) else self.tokenize(pair)
-        return DPOFineTuneTask(self, tokens, score=score, pair_id=getattr(pair, "pair_id", getattr(pair, "id", None)))
+        key = getattr(pair, "pair_id", getattr(pair, "example_id", getattr(pair, "id", None)))
+        if isinstance(pair, UnpairedTokens) or hasattr(pair, "desirable"):
+            example = pair if isinstance(pair, UnpairedTokens) else self.tokenize_unpaired(pair)  # type: ignore[arg-type]
+            return KTOFineTuneTask(self, example, score=score, example_id=key)
+        tokens = pair if isinstance(pair, PairTokens) else self.tokenize(pair)  # type: ignore[arg-type]
+        return DPOFineTuneTask(self, tokens, score=score, pair_id=key)
 
-    def train(self, pairs: Iterable[PairLike], score: bool = False) -> list[DPOScore]:
+    def train(self, pairs: Iterable[PairLike | UnpairedLike], score: bool = False) -> list[Any]:
         """Run every pair's task to completion, in order (no scheduler: tools and tests)."""
         return [self.task(p, score=score).run() for p in pairs]
 
@@ -176,3 +210,15 @@ class AdapterTrainer:
             rows.append(self.policy_logps(tokens, weights) + self.reference_logps(tokens))
         t = torch.tensor(rows, dtype=torch.float64).reshape(-1, 4)
         return alignment_metrics(t[:, 0], t[:, 1], t[:, 2], t[:, 3], self.dpo.beta)
+
+    def evaluate_unpaired(self, examples: Sequence[UnpairedLike | UnpairedTokens],
+                          weights: LoraWeights | None) -> UnpairedMetrics:
+        """Desirable-vs-undesirable log-ratio margin of `weights` (None: the base, margin 0) on
+        held-out unpaired examples."""
+        rows, labels = [], []
+        for example in examples:
+            ex = example if isinstance(example, UnpairedTokens) else self.tokenize_unpaired(example, mismatched=False)
+            rows.append((self.policy_logps(ex.tokens, weights)[0], self.reference_logps(ex.tokens)[0]))
+            labels.append(ex.desirable)
+        t = torch.tensor(rows, dtype=torch.float64).reshape(-1, 2)
+        return unpaired_metrics(t[:, 0], t[:, 1], torch.tensor(labels, dtype=torch.bool))

@@ -16,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from edge_runtime.model.llama import LlamaModel, LoraApplier
+from edge_runtime.model.llama import LlamaModel, LoraApplier, layer_window, sdpa, window_mask
 from edge_runtime.train.pairs import PairTokens
 
 CHOSEN, REJECTED = 0, 1
@@ -116,10 +115,13 @@ def _window(
 class PairKV:
     """Per-layer keys/values of the windows run so far: the prompt's ([1 or 2, kv_heads, P, d])
     and the completions' ([2, kv_heads, C, d]); `sliding_window` is the model's (keys a query sees,
-    itself included)."""
+    itself included: one for every layer or a tuple per layer, `ModelConfig.layer_windows`), and
+    `softcap` its attention scores' (`ModelConfig.attn_softcap`)."""
 
-    def __init__(self, num_layers: int, sliding_window: int | None = None) -> None:
+    def __init__(self, num_layers: int, sliding_window: int | None | tuple[int | None, ...] = None,
+                 softcap: float | None = None) -> None:
         self.sliding_window = sliding_window
+        self.softcap = softcap
         self.prompt_k: list[Tensor | None] = [None] * num_layers
         self.prompt_v: list[Tensor | None] = [None] * num_layers
         self.comp_k: list[Tensor | None] = [None] * num_layers
@@ -160,14 +162,11 @@ class WindowContext:
             keys = torch.cat([pk.expand(b, -1, -1, -1), comp_k], dim=2)
             values = torch.cat([pv.expand(b, -1, -1, -1), comp_v], dim=2)
         offset = keys.shape[2] - w  # positions before this window
-        window = kv.sliding_window
-        if offset == 0 and window is None:
-            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
-        else:
+        window = layer_window(kv.sliding_window, layer)
+        mask = None
+        if offset != 0 or window is not None:
             q_pos = torch.arange(offset, offset + w, device=q.device)[:, None]
             k_pos = torch.arange(offset + w, device=q.device)[None, :]
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= k_pos > q_pos - window
-            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, enable_gqa=True)
+            mask = window_mask(q_pos, k_pos, window)
+        out = sdpa(qh, keys, values, mask, kv.softcap)
         return out.transpose(1, 2).reshape(b * w, heads * d)

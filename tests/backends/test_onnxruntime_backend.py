@@ -116,6 +116,20 @@ def test_export_is_cached_per_model_and_spec(tiny_model_dir, tmp_path):
     assert meta["spec"]["quantization"] == "int4" and len(meta["model_hash"]) == 32
 
 
+def test_exports_are_shared_across_state_dirs_and_older_ones_still_used(tiny_model_dir, tmp_path, monkeypatch):
+    engine = Engine.load(str(tiny_model_dir), **CONFIG)
+    monkeypatch.setenv("MACE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "state-a"))
+    path = export_step(engine.model, GraphSpec())
+    assert path.parent.parent == tmp_path / "cache" / "onnx"
+    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "state-b"))
+    assert export_step(engine.model, GraphSpec()) == path
+    # An export an older release made under its state dir is used where the shared one lacks it.
+    old = export_step(engine.model, GraphSpec(quantization="int8"), tmp_path / "state-b" / "onnx")
+    assert export_step(engine.model, GraphSpec(quantization="int8")) == old
+    assert not (tmp_path / "cache" / "onnx" / old.parent.name).exists()
+
+
 @pytest.mark.parametrize("quantization,tolerance", [("int8", 0.05), ("int4", 0.5), ("int4-compact", 0.5)])
 def test_weight_only_quantization_stays_close_to_float(tiny_model_dir, tmp_path, quantization, tolerance):
     engine = Engine.load(str(tiny_model_dir), **CONFIG)

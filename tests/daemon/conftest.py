@@ -18,8 +18,13 @@ import pytest
 from daemon.client import Client, ClientError
 
 REPO = Path(__file__).resolve().parents[2]
+# The torch backend and the cost calibration before serving: daemon tests test the daemon, and
+# the defaults would export and self-check an ONNX graph at every start and calibrate between
+# requests, moving the timing these tests were written against (tests/daemon/test_backend_choice.py
+# tests both defaults; the tiny model calibrates in well under a second).
 TINY_ENGINE_FLAGS = ["--dtype", "float32", "--set", "engine.kv_cache_bytes=8388608",
-                     "--set", "engine.num_threads=1"]
+                     "--set", "engine.num_threads=1", "--set", "engine.backend=torch",
+                     "--set", "engine.cost_profile=auto"]
 
 
 @pytest.fixture(scope="session")

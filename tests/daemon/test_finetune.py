@@ -107,3 +107,32 @@ def test_greedy_answers_unchanged_while_the_engine_fine_tunes(start_daemon) -> N
     assert during >= 1 and set(answers) == {baseline}, (baseline, answers)
     code, _ = d.stop()
     assert code == 0
+
+
+def test_lone_thumbs_and_ratings_train_and_publish_an_adapter(start_daemon) -> None:
+    """Unpaired feedback (a thumb or a rating on one answer, no prompt asked twice) gives no pair,
+    yet trains: staged KTO tasks in the engine, then a guarded version that names its examples."""
+    d = start_daemon(extra_args=["--set", "finetune.pairs_per_version=3", "--set", "feedback.heldout_fraction=0.0"])
+    with Client(d.endpoint, timeout_s=30) as c:
+        c.consent("ivy")
+        acks = []
+        for i, text in enumerate(("Say hi", "Say bye", "Say thanks", "Say when")):
+            r = c.generate(text, max_tokens=6, temperature=1.0, seed=i, user="ivy")
+            if i == 0:
+                acks.append(c.thumbs("ivy", r.interaction_id, up=True))
+            elif i == 1:
+                acks.append(c.thumbs("ivy", r.interaction_id, up=False))
+            else:
+                acks.append(c.rate("ivy", r.interaction_id, 5 if i == 2 else 3))  # 3 stars: neutral
+        assert [len(a["pair_ids"]) for a in acks] == [0, 0, 0, 0]
+        assert [len(a["unpaired_ids"]) for a in acks] == [1, 1, 1, 0]
+        status = wait_for(lambda: (s := c.status())["finetune"]["versions_published"]
+                          and s["adapters"]["versions_served"] and s)
+        assert status["finetune"]["unpaired_trained"] == 3 and status["finetune"]["pairs_trained"] == 0
+        assert status["feedback"]["unpaired_trained"] == 3
+        assert [(a["version"], a["pairs"], a["unpaired"]) for a in c.adapters("ivy")] == [(1, 0, 3)]
+        assert c.generate("Say hi", max_tokens=3, user="ivy").adapter == "ivy@1"
+        receipt = c.forget("ivy")
+        assert receipt["unpaired"] == 3 and receipt["adapter_versions"] == 1
+    code, _ = d.stop()
+    assert code == 0

@@ -25,6 +25,7 @@ openai = pytest.importorskip("openai")
 
 KEY = "test-key-0123456789abcdef"
 CHAT = [{"role": "user", "content": "Say something"}]
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
 
 
 class Gateway:
@@ -250,18 +251,38 @@ def test_invalid_input_and_unknown_model_get_openai_errors(gw: Gateway) -> None:
         (dict(tool_choice="required"), "tool_choice"),
         (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools"),
         (dict(functions=[{"name": "f"}]), "functions"),
+        # Refused where the request is compiled, not parsed: still the field the client sent.
+        (dict(response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}),
+         "response_format"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+         "response_format"),
+        (dict(extra_body={"response_format": {"type": "regex", "regex": "(("}}), "response_format"),
+        (dict(extra_body={"response_format": {"type": "grammar", "grammar": "start: undefined_rule"}}),
+         "response_format"),
+        (dict(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+        (dict(tools=[TOOL, TOOL]), "tools"),
+        (dict(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "other"}}), "tool_choice"),
+        (dict(logit_bias={"99999999": 1}), "logit_bias"),  # beyond the vocabulary
+        (dict(messages=[*CHAT, {"role": "assistant", "content": None, "tool_calls": [5]}]),
+         "messages.1.tool_calls"),
     ]
     for overrides, param in cases:
         kwargs = {"model": "tiny", "messages": CHAT, "max_tokens": 2, **overrides}
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(**kwargs)
+            pytest.fail(f"accepted: {overrides}")
         error = info.value
         assert (error.status_code, error.type, error.code, error.param) == (
             400, "invalid_request_error", "bad_request", param), (overrides, error.body)
         assert error.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="tiny", prompt=["one"] * 65, max_tokens=2)
-    assert info.value.param == "prompt"
+        client.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=0)
+    assert "'max_completion_tokens'" in info.value.body["message"]  # the message names it too
+    for prompt in (["one"] * 65, [], "", ["one", ""], [[]], [[1, 2], []], [10**6]):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+        assert info.value.param == "prompt", prompt
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt="x", max_tokens=2, echo=True, logprobs=2)
     assert info.value.param == "echo"

@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
-from daemon.client import Client
+from daemon.client import Client, RemoteError
 from tests.daemon.test_cli import macectl
 from tests.daemon.test_gateway import Gateway, start_gateway
 
@@ -127,6 +127,28 @@ def test_chat_logprobs_whole_and_streamed_are_the_same_numbers(gw: Gateway) -> N
     assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
 
 
+def test_top_logprobs_at_the_ends_of_their_range(gw: Gateway) -> None:
+    client = gw.openai()
+    kwargs = dict(model="tiny", messages=CHAT, max_tokens=3, temperature=0, logprobs=True,
+                  extra_body={"ignore_eos": True})
+    none = client.chat.completions.create(**kwargs, top_logprobs=0)
+    most = client.chat.completions.create(**kwargs, top_logprobs=20)
+    assert none.choices[0].message.content == most.choices[0].message.content
+    for zero, twenty in zip(none.choices[0].logprobs.content, most.choices[0].logprobs.content, strict=True):
+        assert zero.top_logprobs == [] and zero.logprob == pytest.approx(twenty.logprob)
+        values = [t.logprob for t in twenty.top_logprobs]
+        assert len(values) == 20 and values == sorted(values, reverse=True)
+        assert values[0] == pytest.approx(twenty.logprob)  # greedy: the chosen token is the best
+        assert sum(math.exp(v) for v in values) <= 1 + 1e-6
+    legacy = client.completions.create(model="tiny", prompt="Once upon", max_tokens=3, temperature=0, logprobs=0,
+                                       extra_body={"ignore_eos": True})
+    lp = legacy.choices[0].logprobs
+    assert len(lp.token_logprobs) == 3 and lp.top_logprobs == [{}, {}, {}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="Once upon", max_tokens=3, logprobs=21)
+    assert info.value.param == "logprobs"
+
+
 def test_completions_legacy_logprobs_echo_prompt_lists_and_token_ids(gw: Gateway, tiny_model: Path) -> None:
     client = gw.openai()
     out = client.completions.create(model="tiny", prompt="Once upon", max_tokens=4, temperature=0, logprobs=2,
@@ -172,9 +194,20 @@ def test_penalties_and_logit_bias_reach_the_sampler(gw: Gateway, tiny_model: Pat
                                           frequency_penalty=2.0, presence_penalty=2.0,
                                           extra_body={"ignore_eos": True})
     assert penalised.choices[0].text != plain.choices[0].text
+    rewarded = client.completions.create(model="tiny", prompt="Hi", max_tokens=12, temperature=0,
+                                         frequency_penalty=-2.0, presence_penalty=-2.0,
+                                         extra_body={"ignore_eos": True})
+    assert rewarded.choices[0].text != plain.choices[0].text
     with Client(gw.daemon.endpoint, timeout_s=30) as sdk:  # the SDK speaks the same fields
         same = sdk.generate("Hi", max_tokens=12, frequency_penalty=2.0, presence_penalty=2.0, ignore_eos=True)
+        [first] = sdk.generate("Hi", max_tokens=1, logprobs=0, ignore_eos=True).candidates[0].logprobs
     assert same.text == penalised.choices[0].text
+    # -100 on the token greedy decoding picks first: not chosen, and last of the alternatives.
+    banned = client.completions.create(model="tiny", prompt="Hi", max_tokens=1, temperature=0, logprobs=20,
+                                       logit_bias={str(first["token_id"]): -100}, extra_body={"ignore_eos": True})
+    word = bytes(first["bytes"]).decode("utf-8", "replace")
+    assert plain.choices[0].text.startswith(word)
+    assert banned.choices[0].logprobs.tokens[0] != word and word not in banned.choices[0].logprobs.top_logprobs[0]
 
 
 def test_embeddings_float_and_base64(gw: Gateway) -> None:
@@ -194,6 +227,11 @@ def test_embeddings_float_and_base64(gw: Gateway) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.embeddings.create(model="tiny", input="x", dimensions=8)
     assert info.value.param == "dimensions"
+    assert len(client.embeddings.create(model="tiny", input=["a"] * 256, encoding_format="float").data) == 256
+    for bad in ("", [], ["a"] * 257, ["a", ""], [[]]):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.embeddings.create(model="tiny", input=bad, encoding_format="float")
+        assert info.value.param == "input", bad
 
 
 def test_a_final_assistant_message_is_continued(gw: Gateway, tiny_model: Path) -> None:
@@ -211,19 +249,38 @@ def test_a_final_assistant_message_is_continued(gw: Gateway, tiny_model: Path) -
     assert closed.usage.prompt_tokens > prefill.usage.prompt_tokens  # closed, and a new turn opened
 
 
-def test_an_apps_own_user_string_keys_the_user_everywhere(gw: Gateway) -> None:
+@pytest.mark.parametrize("app_user", ["user:1234", "tenant/42 bob@example.com", "ü" + "x:" * 127 + "!"])
+def test_an_apps_own_user_string_keys_the_user_everywhere(gw: Gateway, app_user: str) -> None:
+    assert len(app_user) <= 256
     client = gw.openai()
-    app_user = "user:1234"
-    status, _, body = _post(gw, f"/v1/users/{urllib.request.quote(app_user, safe='')}/consent", {"granted": True})
+    quoted = urllib.request.quote(app_user, safe="")
+    status, _, body = _post(gw, f"/v1/users/{quoted}/consent", {"granted": True})
     assert status == 200, body
     reply = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, user=app_user, seed=-1,
                                            temperature=1.0)
     assert reply.model_extra["mace"]["recorded"] is True
     with Client(gw.daemon.endpoint, timeout_s=30) as sdk:
         exported = sdk.export(app_user)
+        assert sdk.adapters(app_user) == []  # adapters are keyed on the same id (none trained yet)
     assert [i["request_id"] for i in exported["interactions"]] == [reply.id]
     cli = macectl(gw.daemon.endpoint, "users", "export", app_user)
     assert cli.returncode == 0 and reply.id in cli.stdout
+    status, _, body = gw.get(f"/v1/users/{quoted}/export")
+    assert status == 200 and json.loads(body)["data"]["interactions"][0]["request_id"] == reply.id
+    status, _, body = gw.get(f"/v1/users/{quoted}/adapters")
+    assert status == 200 and json.loads(body)["data"] == []
+    # The user's feedback, through the app's string, reaches the same record.
+    ack = client.post("/feedback", cast_to=object, body={"id": reply.id, "user": app_user, "kind": "thumbs",
+                                                         "candidate": 0, "up": True})
+    assert ack["durable"] is True
+    cli = macectl(gw.daemon.endpoint, "users", "forget", app_user, "--yes", "--json")
+    assert cli.returncode == 0 and json.loads(cli.stdout)["interactions"] == 1, cli.stdout
+    status, _, body = gw.get(f"/v1/users/{quoted}/export")
+    assert status == 404 and json.loads(body)["error"]["code"] == "unknown_user"  # nothing left of them
+    # 257 characters is one too many, on every front.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, user=app_user + "x" * 257)
+    assert info.value.param == "user"
 
 
 def _post(gw: Gateway, path: str, body: dict) -> tuple[int, dict, bytes]:
@@ -264,6 +321,12 @@ def test_browser_preflights_are_answered_for_allowed_origins_only(gw: Gateway, o
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(request, timeout=30)
     assert info.value.code == 401
+    # With it, an allowed page may read the reply (and an error's), another origin's page may not.
+    request.add_header("Authorization", f"Bearer {gw.key}")
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+        assert response.headers.get("access-control-allow-origin") == (origin if allowed else None)
+    assert info.value.headers.get("access-control-allow-origin") == (origin if allowed else None)
 
 
 def test_the_sdk_speaks_the_same_fields_over_zeromq(gw: Gateway) -> None:
@@ -284,3 +347,59 @@ def test_the_sdk_speaks_the_same_fields_over_zeromq(gw: Gateway) -> None:
         constrained = sdk.generate("Answer:", max_tokens=30, temperature=1.0, seed=2,
                                    response_format={"type": "regex", "regex": "(yes|no)!"})
         assert constrained.text in ("yes!", "no!")
+        schema = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+        for candidate in sdk.generate(messages=CHAT, max_tokens=400, n=2, temperature=1.0, seed=4,
+                                      response_format=schema).candidates:
+            jsonschema.validate(json.loads(candidate.text), SCHEMA)
+        with pytest.raises(RemoteError) as info:  # a schema that does not compile names the field
+            sdk.generate(messages=CHAT, max_tokens=4, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+        assert (info.value.code, info.value.param) == ("bad_request", "response_format")
+
+
+def test_tool_choice_none_hides_the_tools_and_auto_shows_them(gw: Gateway) -> None:
+    client = gw.openai()
+    kwargs = dict(model="tiny", messages=CHAT, max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+    bare = client.chat.completions.create(**kwargs)
+    hidden = client.chat.completions.create(**kwargs, tools=[WEATHER], tool_choice="none")
+    shown = client.chat.completions.create(**kwargs, tools=[WEATHER], tool_choice="auto")
+    default = client.chat.completions.create(**kwargs, tools=[WEATHER])  # auto, as OpenAI's default
+    assert hidden.usage.prompt_tokens == bare.usage.prompt_tokens
+    assert shown.usage.prompt_tokens == default.usage.prompt_tokens > bare.usage.prompt_tokens
+    assert hidden.choices[0].message.content == bare.choices[0].message.content
+    for reply in (hidden, shown):  # a random model calls nothing: plain content, no calls
+        assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "length"
+
+
+def test_the_remaining_rows_of_the_compatibility_table(gw: Gateway) -> None:
+    """docs/gateway.md's table, the rows no other test drives: each as the table says."""
+    client = gw.openai()
+    greedy = dict(model="tiny", max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    system = client.chat.completions.create(messages=[{"role": "system", "content": "Be brief."}, *CHAT], **greedy)
+    developer = client.chat.completions.create(messages=[{"role": "developer", "content": "Be brief."}, *CHAT],
+                                               **greedy)
+    assert developer.choices[0].message.content == system.choices[0].message.content
+    assert developer.usage.prompt_tokens == system.usage.prompt_tokens
+    joined = client.chat.completions.create(messages=[{"role": "user", "content": "Hello\nthere"}], **greedy)
+    parts = client.chat.completions.create(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}], **greedy)
+    assert parts.choices[0].message.content == joined.choices[0].message.content
+    assert parts.usage.prompt_tokens == joined.usage.prompt_tokens
+    accepted = client.chat.completions.create(messages=CHAT, parallel_tool_calls=False, tools=[WEATHER], top_p=0.5,
+                                              model="tiny", max_tokens=2, temperature=0,
+                                              extra_body={"ignore_eos": True, "not_a_field": 1})
+    assert accepted.choices[0].finish_reason == "length"
+    two = client.completions.create(model="tiny", prompt="Hi", n=2, best_of=2, max_tokens=2, temperature=1.0, seed=1)
+    assert len(two.choices) == 2
+    unrecorded = client.chat.completions.create(messages=CHAT, user="alice", **{**greedy, "extra_body": {"record": False}})
+    assert unrecorded.model_extra["mace"]["recorded"] is False
+    refused = [
+        (dict(prompt="Hi", suffix="!"), "suffix"),
+        (dict(prompt="Hi", n=1, best_of=3), "best_of"),
+        (dict(prompt=[1, 2, 3], echo=True, stream=True), "echo"),
+        (dict(prompt="Hi", echo=True, logprobs=1), "echo"),
+    ]
+    for kwargs, param in refused:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny", max_tokens=2, **kwargs)
+        assert info.value.param == param, kwargs

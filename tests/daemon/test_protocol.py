@@ -16,6 +16,7 @@ from daemon.protocol import (
     ProtocolError,
     decode,
     encode,
+    error_from,
     error_message,
     parse_request,
     split_envelope,
@@ -255,16 +256,23 @@ def test_generate_parses_the_openai_shaped_fields() -> None:
         == ("json", "")
 
 
-@pytest.mark.parametrize("fields", [
-    {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]},  # tools need messages
-    {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},  # last is not assistant
-    {"messages": [{"role": "user", "content": None}]},
-    {"messages": [{"role": "tool", "content": "x", "tool_calls": []}]},
-    {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "bad name"}}]}]},
-    {"prompt": []}, {"prompt": [1, -1]}, {"prompt": [True]},
-    {"prompt": "x", "logprobs": 21}, {"prompt": "x", "logit_bias": {"-1": 1}}, {"prompt": "x", "logit_bias": {"1": "a"}},
-    {"prompt": "x", "response_format": {"type": "regex"}}, {"prompt": "x", "response_format": {"type": "grammar", "grammar": ""}},
-    {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+@pytest.mark.parametrize("fields,param", [
+    ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),  # tools need messages
+    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},  # last is not assistant
+     "continue_final_message"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    ({"messages": [{"role": "tool", "content": "x", "tool_calls": []}]}, "messages.0"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "bad name"}}]}]},
+     "messages.0.tool_calls"),
+    ({"prompt": []}, "prompt"), ({"prompt": [1, -1]}, "prompt"), ({"prompt": [True]}, "prompt"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"), ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": "a"}}, "logit_bias"),
+    ({"prompt": "x", "response_format": {"type": "regex"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "grammar", "grammar": ""}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
 ])
-def test_malformed_openai_shaped_fields_are_bad_requests(fields) -> None:
-    assert code_of(parse_request, req("generate", **fields)) == "bad_request"
+def test_malformed_openai_shaped_fields_are_bad_requests_naming_the_field(fields, param) -> None:
+    with pytest.raises(ProtocolError) as info:
+        parse_request(req("generate", **fields))
+    assert (info.value.code, info.value.param) == ("bad_request", param)
+    assert error_from("r", info.value)["error"]["param"] == param  # and the ZeroMQ reply carries it

@@ -64,6 +64,24 @@ FAMILIES = {
                               "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0],
                               "long_factor": [1.5, 2.5, 4.0, 6.0, 9.0, 12.0]},
              "config": {"original_max_position_embeddings": 16, "sliding_window": 8}},
+    # (1 + w) norms, four per layer; GELU-tanh; embeddings times sqrt(64); head_dim 32 where
+    # hidden/heads is 16; attention scale 24 ** -0.5 (not 32 ** -0.5); soft-caps that bite on
+    # these weights (the attention cap moves the logits by ~0.03, the final one by ~0.07);
+    # sliding (window 8) and full layers alternating; tied head.
+    "gemma2": {"model_type": "gemma2", "num_layers": 4,
+               "config": {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                          "attn_logit_softcapping": 0.5, "final_logit_softcapping": 3.0}},
+    # Gemma 3: per-head (1 + w) q/k norms; a mix of sliding and full layers, the sliding ones
+    # turning with their own RoPE base (10, where the full ones use 1e6 with linear scaling);
+    # a final soft-cap (off by default in Gemma 3, honoured where set).
+    "gemma3_text": {"model_type": "gemma3_text", "num_layers": 4,
+                    "config": {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                               "final_logit_softcapping": 3.0,
+                               "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                                               "sliding_attention"],
+                               "rope_parameters": {
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}}},
 }
 PROMPT_LENGTHS = (24, 13, 9, 20, 5)
 STEPS = 16

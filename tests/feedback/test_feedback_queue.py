@@ -93,7 +93,7 @@ def test_adapter_versions_record_their_pairs(store: FeedbackStore, adapters_root
     assert (record.version, record.path, record.pair_ids) == (1, str(v1), tuple(ids[:2]))
     exported = store.export_user("alice")["adapter_versions"]
     assert exported == [{"version": 1, "path": str(v1), "created_at": record.created_at,
-                         "trained_on_pair_ids": ids[:2]}]
+                         "trained_on_pair_ids": ids[:2], "trained_on_unpaired_ids": []}]
     with pytest.raises(BadRequest, match="already recorded"):
         store.record_adapter_version("alice", 1, v1, ids)
 

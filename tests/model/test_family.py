@@ -79,16 +79,52 @@ def test_model_types_outside_the_supported_list_are_refused(tiny_model_dir, tmp_
         Engine.load(str(folder), dtype="float32")
 
 
-@pytest.mark.parametrize("model_type,config", [
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),  # layer 1 slides
-    ("smollm3", {"use_sliding_window": True, "sliding_window": 8}),  # the NoPE layer slides
-])
-def test_a_mix_of_sliding_and_full_attention_layers_is_refused(model_type, config):
+def test_a_mix_of_sliding_and_full_attention_layers_gets_a_window_per_layer():
     from transformers import AutoConfig
 
-    hf = AutoConfig.for_model(model_type, num_hidden_layers=4, **config)
-    with pytest.raises(ModelNotAvailable, match="layer_types mixes sliding-window"):
-        ModelConfig.from_hf(hf)
+    qwen2 = AutoConfig.for_model("qwen2", num_hidden_layers=4, use_sliding_window=True, sliding_window=8,
+                                 max_window_layers=1)
+    assert ModelConfig.from_hf(qwen2).layer_windows == (None, 8, 8, 8)  # layers from max_window_layers slide
+    gemma2 = ModelConfig.from_hf(AutoConfig.for_model("gemma2", num_hidden_layers=4, sliding_window=8))
+    assert gemma2.layer_windows == (8, None, 8, None) and gemma2.windowed
+    with pytest.raises(ValueError, match="layer_windows"):
+        _ = gemma2.sliding_window  # no single window to hand to code that assumes one
+
+
+def test_gemma_settings_are_read_as_transformers_reads_them():
+    from transformers import AutoConfig
+
+    g2 = ModelConfig.from_hf(AutoConfig.for_model("gemma2", num_hidden_layers=2, hidden_size=64, head_dim=32,
+                                                  query_pre_attn_scalar=24))
+    assert (g2.attention_scale, g2.attn_softcap, g2.final_softcap) == (24**-0.5, 50.0, 30.0)
+    assert (g2.norm_before_sublayer, g2.norm_after_sublayer, g2.norm_offset, g2.activation) == (True, True, 1.0, "gelu_tanh")
+    assert g2.embedding_multiplier == 8.0 and g2.embedding_multiplier_in_dtype and g2.qk_norm is None
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
+    g3 = ModelConfig.from_hf(AutoConfig.for_model("gemma3_text", num_hidden_layers=3, rope_parameters=rope,
+                                                  layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
+    assert g3.rope_tables == ("full_attention", "sliding_attention") and g3.layer_rope_table == (1, 0, 1)
+    assert (g3.qk_norm, g3.attn_softcap, g3.final_softcap) == ("head", None, None)
+
+
+def test_an_attention_softcap_in_a_gemma3_config_is_refused_by_name():
+    """transformers' Gemma 3 attention never applies it: the checkpoint's output is unknown."""
+    from transformers import AutoConfig
+
+    with pytest.raises(ModelNotAvailable, match="attn_logit_softcapping=50.0"):
+        ModelConfig.from_hf(AutoConfig.for_model("gemma3_text", num_hidden_layers=2, attn_logit_softcapping=50.0))
+
+
+@pytest.mark.parametrize("model_type,config,named", [
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation='gelu'"),  # exact GELU: not GELU-tanh
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma", {}, "model type 'gemma'"),  # Gemma 1 is not implemented
+])
+def test_gemma_variants_the_forward_does_not_implement_are_refused(model_type, config, named):
+    from transformers import AutoConfig
+
+    with pytest.raises(ModelNotAvailable, match=named):
+        ModelConfig.from_hf(AutoConfig.for_model(model_type, num_hidden_layers=2, **config))
 
 
 def test_per_layer_settings_are_read_as_transformers_reads_them():

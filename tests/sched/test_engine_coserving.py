@@ -187,7 +187,7 @@ def test_cost_model_is_calibrated_once_then_cached(tiny_model_dir: Path, tmp_pat
     assert first.costs.forward == second.costs.forward
     assert list(tmp_path.glob("forward-*.json"))
     off = make_engine(tiny_model_dir, tmp_path, cost_profile="off")
-    assert off.costs.source == "nominal"
+    assert off.costs.source == "nominal" and not off.calibrating
     # The online correction follows what the machine does.
     off.generate(PROMPTS[:2], GREEDY)
     assert off.costs.forward_fix.samples > 0
@@ -275,3 +275,39 @@ def test_a_job_let_in_for_a_shared_stage_stops_before_the_adapter_another_job_ho
     run_all(engine)  # plans afresh (the batch above was not run)
     stats = engine.stats()
     assert stats["finetune_failed"] == 0 and stats["finetune_pairs_done"] == 3 and trainer.pairs_trained == 3
+
+
+def test_background_calibration_serves_at_once_then_calibrates_while_idle(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(cost_model, "machine_busy", lambda: False)
+    monkeypatch.setattr(cost_model, "fit_error", lambda coefficients, rows: 0.0)
+    engine = make_engine(tiny_model_dir, tmp_path, cost_profile="background")
+    # A quick calibration (4 batches, timed once) before serving, the full one while idle.
+    assert engine.costs.source == "quick" and engine.calibrating
+    quick_slo = engine.scheduler.slo_tbt_s
+    assert quick_slo == pytest.approx(5.0 * engine.costs.unloaded_decode_s())
+    reference = make_engine(tiny_model_dir, tmp_path / "other", cost_profile="off").generate(PROMPTS[:2], GREEDY)
+    # A request in flight: no calibration step runs beside it.
+    engine.add_request(PROMPTS[0], GREEDY)
+    pending = len(engine._calibration.pending)
+    engine.calibrate_step()
+    assert len(engine._calibration.pending) == pending
+    while engine.has_unfinished():
+        engine.step()
+    steps = 0
+    while engine.calibrating:
+        engine.calibrate_step()
+        steps += 1
+    assert steps == len(cost_model.SHAPES)
+    assert engine.costs.source == "calibrated" and engine.costs.forward_fix.samples == 0
+    assert engine.scheduler.slo_tbt_s != quick_slo
+    assert engine.scheduler.slo_tbt_s == pytest.approx(5.0 * engine.costs.unloaded_decode_s())
+    # Probes between requests change no answer, and the next start reads the cache.
+    assert [o.text for o in engine.generate(PROMPTS[:2], GREEDY)] == [o.text for o in reference]
+    again = make_engine(tiny_model_dir, tmp_path, cost_profile="background")
+    assert again.costs.source == "cached" and not again.calibrating
+    assert again.costs.forward == engine.costs.forward
+    # A quick fit that misses its own points by more than their size is not used.
+    monkeypatch.setattr(cost_model, "fit_error", lambda coefficients, rows: 1.5)
+    nominal = make_engine(tiny_model_dir, tmp_path / "third", cost_profile="background")
+    assert nominal.costs.source == "nominal" and nominal.calibrating

@@ -66,3 +66,29 @@ def test_replay_mode_writes_json_markdown_and_plot(bench, tiny_model_dir, tmp_pa
     assert [h["pairs"] for h in result["history"]] == [0, 2, 4]
     assert result["summary"]["heldout"] == 2
     assert Path(f"{out}.png").stat().st_size > 0 and "Win rate" in Path(f"{out}.md").read_text()
+
+
+def test_thumbs_user_judges_the_opening_and_prompts_are_never_repeated(bench):
+    user = bench.AnswerFirstUser("sam")
+    assert user.thumb((), "Rome is the capital.").desirable
+    assert not user.thumb((), "The capital of Italy is Rome.").desirable
+    assert not user.satisfied("Rome") and not user.satisfied("  ")  # no real answer
+    train, heldout, evaluation = bench.split_prompts(0, 44, 24, rephrase=True)
+    texts = [p[0]["content"] for p in train]
+    assert len(texts) == len(set(texts)) >= 200  # 200 thumbs, no prompt asked twice
+    items = {p[0]["content"] for p in heldout + evaluation}
+    assert not items & set(texts)
+
+
+def test_thumbs_mode_trains_by_kto_and_the_pair_rules_derive_nothing(bench, tiny_model_dir, tmp_path):
+    out = tmp_path / "thumbs"
+    threads = torch.get_num_threads()
+    bench.main(["--model", str(tiny_model_dir), "--feedback", "thumbs", "--thumbs", "4", "--round-prompts", "2",
+                "--eval-every", "2", "--heldout-prompts", "5", "--eval-prompts", "5", "--guard-examples", "2",
+                "--max-new-tokens", "6", "--eval-new-tokens", "6", "--kv-cache-mb", "16", "--out", str(out)])
+    torch.set_num_threads(threads)
+    result = json.loads(Path(f"{out}.json").read_text())
+    assert result["mode"] == "thumbs" and [h["thumbs"] for h in result["history"]] == [0, 2, 4]
+    assert result["summary"]["store_after"]["pairs"] == 0 and result["summary"]["bar"]["old_path_trains_nothing"]
+    assert result["summary"]["untouched_greedy_unchanged"]
+    assert Path(f"{out}.png").stat().st_size > 0 and "lone thumbs" in Path(f"{out}.md").read_text()

@@ -83,3 +83,37 @@ def test_by_default_training_continues_from_a_rejected_candidate(tiny4, tiny4_to
     decision, ref = publish_guarded(registry, trainer, "alice", pairs, RegressionGuard(0.0, 0.0))
     assert not decision.accepted and registry.newest("alice").version == 1
     assert all(torch.equal(trainer.weights.b[k].detach(), candidate.b[k]) for k in candidate.keys())
+
+
+def test_guard_judges_unpaired_feedback_by_the_heldout_margin(tiny4, tiny4_tokenizer, tmp_path):
+    from edge_runtime.train.kto import UnpairedMetrics
+    from edge_runtime.train.unpaired import UnpairedRecord
+    from tests.train.test_kto_staged import unpaired_records
+
+    guard = RegressionGuard(margin_tolerance=0.5)
+    base = UnpairedMetrics(0.0, 0.0, 0.0, 0.0, 2, 2)
+    assert guard.check(None, None, base, UnpairedMetrics(-0.4, 0.0, 0.4, 0.5, 2, 2)).accepted
+    assert "unpaired margin fell" in guard.check(None, None, base, UnpairedMetrics(-0.6, 0, 0.6, 0, 2, 2)).reason
+
+    registry = AdapterRegistry(tmp_path, tiny4.cfg)
+    trainer = _trainer(tiny4, tiny4_tokenizer)
+    examples = unpaired_records()
+    for _ in range(3):
+        trainer.train(examples)
+    decision, ref = publish_guarded(registry, trainer, "ann", [], RegressionGuard(margin_tolerance=0.0),
+                                    heldout_unpaired=examples)
+    assert decision.accepted and ref == AdapterRef("ann", 1) and decision.before is None
+    assert decision.unpaired_after.margin > decision.unpaired_before.margin == 0.0
+    assert registry.events("ann")[-1]["heldout_unpaired"]["margin"] == decision.unpaired_after.margin
+
+    # Thumbs flipped: the held-out margin falls and the guard keeps v1.
+    flipped = [UnpairedRecord(e.prompt, e.completion, not e.desirable) for e in examples]
+    for _ in range(5):
+        trainer.train(flipped)
+    decision, ref = publish_guarded(registry, trainer, "ann", [], RegressionGuard(margin_tolerance=0.0),
+                                    heldout_unpaired=examples)
+    assert not decision.accepted and ref is None and registry.newest("ann") == AdapterRef("ann", 1)
+    # Examples of one kind only cannot judge a margin: published unguarded, and said so.
+    only_up = [e for e in examples if e.desirable]
+    decision, _ = publish_guarded(registry, trainer, "ann", [], heldout_unpaired=only_up)
+    assert decision.accepted and "unguarded" in decision.reason
