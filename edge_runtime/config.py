@@ -36,6 +36,14 @@ class EngineConfig:
     max_batched_tokens: int = 256  # tokens per iteration (prefill chunking)
     max_num_seqs: int = 32
     enable_prefix_cache: bool = True
+    # Decode KV cache pruning (docs/kv.md; MACE paper sec. 4.3): "off" | "mace" (per-head capacity
+    # from attention-output norms) | "window" (sinks + sliding window) | "h2o" (accumulated attention)
+    kv_prune_policy: str = "off"
+    kv_prune_capacity: int = 0  # mean positions one KV head of a sequence keeps (C_total / heads)
+    kv_prune_window: int = 0  # W: decode steps a position may go unused before it is pruned; 0 = never
+    kv_prune_norm_threshold: float = 0.0  # tau: a head whose output norm is below keeps what it used now
+    kv_prune_sinks: int = 4  # first positions never pruned (attention sinks)
+    kv_prune_use_ratio: float = 1.0  # "used": weight >= this x the uniform share, from a query head
     policy: str = "fcfs"  # "mace" | "fcfs" | "periodic" | "continuous" | "fifo" | "token-level" | "apt"
     policy_params: dict[str, float] = field(default_factory=dict)  # overrides of the policy's defaults
     slo_tbt_ms: float = 0.0  # time between tokens; 0 = slo_tbt_factor x a calibrated unloaded decode step

@@ -30,6 +30,7 @@ from edge_runtime.errors import BadRequest, EngineBroken, InsufficientMemory, Un
 from edge_runtime.ids import validate_request_id
 from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.kv.cache import KVCache, bytes_per_block
+from edge_runtime.kv.pruning import HeadPruning, PruningSettings
 from edge_runtime.lora.registry import AdapterRef, AdapterRegistry
 from edge_runtime.lora.weights import LoraWeights
 from edge_runtime.memory import MemoryKind, MemoryLedger, ShedReport
@@ -92,6 +93,11 @@ class Engine:
                    if config.backend == "auto" else [])
         self.backend, self.backend_choice = choose_backend(config, model, self.cache, self.adapters,
                                                            self.pool, prompts)
+        self.kv_pruning = PruningSettings.from_config(config)
+        if self.kv_pruning is not None and (self.backend.name != "torch" or any(w is not None for w in cfg.layer_windows)
+                                            or cfg.attn_softcap is not None):
+            raise ValueError("KV pruning runs on the torch backend, for models without sliding windows or attention "
+                             "soft-capping, so far (docs/kv.md); set kv_prune_policy='off'")
         self.clock = time.monotonic  # the one scheduling clock (tests may substitute a fake)
         # With cost_profile "background", a machine without a cached calibration serves on
         # nominal costs at once and calibrates while idle (`calibrate_step`).
@@ -268,6 +274,9 @@ class Engine:
                     generator = torch.Generator().manual_seed(seed)
                 seq = Sequence(next(self._seq_ids), request, index, list(ids), self.tokenizer.stream_decoder(),
                                generator)
+                if self.kv_pruning is not None:
+                    seq.kv_pruning = HeadPruning(self.kv_pruning, self.model.cfg.num_layers,
+                                                 self.model.cfg.num_kv_heads, self.model.device)
                 if matcher is not None:
                     seq.matcher = matcher if index == 0 else matcher.deep_copy()
                 request.seqs.append(seq)

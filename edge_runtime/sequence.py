@@ -86,6 +86,7 @@ class Sequence:
     matcher: Any = None  # the grammar's state (llguidance LLMatcher) when the request is constrained
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (for penalties)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    kv_pruning: Any = None  # its decode KV pruning state (edge_runtime.kv.pruning.HeadPruning), if on
 
     @property
     def params(self) -> SamplingParams:

@@ -38,7 +38,8 @@ class TorchBackend:
         for item in batch.items:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed
-            seqs.append(SeqAttention(len(ids), n, start + n, seq.block_table))
+            # Probe sequences (cost calibration) carry no pruning state.
+            seqs.append(SeqAttention(len(ids), n, start + n, seq.block_table, getattr(seq, "kv_pruning", None)))
             ids.extend(seq.token_ids[start : start + n])
             # Rows of the rotary table: LongRoPE picks its factors by the sequence's whole length.
             offset = rope.offset(seq.num_tokens)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from edge_runtime.kv.cache import KVCache
+from edge_runtime.kv.pruning import DecodePruning, HeadPruning
 from edge_runtime.model.llama import LoraApplier, layer_window, softcap, window_mask
 
 
@@ -21,12 +22,14 @@ from edge_runtime.model.llama import LoraApplier, layer_window, softcap, window_
 class SeqAttention:
     """One sequence's part of the flat batch: rows [q_start, q_start + q_len) are its new tokens,
     whose positions end at ctx_len - 1; `block_table` lists the cache blocks of positions
-    0..ctx_len-1 in order."""
+    0..ctx_len-1 in order. With `pruning`, a decode step attends each KV head's retained
+    positions only (edge_runtime.kv.pruning)."""
 
     q_start: int
     q_len: int
     ctx_len: int
     block_table: list[int]
+    pruning: HeadPruning | None = None
 
 
 class PagedContext:
@@ -56,6 +59,15 @@ class PagedContext:
         self.slot_mapping = torch.cat([slots[id(s)][s.ctx_len - s.q_len : s.ctx_len] for s in seqs]).to(device)
         windows = set(sliding_window) if isinstance(sliding_window, tuple) else {sliding_window}
         self.plans = {w: _WindowPlan(seqs, slots, device, w) for w in windows}
+        # Decode KV pruning (edge_runtime.kv.pruning) runs only where every layer sees its whole
+        # context (the engine refuses it with windows), so it masks the one plan there is.
+        self.decode_pruning = None
+        pruned = [s for s in seqs if s.q_len == 1 and s.pruning is not None]
+        if pruned:
+            plan = self.plans[None]
+            rows = [(i, s.ctx_len, s.pruning) for i, s in enumerate(plan.decodes) if s.pruning is not None]
+            layers, _, _, kv_heads, _ = cache.data.shape
+            self.decode_pruning = DecodePruning(rows, plan.decode_mask, layers, kv_heads)
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache, v_cache = self.cache.layer(layer)
@@ -83,7 +95,10 @@ class PagedContext:
             qd = q.index_select(0, plan.decode_rows).view(b, kv_heads, group, d)
             kd = k_cache[plan.decode_index].permute(0, 2, 1, 3)  # [B, kv_heads, width, d]
             vd = v_cache[plan.decode_index].permute(0, 2, 1, 3)
-            o = attend(qd, kd, vd, plan.decode_mask, self.softcap)
+            if self.decode_pruning is None:
+                o = attend(qd, kd, vd, plan.decode_mask, self.softcap)
+            else:
+                o = self.decode_pruning.attend(layer, qd, kd, vd)
             out.index_copy_(0, plan.decode_rows, o.reshape(b, heads * d))
         return out
 
@@ -94,6 +109,7 @@ class _WindowPlan:
     def __init__(self, seqs: list[SeqAttention], slots: dict[int, Tensor], device: torch.device,
                  sliding_window: int | None) -> None:
         decodes = [s for s in seqs if s.q_len == 1]
+        self.decodes = decodes
         self.prefills = []
         for s in seqs:
             if s.q_len == 1:
