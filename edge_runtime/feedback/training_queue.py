@@ -41,25 +41,36 @@ def _pair(row: Sequence) -> PreferencePair:
 def next_pairs(
     conn: sqlite3.Connection, user_id: str | None, limit: int, split: str, status: str
 ) -> list[PreferencePair]:
+    # Oldest first: feedback is trained in the order users gave it; the scheduler re-prioritises
+    # by DPO loss once it has scored them.
+    rows = _queued_rows(conn, "pairs", _PAIR_COLUMNS, user_id, limit, split, status)
+    return [_pair(row) for row in rows]
+
+
+def _queued_rows(
+    conn: sqlite3.Connection, table: str, columns: str, user_id: str | None, limit: int, split: str,
+    status: str,
+) -> list[Sequence]:
+    """Rows of `table` (pairs or unpaired, aliased p and x in `columns`) of consented users in one
+    split and status, oldest first; `user_id` None: every user's."""
     if split not in SPLITS:
         raise BadRequest(f"split must be one of {SPLITS}; got {split!r}")
     if status not in PAIR_STATUSES:
         raise BadRequest(f"status must be one of {PAIR_STATUSES}; got {status!r}")
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
         raise BadRequest(f"limit must be an integer >= 1; got {limit!r}")
+    alias = {"pairs": "p", "unpaired": "x"}[table]
     sql = (
-        f"SELECT {_PAIR_COLUMNS} FROM pairs p JOIN users u ON u.user_id = p.user_id"
-        " WHERE u.consent = 1 AND p.split = ? AND p.status = ?"
+        f"SELECT {columns} FROM {table} {alias} JOIN users u ON u.user_id = {alias}.user_id"
+        f" WHERE u.consent = 1 AND {alias}.split = ? AND {alias}.status = ?"
     )
     args: list[object] = [split, status]
     if user_id is not None:
-        sql += " AND p.user_id = ?"
+        sql += f" AND {alias}.user_id = ?"
         args.append(user_id)
-    # Oldest first: feedback is trained in the order users gave it; the scheduler re-prioritises
-    # by DPO loss once it has scored them.
-    sql += " ORDER BY p.id LIMIT ?"
+    sql += f" ORDER BY {alias}.id LIMIT ?"
     args.append(limit)
-    return [_pair(row) for row in conn.execute(sql, args)]
+    return list(conn.execute(sql, args))
 
 
 def heldout_pairs(conn: sqlite3.Connection, user_id: str) -> list[PreferencePair]:
@@ -199,23 +210,8 @@ def _unpaired(row: Sequence) -> UnpairedExample:
 def next_unpaired(
     conn: sqlite3.Connection, user_id: str | None, limit: int, split: str, status: str
 ) -> list[UnpairedExample]:
-    if split not in SPLITS:
-        raise BadRequest(f"split must be one of {SPLITS}; got {split!r}")
-    if status not in PAIR_STATUSES:
-        raise BadRequest(f"status must be one of {PAIR_STATUSES}; got {status!r}")
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-        raise BadRequest(f"limit must be an integer >= 1; got {limit!r}")
-    sql = (
-        f"SELECT {_UNPAIRED_COLUMNS} FROM unpaired x JOIN users u ON u.user_id = x.user_id"
-        " WHERE u.consent = 1 AND x.split = ? AND x.status = ?"
-    )
-    args: list[object] = [split, status]
-    if user_id is not None:
-        sql += " AND x.user_id = ?"
-        args.append(user_id)
-    sql += " ORDER BY x.id LIMIT ?"
-    args.append(limit)
-    return [_unpaired(row) for row in conn.execute(sql, args)]
+    rows = _queued_rows(conn, "unpaired", _UNPAIRED_COLUMNS, user_id, limit, split, status)
+    return [_unpaired(row) for row in rows]
 
 
 def heldout_unpaired(conn: sqlite3.Connection, user_id: str) -> list[UnpairedExample]:
