@@ -205,6 +205,20 @@ def build_pairs(user: SignOffUser, prompts: Sequence[Any], outputs: Sequence[Req
     return [p for p in pairs if p is not None]
 
 
+def train_to_the_end(task: Any, stage_seconds: dict[str, float]) -> tuple[float, int]:
+    """Runs a fine-tune task's stages one after another; returns its wall seconds and the most
+    bytes it held at once, and adds its seconds per stage kind to `stage_seconds`."""
+    t = time.perf_counter()
+    held = 0
+    while not task.done:
+        task.run_next()
+        held = max(held, task.held_bytes)
+    seconds = time.perf_counter() - t
+    for kind, sec in task.seconds_by_kind().items():
+        stage_seconds[kind] = stage_seconds.get(kind, 0.0) + sec
+    return seconds, held
+
+
 def metrics_dict(m: AlignmentMetrics) -> dict[str, float]:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in m.as_dict().items()}
 
@@ -339,14 +353,9 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
         for pair in build_pairs(trained, prompts, outputs):
             if pairs_done >= args.pairs:
                 break
-            task = trainer.task(pair, score=False)
-            t = time.perf_counter()
-            while not task.done:
-                task.run_next()
-                max_held = max(max_held, task.held_bytes)
-            train_seconds += time.perf_counter() - t
-            for kind, s in task.seconds_by_kind().items():
-                stage_seconds[kind] = stage_seconds.get(kind, 0.0) + s
+            seconds, held = train_to_the_end(trainer.task(pair, score=False), stage_seconds)
+            train_seconds += seconds
+            max_held = max(max_held, held)
             pairs_done += 1
         publish(pairs_done)
         if pairs_done >= next_checkpoint or pairs_done >= args.pairs:
@@ -551,14 +560,9 @@ def online_thumbs(args: argparse.Namespace) -> dict[str, Any]:
             if not example.completion.strip():
                 done += 1  # an empty answer: thumbed, but nothing to learn from
                 continue
-            task = trainer.task(example, score=False)
-            t = time.perf_counter()
-            while not task.done:
-                task.run_next()
-                max_held = max(max_held, task.held_bytes)
-            train_seconds += time.perf_counter() - t
-            for kind, sec in task.seconds_by_kind().items():
-                stage_seconds[kind] = stage_seconds.get(kind, 0.0) + sec
+            seconds, held = train_to_the_end(trainer.task(example, score=False), stage_seconds)
+            train_seconds += seconds
+            max_held = max(max_held, held)
             done += 1
             thumbs_up += example.desirable
         publish(done)
