@@ -27,4 +27,10 @@ TORCH_VERSION=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null)
 echo "torch==${TORCH_VERSION}" > "$VENV/constraints.txt"
 echo "bootstrap: torch ${TORCH_VERSION} pinned"
 
-"$PY" -m pip install -c "$VENV/constraints.txt" -e ".[dev,onnx]"
+"$PY" -m pip install -c "$VENV/constraints.txt" -e ".[dev]"
+# ONNX Runtime is a default dependency except on Linux aarch64 (pyproject.toml): a Jetson keeps
+# NVIDIA's onnxruntime-gpu (the CPU wheel would shadow it); another aarch64 box without any
+# onnxruntime gets the CPU one, so the auto backend has its fast path there too.
+if ! "$PY" -c "import onnxruntime" >/dev/null 2>&1 && [ ! -e /etc/nv_tegra_release ]; then
+  "$PY" -m pip install -c "$VENV/constraints.txt" -e ".[onnx]"
+fi
