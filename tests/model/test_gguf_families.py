@@ -66,8 +66,10 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture(autouse=True)
 def private_state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Engine.load(file.gguf) converts into the state directory's model cache: a private one."""
+    """Engine.load(file.gguf) converts into the shared model cache: a private one (and a private
+    state directory), so tests leave nothing in the user's ~/.cache."""
     monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("MACE_CACHE_DIR", str(tmp_path / "cache"))
 
 
 def _per_step_reference(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
