@@ -241,7 +241,8 @@ def render_markdown(result: dict[str, Any]) -> str:
              f"- load average (1/5/15 min): {m['loadavg_start']} at the start, {m['loadavg_end']} at the end",
              f"- model: {m['gguf_name']} (sha256 {m['gguf_sha256'][:12]}...); maced {m['maced_backend']}; "
              f"llama-cpp-python {m['llama_cpp_version']} (n_threads {m['threads']}, n_threads_batch "
-             f"{m['threads']}, n_ctx {m['n_ctx']})",
+             f"{m['threads']}, n_ctx {m['n_ctx']}, interrupt_requests False: one request at a time, each "
+             "to its end)",
              f"- workload: `/v1/chat/completions`, official `openai` {m['openai']} client (one AsyncOpenAI per "
              f"concurrent client), streamed, temperature 0, max_tokens {m['max_tokens']}, {len(PROMPTS)} "
              f"prompts in turn; {m['rounds']} rounds per level alternating the servers "
@@ -268,6 +269,11 @@ def render_markdown(result: dict[str, Any]) -> str:
     lines += ["", "Bar of issue #17:", "", "| item | value | met |", "|---|---|---|"]
     lines += [f"| {b['item']} | {b['value']} | {'yes' if b['met'] else ('no' if b['met'] is False else '-')} |"
               for b in result["bar"]]
+    short = [f"{names[n]} at {c} clients ({level[n]['tokens_per_request']})"
+             for c, level in result["levels"].items() for n in ("maced", "llama")
+             if (level[n]["tokens_per_request"] or 0) < 0.9 * m["max_tokens"]]
+    if short:
+        lines += ["", f"**Note**: replies well under max_tokens per request: {', '.join(short)}."]
     if m.get("partial"):
         lines += ["", f"**Partial run**: {m['partial']}"]
     return "\n".join(lines) + "\n"
@@ -340,7 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         "llama": Server("llama", [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf),
                                   "--host", "127.0.0.1", "--port", str(llama_port),
                                   "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
-                                  "--n_ctx", str(args.n_ctx)],
+                                  "--n_ctx", str(args.n_ctx),
+                                  # Its default (True) cuts a streaming reply short when the next
+                                  # request arrives: concurrent clients got 4-8 tokens each.
+                                  "--interrupt_requests", "False"],
                         llama_port, work / "llama.log", env),
     }
     samples: dict[int, dict[str, list]] = {c: {"maced": [], "llama": []} for c in levels}
