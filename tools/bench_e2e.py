@@ -44,7 +44,7 @@ PROMPTS = [
     "Describe the history of the printing press in a few paragraphs.",
     "Write a recipe for a simple tomato soup with all the steps.",
 ]
-INSTALL_HINT = "pip install 'llama-cpp-python[server]'"
+INSTALL_HINT = "'llama-cpp-python[server]'"
 # Issue #17's bar: maced / llama-server tok/s at each concurrency, TTFT at 1 client, ready time.
 BAR_TOKS = {1: 1.0, 8: 2.0, 32: 2.0}
 BAR_READY_S = 15.0
@@ -324,9 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     llama_version = check_llama(args.llama_python)
     if llama_version is None:
         print(f"llama_cpp.server is not importable by {args.llama_python}. Install it with\n"
-              f"  {args.llama_python} -m pip install {INSTALL_HINT!r}\n"
+              f"  {args.llama_python} -m pip install {INSTALL_HINT}\n"
               "(or a venv: python -m venv /tmp/llamavenv && /tmp/llamavenv/bin/pip install "
-              f"{INSTALL_HINT!r}) and pass --llama-python.", file=sys.stderr)
+              f"{INSTALL_HINT}) and pass --llama-python.", file=sys.stderr)
         return 2
     import openai
 
