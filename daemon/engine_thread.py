@@ -28,6 +28,10 @@ T = TypeVar("T")
 # After this many failing iterations in a row the engine counts as broken: the daemon exits
 # non-zero and systemd restarts it, rather than answering every request with an error forever.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+# A background cost calibration measures its next shape only after the engine has been idle this
+# long: a client sending its next request right after a reply (a chat app, a benchmark, an agent's
+# tool loop) never waits behind a calibration shape (up to a few hundred milliseconds each).
+CALIBRATION_QUIET_S = 0.5
 
 
 class EngineFailed(MaceError):
@@ -73,12 +77,14 @@ class EngineThread:
         on_alive: Callable[[], None] = lambda: None,
         on_dead: Callable[[BaseException], None] = lambda exc: None,
         idle_wait_s: float = 0.25,
+        calibration_quiet_s: float = CALIBRATION_QUIET_S,
     ) -> None:
         self._load = load
         self._loop = loop
         self._on_alive = on_alive
         self._on_dead = on_dead
         self._idle_wait_s = idle_wait_s
+        self._calibration_quiet_s = calibration_quiet_s
         # (command, future or None); the future is settled on the loop with the command's result.
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], asyncio.Future[Any] | None]] = (
             queue.SimpleQueue())
@@ -202,13 +208,23 @@ class EngineThread:
         """The iteration loop. `Engine.step()` fails a request that breaks it alone and raises
         only for failures no request caused; only those count toward `MAX_CONSECUTIVE_STEP_FAILURES`."""
         failures = 0
+        busy_at = time.monotonic()  # when the engine last had a generation to run
         while not self._stopping:
             self._on_alive()
-            # Idle with a cost calibration still to run: one shape of it per turn (a request
-            # arriving meanwhile waits for that shape at most), without blocking on the queue.
+            # Idle with a cost calibration still to run: once the engine has been quiet for
+            # `calibration_quiet_s`, one shape of it per turn (a request arriving meanwhile waits
+            # for that shape at most); until then the queue is waited on for the rest of it.
             calibrating = getattr(engine, "calibrating", False)
-            self._drain(engine, block=not engine.has_unfinished() and not calibrating)
-            if calibrating and not engine.requests and not self._stopping:
+            quiet_s = time.monotonic() - busy_at
+            if engine.has_unfinished() or not calibrating:
+                self._drain(engine, block=not engine.has_unfinished())
+            else:
+                self._drain(engine, block=quiet_s < self._calibration_quiet_s,
+                            timeout_s=self._calibration_quiet_s - quiet_s)
+            if engine.has_unfinished():  # commands that start no generation (status...) keep it quiet
+                busy_at = time.monotonic()
+            elif calibrating and not engine.requests and not self._stopping \
+                    and time.monotonic() - busy_at >= self._calibration_quiet_s:
                 engine.calibrate_step()
             if engine.has_unfinished() and not self._stopping:
                 try:
@@ -245,9 +261,12 @@ class EngineThread:
                 log.exception("reading engine stats failed")
             self.stats_latencies_s = list(self.latencies_s)
 
-    def _drain(self, engine: Engine, block: bool) -> None:
+    def _drain(self, engine: Engine, block: bool, timeout_s: float | None = None) -> None:
+        """Run the queued commands, waiting for a first one when `block` (at most `timeout_s`,
+        and never longer than `idle_wait_s`, so the watchdog keeps beating)."""
+        wait_s = self._idle_wait_s if timeout_s is None else max(0.0, min(timeout_s, self._idle_wait_s))
         try:
-            command = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=wait_s) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -295,3 +295,45 @@ def test_every_request_is_answered_when_the_engine_loop_itself_dies(tiny_model: 
         assert await thread.join(5)
 
     run(main())
+
+
+def test_a_background_calibration_waits_for_a_quiet_engine(tiny_model: Path) -> None:
+    """Back-to-back requests (a chat client's next turn, a benchmark) never wait behind a
+    calibration shape: shapes are measured only once no generation has run for the quiet time."""
+    import time
+
+    from edge_runtime.sampling import SamplingParams
+
+    quiet_s = 3.0
+    shapes: list[float] = []
+
+    def load():
+        engine = loader(tiny_model)()
+        engine._calibration = object()  # a calibration with shapes left: `calibrating` is True
+
+        def calibrate_step() -> None:
+            shapes.append(time.monotonic())
+            if len(shapes) == 2:
+                engine._calibration = None  # measured the last shape
+        engine.calibrate_step = calibrate_step
+        return engine
+
+    async def main() -> None:
+        thread = EngineThread(load, asyncio.get_running_loop(), calibration_quiet_s=quiet_s)
+        await thread.start()
+        for i in range(4):  # each request sent as soon as the one before has finished
+            sink = Sink()
+            await thread.submit(f"r{i}", "hello", SamplingParams(max_tokens=8, ignore_eos=True), sink)
+            output, aborted, error = await sink.done
+            assert output.finished and error is None
+        last_done = time.monotonic()
+        assert shapes == [], "a calibration shape ran between back-to-back requests"
+        for _ in range(100):
+            if len(shapes) == 2:
+                break
+            await asyncio.sleep(0.1)
+        assert len(shapes) == 2 and shapes[0] >= last_done + quiet_s - 0.5  # quiet for quiet_s, then measured
+        thread.stop()
+        assert await thread.join(5)
+
+    run(main())
