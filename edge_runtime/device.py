@@ -22,7 +22,7 @@ def cpu_has_fast_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_bf16_rows_invariant() -> bool:
     """Whether this CPU's bf16 GEMMs give a row the same bits whatever the number of rows.
 

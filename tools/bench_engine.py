@@ -435,7 +435,7 @@ def run_backends(args: argparse.Namespace) -> None:
     result["load_average_after_decode"] = os.getloadavg()[0]
     if args.accuracy:
         print("accuracy ...", flush=True)
-        order = ["none", "int8", "int4", "int4-compact"]
+        order = ["none", "int8", "q4_1", "int4", "int4-compact"]
         result["accuracy"] = accuracy_rows(model_dir, sorted(set(quantizations) | {"none", "int8", "int4"}, key=order.index),
                                            gguf, threads)
     result["ratios"] = ratios(result["runs"], streams)
@@ -537,7 +537,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "bench_engine.json"))
     ap.add_argument("--backends", default="", help="compare backends instead, e.g. torch,onnxruntime")
     ap.add_argument("--onnx-quantizations", default="none,int4",
-                    help="ONNX Runtime rows: none,int8,int4,int4-compact (onnxruntime-genai's weight format)")
+                    help="ONNX Runtime rows: none,int8,q4_1,int4,int4-compact (onnxruntime-genai's weight format)")
     ap.add_argument("--references", default="genai,llamacpp", help="reference runtimes (skipped if not installed)")
     ap.add_argument("--threads", type=int, default=0, help="threads for every runtime; 0 = all cores")
     ap.add_argument("--gguf", default=None, help="the default model's GGUF for llama.cpp")

@@ -21,7 +21,14 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from edge_runtime.backends.gqa_window import window_counts_current_token
-from edge_runtime.backends.quantize import BLOCK_SIZE, bits_of, pack_nbits, quantize_symmetric
+from edge_runtime.backends.quantize import (
+    BLOCK_SIZE,
+    OffsetNBitsWeight,
+    bits_of,
+    pack_nbits,
+    pack_q4_offsets,
+    quantize_symmetric,
+)
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.llama import LlamaModel
 
@@ -72,6 +79,9 @@ WEIGHT_FORMATS: dict[str, dict[str, object]] = {
     # reads about as many bytes as onnxruntime-genai's int4 CPU format (symmetric 4-bit layers
     # and head), at a perplexity between the two (docs/onnx.md).
     "int4-compact": {"quantization": "int4", "head_bits": 4},
+    # llama.cpp's Q4_1 grid (4-bit blocks with a float minimum) for the layers, the 8-bit head of
+    # int8: a Q4_1 GGUF's own weights, exactly (the default model's), in 4 bits.
+    "q4_1": {"quantization": "int4", "offsets": True},
 }
 
 
@@ -97,6 +107,9 @@ class GraphSpec:
     symmetric: bool = False  # MatMulNBits without zero points (onnxruntime-genai's choice)
     head_bits: int = 8  # the tied embedding / LM head when quantised: 8 (Q8_0 grid) or 4 (zero
     # points unless `symmetric`)
+    # 4-bit layers on llama.cpp's Q4_1 grid: symmetric 4-bit blocks plus a float offset per block,
+    # added as (x summed over each block) @ offsets (quantize.pack_q4_offsets).
+    offsets: bool = False
     # "ort" flavour only. "paged": each layer gathers every row's past from the paged cache
     # slabs (`kv_index`). "dense": each layer's past is a per-row contiguous float32 buffer
     # [rows, kv_heads, capacity, head_dim], bound as both past and present of
@@ -118,11 +131,13 @@ class GraphSpec:
             raise ValueError(f"unknown KV layout {self.kv_layout!r}; use one of {KV_LAYOUTS}")
         if self.kv_layout == "dense" and self.flavour != "ort":
             raise ValueError("the dense KV layout needs the 'ort' flavour (GroupQueryAttention)")
+        if self.offsets and (self.quantization != "int4" or self.symmetric):
+            raise ValueError("block offsets (the q4_1 format) need int4 layers without 'symmetric'")
 
     @property
     def tag(self) -> str:
         lora = "" if self.lora else "-nolora"
-        sym = "-sym" if self.symmetric and self.quantization != "none" else ""
+        sym = "-sym" if self.symmetric and self.quantization != "none" else "-off" if self.offsets else ""
         head = f"-head{self.head_bits}" if self.head_bits != 8 and self.quantization != "none" else ""
         dense = "-dense" if self.kv_layout == "dense" else ""
         window = "" if self.gqa_window_counts_current is None else f"-win{int(self.gqa_window_counts_current)}"
@@ -180,6 +195,8 @@ class _StepWriter:
         self.g = _Graph()
         self.ort = spec.flavour == "ort"
         self.dense = spec.kv_layout == "dense"
+        self._block_sum_mats: dict[str, str] = {}  # K -> the [K, K / block] 0/1 initializer
+        self._block_sums: dict[str, str] = {}  # a linear's input -> its per-block sums
 
     # -- primitives ---------------------------------------------------------------------------
 
@@ -189,6 +206,8 @@ class _StepWriter:
         n, k = w.shape
         if spec.quantization == "none":
             y = g.op("MatMul", [x, g.init(f"{name}.weight", w.T)])
+        elif spec.offsets:
+            y = self._offset_linear(x, pack_q4_offsets(w), name)
         elif self.ort:
             bits = bits_of(spec.quantization)
             # 8-bit blocks are symmetric (Q8_0's grid); 4-bit ones min/max with zero points.
@@ -217,6 +236,40 @@ class _StepWriter:
         if bias is not None:
             y = g.op("Add", [y, g.init(f"{name}.bias", _np(bias))])
         return y
+
+    def _offset_linear(self, x: str, w: OffsetNBitsWeight, name: str) -> str:
+        """x @ W^T for W = scale * (q - 8) + offset per block: a symmetric MatMulNBits, plus x
+        summed over each block of K (one MatMul by a 0/1 matrix, shared by the linears of one
+        input) times the offsets [K / block, N]."""
+        g, q = self.g, w.nbits
+        if self.ort:
+            y = g.op("MatMulNBits", [x, g.init(f"{name}.qweight", q.packed), g.init(f"{name}.scales", q.scales)],
+                     domain="com.microsoft", K=q.k, N=q.n, bits=4, block_size=q.block_size,
+                     accuracy_level=self.spec.accuracy_level)
+        else:  # the standard flavour: signed INT4 blocks (q - 8 fits [-8, 7]) for DequantizeLinear
+            y = g.op("MatMul", [x, self._dequantized_int4(w, name)])
+        sums = self._block_sums.get(x)
+        if sums is None:
+            key = f"block_sum_{q.k}"
+            if key not in self._block_sum_mats:
+                mat = np.kron(np.eye(q.k // q.block_size, dtype=np.float32), np.ones((q.block_size, 1), np.float32))
+                self._block_sum_mats[key] = g.init(key, mat)  # [K, K / block]
+            sums = self._block_sums[x] = g.op("MatMul", [x, self._block_sum_mats[key]])
+        shift = g.op("MatMul", [sums, g.init(f"{name}.offsets", np.ascontiguousarray(w.offsets.T))])
+        return g.op("Add", [y, shift])
+
+    def _dequantized_int4(self, w: OffsetNBitsWeight, name: str) -> str:
+        """The symmetric part of an offset weight as a block-wise INT4 DequantizeLinear, [K, N]."""
+        q = w.nbits
+        nibbles = np.empty((q.n, q.k // q.block_size, q.block_size), np.int8)
+        nibbles[..., 0::2] = q.packed & 0x0F
+        nibbles[..., 1::2] = q.packed >> 4
+        qt = (nibbles - 8).reshape(q.n, q.k).T  # [K, N], blocks along K (axis 0)
+        tensor = helper.make_tensor(f"{name}.qweight", TensorProto.INT4, list(qt.shape), qt.reshape(-1).tolist())
+        self.g.inits.append(tensor)
+        scales = q.scales.reshape(q.n, -1).T
+        return self.g.op("DequantizeLinear", [tensor.name, self.g.init(f"{name}.scales", scales)], axis=0,
+                         block_size=q.block_size)
 
     def _tied_quantized(self) -> bool:
         return self.ort and self.spec.quantization != "none" and self.model.lm_head is None
