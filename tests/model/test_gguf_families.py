@@ -152,7 +152,8 @@ def test_gguf_of_a_family_transformers_cannot_load_is_refused_by_name(model_type
 def test_gguf_contents_transformers_would_drop_are_refused(tmp_path, extra, named):
     folder = make_tiny_model_dir(tmp_path / "hf")
     tensors = {k: v for k, v in extra.items() if not isinstance(v, str)}
-    strings = {k: v for k, v in extra.items() if isinstance(v, str)}
-    path = make_tiny_gguf(folder, tmp_path / "tiny.gguf", quantize=False, extra_tensors=tensors, extra_strings=strings)
+    metadata = {k: v for k, v in extra.items() if isinstance(v, str)}
+    path = make_tiny_gguf(folder, tmp_path / "tiny.gguf", quantize=False, extra_tensors=tensors,
+                          extra_metadata=metadata)
     with pytest.raises(ModelNotAvailable, match=named):
         Engine.load(str(path), dtype="float32")
