@@ -5,8 +5,10 @@ transformers rebuilds a config from llama.cpp's metadata keys through a per-arch
 (`integrations/ggml.py`) and maps tensors by name, skipping any it has no parameter for. For Phi-3
 that table lacks the rotary dimensions (Phi-4-mini turns 96 of 128), LongRoPE (its factors are
 tensors, `rope_factors_long`/`_short`) and the sliding window; for Qwen3 the head width
-(`attention.key_length`). Loading those as transformers does would give a different model at
-every position, silently. Owns the reading of metadata only; `source.convert_gguf` converts.
+(`attention.key_length`); for Gemma 2 and 3 the soft-caps, query_pre_attn_scalar, the layer
+pattern and Gemma 3's per-layer RoPE, several of which llama.cpp derives rather than reads.
+Loading those as transformers does would give a different model at every position, silently.
+Owns the reading of metadata only; `source.convert_gguf` converts.
 """
 
 from __future__ import annotations
@@ -20,13 +22,8 @@ from edge_runtime.errors import ModelNotAvailable
 
 # GGUF architectures (general.architecture) this engine takes, with the model type each becomes
 # in transformers. llama.cpp writes Mistral as "llama"; transformers renames it by general.name.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
-# Architectures transformers' GGUF loader reads but not whole: its table for them leaves out
-# query_pre_attn_scalar, the soft-caps, the sliding/full layer pattern and (Gemma 3) the sliding
-# layers' RoPE base and the RoPE scaling, falling back to its config defaults, which are not
-# every checkpoint's (llama.cpp itself derives several from the model size: Gemma 2 27B scales
-# attention by 144 ** -0.5, not the default 256 ** -0.5). Refused rather than guessed.
-PARTIAL_ARCHITECTURES = {"gemma2": "Gemma 2", "gemma3": "Gemma 3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
+                 "gemma3": "gemma3_text"}
 # Tensors that carry settings rather than weights, read into the config below.
 ROPE_FACTOR_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -59,13 +56,6 @@ def config_overrides(header: GgufHeader) -> dict[str, Any]:
     ModelNotAvailable for an architecture this engine does not take from a GGUF, or metadata it
     cannot put back into the config."""
     arch = header.architecture
-    if arch in PARTIAL_ARCHITECTURES:
-        raise ModelNotAvailable(
-            f"GGUF architecture {arch!r} is not one this engine loads from a GGUF: transformers' GGUF loader "
-            f"reads {PARTIAL_ARCHITECTURES[arch]} without query_pre_attn_scalar, the soft-caps, the sliding/full "
-            "layer pattern or the per-layer RoPE settings, and would fill them with defaults that are not every "
-            "checkpoint's. Load the model's Hugging Face folder instead"
-        )
     if arch not in ARCHITECTURES:
         raise ModelNotAvailable(
             f"GGUF architecture {arch!r} is not one this engine loads from a GGUF (it takes "
@@ -75,6 +65,8 @@ def config_overrides(header: GgufHeader) -> dict[str, Any]:
     _refuse_rope_scaling(header)
     if arch == "phi3":
         return _phi3(header)
+    if arch in ("gemma2", "gemma3"):
+        return _gemma(header)
     if arch == "qwen3":
         key_length, value_length = header.get("attention.key_length"), header.get("attention.value_length")
         if key_length is not None and value_length not in (None, key_length):
@@ -86,13 +78,14 @@ def config_overrides(header: GgufHeader) -> dict[str, Any]:
 
 def _refuse_rope_scaling(header: GgufHeader) -> None:
     """RoPE scaling transformers' table does not read for these architectures (Phi-3's LongRoPE
-    aside): Llama 3.1+'s per-dimension `rope_freqs`, and linear/YaRN scaling keys."""
+    and Gemma's linear scaling, read below, aside): Llama 3.1+'s per-dimension `rope_freqs`, and
+    linear/YaRN scaling keys."""
     if "rope_freqs.weight" in header.tensors:
         raise ModelNotAvailable(
             "this GGUF carries per-dimension RoPE frequency factors (rope_freqs: Llama 3.1+ 'llama3' scaling), "
             "which transformers' GGUF loader drops; load the model's Hugging Face folder instead")
     kind = header.get("rope.scaling.type")
-    if kind not in (None, "none") and header.architecture != "phi3":
+    if kind not in (None, "none") and header.architecture not in ("phi3", "gemma2", "gemma3"):
         raise ModelNotAvailable(
             f"this GGUF's RoPE scaling ({kind!r}) is not read by transformers' GGUF loader for "
             f"{header.architecture}; load the model's Hugging Face folder instead")
@@ -138,6 +131,103 @@ def _phi3(header: GgufHeader) -> dict[str, Any]:
     window = header.get("attention.sliding_window")
     out["sliding_window"] = int(window) if window else None
     return out
+
+
+# What llama.cpp assumes where a Gemma file is silent (src/llama-model.cpp, load_hparams for
+# LLM_ARCH_GEMMA2 / GEMMA3; llama-hparams.h, .cpp): the attention scale is 1 / sqrt(hidden / heads)
+# for the 27B sizes, known by their layer count, and 1 / sqrt(head_dim) for the rest; Gemma 2's
+# soft-caps default to 50 and 30 and its window to 4096; every 2nd (Gemma 2) or 6th (Gemma 3)
+# layer is full and the rest slide (set_swa_pattern(n): layer i slides where i % n < n - 1, all
+# with n = 0, none with n = 1); Gemma 3's sliding layers turn with base 10000, never scaled.
+# Newer llama.cpp also reads attention.sliding_window_pattern (that n) and rope.freq_base_swa,
+# which no converter wrote for Gemma before the latter, and takes a Gemma 3 without a window as
+# sliding nowhere (older releases refuse it): honoured the same way here.
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA2_DEFAULTS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "attention.sliding_window": 4096}
+GEMMA_FULL_EVERY = {"gemma2": 2, "gemma3": 6}
+ROPE_BASE = 10000.0  # llama.cpp's rope.freq_base where a file has none
+
+
+def _gemma(header: GgufHeader) -> dict[str, Any]:
+    """Gemma 2 / 3 as llama.cpp reads them. Its converter writes Gemma 2's soft-caps and window
+    and Gemma 3's window, final soft-cap (where set), RoPE base and linear scaling of the full
+    layers and (newer converters) the sliding layers' base; query_pre_attn_scalar and the layer
+    pattern it never writes: llama.cpp derives them, and so does this. RMSNorm weights are stored
+    as 1 + w; transformers' loader takes the 1 back off (its Gemma2TensorProcessor)."""
+    arch = header.architecture
+    layers, hidden, heads = (int(header.get(k)) for k in ("block_count", "embedding_length", "attention.head_count"))
+    head_dim = int(header.get("attention.key_length", hidden // heads))  # llama.cpp: hidden / heads if absent
+    for key in ("attention.value_length", "attention.key_length_swa", "attention.value_length_swa",
+                "rope.dimension_count", "rope.dimension_count_swa"):
+        if header.get(key, head_dim) != head_dim:
+            raise ModelNotAvailable(f"GGUF {arch}.{key} = {header.get(key)} where heads are {head_dim} wide: "
+                                    "the forward turns and attends over one head width")
+    # Keys llama.cpp's Gemma loaders do not read (Gemma 3 has no attention soft-cap, in llama.cpp
+    # or transformers): what a file that holds one means is not established, so it is not guessed.
+    unread = ["attention.scale", "rope.scaling.original_context_length", "rope.scaling.attn_factor"]
+    for key in unread + (["attn_logit_softcapping"] if arch == "gemma3" else []):
+        if header.get(key) is not None:
+            raise ModelNotAvailable(f"GGUF {arch}.{key} = {header.get(key)!r} is not a setting this engine can take "
+                                    f"from a {arch} GGUF (llama.cpp does not read it); load the Hugging Face folder")
+    every = header.get("attention.sliding_window_pattern", GEMMA_FULL_EVERY[arch])
+    if not isinstance(every, int):
+        raise ModelNotAvailable(f"GGUF {arch}.attention.sliding_window_pattern = {every!r}: only a period "
+                                "(every n-th layer full) is read")
+    scalar = hidden // heads if layers == GEMMA_27B_LAYERS[arch] else head_dim
+    out = {"head_dim": head_dim, "query_pre_attn_scalar": scalar, **(_gemma2 if arch == "gemma2" else _gemma3)(header)}
+    window = out["sliding_window"]
+    sliding = [window is not None and (every == 0 or i % every < every - 1) for i in range(layers)]
+    out["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    return out
+
+
+def _gemma2(header: GgufHeader) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, default in GEMMA2_DEFAULTS.items():
+        value = header.get(key, default)
+        if not value > 0:  # llama.cpp divides by the caps and windows every other layer
+            raise ModelNotAvailable(f"GGUF gemma2.{key} = {value}: Gemma 2 needs a positive one")
+        out[key.removeprefix("attention.")] = int(value) if key == "attention.sliding_window" else float(value)
+    base = float(header.get("rope.freq_base", ROPE_BASE))
+    if header.get("rope.freq_base_swa", base) != base:
+        raise ModelNotAvailable(f"GGUF gemma2.rope.freq_base_swa = {header.get('rope.freq_base_swa')} where the "
+                                f"full layers turn with {base}: transformers' Gemma 2 has one RoPE base for all layers")
+    factor = _linear_rope_factor(header)
+    if factor is not None:
+        raise ModelNotAvailable(f"GGUF gemma2 with RoPE scaling (rope.scaling.factor = {factor}): llama.cpp's "
+                                "converter never writes one for Gemma 2; load the Hugging Face folder")
+    out["rope_parameters"] = {"rope_type": "default", "rope_theta": base}
+    return out
+
+
+def _gemma3(header: GgufHeader) -> dict[str, Any]:
+    final = header.get("final_logit_softcapping")
+    full = {"rope_type": "default", "rope_theta": float(header.get("rope.freq_base", ROPE_BASE))}
+    factor = _linear_rope_factor(header)
+    if factor is not None:
+        full.update(rope_type="linear", factor=factor)
+    sliding = {"rope_type": "default", "rope_theta": float(header.get("rope.freq_base_swa", ROPE_BASE))}
+    return {
+        "final_logit_softcapping": float(final) if final else None,  # absent or 0: none
+        "sliding_window": int(header.get("attention.sliding_window") or 0) or None,
+        "rope_parameters": {"full_attention": full, "sliding_attention": sliding},
+    }
+
+
+def _linear_rope_factor(header: GgufHeader) -> float | None:
+    """The linear RoPE scaling factor a file asks for, None for none. llama.cpp takes a factor
+    (`rope.scaling.factor`, formerly `rope.scale_linear`) as linear where no type is written."""
+    factor = header.get("rope.scaling.factor", header.get("rope.scale_linear"))
+    kind = header.get("rope.scaling.type")
+    if factor in (None, 0, 1.0):
+        if kind not in (None, "none", "linear"):
+            raise ModelNotAvailable(f"GGUF {header.architecture}.rope.scaling.type = {kind!r} is not read for "
+                                    f"{header.architecture}; load the Hugging Face folder instead")
+        return None
+    if kind not in (None, "linear"):
+        raise ModelNotAvailable(f"GGUF {header.architecture}.rope.scaling.type = {kind!r} with factor {factor}: "
+                                "only linear scaling is read for Gemma")
+    return float(factor)
 
 
 def unused_tensors(header: GgufHeader, model: Any) -> list[str]:

@@ -319,7 +319,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
     """
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        PreTrainedTokenizerFast,
+    )
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     where = {"gguf_file": gguf_path.name, "local_files_only": True}
@@ -332,7 +337,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> No
             "converting %s (de-quantising; about 20 s for the default model)", gguf_path.name
         )
         try:
-            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **where)
+            # transformers wraps a Gemma file's byte-level ("gpt2") vocabulary in GemmaTokenizer,
+            # which on reload builds its own sentencepiece pipeline around it (and adds a <mask>
+            # the vocabulary lacks); the plain fast tokenizer keeps the file's.
+            byte_level_gemma = (header.architecture in ("gemma2", "gemma3")
+                                and header.metadata.get("tokenizer.ggml.model") == "gpt2")
+            tokenizer_class = PreTrainedTokenizerFast if byte_level_gemma else AutoTokenizer
+            tokenizer = tokenizer_class.from_pretrained(gguf_path.parent, **where)
             config = AutoConfig.from_pretrained(gguf_path.parent, **where)
             if overrides:
                 config = AutoConfig.for_model(**{**config.to_dict(), **overrides})

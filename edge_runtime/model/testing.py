@@ -157,18 +157,21 @@ _GGUF_ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}
 
 def make_tiny_gguf(
     model_dir: Path, gguf_path: Path, *, quantize: bool = True, extra_tensors: dict | None = None,
-    extra_strings: dict[str, str] | None = None,
+    extra_metadata: dict[str, str | int | float] | None = None,
 ) -> Path:
     """Write the model in `model_dir` (from `make_tiny_model_dir`) as a GGUF file of its family,
     with the metadata llama.cpp's converter writes for it: llama (and Mistral, written as llama
     with "mistral" in its name) with Q/K rows interleaved; qwen2, qwen3 (attention.key_length);
     phi3 (fused tensors, rotary dims, LongRoPE's original context, attention factor and factor
-    tensors, sliding window, 0 for none). Other families get the same generic keys, enough for a
-    loader to read the architecture and refuse it.
+    tensors, sliding window, 0 for none); gemma2 and gemma3 with the keys of their converter
+    classes (`_gemma_metadata`) and every RMSNorm weight stored as 1 + w. Other families get the
+    same generic keys, enough for a loader to read the architecture and refuse it.
 
     2-D weights are stored Q8_0 when `quantize` (so loading it de-quantises, as with the real
-    default model), the rest F32. The tokenizer goes in as GGUF "gpt2" (byte-level BPE) metadata.
-    `extra_tensors` (GGUF name -> array) and `extra_strings` (metadata key -> value): more to
+    default model), the rest F32. The tokenizer goes in as GGUF "gpt2" (byte-level BPE) metadata,
+    Gemma's too (what the converter writes for a Gemma 3 folder without a tokenizer.model, as the
+    tiny one is; real Gemma files carry a sentencepiece vocabulary).
+    `extra_tensors` (GGUF name -> array) and `extra_metadata` (key -> string, uint32 or float32): more to
     write, for tests of what a loader refuses.
     """
     import json
@@ -207,9 +210,12 @@ def make_tiny_gguf(
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv)
-    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
-    writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if arch in ("gemma2", "gemma3"):
+        _gemma_metadata(writer, config, head_dim)
+    else:
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        writer.add_rope_freq_base(rope["rope_theta"])
     if model_type == "qwen3":
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -237,8 +243,9 @@ def make_tiny_gguf(
 
     arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     names = gguf.get_tensor_name_map(arch_id, n_layers)
-    for key, value in (extra_strings or {}).items():
-        writer.add_string(key, value)
+    for key, value in (extra_metadata or {}).items():
+        add = writer.add_string if isinstance(value, str) else writer.add_uint32 if isinstance(value, int) else writer.add_float32
+        add(key, value)
     for name, array in {**extra, **(extra_tensors or {})}.items():
         writer.add_tensor(name, np.asarray(array, np.float32))
     for hf_name, array in load_file(model_dir / "model.safetensors").items():
@@ -250,6 +257,8 @@ def make_tiny_gguf(
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ValueError(f"no GGUF name for tensor {hf_name}")
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+            array = array + 1  # Gemma's RMSNorm scales by (1 + w); llama.cpp's by the stored weight
         if quantize and array.ndim == 2 and array.shape[1] % 32 == 0:
             data = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -260,3 +269,43 @@ def make_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return gguf_path
+
+
+def _gemma_metadata(writer, config: dict, head_dim: int) -> None:
+    """The keys llama.cpp's converter writes for Gemma 2 (`Gemma2Model`: both soft-caps and the
+    window, no RoPE base) and Gemma 3 (`Gemma3Model`: the full layers' RoPE base and linear
+    scaling, the sliding layers' base, a final soft-cap where set, the window). What the file
+    cannot say (query_pre_attn_scalar, the layer pattern) llama.cpp derives; a model it would
+    derive differently is refused here rather than written as another model."""
+    model_type, n_layers = config["model_type"], config["num_hidden_layers"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    # llama.cpp: 1 / sqrt(hidden / heads) for the 27B sizes (46 and 62 layers), 1 / sqrt(head_dim) otherwise
+    size_27b = n_layers == (46 if model_type == "gemma2" else 62)
+    scalar = config["hidden_size"] // config["num_attention_heads"] if size_27b else head_dim
+    if config["query_pre_attn_scalar"] != scalar:
+        raise ValueError(f"query_pre_attn_scalar={config['query_pre_attn_scalar']}: a GGUF of this model means {scalar}")
+    every = 2 if model_type == "gemma2" else 6  # every 2nd / 6th layer full, the rest sliding
+    pattern = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n_layers)]
+    if config["layer_types"] != pattern:
+        raise ValueError(f"layer_types {config['layer_types']}: a GGUF of {model_type} means {pattern}")
+    if model_type == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+        writer.add_sliding_window(config["sliding_window"])
+        return
+    rope = config["rope_parameters"]
+    full, sliding = rope["full_attention"], rope["sliding_attention"]
+    if sliding.get("rope_type", "default") != "default" or full.get("rope_type", "default") not in ("default", "linear"):
+        raise ValueError(f"rope_parameters {rope}: llama.cpp's converter writes linear scaling of the full layers only")
+    writer.add_rope_freq_base(full["rope_theta"])
+    writer.add_rope_freq_base_swa(sliding["rope_theta"])
+    if full.get("rope_type") == "linear":
+        import gguf
+
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    if config.get("final_logit_softcapping"):
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if config["sliding_window"] is not None:
+        writer.add_sliding_window(config["sliding_window"])
