@@ -20,6 +20,13 @@ it does not open with "The", as the base model's restatements do), down otherwis
 asked twice. Every thumb is also recorded in a real feedback store, which shows what the pair rules
 make of it; the adapter trains by staged KTO, guarded by the held-out desirable-vs-undesirable
 margin (results: tools/results/bench_alignment_thumbs.*).
+
+`--backend` builds the serving engine as the daemon does (`Engine.load`; default "auto", the
+daemon's default: on a CPU, ONNX Runtime with int8 weights after a self-check against torch).
+Everything the served model does (held-out candidates, each round's candidates, greedy answers,
+the untouched user's check) runs on that backend; training reads the engine's fp32 torch weights,
+as the daemon's trainer does, and publishes into the registry the backend serves from. Win rate
+and CLPD are log-probs of the torch weights (what the daemon's regression guard computes).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from edge_runtime.backends.auto import BackendChoice  # noqa: E402
 from edge_runtime.config import EngineConfig  # noqa: E402
 from edge_runtime.engine import Engine  # noqa: E402
 from edge_runtime.lora import LoraSettings  # noqa: E402
@@ -219,6 +227,28 @@ def train_to_the_end(task: Any, stage_seconds: dict[str, float]) -> tuple[float,
     return seconds, held
 
 
+def serving_engine(args: argparse.Namespace, path: str) -> Engine:
+    """The engine that serves both users, built as the daemon builds its own (`Engine.load`) on
+    `--backend`, with fp32 torch weights (what the daemon loads on a CPU under "auto"; training
+    reads them whichever backend serves)."""
+    config = EngineConfig(dtype="float32", backend=args.backend, onnx_quantization=args.quantization,
+                          num_threads=args.threads, kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=64,
+                          max_batched_tokens=512)
+    engine = Engine.load(path, config)
+    print(f"serving on {served_by(engine.backend_choice)}: {engine.backend_choice.reason}", flush=True)
+    return engine
+
+
+def served_by(choice: BackendChoice | dict[str, str]) -> str:
+    """'onnxruntime (int8)', 'torch (fp32)': the backend that served and its weights."""
+    c = choice.as_dict() if isinstance(choice, BackendChoice) else choice
+    return f"{c['name']} ({'fp32' if c['quantization'] == 'none' else c['quantization']})"
+
+
+def backend_record(engine: Engine) -> dict[str, Any]:
+    return {**engine.backend_choice.as_dict(), "held_bytes": getattr(engine.backend, "held_bytes", 0)}
+
+
 def metrics_dict(m: AlignmentMetrics) -> dict[str, float]:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in m.as_dict().items()}
 
@@ -232,11 +262,8 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     load_start = [round(x, 2) for x in os.getloadavg()]  # 1/5/15-minute; a shared machine slows every figure
     path = args.model or _default_model_path()
-    model = load_llama(path, dtype=torch.float32)
-    from edge_runtime.model.tokenizer import Tokenizer
-
-    config = EngineConfig(kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=64, max_batched_tokens=512)
-    engine = Engine(model, Tokenizer(path), config, name=Path(path).name)
+    engine = serving_engine(args, path)
+    model = engine.model  # the trainer reads the engine's torch weights, as the daemon's does
     trained = SignOffUser(args.user, args.signoff)
     untouched = SignOffUser(args.untouched_user, args.untouched_signoff)
     costs = StageCostModel.profile(model, LoraSettings(rank=args.rank, alpha=2 * args.rank))
@@ -403,6 +430,7 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
         "users": {"trained": vars(trained) | {"preference": trained.preference},
                   "untouched": vars(untouched) | {"preference": untouched.preference}},
         "heldout_pairs": {"trained": len(trained_eval), "guard": len(guard_pairs), "untouched": len(untouched_pairs)},
+        "backend": backend_record(engine),
         "threads": torch.get_num_threads(),
         "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
         "cost_model": costs.as_dict(),
@@ -446,11 +474,8 @@ def online_thumbs(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     load_start = [round(x, 2) for x in os.getloadavg()]
     path = args.model or _default_model_path()
-    model = load_llama(path, dtype=torch.float32)
-    from edge_runtime.model.tokenizer import Tokenizer
-
-    config = EngineConfig(kv_cache_bytes=args.kv_cache_mb << 20, max_num_seqs=64, max_batched_tokens=512)
-    engine = Engine(model, Tokenizer(path), config, name=Path(path).name)
+    engine = serving_engine(args, path)
+    model = engine.model
     trained = AnswerFirstUser(args.user)
     untouched = SignOffUser(args.untouched_user, args.untouched_signoff)
     lora = LoraSettings(rank=args.rank, alpha=2 * args.rank)
@@ -604,6 +629,7 @@ def online_thumbs(args: argparse.Namespace) -> dict[str, Any]:
                   "untouched": vars(untouched) | {"preference": untouched.preference}},
         "heldout_thumbs": {"eval": len(heldout_eval), "guard": len(guard_examples),
                            "up": sum(e.desirable for e in heldout)},
+        "backend": backend_record(engine),
         "threads": torch.get_num_threads(),
         "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
         "summary": summary, "history": history, "publishes": publishes,
@@ -713,7 +739,7 @@ def plot_thumbs(result: dict[str, Any], path: Path, plt: Any) -> None:
 def markdown_thumbs(result: dict[str, Any]) -> list[str]:
     s, users = result["summary"], result["users"]
     lines = [
-        f"Model `{Path(result['model']).name}`, fp32, {result['threads']} thread(s). Trained user "
+        f"Model `{Path(result['model']).name}`, {serving(result)}, {result['threads']} thread(s). Trained user "
         f"`{users['trained']['name']}` gives only lone thumbs (one per answer, no prompt twice); hidden "
         f"preference: {users['trained']['preference']}. Untouched user `{users['untouched']['name']}` "
         f"(never trained). Held-out thumbs on the base model's answers: {result['heldout_thumbs']['eval']} "
@@ -735,7 +761,9 @@ def markdown_thumbs(result: dict[str, Any]) -> list[str]:
         f"(by stage: {s['stage_s_per_thumb']}); generation per thumb {s['generate_s_per_thumb']} s; "
         f"total run {s['total_s']} s",
         f"- load average (1/5/15 min) at start {result['load_average']['start']}, at end "
-        f"{result['load_average']['end']} on {os.cpu_count()} CPUs; peak RSS {s['peak_rss_mb']} MB",
+        f"{result['load_average']['end']} on {os.cpu_count()} CPUs; peak RSS {s['peak_rss_mb']} MB "
+        f"(fp32 model, KV cache, trainer{graph_bytes(result)})",
+        f"- backend ({result['backend']['requested']}): {served_by(result['backend'])}: {result['backend']['reason']}",
         f"- bar: {s['bar']}",
         "",
         "| thumbs | up | served | margin | accuracy | share | untouched unchanged | store | last guard decision |",
@@ -754,6 +782,15 @@ def markdown_thumbs(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def serving(result: dict[str, Any]) -> str:
+    return f"served on {served_by(result['backend'])}, trained on the fp32 torch weights"
+
+
+def graph_bytes(result: dict[str, Any]) -> str:
+    held = result["backend"]["held_bytes"]
+    return f", the backend's graph weights and KV rows {held / 2**20:.0f} MiB" if held else ""
+
+
 def markdown(result: dict[str, Any]) -> str:
     s = result["summary"]
     lines = [f"# Personalisation benchmark ({result['mode']})", ""]
@@ -762,7 +799,7 @@ def markdown(result: dict[str, Any]) -> str:
     elif result["mode"] == "online":
         users = result["users"]
         lines += [
-            f"Model `{Path(result['model']).name}`, fp32, {result['threads']} thread(s). Trained user "
+            f"Model `{Path(result['model']).name}`, {serving(result)}, {result['threads']} thread(s). Trained user "
             f"`{users['trained']['name']}`: {users['trained']['preference']}; untouched user "
             f"`{users['untouched']['name']}`: {users['untouched']['preference']} (never trained). "
             f"Held-out pairs: {result['heldout_pairs']['trained']} (+{result['heldout_pairs']['guard']} for the guard).",
@@ -784,7 +821,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"evaluation: {s['wall_s_per_pair']} s; total run {s['total_s']} s",
             f"- load average (1/5/15 min) at start {result['load_average']['start']}, at end "
             f"{result['load_average']['end']} on {os.cpu_count()} CPUs",
-            f"- peak RSS {s['peak_rss_mb']} MB (fp32 model, KV cache, trainer); estimated peak activations "
+            f"- backend ({result['backend']['requested']}): {served_by(result['backend'])}: {result['backend']['reason']}",
+            f"- peak RSS {s['peak_rss_mb']} MB (fp32 model, KV cache, trainer{graph_bytes(result)}); estimated peak activations "
             f"{s['max_activation_bytes_estimate'] / 2**20:.1f} MiB; adapter + grads + Adam {s['adapter_state_bytes'] / 2**20:.1f} MiB",
             f"- bar: {s['bar']}",
             "",
@@ -843,14 +881,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--guard-win-rate-tolerance", type=float, default=0.05)
     p.add_argument("--guard-clpd-tolerance", type=float, default=1.0)
     p.add_argument("--kv-cache-mb", type=int, default=256)
+    p.add_argument("--backend", choices=("auto", "torch", "onnxruntime"), default="auto",
+                   help="serving backend, built as the daemon builds it (auto: its default); training "
+                        "always reads the fp32 torch weights")
+    p.add_argument("--quantization", default="auto", choices=("auto", "none", "int8", "int4", "int4-compact"),
+                   help="ONNX weight format (auto: the daemon's default, the fastest within 5%% of float perplexity)")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1 by default: on a shared CPU a 2-thread GEMM waits for a descheduled thread)")
+                   help="torch and ONNX Runtime threads (1 by default: on a shared CPU a 2-thread GEMM waits for a "
+                        "descheduled thread)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None,
-                   help="result path without suffix (default tools/results/bench_alignment[_thumbs])")
+                   help="result path without suffix (default tools/results/bench_alignment[_thumbs][_BACKEND], "
+                        "no backend suffix for torch)")
     args = p.parse_args(argv)
     if args.out is None:
-        args.out = RESULTS / ("bench_alignment_thumbs" if args.feedback == "thumbs" else "bench_alignment")
+        name = "bench_alignment_thumbs" if args.feedback == "thumbs" else "bench_alignment"
+        args.out = RESULTS / (name if args.backend == "torch" else f"{name}_{args.backend}")
     torch.set_num_threads(args.threads)
     if args.replay:
         result = replay(args)

@@ -83,12 +83,52 @@ def test_thumbs_user_judges_the_opening_and_prompts_are_never_repeated(bench):
 def test_thumbs_mode_trains_by_kto_and_the_pair_rules_derive_nothing(bench, tiny_model_dir, tmp_path):
     out = tmp_path / "thumbs"
     threads = torch.get_num_threads()
-    bench.main(["--model", str(tiny_model_dir), "--feedback", "thumbs", "--thumbs", "4", "--round-prompts", "2",
-                "--eval-every", "2", "--heldout-prompts", "5", "--eval-prompts", "5", "--guard-examples", "2",
-                "--max-new-tokens", "6", "--eval-new-tokens", "6", "--kv-cache-mb", "16", "--out", str(out)])
+    bench.main(["--model", str(tiny_model_dir), "--backend", "torch", "--feedback", "thumbs", "--thumbs", "4",
+                "--round-prompts", "2", "--eval-every", "2", "--heldout-prompts", "5", "--eval-prompts", "5",
+                "--guard-examples", "2", "--max-new-tokens", "6", "--eval-new-tokens", "6", "--kv-cache-mb", "16",
+                "--out", str(out)])
     torch.set_num_threads(threads)
     result = json.loads(Path(f"{out}.json").read_text())
     assert result["mode"] == "thumbs" and [h["thumbs"] for h in result["history"]] == [0, 2, 4]
     assert result["summary"]["store_after"]["pairs"] == 0 and result["summary"]["bar"]["old_path_trains_nothing"]
     assert result["summary"]["untouched_greedy_unchanged"]
     assert Path(f"{out}.png").stat().st_size > 0 and "lone thumbs" in Path(f"{out}.md").read_text()
+
+
+def test_auto_backend_serves_both_users_through_onnxruntime_and_still_trains(bench, tiny_model_dir, tmp_path,
+                                                                             monkeypatch):
+    pytest.importorskip("onnxruntime")
+    from edge_runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
+    from edge_runtime.backends.torch_backend import TorchBackend
+    from edge_runtime.sequence import Sequence
+
+    monkeypatch.setenv("MACE_CACHE_DIR", str(tmp_path / "cache"))  # the tiny model's graphs
+    served_adapters, torch_requests = [], []
+    ort_execute, torch_execute = OnnxRuntimeBackend.execute, TorchBackend.execute
+
+    def ort_spy(self, batch, lora=None):
+        served_adapters.extend(item.seq.request.adapter for item in batch.items if isinstance(item.seq, Sequence))
+        return ort_execute(self, batch, lora)
+
+    def torch_spy(self, batch, lora=None):  # the self-check's probes only, never a request
+        torch_requests.extend(item for item in batch.items if isinstance(item.seq, Sequence))
+        return torch_execute(self, batch, lora)
+
+    monkeypatch.setattr(OnnxRuntimeBackend, "execute", ort_spy)
+    monkeypatch.setattr(TorchBackend, "execute", torch_spy)
+    out = tmp_path / "auto"
+    threads = torch.get_num_threads()
+    bench.main(["--model", str(tiny_model_dir), "--backend", "auto", "--quantization", "none",  # exact float graph
+                "--feedback", "thumbs", "--thumbs", "4", "--round-prompts", "2", "--eval-every", "2",
+                "--heldout-prompts", "5", "--eval-prompts", "5", "--guard-examples", "2", "--max-new-tokens", "6",
+                "--eval-new-tokens", "6", "--kv-cache-mb", "16", "--out", str(out)])
+    torch.set_num_threads(threads)
+    result = json.loads(Path(f"{out}.json").read_text())
+    assert (result["backend"]["requested"], result["backend"]["name"]) == ("auto", "onnxruntime")
+    assert "self-check: greedy tokens equal" in result["backend"]["reason"]
+    assert not torch_requests and served_adapters
+    trained = [a for a in served_adapters if a is not None and a.user == "sam"]
+    assert trained and result["history"][-1]["served_version"] == max(a.version for a in trained)
+    assert result["summary"]["stage_s_per_thumb"]["backward"] > 0 and result["summary"]["versions_published"] >= 1
+    assert result["summary"]["untouched_greedy_unchanged"]
+    assert "served on onnxruntime (fp32)" in Path(f"{out}.md").read_text()
