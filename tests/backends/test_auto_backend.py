@@ -71,8 +71,8 @@ def test_explicit_backend_wins(tiny_model_dir, tmp_path):
     engine = load(tiny_model_dir, tmp_path, backend="torch", onnx_quantization="auto")
     assert engine.backend_choice == auto.BackendChoice("torch", "torch", "none", "set explicitly")
     engine = load(tiny_model_dir, tmp_path, backend="onnxruntime", onnx_quantization="auto")
-    assert (engine.backend.name, engine.backend_choice.quantization) == ("onnxruntime", "int8")
-    assert engine.backend.spec.quantization == "int8"
+    assert (engine.backend.name, engine.backend_choice.quantization) == ("onnxruntime", "q4_1")
+    assert (engine.backend.spec.quantization, engine.backend.spec.offsets) == ("int4", True)
 
 
 def test_auto_loads_float32_weights_for_onnxruntime_on_cpu(tiny_model_dir, tmp_path):
@@ -80,7 +80,7 @@ def test_auto_loads_float32_weights_for_onnxruntime_on_cpu(tiny_model_dir, tmp_p
     assert engine.model.dtype == torch.float32 and engine.backend.name == "onnxruntime"
 
 
-@pytest.mark.parametrize("margin,expected", [(0.0, "none"), (0.01, "none"), (0.05, "int8"),
+@pytest.mark.parametrize("margin,expected", [(0.0, "none"), (0.0005, "none"), (0.001, "q4_1"), (0.05, "q4_1"),
                                              (0.2, "int4"), (0.3, "int4-compact")])
 def test_quantization_is_the_fastest_within_the_perplexity_margin(margin, expected):
     assert auto.pick_quantization(margin) == expected

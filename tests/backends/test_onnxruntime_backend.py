@@ -130,7 +130,7 @@ def test_exports_are_shared_across_state_dirs_and_older_ones_still_used(tiny_mod
     assert not (tmp_path / "cache" / "onnx" / old.parent.name).exists()
 
 
-@pytest.mark.parametrize("quantization,tolerance", [("int8", 0.05), ("int4", 0.5), ("int4-compact", 0.5)])
+@pytest.mark.parametrize("quantization,tolerance", [("int8", 0.05), ("q4_1", 0.5), ("int4", 0.5), ("int4-compact", 0.5)])
 def test_weight_only_quantization_stays_close_to_float(tiny_model_dir, tmp_path, quantization, tolerance):
     engine = Engine.load(str(tiny_model_dir), **CONFIG)
     ids = engine.tokenizer.hf.encode("The quick brown fox jumps over the lazy dog.")
@@ -145,6 +145,9 @@ def test_weight_format_names_map_to_graph_specs(tiny_model_dir, tmp_path):
     compact = OnnxRuntimeBackend(engine.model, engine.cache, None, quantization="int4-compact", cache_dir=tmp_path)
     assert (compact.spec.quantization, compact.spec.symmetric, compact.spec.head_bits) == ("int4", False, 4)
     assert "-int4-head4" in compact.spec.tag  # its own export, never the int4 one
+    q4_1 = OnnxRuntimeBackend(engine.model, engine.cache, None, quantization="q4_1", cache_dir=tmp_path)
+    assert (q4_1.spec.quantization, q4_1.spec.offsets, q4_1.spec.head_bits) == ("int4", True, 8)
+    assert "-int4-off-kv" in q4_1.spec.tag
     with pytest.raises(ValueError, match="int4-compact"):
         OnnxRuntimeBackend(engine.model, engine.cache, None, quantization="int3", cache_dir=tmp_path)
 
