@@ -191,6 +191,17 @@ def check_llama(python: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def llama_system_info(python: str) -> str | None:
+    """The CPU features that llama.cpp build uses (its `llama_print_system_info`): which kernels
+    the comparison ran against."""
+    try:
+        out = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"],
+                             capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
 # -- load ----------------------------------------------------------------------------------------------
 
 
@@ -248,6 +259,7 @@ def render_markdown(result: dict[str, Any]) -> str:
              f"prompts in turn; {m['rounds']} rounds per level alternating the servers "
              f"(requests per client: {m['per_client']}); maced with `ignore_eos`, llama-server stops at "
              "EOS (no such option), so tok/s counts `usage.completion_tokens`",
+             f"- llama.cpp's CPU features: {m.get('llama_cpp_system_info') or 'not recorded'}",
              "- peak RSS: VmHWM of the server process plus its children over the whole run", "",
              "| clients | server | requests | tokens/request | tok/s | TTFT p50 ms | TTFT p99 ms | peak RSS MiB | ready s |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -412,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "loadavg_start": loadavg_start, "loadavg_end": loadavg_end,
                  "gguf_name": gguf.name, "gguf_sha256": _sha256(gguf), "maced_backend": maced_backend,
-                 "llama_cpp_version": llama_version, "openai": openai.__version__, "threads": args.threads,
+                 "llama_cpp_version": llama_version, "llama_cpp_system_info": llama_system_info(args.llama_python),
+                 "openai": openai.__version__, "threads": args.threads,
                  "n_ctx": args.n_ctx, "max_tokens": args.max_tokens, "rounds": args.rounds,
                  "per_client": per_client, "partial": partial,
                  "usage_reported": {n: all(x["usage_reported"] for c in levels for x in samples[c][n])
