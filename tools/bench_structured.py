@@ -16,7 +16,8 @@ generating exactly `--tokens` tokens; best of `--repeats` rounds, the two altern
 the mask alone, replayed on the recorded token sequences outside the forward: the engine's
 whole mask path per step (masks, unpacking, the masked row, argmax, advancing; the figure that
 a loaded machine leaves readable), and the masks plus advancing alone for llguidance (what the
-engine uses) and, when it is importable, xgrammar (the alternative the choice was made against).
+engine uses) and, when it is importable, xgrammar (the alternative the choice was made against),
+with how many tokens their masks disagree on.
 Writes tools/results/bench_structured.{json,md}; `--skip-validity` re-measures the overhead and
 keeps the validity section of the earlier result.
 """
@@ -24,6 +25,7 @@ keeps the validity section of the earlier result.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -202,26 +204,61 @@ def replay_engine_path(engine: Engine, sequences: list[list[int]], schema: dict[
 
 
 def replay_xgrammar(engine: Engine, sequences: list[list[int]], schema: dict[str, Any]) -> float | None:
+    """Seconds per step for xgrammar's masks + advancing, the work `replay_llguidance` times:
+    the batch's bitmasks filled by its batch matcher (its thread pool, as llguidance's
+    executor), then each matcher fed its token. None when xgrammar is not importable."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        return None
+    compiled = _xgrammar_schema(xgr, engine, schema)
+    matchers = [xgr.GrammarMatcher(compiled) for _ in sequences]
+    batch = xgr.BatchGrammarMatcher()
+    bitmask = xgr.allocate_token_bitmask(len(sequences), engine.model.cfg.vocab_size)
+    steps = min(len(s) for s in sequences)
+    start = time.perf_counter()
+    for t in range(steps):
+        batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        for m, seq in zip(matchers, sequences, strict=True):
+            assert m.accept_token(seq[t])
+    return (time.perf_counter() - start) / steps
+
+
+def _xgrammar_schema(xgr: Any, engine: Engine, schema: dict[str, Any]) -> Any:
+    vocab = engine.model.cfg.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer.hf, vocab_size=vocab,
+                                              stop_token_ids=sorted(engine.tokenizer.eos_ids))
+    # The same schema. xgrammar bounds the count of whitespace characters between JSON tokens,
+    # not their shape; 35 is the longest run the engine's JSON_WHITESPACE allows (1 + 2 + 32),
+    # so it accepts every sequence the engine produced and forbids the same long blank runs.
+    return xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=True,
+                                                         max_whitespace_cnt=35)
+
+
+def mask_agreement(engine: Engine, sequences: list[list[int]], schema: dict[str, Any]) -> dict[str, float] | None:
+    """How far xgrammar's masks are from llguidance's on the replayed steps (tokens allowed by
+    one and not the other, per step): near 0 means both replays do the same work."""
     try:
         import xgrammar as xgr
     except ImportError:
         return None
     vocab = engine.model.cfg.vocab_size
-    info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer.hf, vocab_size=vocab,
-                                              stop_token_ids=sorted(engine.tokenizer.eos_ids))
-    # The same schema; xgrammar's whitespace rule is its own (any run), so it accepts every
-    # sequence the engine's bounded-whitespace grammar produced.
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=True)
-    matchers = [xgr.GrammarMatcher(compiled) for _ in sequences]
+    compiled = _xgrammar_schema(xgr, engine, schema)
+    ll_matchers = [engine.grammars.matcher(Constraint.json_schema(schema)) for _ in sequences]
+    xg_matchers = [xgr.GrammarMatcher(compiled) for _ in sequences]
     bitmask = xgr.allocate_token_bitmask(len(sequences), vocab)
     steps = min(len(s) for s in sequences)
-    start = time.perf_counter()
+    differ, allowed = [], []
     for t in range(steps):
-        for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(bitmask, i)
-        for m, seq in zip(matchers, sequences, strict=True):
-            assert m.accept_token(seq[t])
-    return (time.perf_counter() - start) / steps
+        ll = torch.stack([unpack_mask(row, vocab) for row in engine.grammars.masks(ll_matchers)])
+        xgr.BatchGrammarMatcher().batch_fill_next_token_bitmask(xg_matchers, bitmask)
+        xg = torch.stack([unpack_mask(row, vocab) for row in bitmask])
+        differ += (ll != xg).sum(dim=1).tolist()
+        allowed += ll.sum(dim=1).tolist()
+        for lm, xm, seq in zip(ll_matchers, xg_matchers, sequences, strict=True):
+            assert lm.consume_token(seq[t]) and xm.accept_token(seq[t])
+    return {"mean_tokens_differing": round(sum(differ) / len(differ), 1), "max_tokens_differing": max(differ),
+            "mean_tokens_allowed_llguidance": round(sum(allowed) / len(allowed), 1)}
 
 
 def overhead(engine: Engine, streams_list: list[int], tokens: int, repeats: int) -> list[dict[str, Any]]:
@@ -235,10 +272,13 @@ def overhead(engine: Engine, streams_list: list[int], tokens: int, repeats: int)
             rate, sequences = decode_rate(engine, streams, tokens, constraint)
             masked_rates.append(rate)
         free, masked = max(free_rates), max(masked_rates)
-        ll = min(replay_llguidance(engine, sequences, LONG_ANSWER) for _ in range(repeats))
-        path = min(replay_engine_path(engine, sequences, LONG_ANSWER) for _ in range(repeats))
-        xg = [replay_xgrammar(engine, sequences, LONG_ANSWER) for _ in range(repeats)]
-        xg_best = min(x for x in xg if x is not None) if any(x is not None for x in xg) else None
+        lls, paths, xgs = [], [], []
+        for _ in range(repeats):  # interleaved too: the replays are compared with each other
+            lls.append(replay_llguidance(engine, sequences, LONG_ANSWER))
+            paths.append(replay_engine_path(engine, sequences, LONG_ANSWER))
+            xgs.append(replay_xgrammar(engine, sequences, LONG_ANSWER))
+        ll, path = min(lls), min(paths)
+        xg_best = None if None in xgs else min(xgs)
         rows.append({"streams": streams, "decode_tok_s_free": round(free, 2), "decode_tok_s_masked": round(masked, 2),
                      "ms_per_token_free": round(1000 / (free / streams), 3),
                      "ms_per_token_masked": round(1000 / (masked / streams), 3),
@@ -248,6 +288,7 @@ def overhead(engine: Engine, streams_list: list[int], tokens: int, repeats: int)
                      "mask_path_ms_per_step": round(path * 1000, 3),
                      "mask_path_ms_per_token": round(path * 1000 / streams, 3),
                      "xgrammar_ms_per_step": round(xg_best * 1000, 3) if xg_best is not None else None,
+                     "xgrammar_vs_llguidance_masks": mask_agreement(engine, sequences, LONG_ANSWER),
                      "rates_free": [round(r, 2) for r in free_rates], "rates_masked": [round(r, 2) for r in masked_rates]})
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -285,7 +326,23 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         lines.append(f"| {r['streams']} | {r.get('mask_path_ms_per_step')} | {r.get('mask_path_ms_per_token')} | "
                      f"{r['llguidance_ms_per_step']} | {r['xgrammar_ms_per_step']} | {r['decode_tok_s_free']} | "
                      f"{r['decode_tok_s_masked']} | {r['overhead_ms_per_step']} |")
+    agree = [r for r in result["overhead"] if r.get("xgrammar_vs_llguidance_masks")]
+    if agree:
+        lines += ["", f"xgrammar {machine.get('xgrammar')} against llguidance {machine.get('llguidance')}, both "
+                  "through their batch call, on the same token sequences and schema (xgrammar's whitespace "
+                  "bounded to the 35 characters the engine's grammar allows): tokens allowed by one library and "
+                  "not the other, per stream and step, " + "; ".join(
+                      f"{r['streams']} stream(s): mean {m['mean_tokens_differing']}, max {m['max_tokens_differing']} "
+                      f"of {m['mean_tokens_allowed_llguidance']} allowed on average"
+                      for r in agree for m in [r["xgrammar_vs_llguidance_masks"]]) + "."]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def main() -> None:
@@ -310,7 +367,8 @@ def main() -> None:
         "model": engine.model_name, "dtype": str(engine.model.dtype).removeprefix("torch."),
         "max_tokens": args.max_tokens, "tokens": args.tokens, "repeats": args.repeats,
         "machine": {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "python": platform.python_version(), "torch": torch.__version__},
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "llguidance": _version("llguidance"), "xgrammar": _version("xgrammar")},
         "loadavg_start": [round(x, 2) for x in load_start]}
     if not args.skip_validity:
         print("validity ...", flush=True)
