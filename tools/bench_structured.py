@@ -14,7 +14,7 @@ Overhead: decode tokens/s of the same prompts with and without a JSON-schema mas
 answer cannot end before `--tokens` tokens (a string with a minimum length), every stream
 generating exactly `--tokens` tokens; best of `--repeats` rounds, the two alternating. Then
 the mask alone, replayed on the recorded token sequences outside the forward: the engine's
-whole mask path per step (masks, unpacking, the masked row, argmax, advancing; the figure that
+whole mask path per step (masks, unpacking, the masked rows, argmax, advancing; the figure that
 a loaded machine leaves readable), and the masks plus advancing alone for llguidance (what the
 engine uses) and, when it is importable, xgrammar (the alternative the choice was made against),
 with how many tokens their masks disagree on.
@@ -41,8 +41,9 @@ import jsonschema  # noqa: E402
 import torch  # noqa: E402
 
 from edge_runtime import Engine, SamplingParams  # noqa: E402
-from edge_runtime.constraints import Constraint, unpack_mask  # noqa: E402
-from edge_runtime.sampling import choose, shape_logits  # noqa: E402
+from edge_runtime.constraints import Constraint, unpack_masks  # noqa: E402
+from edge_runtime.engine import _greedy_tokens  # noqa: E402
+from edge_runtime.sampling import mask_rows  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -187,23 +188,22 @@ def replay_llguidance(engine: Engine, sequences: list[list[int]], schema: dict[s
 
 def replay_engine_path(engine: Engine, sequences: list[list[int]], schema: dict[str, Any]) -> float:
     """Seconds per step for everything a mask adds to a decode step in the engine's own code
-    (`Engine._grammar_masks` and the row shaping of `_commit_token`): the streams' packed masks,
-    each unpacked to [vocab], a float32 copy of the row with the disallowed tokens at -inf, the
-    argmax over it, and the grammars advanced (all of it counted: the engine's batched argmax of
-    the unmasked path runs either way). Independent of the model's forward, so machine load
-    moves it far less than the end-to-end rates."""
+    (`Engine._apply_grammars` and the argmax of `_commit_tokens`): the streams' packed masks,
+    unpacked together, a float32 copy of the batch's logits with each row's disallowed tokens at
+    -inf, the batch's argmax over it, and the grammars advanced (all of it counted: the engine's
+    batched argmax of the unmasked path runs either way). Independent of the model's forward, so
+    machine load moves it far less than the end-to-end rates."""
     compiler = engine.grammars
     vocab = engine.model.cfg.vocab_size
     logits = torch.randn(len(sequences), vocab, dtype=engine.model.dtype)
-    params = SamplingParams(constraint=Constraint.json_schema(schema))
-    matchers = [compiler.matcher(params.constraint) for _ in sequences]
+    matchers = [compiler.matcher(Constraint.json_schema(schema)) for _ in sequences]
+    rows = list(range(len(sequences)))
     steps = min(len(s) for s in sequences)
     start = time.perf_counter()
     for t in range(steps):
-        packed = compiler.masks(matchers)
-        for i, (m, seq) in enumerate(zip(matchers, sequences, strict=True)):
-            row = shape_logits(logits[i], params, None, unpack_mask(packed[i], vocab))
-            choose(row, params, None)
+        shaped = mask_rows(logits, rows, unpack_masks(compiler.masks(matchers), vocab))
+        _greedy_tokens(shaped)
+        for m, seq in zip(matchers, sequences, strict=True):
             assert m.consume_token(seq[t]), m.get_error()
     return (time.perf_counter() - start) / steps
 
@@ -255,9 +255,9 @@ def mask_agreement(engine: Engine, sequences: list[list[int]], schema: dict[str,
     steps = min(len(s) for s in sequences)
     differ, allowed = [], []
     for t in range(steps):
-        ll = torch.stack([unpack_mask(row, vocab) for row in engine.grammars.masks(ll_matchers)])
+        ll = unpack_masks(engine.grammars.masks(ll_matchers), vocab)
         xgr.BatchGrammarMatcher().batch_fill_next_token_bitmask(xg_matchers, bitmask)
-        xg = torch.stack([unpack_mask(row, vocab) for row in bitmask])
+        xg = unpack_masks(bitmask, vocab)
         differ += (ll != xg).sum(dim=1).tolist()
         allowed += ll.sum(dim=1).tolist()
         for lm, xm, seq in zip(ll_matchers, xg_matchers, sequences, strict=True):
@@ -287,7 +287,8 @@ def overhead(engine: Engine, streams_list: list[int], tokens: int, repeats: int)
             for label, schema in REPLAY_SCHEMAS.items():
                 replays[label]["llguidance"].append(replay_llguidance(engine, sequences, schema))
                 replays[label]["xgrammar"].append(replay_xgrammar(engine, sequences, schema))
-        libraries = [{"schema": label, **{f"{lib}_ms_per_step": _best_ms(times) for lib, times in replays[label].items()},
+        libraries = [{"schema": label,
+                      **{f"{lib}_ms_per_step": _best_ms(times) for lib, times in replays[label].items()},
                       "xgrammar_vs_llguidance_masks": mask_agreement(engine, sequences, REPLAY_SCHEMAS[label])}
                      for label in REPLAY_SCHEMAS]
         path = min(paths)
@@ -325,8 +326,9 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         lines.append(f"| {r['schema']} | {r['request']} | {r['masked_valid']} | {r['masked_finish']} | "
                      f"{r['free_valid']} | {r['free_finish']} |")
     lines += ["", f"**Overhead** ({result['tokens']} tokens per stream). Mask path = what a mask adds to a decode "
-              "step in the engine's own code (masks of all streams, each unpacked and applied to a float32 copy "
-              "of its row, argmax, grammars advanced), replayed on the recorded token sequences, best of "
+              "step in the engine's own code (masks of all streams, unpacked together and applied to a float32 "
+              "copy of the batch's logits, the batch's argmax, grammars advanced), replayed on the recorded "
+              "token sequences, best of "
               f"{result['repeats']}; independent of the forward, so the machine's load moves it little. "
               "llguidance replay = masks + advance alone. End to end = decode tok/s of the same streams with "
               f"and without the mask, best of {result['repeats']} alternating rounds (noisy on a loaded machine: "
@@ -346,7 +348,8 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
                   "same schema without the string's minimum length (xgrammar's whitespace bounded to the 35 "
                   "characters the engine's grammar allows). Masks differ = tokens allowed by one library and not "
                   "the other, per stream and step (mean / max, of the mean allowed by llguidance).", "",
-                  "| streams | schema | llguidance ms/step | xgrammar ms/step | masks differ |", "|---|---|---|---|---|"]
+                  "| streams | schema | llguidance ms/step | xgrammar ms/step | masks differ |",
+                  "|---|---|---|---|---|"]
         for r in result["overhead"]:
             for lib in r.get("libraries", []):
                 m = lib["xgrammar_vs_llguidance_masks"] or {}
