@@ -121,9 +121,13 @@ class GrammarCompiler:
         return self.ll_tokenizer.decode_bytes([int(token_id)])
 
 
-def unpack_mask(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """One packed bitmask row [ceil(vocab / 32)] int32 -> bool [vocab] (True = allowed)."""
+def unpack_masks(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Packed bitmask rows [n, ceil(vocab / 32)] int32 -> bool [n, vocab] (True = allowed), all
+    rows in one numpy call: token t is bit t % 32 of word t // 32, so the words' little-endian
+    bytes unpacked little bit first are the tokens in order."""
+    import numpy as np
     import torch
 
-    bits = torch.arange(32, dtype=torch.int32)
-    return ((packed[:, None] >> bits) & 1).bool().reshape(-1)[:vocab_size]
+    words = np.ascontiguousarray(packed.numpy(), dtype="<i4")
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_)[:, :vocab_size])

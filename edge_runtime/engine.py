@@ -24,7 +24,7 @@ import torch
 from edge_runtime.backends.auto import SELF_CHECK_PROMPTS, choose_backend, first_candidate
 from edge_runtime.chat import ChatPrompt, forced_call_constraint
 from edge_runtime.config import EngineConfig
-from edge_runtime.constraints import GrammarCompiler, unpack_mask
+from edge_runtime.constraints import GrammarCompiler, unpack_masks
 from edge_runtime.device import pick_device, pick_dtype
 from edge_runtime.errors import BadRequest, EngineBroken, InsufficientMemory, UnknownRequest
 from edge_runtime.ids import validate_request_id
@@ -43,6 +43,7 @@ from edge_runtime.sampling import (
     SamplingError,
     SamplingParams,
     choose,
+    mask_rows,
     sample_next,
     shape_logits,
     token_logprobs,
@@ -586,44 +587,43 @@ class Engine:
     def _commit_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
         done: list[RequestOutput] = []
         now = self.clock()
+        logits = self._apply_grammars(seqs, logits)
         greedy = _greedy_tokens(logits) if any(seq.params.greedy for seq in seqs) else None
-        allowed = self._grammar_masks(seqs)
         for row, seq in enumerate(seqs):
             if seq.status is SeqStatus.FINISHED:
                 continue  # its request failed on an earlier row of this step
             try:
-                output = self._commit_token(seq, logits[row], greedy[row] if greedy is not None else None, now,
-                                            allowed.get(id(seq)))
+                output = self._commit_token(seq, logits[row], greedy[row] if greedy is not None else None, now)
             except Exception as exc:  # sampling, stop check, detokenising, the callback: this request's
                 output = self._fail_request(seq.request, f"{type(exc).__name__}: {exc}")
             if output is not None:
                 done.append(output)
         return done
 
-    def _grammar_masks(self, seqs: list[Sequence]) -> dict[int, torch.Tensor]:
-        """The allowed tokens of every constrained row of this step (bool [vocab] by id(seq)),
-        computed together; a request whose grammar fails here fails alone."""
-        constrained = [s for s in seqs if s.matcher is not None and s.status is not SeqStatus.FINISHED]
-        if not constrained:
-            return {}
+    def _apply_grammars(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """The step's logits with every constrained row's disallowed tokens at -inf (a float32
+        copy; `logits` itself when no row is constrained), the masks computed together; a
+        request whose grammar fails here fails alone."""
+        rows = [row for row, s in enumerate(seqs) if s.matcher is not None and s.status is not SeqStatus.FINISHED]
+        if not rows:
+            return logits
         try:
-            packed = self.grammars.masks([s.matcher for s in constrained])
+            packed = self.grammars.masks([seqs[row].matcher for row in rows])
         except Exception as exc:
-            for seq in constrained:
-                if seq.request.request_id in self.requests:
-                    self._fail_request(seq.request, f"the grammar's mask failed: {type(exc).__name__}: {exc}")
-            return {}
-        vocab = self.model.cfg.vocab_size
-        return {id(s): unpack_mask(packed[i], vocab) for i, s in enumerate(constrained)}
+            for row in rows:
+                if seqs[row].request.request_id in self.requests:
+                    self._fail_request(seqs[row].request, f"the grammar's mask failed: {type(exc).__name__}: {exc}")
+            return logits
+        return mask_rows(logits, rows, unpack_masks(packed, self.model.cfg.vocab_size))
 
-    def _commit_token(self, seq: Sequence, logits: torch.Tensor, greedy: int | None, now: float,
-                      allowed: torch.Tensor | None = None) -> RequestOutput | None:
-        """Shape the row, choose, stream and stop-check one sequence's new token; its request's
-        output when this token finished the request."""
+    def _commit_token(self, seq: Sequence, logits: torch.Tensor, greedy: int | None,
+                      now: float) -> RequestOutput | None:
+        """Shape the row (its grammar's mask already applied), choose, stream and stop-check one
+        sequence's new token; its request's output when this token finished the request."""
         params = seq.params
         row = logits
         if params.shapes_logits:
-            row = shape_logits(logits, params, seq.counts, allowed)
+            row = shape_logits(logits, params, seq.counts)
             token = choose(row, params, seq.generator)
         elif params.greedy and greedy is not None:
             token = greedy

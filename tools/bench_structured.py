@@ -14,9 +14,10 @@ Overhead: decode tokens/s of the same prompts with and without a JSON-schema mas
 answer cannot end before `--tokens` tokens (a string with a minimum length), every stream
 generating exactly `--tokens` tokens; best of `--repeats` rounds, the two alternating. Then
 the mask alone, replayed on the recorded token sequences outside the forward: the engine's
-whole mask path per step (masks, unpacking, the masked row, argmax, advancing; the figure that
+whole mask path per step (masks, unpacking, the masked rows, argmax, advancing; the figure that
 a loaded machine leaves readable), and the masks plus advancing alone for llguidance (what the
-engine uses) and, when it is importable, xgrammar (the alternative the choice was made against).
+engine uses) and, when it is importable, xgrammar (the alternative the choice was made against),
+with how many tokens their masks disagree on.
 Writes tools/results/bench_structured.{json,md}; `--skip-validity` re-measures the overhead and
 keeps the validity section of the earlier result.
 """
@@ -24,6 +25,7 @@ keeps the validity section of the earlier result.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -39,8 +41,9 @@ import jsonschema  # noqa: E402
 import torch  # noqa: E402
 
 from edge_runtime import Engine, SamplingParams  # noqa: E402
-from edge_runtime.constraints import Constraint, unpack_mask  # noqa: E402
-from edge_runtime.sampling import choose, shape_logits  # noqa: E402
+from edge_runtime.constraints import Constraint, unpack_masks  # noqa: E402
+from edge_runtime.engine import _greedy_tokens  # noqa: E402
+from edge_runtime.sampling import mask_rows  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -95,6 +98,11 @@ REQUESTS = {
 }
 LONG_ANSWER = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}},
                "required": ["story"], "additionalProperties": False}
+STORY = {**LONG_ANSWER, "properties": {"story": {"type": "string"}}}
+# The libraries are replayed on the recorded sequences under two schemas both accept: the one
+# they were made with, and the same without the minimum length, whose counted repetition is
+# costly in xgrammar and grows with the string.
+REPLAY_SCHEMAS = {"story, minLength 2000": LONG_ANSWER, "story, no minLength": STORY}
 TOPICS = ["the sea", "a mountain", "a robot", "the moon", "a library", "a bakery", "a river", "winter",
           "a violin", "a garden", "a train", "the desert", "a lighthouse", "a volcano", "a forest", "a city"]
 
@@ -180,48 +188,86 @@ def replay_llguidance(engine: Engine, sequences: list[list[int]], schema: dict[s
 
 def replay_engine_path(engine: Engine, sequences: list[list[int]], schema: dict[str, Any]) -> float:
     """Seconds per step for everything a mask adds to a decode step in the engine's own code
-    (`Engine._grammar_masks` and the row shaping of `_commit_token`): the streams' packed masks,
-    each unpacked to [vocab], a float32 copy of the row with the disallowed tokens at -inf, the
-    argmax over it, and the grammars advanced (all of it counted: the engine's batched argmax of
-    the unmasked path runs either way). Independent of the model's forward, so machine load
-    moves it far less than the end-to-end rates."""
+    (`Engine._apply_grammars` and the argmax of `_commit_tokens`): the streams' packed masks,
+    unpacked together, a float32 copy of the batch's logits with each row's disallowed tokens at
+    -inf, the batch's argmax over it, and the grammars advanced (all of it counted: the engine's
+    batched argmax of the unmasked path runs either way). Independent of the model's forward, so
+    machine load moves it far less than the end-to-end rates."""
     compiler = engine.grammars
     vocab = engine.model.cfg.vocab_size
     logits = torch.randn(len(sequences), vocab, dtype=engine.model.dtype)
-    params = SamplingParams(constraint=Constraint.json_schema(schema))
-    matchers = [compiler.matcher(params.constraint) for _ in sequences]
+    matchers = [compiler.matcher(Constraint.json_schema(schema)) for _ in sequences]
+    rows = list(range(len(sequences)))
     steps = min(len(s) for s in sequences)
     start = time.perf_counter()
     for t in range(steps):
-        packed = compiler.masks(matchers)
-        for i, (m, seq) in enumerate(zip(matchers, sequences, strict=True)):
-            row = shape_logits(logits[i], params, None, unpack_mask(packed[i], vocab))
-            choose(row, params, None)
+        shaped = mask_rows(logits, rows, unpack_masks(compiler.masks(matchers), vocab))
+        _greedy_tokens(shaped)
+        for m, seq in zip(matchers, sequences, strict=True):
             assert m.consume_token(seq[t]), m.get_error()
     return (time.perf_counter() - start) / steps
 
 
 def replay_xgrammar(engine: Engine, sequences: list[list[int]], schema: dict[str, Any]) -> float | None:
+    """Seconds per step for xgrammar's masks + advancing, the work `replay_llguidance` times:
+    the batch's bitmasks filled by its batch matcher (its thread pool, as llguidance's
+    executor), then each matcher fed its token. None when xgrammar is not importable."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        return None
+    compiled = _xgrammar_schema(xgr, engine, schema)
+    matchers = [xgr.GrammarMatcher(compiled) for _ in sequences]
+    batch = xgr.BatchGrammarMatcher()
+    bitmask = xgr.allocate_token_bitmask(len(sequences), engine.model.cfg.vocab_size)
+    steps = min(len(s) for s in sequences)
+    start = time.perf_counter()
+    for t in range(steps):
+        batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        for m, seq in zip(matchers, sequences, strict=True):
+            assert m.accept_token(seq[t])
+    return (time.perf_counter() - start) / steps
+
+
+def _xgrammar_schema(xgr: Any, engine: Engine, schema: dict[str, Any]) -> Any:
+    vocab = engine.model.cfg.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer.hf, vocab_size=vocab,
+                                              stop_token_ids=sorted(engine.tokenizer.eos_ids))
+    # The same schema. xgrammar bounds the count of whitespace characters between JSON tokens,
+    # not their shape; 35 is the longest run the engine's JSON_WHITESPACE allows (1 + 2 + 32),
+    # so it accepts every sequence the engine produced and forbids the same long blank runs.
+    return xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=True,
+                                                         max_whitespace_cnt=35)
+
+
+def mask_agreement(engine: Engine, sequences: list[list[int]], schema: dict[str, Any]) -> dict[str, float] | None:
+    """How far xgrammar's masks are from llguidance's on the replayed steps (tokens allowed by
+    one and not the other, per step): near 0 means both replays do the same work."""
     try:
         import xgrammar as xgr
     except ImportError:
         return None
     vocab = engine.model.cfg.vocab_size
-    info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer.hf, vocab_size=vocab,
-                                              stop_token_ids=sorted(engine.tokenizer.eos_ids))
-    # The same schema; xgrammar's whitespace rule is its own (any run), so it accepts every
-    # sequence the engine's bounded-whitespace grammar produced.
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=True)
-    matchers = [xgr.GrammarMatcher(compiled) for _ in sequences]
+    compiled = _xgrammar_schema(xgr, engine, schema)
+    ll_matchers = [engine.grammars.matcher(Constraint.json_schema(schema)) for _ in sequences]
+    xg_matchers = [xgr.GrammarMatcher(compiled) for _ in sequences]
     bitmask = xgr.allocate_token_bitmask(len(sequences), vocab)
     steps = min(len(s) for s in sequences)
-    start = time.perf_counter()
+    differ, allowed = [], []
     for t in range(steps):
-        for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(bitmask, i)
-        for m, seq in zip(matchers, sequences, strict=True):
-            assert m.accept_token(seq[t])
-    return (time.perf_counter() - start) / steps
+        ll = unpack_masks(engine.grammars.masks(ll_matchers), vocab)
+        xgr.BatchGrammarMatcher().batch_fill_next_token_bitmask(xg_matchers, bitmask)
+        xg = unpack_masks(bitmask, vocab)
+        differ += (ll != xg).sum(dim=1).tolist()
+        allowed += ll.sum(dim=1).tolist()
+        for lm, xm, seq in zip(ll_matchers, xg_matchers, sequences, strict=True):
+            assert lm.consume_token(seq[t]) and xm.accept_token(seq[t])
+    return {"mean_tokens_differing": round(sum(differ) / len(differ), 1), "max_tokens_differing": max(differ),
+            "mean_tokens_allowed_llguidance": round(sum(allowed) / len(allowed), 1)}
+
+
+def _best_ms(seconds: list[float | None]) -> float | None:
+    return None if None in seconds else round(min(seconds) * 1000, 3)
 
 
 def overhead(engine: Engine, streams_list: list[int], tokens: int, repeats: int) -> list[dict[str, Any]]:
@@ -235,19 +281,27 @@ def overhead(engine: Engine, streams_list: list[int], tokens: int, repeats: int)
             rate, sequences = decode_rate(engine, streams, tokens, constraint)
             masked_rates.append(rate)
         free, masked = max(free_rates), max(masked_rates)
-        ll = min(replay_llguidance(engine, sequences, LONG_ANSWER) for _ in range(repeats))
-        path = min(replay_engine_path(engine, sequences, LONG_ANSWER) for _ in range(repeats))
-        xg = [replay_xgrammar(engine, sequences, LONG_ANSWER) for _ in range(repeats)]
-        xg_best = min(x for x in xg if x is not None) if any(x is not None for x in xg) else None
+        paths, replays = [], {label: {"llguidance": [], "xgrammar": []} for label in REPLAY_SCHEMAS}
+        for _ in range(repeats):  # interleaved too: the replays are compared with each other
+            paths.append(replay_engine_path(engine, sequences, LONG_ANSWER))
+            for label, schema in REPLAY_SCHEMAS.items():
+                replays[label]["llguidance"].append(replay_llguidance(engine, sequences, schema))
+                replays[label]["xgrammar"].append(replay_xgrammar(engine, sequences, schema))
+        libraries = [{"schema": label,
+                      **{f"{lib}_ms_per_step": _best_ms(times) for lib, times in replays[label].items()},
+                      "xgrammar_vs_llguidance_masks": mask_agreement(engine, sequences, REPLAY_SCHEMAS[label])}
+                     for label in REPLAY_SCHEMAS]
+        path = min(paths)
         rows.append({"streams": streams, "decode_tok_s_free": round(free, 2), "decode_tok_s_masked": round(masked, 2),
                      "ms_per_token_free": round(1000 / (free / streams), 3),
                      "ms_per_token_masked": round(1000 / (masked / streams), 3),
                      "overhead_ms_per_step": round(1000 * (streams / masked - streams / free), 3),
                      "overhead_fraction": round(free / masked - 1, 4),
-                     "llguidance_ms_per_step": round(ll * 1000, 3),
+                     "llguidance_ms_per_step": libraries[0]["llguidance_ms_per_step"],
                      "mask_path_ms_per_step": round(path * 1000, 3),
                      "mask_path_ms_per_token": round(path * 1000 / streams, 3),
-                     "xgrammar_ms_per_step": round(xg_best * 1000, 3) if xg_best is not None else None,
+                     "xgrammar_ms_per_step": libraries[0]["xgrammar_ms_per_step"],
+                     "libraries": libraries,
                      "rates_free": [round(r, 2) for r in free_rates], "rates_masked": [round(r, 2) for r in masked_rates]})
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -272,8 +326,9 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         lines.append(f"| {r['schema']} | {r['request']} | {r['masked_valid']} | {r['masked_finish']} | "
                      f"{r['free_valid']} | {r['free_finish']} |")
     lines += ["", f"**Overhead** ({result['tokens']} tokens per stream). Mask path = what a mask adds to a decode "
-              "step in the engine's own code (masks of all streams, each unpacked and applied to a float32 copy "
-              "of its row, argmax, grammars advanced), replayed on the recorded token sequences, best of "
+              "step in the engine's own code (masks of all streams, unpacked together and applied to a float32 "
+              "copy of the batch's logits, the batch's argmax, grammars advanced), replayed on the recorded "
+              "token sequences, best of "
               f"{result['repeats']}; independent of the forward, so the machine's load moves it little. "
               "llguidance replay = masks + advance alone. End to end = decode tok/s of the same streams with "
               f"and without the mask, best of {result['repeats']} alternating rounds (noisy on a loaded machine: "
@@ -285,7 +340,30 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
         lines.append(f"| {r['streams']} | {r.get('mask_path_ms_per_step')} | {r.get('mask_path_ms_per_token')} | "
                      f"{r['llguidance_ms_per_step']} | {r['xgrammar_ms_per_step']} | {r['decode_tok_s_free']} | "
                      f"{r['decode_tok_s_masked']} | {r['overhead_ms_per_step']} |")
+    if any(r.get("libraries") for r in result["overhead"]):
+        lines += ["", f"**The two grammar libraries**, llguidance {machine.get('llguidance')} (the engine's) and "
+                  f"xgrammar {machine.get('xgrammar')}: masks of all streams by each library's batch call plus each "
+                  "matcher advanced, replayed on the same recorded token sequences, best of "
+                  f"{result['repeats']} interleaved rounds, under the schema the sequences were made with and the "
+                  "same schema without the string's minimum length (xgrammar's whitespace bounded to the 35 "
+                  "characters the engine's grammar allows). Masks differ = tokens allowed by one library and not "
+                  "the other, per stream and step (mean / max, of the mean allowed by llguidance).", "",
+                  "| streams | schema | llguidance ms/step | xgrammar ms/step | masks differ |",
+                  "|---|---|---|---|---|"]
+        for r in result["overhead"]:
+            for lib in r.get("libraries", []):
+                m = lib["xgrammar_vs_llguidance_masks"] or {}
+                lines.append(f"| {r['streams']} | {lib['schema']} | {lib['llguidance_ms_per_step']} | "
+                             f"{lib['xgrammar_ms_per_step']} | {m.get('mean_tokens_differing')} / "
+                             f"{m.get('max_tokens_differing')} of {m.get('mean_tokens_allowed_llguidance')} |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def main() -> None:
@@ -310,7 +388,8 @@ def main() -> None:
         "model": engine.model_name, "dtype": str(engine.model.dtype).removeprefix("torch."),
         "max_tokens": args.max_tokens, "tokens": args.tokens, "repeats": args.repeats,
         "machine": {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "python": platform.python_version(), "torch": torch.__version__},
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "llguidance": _version("llguidance"), "xgrammar": _version("xgrammar")},
         "loadavg_start": [round(x, 2) for x in load_start]}
     if not args.skip_validity:
         print("validity ...", flush=True)

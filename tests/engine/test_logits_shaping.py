@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from edge_runtime import SamplingParams
 from edge_runtime.errors import BadRequest
-from edge_runtime.sampling import shape_logits, token_logprobs
+from edge_runtime.sampling import mask_rows, shape_logits, token_logprobs
 from tests.engine.helpers import make_engine, reference_logits
 
 PROMPT = "The quick brown fox"
@@ -65,7 +65,7 @@ def test_shape_logits_is_openais_formula():
     assert torch.allclose(shape_logits(logits, params, counts), expected, atol=1e-5)
     allowed = torch.zeros(300, dtype=torch.bool)
     allowed[[5, 6]] = True
-    masked = shape_logits(logits, params, counts, allowed)
+    masked = shape_logits(mask_rows(logits[None], [0], allowed[None])[0], params, counts)
     assert torch.isinf(masked[~allowed]).all() and torch.isfinite(masked[allowed]).all()
 
 
