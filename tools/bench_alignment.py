@@ -770,9 +770,7 @@ def markdown_thumbs(result: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for h in result["history"]:
-        guard = h.get("guard")
-        verdict = "-" if not guard else (f"v{guard['version']} published" if guard["accepted"]
-                                         else f"kept served ({guard['reason']})")
+        verdict = guard_verdict(h)
         lines.append(f"| {h['thumbs']} | {h['thumbs_up']} | {h['served_version']} | {h['trained']['margin']:+.2f} "
                      f"| {h['trained']['accuracy']:.2f} | {h['trained']['share']:.2f} "
                      f"| {h['untouched']['greedy_unchanged']} | {h['store']} | {verdict} |")
@@ -780,6 +778,14 @@ def markdown_thumbs(result: dict[str, Any]) -> list[str]:
     lines += [f"- {json.dumps(a)} -> {json.dumps(b)}"
               for a, b in zip(result["history"][0]["examples"], result["history"][-1]["examples"], strict=True)]
     return lines
+
+
+def guard_verdict(checkpoint: dict[str, Any]) -> str:
+    """The last guard decision before a checkpoint, for the tables."""
+    guard = checkpoint.get("guard")
+    if not guard:
+        return "-"
+    return f"v{guard['version']} published" if guard["accepted"] else f"kept served ({guard['reason']})"
 
 
 def serving(result: dict[str, Any]) -> str:
@@ -830,9 +836,7 @@ def markdown(result: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for h in result["history"]:
-            guard = h.get("guard")
-            verdict = "-" if not guard else (f"v{guard['version']} published" if guard["accepted"]
-                                             else f"kept served ({guard['reason']})")
+            verdict = guard_verdict(h)
             lines.append(
                 f"| {h['pairs']} | {h['served_version']} | {h['trained']['win_rate']:.3f} | {h['trained']['clpd']:+.2f} "
                 f"| {h['trained']['share']:.2f} | {h['trained']['answer_kept']:.2f} | {h['untouched']['win_rate']:.3f} | {h['untouched']['share']:.2f} "
