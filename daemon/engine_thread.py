@@ -225,7 +225,7 @@ class EngineThread:
                 busy_at = time.monotonic()
             elif calibrating and not engine.requests and not self._stopping \
                     and time.monotonic() - busy_at >= self._calibration_quiet_s:
-                engine.calibrate_step()
+                engine.calibrate_step(interrupted=lambda: not self._commands.empty())
             if engine.has_unfinished() and not self._stopping:
                 try:
                     finished = engine.step()

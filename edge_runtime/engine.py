@@ -167,15 +167,17 @@ class Engine:
         """A background cost calibration still has shapes to measure."""
         return self._calibration is not None
 
-    def calibrate_step(self) -> None:
+    def calibrate_step(self, interrupted: Callable[[], bool] = lambda: False) -> None:
         """Measure one more shape of the background calibration (only while no request is in
-        flight, so no request waits behind more than one shape; fine-tune stages may be queued);
-        the last one replaces the quick or nominal costs and the SLO derived from them."""
+        flight; fine-tune stages may be queued); the last one replaces the quick or nominal costs
+        and the SLO derived from them. `interrupted` (work waiting) is asked between the shape's
+        forwards: a request that arrives meanwhile waits for one forward, and the shape is
+        measured again later."""
         calibration = self._calibration
         if calibration is None or self.requests:
             return
         try:
-            fitted = calibration.step()
+            fitted = calibration.step(interrupted)
         except Exception:  # a probe that fails costs the calibration, never the engine
             log.exception("background cost calibration failed; serving on nominal costs, corrected online")
             self._calibration = None

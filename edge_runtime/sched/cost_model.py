@@ -206,11 +206,17 @@ def measure_forward(execute: Callable[[Batch], Any], pool: BlockPool, vocab: int
     return [row for row in rows if row is not None]
 
 
+class ShapeInterrupted(Exception):
+    """A background shape gave way to work that arrived between its forwards."""
+
+
 def measure_shape(execute: Callable[[Batch], Any], pool: BlockPool, vocab: int,
                   shape: tuple[tuple[int, int, int], ...], repeats: int,
-                  gen: torch.Generator) -> tuple[int, int, int, float] | None:
+                  gen: torch.Generator,
+                  interrupted: Callable[[], bool] = lambda: False) -> tuple[int, int, int, float] | None:
     """One shape of `measure_forward`: (tokens, attended pairs, logit rows, seconds), or None
-    when it does not fit the pool's free blocks."""
+    when it does not fit the pool's free blocks. `interrupted` is asked between forwards; when
+    it says yes the shape stops there (ShapeInterrupted, its blocks returned)."""
     size = pool.block_size
     blocks_needed = sum(n * -(-(ctx + new) // size) for n, ctx, new in shape)
     if blocks_needed > pool.num_free:
@@ -228,6 +234,8 @@ def measure_shape(execute: Callable[[Batch], Any], pool: BlockPool, vocab: int,
         execute(batch)  # warm-up: allocator growth, kernel choice
         times = []
         for _ in range(repeats):
+            if interrupted():
+                raise ShapeInterrupted
             t0 = time.perf_counter()
             execute(batch)
             times.append(time.perf_counter() - t0)
@@ -284,14 +292,21 @@ class BackgroundCalibration:
         self.busy = machine_busy()
         self.seconds = 0.0
 
-    def step(self) -> ForwardCoefficients | None:
+    def step(self, interrupted: Callable[[], bool] = lambda: False) -> ForwardCoefficients | None:
         """Measure one more shape; the fitted coefficients once the last is measured (None
         before, and when the fit is not worth using: the nominal ones and the online correction
-        stay)."""
+        stay). When `interrupted` says yes between two of the shape's forwards, the shape is
+        left for a later step: a request arriving meanwhile waits for one forward, not a shape."""
         if not self.pending:
             return None
         started = time.perf_counter()
-        row = measure_shape(self.execute, self.pool, self.cfg.vocab_size, self.pending.pop(0), self.repeats, self.gen)
+        try:
+            row = measure_shape(self.execute, self.pool, self.cfg.vocab_size, self.pending[0], self.repeats,
+                                self.gen, interrupted)
+        except ShapeInterrupted:
+            self.seconds += time.perf_counter() - started
+            return None
+        self.pending.pop(0)
         if row is not None:
             self.rows.append(row)
         self.seconds += time.perf_counter() - started

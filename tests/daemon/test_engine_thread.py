@@ -311,7 +311,7 @@ def test_a_background_calibration_waits_for_a_quiet_engine(tiny_model: Path) -> 
         engine = loader(tiny_model)()
         engine._calibration = object()  # a calibration with shapes left: `calibrating` is True
 
-        def calibrate_step() -> None:
+        def calibrate_step(interrupted=None) -> None:
             shapes.append(time.monotonic())
             if len(shapes) == 2:
                 engine._calibration = None  # measured the last shape

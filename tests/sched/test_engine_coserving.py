@@ -294,6 +294,12 @@ def test_background_calibration_serves_at_once_then_calibrates_while_idle(
     assert len(engine._calibration.pending) == pending
     while engine.has_unfinished():
         engine.step()
+    # Work that arrives between a shape's forwards stops the shape after one forward; the same
+    # shape is measured in full later, with no blocks left taken.
+    asked, free = [], engine.pool.num_free
+    engine.calibrate_step(interrupted=lambda: asked.append(1) or True)
+    assert asked == [1] and len(engine._calibration.pending) == pending
+    assert engine.pool.num_free == free
     steps = 0
     while engine.calibrating:
         engine.calibrate_step()
