@@ -374,6 +374,25 @@ class Engine:
             self._drop_job(job, "cancelled", finish=True)
         return dropped
 
+    def _fail_finetunes_that_cannot_fit(self) -> None:
+        """Nothing else runs and still no stage was packed: a job whose next stage needs more
+        memory than the ledger can free would wait forever (a 1B model's DPO window under the
+        default `finetune_memory_bytes`, say). Fail it with the figures instead. A job whose
+        backward has begun is left alone: it must run to its optimizer stage."""
+        for job in list(self.scheduler.finetune.jobs.values()):
+            costs = job.stage_costs(1)
+            if not costs or must_finish(job):
+                continue
+            need = costs[0].memory_bytes
+            if need <= self.ledger.free or self.ledger.reclaim(need).satisfied:
+                continue
+            reason = (f"its next stage ({costs[0].kind}) needs {need / 2**20:.1f} MiB and only "
+                      f"{max(0, self.ledger.free) / 2**20:.1f} MiB of the {self.ledger.budget / 2**20:.0f} MiB "
+                      "memory budget is free with nothing else running: raise engine.finetune_memory_bytes "
+                      "(or memory_budget_bytes), or train with smaller windows (dpo window_tokens)")
+            log.warning("fine-tune job %s cannot run: %s", job.job_id, reason)
+            self._drop_job(job, f"no memory: {reason}")
+
     def _drop_job(self, job: FineTuneJob, reason: str, finish: bool = False) -> None:
         queue = self.scheduler.finetune
         if finish and must_finish(job):
@@ -465,6 +484,8 @@ class Engine:
         batch = self.scheduler.schedule(start)
         if batch.empty:
             self.ledger.release_reservation()
+            if not self.requests:
+                self._fail_finetunes_that_cannot_fit()
             return []
         failed: list[RequestOutput] = []
         logits = self._run_forward(batch, failed)

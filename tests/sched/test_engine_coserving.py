@@ -317,3 +317,29 @@ def test_background_calibration_serves_at_once_then_calibrates_while_idle(
     monkeypatch.setattr(cost_model, "fit_error", lambda coefficients, rows: 1.5)
     nominal = make_engine(tiny_model_dir, tmp_path / "third", cost_profile="background")
     assert nominal.costs.source == "nominal" and nominal.calibrating
+
+
+def test_a_finetune_stage_that_can_never_fit_fails_with_the_figures(tiny_model_dir: Path, cost_cache: Path) -> None:
+    """An idle engine whose fine-tune job's next stage needs more than the budget can free would
+    otherwise step empty iterations forever (has_unfinished stays true); the job fails instead,
+    naming the setting to raise, and the engine is idle again."""
+    from edge_runtime.train.costs import StageEstimate
+
+    engine = make_engine(tiny_model_dir, cost_cache, policy="mace")
+    task = trainer_for(engine).task(PAIRS[0])
+    stages = task.remaining()
+    # The fault: the task's first stage estimates more than the whole budget (as a 1B model's
+    # window does under the default fine-tune room); its real estimate is tiny on this model.
+    huge = StageEstimate(seconds=0.01, peak_bytes=2 * engine.ledger.budget, held_bytes=0)
+    stages[0].estimate = lambda: huge
+    done: list = []
+    engine.add_finetune(task, on_done=done.append)
+    run_all(engine, limit=50)
+    assert len(done) == 1 and done[0].error.startswith("no memory: its next stage")
+    assert "finetune_memory_bytes" in done[0].error and engine.ledger.held(MemoryKind.ACTIVATIONS) == 0
+    # The same work with room trains, and requests are served throughout.
+    roomy = make_engine(tiny_model_dir, cost_cache, policy="mace")
+    ok: list = []
+    roomy.add_finetune(trainer_for(roomy).task(PAIRS[0]), on_done=ok.append)
+    run_all(roomy)
+    assert ok[0].error is None
