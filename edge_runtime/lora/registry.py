@@ -360,7 +360,7 @@ class AdapterRegistry:
         with self._lock:
             return {
                 "adapter_users": len(self.users()),
-                "adapter_versions": sum(len(self.versions(u)) for u in self._versions),
+                "adapter_versions": sum(len(self.versions(u)) for u in self.users()),
                 "adapters_cached": len(self.cache),
                 "adapter_cache_bytes": self.cache.nbytes,
                 "adapter_cache_capacity_bytes": self.cache.capacity_bytes,

@@ -141,6 +141,8 @@ def test_a_batch_of_several_users_shares_one_fleet_version(tiny_model_dir):
     while engine.has_unfinished():
         engine.step()
     assert engine.adapters.pinned(fleet_ref) == 0
+    stats = engine.stats()  # the fleet is counted apart from the users' versions
+    assert (stats["adapter_users"], stats["adapter_versions"], stats["fleet_versions"]) == (2, 2, 1)
 
 
 def test_concatenated_ranks_give_the_sum_of_the_deltas(tiny_model):
