@@ -39,7 +39,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float
-    adapter_key: str = ""  # "user@version" or "" for the base model; salts the prefix cache
+    adapter_key: str = ""  # "user@version" or "" for the base model (the output names it)
     lora_slot: int = -1  # row index into the engine's active adapters (-1 = base model)
     adapter: AdapterRef | None = None  # the version pinned at admission (None = base model)
     fleet: AdapterRef | None = None  # the fleet version pinned at admission, beneath `adapter`
