@@ -399,6 +399,7 @@ class EngineFineTuner:
             trainer = AdapterTrainer(engine.model, engine.tokenizer, costs=self._stage_costs)
             self._reset_trainer(engine, user, trainer)
             self._trainers[user] = trainer
+        _train_on_served_fleet(engine, trainer)
         return trainer
 
     @staticmethod
@@ -460,6 +461,18 @@ class EngineFineTuner:
                 await self.forget(user)
                 return
         self.versions_published += 1  # counted once the store knows it (what status reports)
+
+
+def _train_on_served_fleet(engine: Engine, trainer: AdapterTrainer) -> None:
+    """Put the fleet version new requests are served with beneath the user's adapter, so the
+    next batch trains on top of what is served (called between a user's batches, when none of
+    its tasks is in flight)."""
+    from edge_runtime.lora.registry import FLEET
+
+    ref = engine.adapters.newest(FLEET)
+    key = "" if ref is None else ref.key
+    if key != trainer.fleet_key:
+        trainer.set_fleet(None if ref is None else engine.adapters.weights(ref), key)
 
 
 def _cancel_all(engine: Engine) -> int:

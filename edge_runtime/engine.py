@@ -27,11 +27,11 @@ from edge_runtime.config import EngineConfig
 from edge_runtime.constraints import GrammarCompiler, unpack_masks
 from edge_runtime.device import pick_device, pick_dtype
 from edge_runtime.errors import BadRequest, EngineBroken, InsufficientMemory, UnknownRequest
-from edge_runtime.ids import validate_request_id
+from edge_runtime.ids import validate_request_id, validate_user_id
 from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.kv.cache import KVCache, bytes_per_block
 from edge_runtime.kv.pruning import HeadPruning, PruningSettings
-from edge_runtime.lora.registry import AdapterRef, AdapterRegistry
+from edge_runtime.lora.registry import FLEET, AdapterRef, AdapterRegistry
 from edge_runtime.lora.weights import LoraWeights
 from edge_runtime.memory import MemoryKind, MemoryLedger, ShedReport
 from edge_runtime.model.config import ModelConfig
@@ -231,10 +231,13 @@ class Engine:
         request_id: str | None = None,
         on_token: Callable[[TokenEvent], None] | None = None,
         adapter: str | AdapterRef | None = None,
+        fleet: bool = True,
     ) -> str:
         """Queue a prompt (text or chat messages); returns its request id. `adapter`: a user id
         (that user's newest adapter version, pinned until the request ends; the base model if
-        the user has none yet), a specific `AdapterRef`, or None for the base model."""
+        the user has none yet), a specific `AdapterRef`, or None for the base model. Beneath it
+        the fleet adapter's newest version is pinned likewise when one is published (`fleet=False`:
+        the base model's own weights only)."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{next(self._req_ids)}"
@@ -267,8 +270,13 @@ class Engine:
         now = self.clock()
         pinned = self._pin_adapter(adapter)
         try:
+            pinned_fleet = self.adapters.acquire(FLEET) if fleet else None
+        except BaseException:
+            self.adapters.release(pinned)
+            raise
+        try:
             request = Request(request_id, text, ids, params, now, on_token=on_token, adapter=pinned,
-                              adapter_key=pinned.key if pinned is not None else "")
+                              adapter_key=pinned.key if pinned is not None else "", fleet=pinned_fleet)
             request.metrics = RequestMetrics(arrival_time=now, prompt_tokens=len(ids))
             for index in range(params.n):
                 generator = None
@@ -285,6 +293,7 @@ class Engine:
                 request.seqs.append(seq)
         except BaseException:
             self.adapters.release(pinned)
+            self.adapters.release(pinned_fleet)
             raise
         # Only a request built whole enters the scheduler: a half-added one would run with no
         # one to answer.
@@ -306,6 +315,7 @@ class Engine:
         output."""
         self.requests.pop(request.request_id, None)
         self.adapters.release(request.adapter)
+        self.adapters.release(request.fleet)
         for seq in request.seqs:
             if seq.status is not SeqStatus.FINISHED:
                 self.scheduler.finish(seq, reason)
@@ -325,9 +335,11 @@ class Engine:
     def _pin_adapter(self, adapter: str | AdapterRef | None) -> AdapterRef | None:
         if adapter is None:
             return None
+        # A user's adapter only: the fleet's reserved name is not a user id.
         if isinstance(adapter, AdapterRef):
+            validate_user_id(adapter.user)
             return self.adapters.pin(adapter)
-        return self.adapters.acquire(adapter)
+        return self.adapters.acquire(validate_user_id(adapter))
 
     def publish_adapter(self, user: str, weights: LoraWeights, **info: Any) -> AdapterRef:
         """Make `weights` the user's next version: new requests get it, running ones keep theirs."""
@@ -336,6 +348,15 @@ class Engine:
     def rollback_adapter(self, user: str, to_version: int | None = None, reason: str = "") -> AdapterRef | None:
         """Stop serving the user's newest version (or all newer than `to_version`)."""
         return self.adapters.rollback(user, to_version, reason)
+
+    def publish_fleet(self, weights: LoraWeights, **info: Any) -> AdapterRef:
+        """Make `weights` the fleet adapter's next version, beneath every user's adapter for new
+        requests; running ones keep the fleet version they were admitted with."""
+        return self.adapters.publish(FLEET, weights, **info)
+
+    def rollback_fleet(self, to_version: int | None = None, reason: str = "") -> AdapterRef | None:
+        """Stop serving the fleet's newest version (or all newer than `to_version`; 0: none)."""
+        return self.adapters.rollback(FLEET, to_version, reason)
 
     # -- fine-tuning and memory -------------------------------------------------------------
 

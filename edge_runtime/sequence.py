@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from edge_runtime.lora.registry import ServedAdapter
 from edge_runtime.model.tokenizer import IncrementalDecoder
 from edge_runtime.outputs import (
     CandidateOutput,
@@ -38,9 +39,10 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float
-    adapter_key: str = ""  # "user@version" or "" for the base model; salts the prefix cache
+    adapter_key: str = ""  # "user@version" or "" for the base model (the output names it)
     lora_slot: int = -1  # row index into the engine's active adapters (-1 = base model)
     adapter: AdapterRef | None = None  # the version pinned at admission (None = base model)
+    fleet: AdapterRef | None = None  # the fleet version pinned at admission, beneath `adapter`
     on_token: Callable[[TokenEvent], None] | None = None
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
@@ -49,6 +51,19 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.status is SeqStatus.FINISHED for s in self.seqs)
+
+    @property
+    def served(self) -> ServedAdapter | None:
+        """The adapters this request's rows get (None: the base model alone)."""
+        if self.adapter is None and self.fleet is None:
+            return None
+        return ServedAdapter(self.fleet, self.adapter)
+
+    @property
+    def cache_salt(self) -> str:
+        """Separates this request's prefix-cache blocks from those of other adapter versions."""
+        served = self.served
+        return "" if served is None else served.key
 
     def output(self) -> RequestOutput:
         return RequestOutput(

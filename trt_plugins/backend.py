@@ -86,7 +86,7 @@ class TensorRTBackend:
         if lora is not None:
             raise ValueError("the tensorrt backend applies each row's pinned adapter from the registry; an explicit "
                              "LoRA applier is a torch-backend argument")
-        refs = [item.seq.request.adapter if self.adapters is not None else None for item in batch.items]
+        refs = [item.seq.request.served if self.adapters is not None else None for item in batch.items]
         out: list[torch.Tensor | None] = [None] * len(batch.items)
         for group in split_groups([item.num_tokens for item in batch.items]):
             rows = self._run_items([batch.items[i] for i in group], [refs[i] for i in group])
@@ -110,7 +110,7 @@ class TensorRTBackend:
         context = self._context(lora=bool(key))
         feeds: dict[str, np.ndarray] = dict(plan.inputs)
         if key:
-            feeds.update(self.stacks.get(key, [self.adapters.weights(r) for r in key]))
+            feeds.update(self.stacks.get(key, [self.adapters.served_weights(r) for r in key]))
         else:
             feeds.pop("lora_index")
         rows = len(plan.sampling_items)

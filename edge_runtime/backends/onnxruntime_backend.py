@@ -239,7 +239,7 @@ class OnnxRuntimeBackend:
         if lora is not None:
             raise ValueError("the ONNX backends apply each row's pinned adapter from the registry; an explicit "
                              "LoRA applier is a torch-backend argument")
-        refs = [item.seq.request.adapter if self.adapters is not None else None for item in batch.items]
+        refs = [item.seq.request.served if self.adapters is not None else None for item in batch.items]
         if self.dense is not None:
             return self._execute_dense(batch, refs)
         out: list[torch.Tensor | None] = [None] * len(batch.items)
@@ -399,7 +399,7 @@ class OnnxRuntimeBackend:
         adapter inputs bound to `key`'s versions in slot order (rebound only when they change)."""
         session = self._session(lora=bool(key))
         if key and key != session.bound_stack:
-            weights = [self.adapters.weights(ref) for ref in key]
+            weights = [self.adapters.served_weights(ref) for ref in key]
             for name, array in self.stacks.get(key, weights).items():
                 session.binding.bind_cpu_input(name, array)
             session.bound_stack = key

@@ -29,7 +29,8 @@ class TorchBackend:
     @torch.inference_mode()
     def execute(self, batch: Batch, lora: LoraApplier | None = None) -> torch.Tensor:
         """Logits [rows that sample, vocab] in float32, in batch order. Without an explicit
-        `lora`, each item's pinned adapter version (from the registry) applies to its rows."""
+        `lora`, each item's pinned adapter versions (fleet and user, from the registry, as one
+        LoRA of their ranks concatenated) apply to its rows."""
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqAttention] = []
@@ -48,8 +49,8 @@ class TorchBackend:
                 logit_rows.append(len(ids) - 1)
         device = self.device
         if lora is None and self.adapters is not None:
-            runs = [(item.seq.request.adapter, item.num_tokens) for item in batch.items]
-            lora = applier_for(runs, self.adapters.weights, device)
+            runs = [(item.seq.request.served, item.num_tokens) for item in batch.items]
+            lora = applier_for(runs, self.adapters.served_weights, device)
         ctx = PagedContext(self.cache, seqs, device, lora, self.model.cfg.layer_windows,
                            self.model.cfg.attn_softcap)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)

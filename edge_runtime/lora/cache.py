@@ -52,6 +52,9 @@ class AdapterCache(Generic[K, V]):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def keys(self) -> list[K]:
+        return list(self._entries)
+
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self._entries.values())

@@ -1,6 +1,9 @@
 """Per-user adapter versions: `<root>/<user_id>/v<N>/` PEFT snapshots, the newest good one per
 user, pins that keep the version an in-flight request started with, retire (rollback) markers,
-an event log, and the in-memory cache of loaded versions.
+an event log, and the in-memory cache of loaded versions. The fleet adapter, shared by every
+user of the device, is one more owner under the reserved name `FLEET` (`<root>/+fleet/v<N>/`,
+outside the user-id alphabet), versioned, pinned and rolled back like a user's; a request served
+both is given one LoRA of the two ranks concatenated (`served_weights`).
 
 Knows nothing of training or scheduling. With `root=None` versions live only in memory (tests,
 benchmarks). Thread-safe: the trainer may publish while the engine thread looks versions up.
@@ -26,12 +29,15 @@ from edge_runtime.ids import validate_user_id
 from edge_runtime.lora.adapter import load_adapter, remove_stale_temps, save_snapshot
 from edge_runtime.lora.cache import AdapterCache
 from edge_runtime.lora.config import AdapterError
-from edge_runtime.lora.weights import LoraWeights
+from edge_runtime.lora.weights import LoraWeights, concat_ranks
 from edge_runtime.model.config import ModelConfig
 
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 RETIRED_FILE = "retired.json"
 EVENTS_FILE = "events.jsonl"
+# The fleet adapter's owner name: '+' is not in the user-id alphabet (edge_runtime/ids.py), so no
+# user can own it, and "+fleet@N" never equals a user's "name@N" in prefix-cache salts.
+FLEET = "+fleet"
 
 
 @dataclass(frozen=True, order=True)
@@ -45,6 +51,24 @@ class AdapterRef:
     def key(self) -> str:
         """"user@version": salts the prefix cache, so KV blocks never mix adapter versions."""
         return f"{self.user}@{self.version}"
+
+
+@dataclass(frozen=True)
+class ServedAdapter:
+    """What one request's rows are computed with: the fleet version (beneath) and the user's
+    version, either None. Both are pinned by the request; equal values share one batch group."""
+
+    fleet: AdapterRef | None
+    user: AdapterRef | None
+
+    @property
+    def key(self) -> str:
+        """Salts the prefix cache: the same tokens under another fleet version are other keys."""
+        return "+".join(r.key for r in (self.fleet, self.user) if r is not None)
+
+    @property
+    def parts(self) -> tuple[AdapterRef, ...]:
+        return tuple(r for r in (self.fleet, self.user) if r is not None)
 
 
 class AdapterRegistry:
@@ -71,8 +95,10 @@ class AdapterRegistry:
         self._events: dict[str, list[dict[str, Any]]] = {}
         self._pins: Counter[AdapterRef] = Counter()
         self._forgotten: set[AdapterRef] = set()  # erased, still pinned by in-flight requests
-        self.cache: AdapterCache[AdapterRef, LoraWeights] = AdapterCache(
-            cache_bytes, is_pinned=lambda ref: self._pins[ref] > 0
+        # Keys: a version (AdapterRef), or a fleet+user composition (ServedAdapter), pinned
+        # while both its versions are.
+        self.cache: AdapterCache[AdapterRef | ServedAdapter, LoraWeights] = AdapterCache(
+            cache_bytes, is_pinned=self._is_pinned
         )
         if self.root is not None:
             self.scan()
@@ -85,7 +111,7 @@ class AdapterRegistry:
             return
         with self._lock:
             for user_dir in sorted(self.root.iterdir()):
-                if not user_dir.is_dir() or not _is_user_id(user_dir.name):
+                if not user_dir.is_dir() or not (user_dir.name == FLEET or _is_user_id(user_dir.name)):
                     continue  # not a user's folder (a temp, or something a person put there)
                 user = user_dir.name
                 remove_stale_temps(user_dir)
@@ -96,8 +122,9 @@ class AdapterRegistry:
                 self._versions[user] = [n for n in numbers if n not in retired]
 
     def users(self) -> list[str]:
+        """Users with a served version (the fleet is not a user)."""
         with self._lock:
-            return sorted(u for u, v in self._versions.items() if v)
+            return sorted(u for u, v in self._versions.items() if v and u != FLEET)
 
     def versions(self, user: str) -> list[int]:
         with self._lock:
@@ -106,7 +133,7 @@ class AdapterRegistry:
     def newest(self, user: str) -> AdapterRef | None:
         """The newest version of `user` that loads; a version that fails is marked bad, recorded
         as an event, and the next older one is tried."""
-        validate_user_id(user)
+        _validate_owner(user)
         with self._lock:
             for number in reversed(self.versions(user)):
                 ref = AdapterRef(user, number)
@@ -120,9 +147,9 @@ class AdapterRegistry:
             return None
 
     def preload(self) -> dict[str, int]:
-        """Load each user's newest good version (at start-up); returns user -> version."""
+        """Load each user's and the fleet's newest good version (at start-up); returns owner -> version."""
         loaded = {}
-        for user in self.users():
+        for user in [*self.users(), FLEET]:
             ref = self.newest(user)
             if ref is not None:
                 loaded[user] = ref.version
@@ -143,7 +170,7 @@ class AdapterRegistry:
 
     def pin(self, ref: AdapterRef) -> AdapterRef:
         """Pin a specific version (it must be served: not retired, not bad) and load it."""
-        validate_user_id(ref.user)
+        _validate_owner(ref.user)
         with self._lock:
             if ref.version not in self.versions(ref.user):
                 served = self.versions(ref.user)
@@ -164,7 +191,7 @@ class AdapterRegistry:
                 del self._pins[ref]
                 if ref in self._forgotten:  # its user was erased while this request ran
                     self._forgotten.discard(ref)
-                    self.cache.discard(ref)
+                    self._discard_cached(ref)
 
     def pinned(self, ref: AdapterRef) -> int:
         with self._lock:
@@ -176,6 +203,30 @@ class AdapterRegistry:
         """The version's tensors in the engine's dtype/device (from the cache, loaded on a miss)."""
         with self._lock:
             return self.cache.get(ref, lambda: self._load(ref))
+
+    def served_weights(self, served: ServedAdapter) -> LoraWeights:
+        """The one LoRA a request's rows get: its fleet or user version alone, or both as one
+        adapter of the two ranks concatenated (built once per pair of versions, cached like a
+        version and kept while a request pins both)."""
+        parts = served.parts
+        if not parts:
+            raise ValueError("a request without fleet and user adapter runs on the base model")
+        if len(parts) == 1:
+            return self.weights(parts[0])
+        with self._lock:
+            return self.cache.get(served, lambda: _sized(concat_ranks([self.weights(r) for r in parts])))
+
+    def _is_pinned(self, key: AdapterRef | ServedAdapter) -> bool:
+        if isinstance(key, ServedAdapter):
+            return all(self._pins[r] > 0 for r in key.parts)
+        return self._pins[key] > 0
+
+    def _discard_cached(self, ref: AdapterRef) -> None:
+        """Drop a version and every composition holding it from the cache."""
+        self.cache.discard(ref)
+        for key in self.cache.keys():
+            if isinstance(key, ServedAdapter) and ref in key.parts:
+                self.cache.discard(key)
 
     def _load(self, ref: AdapterRef) -> tuple[LoraWeights, int]:
         if ref in self._memory:
@@ -192,7 +243,7 @@ class AdapterRegistry:
 
     def publish(self, user: str, weights: LoraWeights, **info: Any) -> AdapterRef:
         """Write `weights` as the user's next version (atomic snapshot) and make it the newest."""
-        validate_user_id(user)
+        _validate_owner(user)
         weights.check_shapes(self.model_cfg)
         with self._lock:
             ref = AdapterRef(user, self._highest.get(user, 0) + 1)
@@ -214,7 +265,7 @@ class AdapterRegistry:
         """Retire the newest version, or every version newer than `to_version` (0: back to the
         base model). Retired files stay on disk but are never served to new requests; requests
         already pinned to them finish on them. Returns the version now served."""
-        validate_user_id(user)
+        _validate_owner(user)
         with self._lock:
             current = self.newest(user)
             if current is None:
@@ -239,7 +290,7 @@ class AdapterRegistry:
         """Erase `user`: every version, the retire markers and the event log, in memory and on
         disk. No request gets any of them again; a request already pinned to one finishes on its
         cached weights, which are dropped at its release. Returns the versions forgotten."""
-        validate_user_id(user)
+        _validate_owner(user)
         with self._lock:
             numbers = set(range(1, self._highest.get(user, 0) + 1))
             numbers |= {r.version for r in self._memory if r.user == user}
@@ -250,7 +301,7 @@ class AdapterRegistry:
                 if self._pins[ref] > 0:
                     self._forgotten.add(ref)
                 else:
-                    self.cache.discard(ref)
+                    self._discard_cached(ref)
             for table in (self._versions, self._highest, self._retired, self._events):
                 table.pop(user, None)
             if self.root is not None and (self.root / user).exists():
@@ -309,7 +360,7 @@ class AdapterRegistry:
         with self._lock:
             return {
                 "adapter_users": len(self.users()),
-                "adapter_versions": sum(len(self.versions(u)) for u in self._versions),
+                "adapter_versions": sum(len(self.versions(u)) for u in self.users()),
                 "adapters_cached": len(self.cache),
                 "adapter_cache_bytes": self.cache.nbytes,
                 "adapter_cache_capacity_bytes": self.cache.capacity_bytes,
@@ -317,7 +368,18 @@ class AdapterRegistry:
                 "adapter_cache_misses": self.cache.stats.misses,
                 "adapter_cache_evictions": self.cache.stats.evictions,
                 "adapters_pinned": sum(1 for n in self._pins.values() if n > 0),
+                "fleet_versions": len(self.versions(FLEET)),
             }
+
+
+def _validate_owner(name: str) -> None:
+    """An adapter owner is a user (a valid user id) or the fleet."""
+    if name != FLEET:
+        validate_user_id(name)
+
+
+def _sized(weights: LoraWeights) -> tuple[LoraWeights, int]:
+    return weights, weights.nbytes
 
 
 def _is_user_id(name: str) -> bool:

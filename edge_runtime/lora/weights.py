@@ -7,13 +7,14 @@ tensors that require grad. Knows shapes from the model config; nothing about fil
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from edge_runtime.lora.config import AdapterError, LoraSettings
+from edge_runtime.lora.config import ALL_TARGETS, AdapterError, LoraSettings
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.llama import FUSED_TARGETS, linear
 
@@ -124,6 +125,38 @@ class LoraWeights:
         return lora_delta(x, a, self.b[(layer, target)], self.settings.scale)
 
 
+def concat_ranks(parts: Sequence[LoraWeights]) -> LoraWeights:
+    """One LoRA equal to the sum of `parts`: sum_i s_i B_i A_i = [s_1 B_1 | s_2 B_2 | ...] [A_1; A_2; ...],
+    rank sum(r_i) and scale 1 (each part's scale folded into its B). A projection a part does
+    not target gets zeros in that part's rows and columns, so every projection has the full
+    rank. This is how the fleet adapter and a user's adapter are served together: every
+    per-row LoRA path (the batched applier, the ONNX graph's stacked inputs) takes it as one
+    adapter."""
+    if not parts:
+        raise ValueError("concat_ranks needs at least one adapter")
+    rank = sum(p.settings.rank for p in parts)
+    targets = tuple(t for t in ALL_TARGETS if any(t in p.settings.target_modules for p in parts))
+    settings = LoraSettings(rank=rank, alpha=float(rank), target_modules=targets)
+    first = next(iter(parts[0].a.values()))
+    a: dict[Key, Tensor] = {}
+    b: dict[Key, Tensor] = {}
+    for key in sorted(set().union(*(p.a for p in parts))):
+        shapes = [(p.a[key].shape[1], p.b[key].shape[0]) for p in parts if key in p.a]
+        fan_in, fan_out = shapes[0]
+        a_parts, b_parts = [], []
+        for p in parts:
+            r = p.settings.rank
+            if key in p.a:
+                a_parts.append(p.a[key].detach().to(first.dtype))
+                b_parts.append(p.b[key].detach().to(first.dtype) * p.settings.scale)
+            else:
+                a_parts.append(first.new_zeros(r, fan_in))
+                b_parts.append(first.new_zeros(fan_out, r))
+        a[key] = torch.cat(a_parts, 0)
+        b[key] = torch.cat(b_parts, 1)
+    return LoraWeights(settings, a, b)
+
+
 def lora_delta(x: Tensor, a: Tensor, b: Tensor, scale: float, dropout: float = 0.0) -> Tensor:
     """PEFT's LoRA term `B(A(dropout(x))) * scale`, computed in the adapter's dtype and returned
     in x's, so a bf16 base can carry float32 master weights while training."""
@@ -149,3 +182,20 @@ class TrainingLora:
         if a is None:
             return None
         return lora_delta(x, a, w.b[(layer, target)], w.settings.scale, self.dropout)
+
+
+class SummedLora:
+    """Several appliers on every row, their deltas added: while training a user's adapter, the
+    frozen fleet adapter beneath the trainable one (two stacks, not one concatenated copy: the
+    trainable leaves would be copied on every call)."""
+
+    def __init__(self, *appliers: TrainingLora | LoraWeights) -> None:
+        self.appliers = appliers
+
+    def delta(self, layer: int, target: str, x: Tensor) -> Tensor | None:
+        out: Tensor | None = None
+        for applier in self.appliers:
+            d = applier.delta(layer, target, x)
+            if d is not None:
+                out = d if out is None else out + d
+        return out

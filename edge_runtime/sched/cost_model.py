@@ -171,6 +171,8 @@ def activation_sizes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
 class _ProbeRequest:
     adapter: Any = None
     adapter_key: str = ""
+    served: Any = None
+    cache_salt: str = ""
 
 
 @dataclass

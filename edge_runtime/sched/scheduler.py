@@ -163,7 +163,7 @@ class Scheduler:
     def _salt(self, seq: Sequence) -> str:
         """What separates prefix-cache blocks of the same tokens with different keys/values: the
         adapter version, and which LongRoPE factors the sequence is computed with."""
-        salt = seq.request.adapter_key
+        salt = seq.request.cache_salt
         if self.rope_switch is not None and seq.num_tokens > self.rope_switch:
             salt += "#rope-long"
         return salt

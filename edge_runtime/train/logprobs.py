@@ -72,19 +72,31 @@ class ReferenceCache:
         return len(self._entries)
 
     def __contains__(self, tokens: PairTokens) -> bool:
-        return tokens.key in self._entries
+        return self.has(tokens)
 
-    def get(self, tokens: PairTokens) -> tuple[float, float] | None:
-        value = self._entries.get(tokens.key)
+    def has(self, tokens: PairTokens, beneath: str = "") -> bool:
+        return _key(tokens, beneath) in self._entries
+
+    def get(self, tokens: PairTokens, beneath: str = "") -> tuple[float, float] | None:
+        """`beneath`: the fleet version the reference includes ("" for the base alone)."""
+        key = _key(tokens, beneath)
+        value = self._entries.get(key)
         if value is None:
             self.misses += 1
             return None
         self.hits += 1
-        self._entries.move_to_end(tokens.key)
+        self._entries.move_to_end(key)
         return value
 
-    def put(self, tokens: PairTokens, value: tuple[float, float]) -> None:
-        self._entries[tokens.key] = value
-        self._entries.move_to_end(tokens.key)
+    def put(self, tokens: PairTokens, value: tuple[float, float], beneath: str = "") -> None:
+        key = _key(tokens, beneath)
+        self._entries[key] = value
+        self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
+
+
+def _key(tokens: PairTokens, beneath: str) -> bytes:
+    # A reference with the fleet beneath depends on the fleet's version; '\0' cannot occur in
+    # an owner@version key.
+    return tokens.key if not beneath else beneath.encode() + b"\0" + tokens.key

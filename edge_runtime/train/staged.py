@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from edge_runtime.lora.weights import TrainingLora
 from edge_runtime.train.costs import StageEstimate
 from edge_runtime.train.dpo import DPOScore, dpo_loss
 from edge_runtime.train.logprobs import token_logps
@@ -196,7 +195,7 @@ class DPOFineTuneTask:
         win = self.windows[j]
         device = model.device
         with torch.no_grad():
-            ctx = kv.context(win, trainer.weights)
+            ctx = kv.context(win, trainer.policy(trainer.weights))
             hidden = model.run_layers(model.embed_tokens(win.input_ids.to(device)), win.positions.to(device), ctx)
             if win.score_rows.numel():
                 logp = token_logps(model, hidden.index_select(0, win.score_rows.to(device)), win.targets.to(device))
@@ -239,7 +238,7 @@ class DPOFineTuneTask:
             raise RuntimeError("forward windows must run in order from the first")
         win = self.windows[j]
         device = model.device
-        ctx = acts.kv.context(win, TrainingLora(trainer.weights))
+        ctx = acts.kv.context(win, trainer.policy(trainer.weights, training=True))
         positions = win.positions.to(device)
         with torch.enable_grad():
             x = model.embed_tokens(win.input_ids.to(device))

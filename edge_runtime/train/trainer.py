@@ -2,7 +2,9 @@
 AdamW state, the staged task factory, and held-out evaluation (win rate, CLPD).
 
 The base weights are the engine's own tensors (never copied, never given to the optimizer); the
-reference policy is the same model with the adapter off, its log-probs cached per pair.
+reference policy is the same model with the adapter off, its log-probs cached per pair. With a
+fleet adapter beneath (`fleet=`), both the policy and the reference include it, frozen: the user's
+adapter learns on top of what is served.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Any
 import torch
 
 from edge_runtime.lora.config import LoraSettings
-from edge_runtime.lora.weights import LoraWeights
-from edge_runtime.model.llama import LlamaModel
+from edge_runtime.lora.weights import LoraWeights, SummedLora, TrainingLora
+from edge_runtime.model.llama import LlamaModel, LoraApplier
 from edge_runtime.model.tokenizer import Tokenizer
 from edge_runtime.train.costs import StageCostModel
 from edge_runtime.train.dpo import AlignmentMetrics, DPOScore, alignment_metrics
@@ -62,7 +64,11 @@ class AdapterTrainer:
         init: LoraWeights | None = None,
         costs: StageCostModel | None = None,
         reference_cache: ReferenceCache | None = None,
+        fleet: LoraWeights | None = None,
+        fleet_key: str = "fleet",
     ) -> None:
+        """`fleet`: the fleet adapter version served beneath this adapter, frozen; `fleet_key`
+        names that version (e.g. "+fleet@3") in the shared reference cache."""
         self.model = model
         self.tokenizer = tokenizer
         self.dpo = dpo or DPOSettings()
@@ -73,8 +79,10 @@ class AdapterTrainer:
             self.weights = LoraWeights.init(model.cfg, lora or LoraSettings(), seed=self.dpo.seed).trainable(model.device)
         self.optimizer = LoraOptimizer(self.weights.parameters(), self.dpo.optimizer)
         self.costs = costs or StageCostModel.nominal(model)
-        # Shareable between users' trainers: it is keyed by pair content and the base is shared.
+        # Shareable between users' trainers: keyed by pair content and the fleet version beneath.
         self.reference = reference_cache if reference_cache is not None else ReferenceCache()
+        self.fleet: LoraWeights | None = None
+        self.fleet_key = ""
         self.pad_id = int(tokenizer.hf.pad_token_id if tokenizer.hf.pad_token_id is not None else 0)
         self.pairs_trained = 0
         # Moving average of the DPO loss of the pairs this adapter trained on, each measured by
@@ -86,27 +94,47 @@ class AdapterTrainer:
         # mismatched log-ratios their forwards measured (the samples of KTO's z0).
         self.recent_completions: deque[tuple[int, ...]] = deque(maxlen=max(1, self.dpo.kto_kl_window))
         self.kl_samples: deque[float] = deque(maxlen=max(1, self.dpo.kto_kl_window))
+        self.set_fleet(fleet, fleet_key)
 
     # -- pairs and log-probs -----------------------------------------------------------------
 
     def tokenize(self, pair: PairLike) -> PairTokens:
         return tokenize_pair(self.tokenizer, pair, self.dpo.max_prompt_tokens, self.dpo.max_completion_tokens)
 
+    def set_fleet(self, fleet: LoraWeights | None, key: str = "fleet") -> None:
+        """Train on top of this fleet version from the next task on (None: the base alone)."""
+        if self._active is not None:
+            raise RuntimeError("cannot change the fleet adapter while a fine-tune task is in flight")
+        if fleet is not None:
+            fleet.check_shapes(self.model.cfg)
+            fleet = fleet.to(torch.float32, self.model.device)
+        self.fleet = fleet
+        self.fleet_key = "" if fleet is None else key
+
+    def policy(self, weights: LoraWeights | None, training: bool = False) -> LoraApplier | None:
+        """The applier the forward gets: `weights` (with dropout when `training`) on top of the
+        frozen fleet adapter, if any."""
+        mine = None if weights is None else (TrainingLora(weights) if training else weights)
+        if self.fleet is None or mine is None:
+            return mine if mine is not None else self.fleet
+        return SummedLora(self.fleet, mine)
+
     def has_reference(self, tokens: PairTokens) -> bool:
-        return tokens in self.reference
+        return self.reference.has(tokens, self.fleet_key)
 
     def reference_logps(self, tokens: PairTokens) -> tuple[float, float]:
-        cached = self.reference.get(tokens)
+        """Log-probs with this adapter off: the base model, with the fleet beneath if any."""
+        cached = self.reference.get(tokens, self.fleet_key)
         if cached is None:
-            cached = pair_logps(self.model, tokens, None, self.dpo.window_tokens)
-            self.reference.put(tokens, cached)
+            cached = pair_logps(self.model, tokens, self.fleet, self.dpo.window_tokens)
+            self.reference.put(tokens, cached, self.fleet_key)
         return cached
 
     def policy_logps(self, tokens: PairTokens, weights: LoraWeights | None) -> tuple[float, float]:
-        """Log-probs under `weights` (None: the base model, i.e. the reference)."""
+        """Log-probs under `weights` (None: the adapter off, i.e. the reference)."""
         if weights is None:
             return self.reference_logps(tokens)
-        return pair_logps(self.model, tokens, weights, self.dpo.window_tokens)
+        return pair_logps(self.model, tokens, self.policy(weights), self.dpo.window_tokens)
 
     def score_tokens(self, tokens: PairTokens) -> DPOScore:
         ref_c, ref_r = self.reference_logps(tokens)
