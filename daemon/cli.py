@@ -66,9 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("users", help="consent, export, forget (GDPR)")
     usub = u.add_subparsers(dest="users_command", required=True)
-    c = usub.add_parser("consent", help="grant (default) or withdraw consent to feedback collection")
+    c = usub.add_parser("consent", help="grant (default) or withdraw consent to feedback collection, "
+                        "and to training the shared fleet adapter; prints both")
     c.add_argument("user")
-    c.add_argument("--withdraw", action="store_true")
+    which = c.add_mutually_exclusive_group()
+    which.add_argument("--withdraw", action="store_true", help="withdraw consent to feedback collection")
+    which.add_argument("--fleet", action="store_true",
+                       help="also grant consent to training the shared fleet adapter")
+    which.add_argument("--withdraw-fleet", action="store_true",
+                       help="withdraw only the fleet consent (later fleet rounds leave the user out)")
     e = usub.add_parser("export", help="everything held on a user, as JSON")
     e.add_argument("user")
     e.add_argument("-o", "--output", metavar="FILE", help="write to FILE (mode 0600) instead of stdout")
@@ -211,12 +217,17 @@ def cmd_feedback(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_users(client: Client, args: argparse.Namespace) -> int:
     if args.users_command == "consent":
-        reply = client.consent(args.user, granted=not args.withdraw)
+        if args.withdraw_fleet:
+            reply = client.consent(args.user, granted=None, fleet=False)
+        else:
+            reply = client.consent(args.user, granted=not args.withdraw, fleet=True if args.fleet else None)
         if args.json:
             _print_json(reply)
         else:
             state = "granted" if reply["granted"] else "withdrawn"
-            print(f"consent of {args.user} {state}{'' if reply['changed'] else ' (unchanged)'}")
+            fleet = "on" if reply.get("fleet") else "off"
+            print(f"consent of {args.user} {state}{'' if reply['changed'] else ' (unchanged)'}; "
+                  f"fleet consent {fleet}")
         return EXIT_OK
     if args.users_command == "export":
         data = client.export(args.user)

@@ -361,8 +361,10 @@ class Client:
     def rollback(self, user: str, version: int) -> dict[str, Any]:
         return self.request("adapters.rollback", user=user, version=version)
 
-    def consent(self, user: str, granted: bool = True) -> dict[str, Any]:
-        return self.request("users.consent", user=user, granted=granted)
+    def consent(self, user: str, granted: bool | None = True, fleet: bool | None = None) -> dict[str, Any]:
+        """Set consent to feedback collection and/or to fleet training (None: leave it); the reply
+        holds both as they now stand."""
+        return self.request("users.consent", user=user, **_consents(granted, fleet))
 
     def export(self, user: str) -> dict[str, Any]:
         return self.request("users.export", user=user)["data"]
@@ -561,8 +563,8 @@ class AsyncClient:
     async def adapters(self, user: str | None = None) -> list[dict[str, Any]]:
         return (await self.request("adapters.list", **({"user": user} if user else {})))["adapters"]
 
-    async def consent(self, user: str, granted: bool = True) -> dict[str, Any]:
-        return await self.request("users.consent", user=user, granted=granted)
+    async def consent(self, user: str, granted: bool | None = True, fleet: bool | None = None) -> dict[str, Any]:
+        return await self.request("users.consent", user=user, **_consents(granted, fleet))
 
     async def export(self, user: str) -> dict[str, Any]:
         return (await self.request("users.export", user=user))["data"]
@@ -612,3 +614,9 @@ class AsyncTokenStream:
         if self._done:
             return False
         return await self.client.cancel(self.request_id)
+
+
+def _consents(granted: bool | None, fleet: bool | None) -> dict[str, bool]:
+    """The fields of `users.consent`: only the consents being set, so old daemons (no `fleet`)
+    keep answering calls that do not use it."""
+    return {k: v for k, v in (("granted", granted), ("fleet", fleet)) if v is not None}

@@ -647,7 +647,8 @@ class UserArgs:
 @dataclass(frozen=True)
 class ConsentArgs:
     user: str
-    granted: bool
+    granted: bool | None  # consent to feedback collection; None: leave as it is
+    fleet: bool | None = None  # consent to training the shared fleet adapter; None: leave as it is
 
 
 @dataclass(frozen=True)
@@ -666,7 +667,14 @@ def _user_args(f: _Fields) -> UserArgs:
 
 
 def _consent_args(f: _Fields) -> ConsentArgs:
-    return ConsentArgs(f.user() or "", bool(f.flag("granted", required=True)))
+    user = f.user() or ""
+    fleet = f.flag("fleet")
+    # `granted` alone is the original form; `fleet` alone changes only the fleet consent.
+    granted = f.flag("granted", required=fleet is None)
+    if granted is False and fleet is True:
+        raise f._fail("fleet", "false or absent when withdrawing consent to feedback collection "
+                      "(fleet consent needs it)")
+    return ConsentArgs(user, granted, fleet)
 
 
 def _adapters_list(f: _Fields) -> AdaptersListArgs:
@@ -691,7 +699,7 @@ _PARSERS: dict[str, tuple[Any, frozenset[str]]] = {
     "health": (lambda f: NoArgs(), frozenset()),
     "adapters.list": (_adapters_list, frozenset({"user"})),
     "adapters.rollback": (_rollback, frozenset({"user", "version"})),
-    "users.consent": (_consent_args, frozenset({"user", "granted"})),
+    "users.consent": (_consent_args, frozenset({"user", "granted", "fleet"})),
     "users.export": (_user_args, frozenset({"user"})),
     "users.forget": (_user_args, frozenset({"user"})),
     "embed": (_parse_embed, frozenset({"input"})),

@@ -641,8 +641,14 @@ class Service:
         return self.astore
 
     async def users_consent(self, args: ConsentArgs) -> dict[str, Any]:
-        changed = await self._store().set_consent(args.user, args.granted)
-        return {"user": args.user, "granted": args.granted, "changed": changed}
+        store = self._store()
+        changed = False
+        if args.granted is not None:
+            changed = await store.set_consent(args.user, args.granted)
+        if args.fleet is not None:
+            changed = await store.set_fleet_consent(args.user, args.fleet) or changed
+        state = await store.consent_state(args.user)
+        return {"user": args.user, "granted": state.granted, "fleet": state.fleet, "changed": changed}
 
     async def users_export(self, args: UserArgs) -> dict[str, Any]:
         data = await self._store().export_user(args.user)

@@ -94,6 +94,8 @@ def test_envelope_accepts_dealer_and_req_framing() -> None:
     (req("feedback", user="a", interaction_id="bad id", feedback={"kind": "choice"}), "bad_request"),
     (req("users.consent", user="a"), "bad_request"),
     (req("users.consent", user="a", granted=1), "bad_request"),
+    (req("users.consent", user="a", fleet=1), "bad_request"),
+    (req("users.consent", user="a", granted=False, fleet=True), "bad_request"),
     (req("adapters.rollback", user="a", version="3"), "bad_request"),
     (req("cancel", target=[1]), "bad_request"),
 ])
