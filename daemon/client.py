@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import secrets
 import time
 from collections import deque
@@ -360,6 +361,18 @@ class Client:
 
     def rollback(self, user: str, version: int) -> dict[str, Any]:
         return self.request("adapters.rollback", user=user, version=version)
+
+    def fleet_publish(self, path: str) -> dict[str, Any]:
+        """Publish the PEFT adapter folder at `path` (on the daemon's machine; made absolute here)
+        as the fleet adapter's next version."""
+        return self.request("fleet.publish", path=os.path.abspath(path))
+
+    def fleet_rollback(self, version: int | None = None) -> dict[str, Any]:
+        """Retire the newest fleet version, or every one newer than `version` (0: none)."""
+        return self.request("fleet.rollback", **({} if version is None else {"version": version}))
+
+    def fleet_status(self) -> dict[str, Any]:
+        return self.request("fleet.status")
 
     def consent(self, user: str, granted: bool | None = True, fleet: bool | None = None) -> dict[str, Any]:
         """Set consent to feedback collection and/or to fleet training (None: leave it); the reply

@@ -50,12 +50,13 @@ ERROR_CODES: dict[str, str] = {
 # --- operations --------------------------------------------------------------------------------
 OPS = (
     "generate", "cancel", "feedback", "status", "health", "adapters.list", "adapters.rollback",
-    "users.consent", "users.export", "users.forget", "embed",
+    "users.consent", "users.export", "users.forget", "embed", "fleet.publish", "fleet.rollback",
+    "fleet.status",
 )
 # Safe to send again after a lost reply: repeating them changes nothing (consent sets a value;
 # feedback is deduplicated by the store, so a resend is answered `duplicate_feedback`).
 IDEMPOTENT_OPS = frozenset({"status", "health", "adapters.list", "users.consent", "users.export",
-                            "cancel", "feedback", "embed"})
+                            "cancel", "feedback", "embed", "fleet.status"})
 MAX_EMBED_INPUTS = 256
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -81,6 +82,7 @@ MAX_USER_CHARS = 256
 # NUL is a client bug, not a different user).
 _APP_USER = re.compile(r"[^\x00-\x1f\x7f-\x9f]{1,256}")
 _INTERACTION_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+_ABSOLUTE_PATH = re.compile(r"/[^\x00-\x1f\x7f]*")  # the daemon's working folder is not the client's
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # = edge_runtime.chat
 
 
@@ -662,6 +664,27 @@ class RollbackArgs:
     version: int
 
 
+@dataclass(frozen=True)
+class FleetPublishArgs:
+    path: str  # an absolute path, on the daemon's machine, of a PEFT LoRA adapter folder
+
+
+@dataclass(frozen=True)
+class FleetRollbackArgs:
+    version: int | None = None  # serve this version again (0: no fleet adapter); None: drop the newest
+
+
+def _fleet_publish(f: _Fields) -> FleetPublishArgs:
+    path = f.text("path", max_chars=4096, required=True, pattern=_ABSOLUTE_PATH,
+                  what="the absolute path of a PEFT LoRA adapter folder on the daemon's machine")
+    assert path is not None
+    return FleetPublishArgs(path)
+
+
+def _fleet_rollback(f: _Fields) -> FleetRollbackArgs:
+    return FleetRollbackArgs(f.integer("version", lo=0, hi=2**31 - 1))
+
+
 def _user_args(f: _Fields) -> UserArgs:
     return UserArgs(f.user() or "")
 
@@ -703,5 +726,8 @@ _PARSERS: dict[str, tuple[Any, frozenset[str]]] = {
     "users.export": (_user_args, frozenset({"user"})),
     "users.forget": (_user_args, frozenset({"user"})),
     "embed": (_parse_embed, frozenset({"input"})),
+    "fleet.publish": (_fleet_publish, frozenset({"path"})),
+    "fleet.rollback": (_fleet_rollback, frozenset({"version"})),
+    "fleet.status": (lambda f: NoArgs(), frozenset()),
 }
 assert set(_PARSERS) == set(OPS)
