@@ -579,6 +579,15 @@ class AsyncClient:
     async def consent(self, user: str, granted: bool | None = True, fleet: bool | None = None) -> dict[str, Any]:
         return await self.request("users.consent", user=user, **_consents(granted, fleet))
 
+    async def fleet_publish(self, path: str) -> dict[str, Any]:
+        return await self.request("fleet.publish", path=os.path.abspath(path))
+
+    async def fleet_rollback(self, version: int | None = None) -> dict[str, Any]:
+        return await self.request("fleet.rollback", **({} if version is None else {"version": version}))
+
+    async def fleet_status(self) -> dict[str, Any]:
+        return await self.request("fleet.status")
+
     async def export(self, user: str) -> dict[str, Any]:
         return (await self.request("users.export", user=user))["data"]
 

@@ -4,6 +4,7 @@ and folders that do not fit the model are refused naming what is wrong."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.client import RemoteError
+from daemon.client import AsyncClient, RemoteError
 from edge_runtime.lora import LoraSettings, LoraWeights
 from edge_runtime.lora.adapter import write_adapter
 from edge_runtime.model.config import ModelConfig
@@ -119,3 +120,16 @@ def test_a_relative_path_is_refused_by_the_protocol(shared_daemon) -> None:  # t
         with pytest.raises(RemoteError) as info:
             c.request("fleet.publish", path="round1")
         assert info.value.code == "bad_request" and info.value.param == "path"
+
+
+def test_the_async_client_has_the_fleet_ops(shared_daemon) -> None:  # type: ignore[no-untyped-def]
+    async def run() -> tuple[dict, str]:
+        async with AsyncClient(shared_daemon.endpoint, timeout_s=30) as client:
+            status = await client.fleet_status()
+            try:
+                await client.fleet_rollback(0)
+            except RemoteError as exc:
+                return status, exc.code
+            return status, ""
+
+    assert asyncio.run(run()) == ({"serving": None, "versions": []}, "adapter_unavailable")
