@@ -133,3 +133,18 @@ def test_the_async_client_has_the_fleet_ops(shared_daemon) -> None:  # type: ign
             return status, ""
 
     assert asyncio.run(run()) == ({"serving": None, "versions": []}, "adapter_unavailable")
+
+
+def test_a_published_fleet_version_is_served_again_after_a_restart(
+    start_daemon: Callable, tiny_model: Path, tmp_path: Path
+) -> None:
+    first = start_daemon(extra_args=["--set", "finetune.enabled=false"])
+    with first.client() as c:
+        c.fleet_publish(str(_adapter(tmp_path / "round1", ModelConfig.from_dir(tiny_model), seed=1)))
+        with_v1 = _greedy(c)
+    code, _ = first.stop()
+    assert code == 0, first.log()
+    second = start_daemon(extra_args=["--set", "finetune.enabled=false", "--state-dir", str(first.state_dir)])
+    with second.client() as c:
+        assert c.status()["adapters"]["fleet_serving"] == 1
+        assert c.fleet_status()["serving"] == 1 and _greedy(c) == with_v1
