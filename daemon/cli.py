@@ -66,9 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("users", help="consent, export, forget (GDPR)")
     usub = u.add_subparsers(dest="users_command", required=True)
-    c = usub.add_parser("consent", help="grant (default) or withdraw consent to feedback collection")
+    c = usub.add_parser("consent", help="grant (default) or withdraw consent to feedback collection, "
+                        "and to training the shared fleet adapter; prints both")
     c.add_argument("user")
-    c.add_argument("--withdraw", action="store_true")
+    which = c.add_mutually_exclusive_group()
+    which.add_argument("--withdraw", action="store_true", help="withdraw consent to feedback collection")
+    which.add_argument("--fleet", action="store_true",
+                       help="also grant consent to training the shared fleet adapter")
+    which.add_argument("--withdraw-fleet", action="store_true",
+                       help="withdraw only the fleet consent (later fleet rounds leave the user out)")
     e = usub.add_parser("export", help="everything held on a user, as JSON")
     e.add_argument("user")
     e.add_argument("-o", "--output", metavar="FILE", help="write to FILE (mode 0600) instead of stdout")
@@ -87,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("user")
     ar.add_argument("version", type=int)
     ar.add_argument("--json", action="store_true")
+
+    fl = sub.add_parser("fleet", help="the shared fleet adapter beneath every user's: publish, roll back, status")
+    flsub = fl.add_subparsers(dest="fleet_command", required=True)
+    fp = flsub.add_parser("publish", help="publish a PEFT LoRA folder (on the daemon's machine) as the next version")
+    fp.add_argument("dir")
+    fr = flsub.add_parser("rollback", help="retire the newest version (or every one newer than --to)")
+    fr.add_argument("--to", type=int, metavar="VERSION", help="serve this version again (0 = no fleet adapter)")
+    fs = flsub.add_parser("status", help="the version served and every version that can be")
+    for parser in (fp, fr, fs):
+        parser.add_argument("--json", action="store_true")
 
     t = sub.add_parser("top", help="live view of status")
     t.add_argument("--interval", type=float, default=1.0)
@@ -211,12 +227,17 @@ def cmd_feedback(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_users(client: Client, args: argparse.Namespace) -> int:
     if args.users_command == "consent":
-        reply = client.consent(args.user, granted=not args.withdraw)
+        if args.withdraw_fleet:
+            reply = client.consent(args.user, granted=None, fleet=False)
+        else:
+            reply = client.consent(args.user, granted=not args.withdraw, fleet=True if args.fleet else None)
         if args.json:
             _print_json(reply)
         else:
             state = "granted" if reply["granted"] else "withdrawn"
-            print(f"consent of {args.user} {state}{'' if reply['changed'] else ' (unchanged)'}")
+            fleet = "on" if reply.get("fleet") else "off"
+            print(f"consent of {args.user} {state}{'' if reply['changed'] else ' (unchanged)'}; "
+                  f"fleet consent {fleet}")
         return EXIT_OK
     if args.users_command == "export":
         data = client.export(args.user)
@@ -275,6 +296,32 @@ def cmd_adapters(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_fleet(client: Client, args: argparse.Namespace) -> int:
+    if args.fleet_command == "publish":
+        reply = client.fleet_publish(args.dir)
+        line = (f"fleet adapter version {reply['version']} published (rank {reply['rank']}, "
+                f"{', '.join(reply['target_modules'])}); new requests get it")
+    elif args.fleet_command == "rollback":
+        reply = client.fleet_rollback(args.to)
+        serving = reply["serving"]
+        line = (f"retired fleet version(s) {', '.join(map(str, reply['retired'])) or 'none'}; "
+                + ("no fleet adapter is served" if serving is None else f"serving fleet version {serving}"))
+    else:
+        reply = client.fleet_status()
+        versions = ", ".join(f"{v['version']}{'*' if v['active'] else ''}" for v in reply["versions"])
+        line = ("no fleet adapter is served" if reply["serving"] is None
+                else f"serving fleet version {reply['serving']} (versions: {versions})")
+    if args.json:
+        _print_json(reply)
+    else:
+        print(line)
+    return EXIT_OK
+
+
+def _fleet(version: int | None) -> str:
+    return "none" if version is None else f"version {version}"
+
+
 def cmd_top(client: Client, args: argparse.Namespace) -> int:
     from rich.live import Live
 
@@ -297,7 +344,8 @@ def cmd_top(client: Client, args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"status": cmd_status, "health": cmd_health, "generate": cmd_generate,
-             "feedback": cmd_feedback, "users": cmd_users, "adapters": cmd_adapters, "top": cmd_top}
+             "feedback": cmd_feedback, "users": cmd_users, "adapters": cmd_adapters, "fleet": cmd_fleet,
+             "top": cmd_top}
 
 
 # -- rendering ------------------------------------------------------------------------------------
@@ -363,7 +411,8 @@ def render_status(status: dict[str, Any], tokens_per_s: float | None = None) -> 
                           ("max context", str(m.get("max_context"))),
                           ("adapters", f"{status.get('adapters', {}).get('versions_served', 0)} versions, "
                                        f"{status.get('adapters', {}).get('users', 0)} users "
-                                       f"(trainer: {status.get('adapters', {}).get('trainer')})")]),
+                                       f"(trainer: {status.get('adapters', {}).get('trainer')})"),
+                          ("fleet adapter", _fleet(status.get("adapters", {}).get("fleet_serving")))]),
         section("engine", [("generating", str(q.get("generates_in_flight"))),
                            ("waiting / running", f"{q.get('engine_waiting')} / {q.get('engine_running')}"),
                            ("admission queue", str(q.get("admission_queued"))),

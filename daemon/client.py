@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import secrets
 import time
 from collections import deque
@@ -361,8 +362,22 @@ class Client:
     def rollback(self, user: str, version: int) -> dict[str, Any]:
         return self.request("adapters.rollback", user=user, version=version)
 
-    def consent(self, user: str, granted: bool = True) -> dict[str, Any]:
-        return self.request("users.consent", user=user, granted=granted)
+    def fleet_publish(self, path: str) -> dict[str, Any]:
+        """Publish the PEFT adapter folder at `path` (on the daemon's machine; made absolute here)
+        as the fleet adapter's next version."""
+        return self.request("fleet.publish", path=os.path.abspath(path))
+
+    def fleet_rollback(self, version: int | None = None) -> dict[str, Any]:
+        """Retire the newest fleet version, or every one newer than `version` (0: none)."""
+        return self.request("fleet.rollback", **({} if version is None else {"version": version}))
+
+    def fleet_status(self) -> dict[str, Any]:
+        return self.request("fleet.status")
+
+    def consent(self, user: str, granted: bool | None = True, fleet: bool | None = None) -> dict[str, Any]:
+        """Set consent to feedback collection and/or to fleet training (None: leave it); the reply
+        holds both as they now stand."""
+        return self.request("users.consent", user=user, **_consents(granted, fleet))
 
     def export(self, user: str) -> dict[str, Any]:
         return self.request("users.export", user=user)["data"]
@@ -561,8 +576,17 @@ class AsyncClient:
     async def adapters(self, user: str | None = None) -> list[dict[str, Any]]:
         return (await self.request("adapters.list", **({"user": user} if user else {})))["adapters"]
 
-    async def consent(self, user: str, granted: bool = True) -> dict[str, Any]:
-        return await self.request("users.consent", user=user, granted=granted)
+    async def consent(self, user: str, granted: bool | None = True, fleet: bool | None = None) -> dict[str, Any]:
+        return await self.request("users.consent", user=user, **_consents(granted, fleet))
+
+    async def fleet_publish(self, path: str) -> dict[str, Any]:
+        return await self.request("fleet.publish", path=os.path.abspath(path))
+
+    async def fleet_rollback(self, version: int | None = None) -> dict[str, Any]:
+        return await self.request("fleet.rollback", **({} if version is None else {"version": version}))
+
+    async def fleet_status(self) -> dict[str, Any]:
+        return await self.request("fleet.status")
 
     async def export(self, user: str) -> dict[str, Any]:
         return (await self.request("users.export", user=user))["data"]
@@ -612,3 +636,9 @@ class AsyncTokenStream:
         if self._done:
             return False
         return await self.client.cancel(self.request_id)
+
+
+def _consents(granted: bool | None, fleet: bool | None) -> dict[str, bool]:
+    """The fields of `users.consent`: only the consents being set, so old daemons (no `fleet`)
+    keep answering calls that do not use it."""
+    return {k: v for k, v in (("granted", granted), ("fleet", fleet)) if v is not None}

@@ -243,7 +243,8 @@ class FeedbackRequest(_Body):
 
 
 class ConsentRequest(_Body):
-    granted: bool = True
+    granted: bool | None = None  # absent (and no `fleet`): grant, as before `fleet` existed
+    fleet: bool | None = None
 
 
 # -- the app ------------------------------------------------------------------------------------
@@ -638,8 +639,9 @@ class Gateway:
 
     async def consent(self, request: Request) -> Response:
         body: ConsentRequest = await self._read(request, ConsentRequest)
-        return _json(await self.service.users_consent(
-            self._user_args(request, "users.consent", granted=body.granted)))
+        granted = True if body.granted is None and body.fleet is None else body.granted
+        fields = {k: v for k, v in (("granted", granted), ("fleet", body.fleet)) if v is not None}
+        return _json(await self.service.users_consent(self._user_args(request, "users.consent", **fields)))
 
     async def export(self, request: Request) -> Response:
         self._authorize(request)

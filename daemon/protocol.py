@@ -50,12 +50,13 @@ ERROR_CODES: dict[str, str] = {
 # --- operations --------------------------------------------------------------------------------
 OPS = (
     "generate", "cancel", "feedback", "status", "health", "adapters.list", "adapters.rollback",
-    "users.consent", "users.export", "users.forget", "embed",
+    "users.consent", "users.export", "users.forget", "embed", "fleet.publish", "fleet.rollback",
+    "fleet.status",
 )
 # Safe to send again after a lost reply: repeating them changes nothing (consent sets a value;
 # feedback is deduplicated by the store, so a resend is answered `duplicate_feedback`).
 IDEMPOTENT_OPS = frozenset({"status", "health", "adapters.list", "users.consent", "users.export",
-                            "cancel", "feedback", "embed"})
+                            "cancel", "feedback", "embed", "fleet.status"})
 MAX_EMBED_INPUTS = 256
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -81,6 +82,7 @@ MAX_USER_CHARS = 256
 # NUL is a client bug, not a different user).
 _APP_USER = re.compile(r"[^\x00-\x1f\x7f-\x9f]{1,256}")
 _INTERACTION_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
+_ABSOLUTE_PATH = re.compile(r"/[^\x00-\x1f\x7f]*")  # the daemon's working folder is not the client's
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # = edge_runtime.chat
 
 
@@ -647,7 +649,8 @@ class UserArgs:
 @dataclass(frozen=True)
 class ConsentArgs:
     user: str
-    granted: bool
+    granted: bool | None  # consent to feedback collection; None: leave as it is
+    fleet: bool | None = None  # consent to training the shared fleet adapter; None: leave as it is
 
 
 @dataclass(frozen=True)
@@ -661,12 +664,40 @@ class RollbackArgs:
     version: int
 
 
+@dataclass(frozen=True)
+class FleetPublishArgs:
+    path: str  # an absolute path, on the daemon's machine, of a PEFT LoRA adapter folder
+
+
+@dataclass(frozen=True)
+class FleetRollbackArgs:
+    version: int | None = None  # serve this version again (0: no fleet adapter); None: drop the newest
+
+
+def _fleet_publish(f: _Fields) -> FleetPublishArgs:
+    path = f.text("path", max_chars=4096, required=True, pattern=_ABSOLUTE_PATH,
+                  what="the absolute path of a PEFT LoRA adapter folder on the daemon's machine")
+    assert path is not None
+    return FleetPublishArgs(path)
+
+
+def _fleet_rollback(f: _Fields) -> FleetRollbackArgs:
+    return FleetRollbackArgs(f.integer("version", lo=0, hi=2**31 - 1))
+
+
 def _user_args(f: _Fields) -> UserArgs:
     return UserArgs(f.user() or "")
 
 
 def _consent_args(f: _Fields) -> ConsentArgs:
-    return ConsentArgs(f.user() or "", bool(f.flag("granted", required=True)))
+    user = f.user() or ""
+    fleet = f.flag("fleet")
+    # `granted` alone is the original form; `fleet` alone changes only the fleet consent.
+    granted = f.flag("granted", required=fleet is None)
+    if granted is False and fleet is True:
+        raise f._fail("fleet", "false or absent when withdrawing consent to feedback collection "
+                      "(fleet consent needs it)")
+    return ConsentArgs(user, granted, fleet)
 
 
 def _adapters_list(f: _Fields) -> AdaptersListArgs:
@@ -691,9 +722,12 @@ _PARSERS: dict[str, tuple[Any, frozenset[str]]] = {
     "health": (lambda f: NoArgs(), frozenset()),
     "adapters.list": (_adapters_list, frozenset({"user"})),
     "adapters.rollback": (_rollback, frozenset({"user", "version"})),
-    "users.consent": (_consent_args, frozenset({"user", "granted"})),
+    "users.consent": (_consent_args, frozenset({"user", "granted", "fleet"})),
     "users.export": (_user_args, frozenset({"user"})),
     "users.forget": (_user_args, frozenset({"user"})),
     "embed": (_parse_embed, frozenset({"input"})),
+    "fleet.publish": (_fleet_publish, frozenset({"path"})),
+    "fleet.rollback": (_fleet_rollback, frozenset({"version"})),
+    "fleet.status": (lambda f: NoArgs(), frozenset()),
 }
 assert set(_PARSERS) == set(OPS)

@@ -285,7 +285,8 @@ class Server:
             "feedback": service.feedback, "users.consent": service.users_consent,
             "users.export": service.users_export, "users.forget": service.users_forget,
             "adapters.list": service.adapters_list, "adapters.rollback": service.adapters_rollback,
-            "embed": service.embed,
+            "embed": service.embed, "fleet.publish": service.fleet_publish,
+            "fleet.rollback": service.fleet_rollback, "fleet.status": service.fleet_status,
         }
         return await handlers[op](args)
 

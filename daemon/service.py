@@ -32,7 +32,10 @@ from daemon.protocol import (
     ConsentArgs,
     EmbedArgs,
     FeedbackArgs,
+    FleetPublishArgs,
+    FleetRollbackArgs,
     GenerateArgs,
+    NoArgs,
     ProtocolError,
     RollbackArgs,
     UserArgs,
@@ -195,6 +198,7 @@ class Service:
         self.state = "starting"  # starting, loading, serving, draining, stopped, failed
         self.started_at = time.monotonic()
         self.engine: EngineThread | None = None
+        self.fleet_serving: int | None = None  # the fleet version new requests get (status)
         self.model_name = ""
         self.tool_style = "hermes"  # how the served model writes tool calls (edge_runtime.chat)
         self.store: FeedbackStore | None = None
@@ -240,6 +244,10 @@ class Service:
             raise
         self.model_name = engine.model_name
         self.tool_style = engine.tokenizer.tool_style
+        from edge_runtime.lora.registry import FLEET
+
+        newest_fleet = await self.engine.call(lambda e: e.adapters.newest(FLEET))
+        self.fleet_serving = None if newest_fleet is None else newest_fleet.version
         if not self._custom_tuner:
             from daemon.training import EngineFineTuner
 
@@ -641,8 +649,14 @@ class Service:
         return self.astore
 
     async def users_consent(self, args: ConsentArgs) -> dict[str, Any]:
-        changed = await self._store().set_consent(args.user, args.granted)
-        return {"user": args.user, "granted": args.granted, "changed": changed}
+        store = self._store()
+        changed = False
+        if args.granted is not None:
+            changed = await store.set_consent(args.user, args.granted)
+        if args.fleet is not None:
+            changed = await store.set_fleet_consent(args.user, args.fleet) or changed
+        state = await store.consent_state(args.user)
+        return {"user": args.user, "granted": state.granted, "fleet": state.fleet, "changed": changed}
 
     async def users_export(self, args: UserArgs) -> dict[str, Any]:
         data = await self._store().export_user(args.user)
@@ -661,6 +675,38 @@ class Service:
     async def adapters_rollback(self, args: RollbackArgs) -> dict[str, Any]:
         self._require("serving")
         return await self.fine_tuner.rollback(args.user, args.version)
+
+    # Fleet adapter admin ops (ZeroMQ only: anyone who may connect may call them, as
+    # adapters.rollback; the HTTP gateway has no admin role, so it does not offer them).
+
+    async def fleet_publish(self, args: FleetPublishArgs) -> dict[str, Any]:
+        from daemon import fleet
+
+        self._require("serving")
+        assert self.engine is not None
+        result = await fleet.publish(self.engine, args.path)
+        self.fleet_serving = result["serving"]
+        log.info("fleet adapter version %d published from %s", result["version"], args.path)
+        return result
+
+    async def fleet_rollback(self, args: FleetRollbackArgs) -> dict[str, Any]:
+        from daemon import fleet
+
+        self._require("serving")
+        assert self.engine is not None
+        result = await fleet.rollback(self.engine, args.version)
+        self.fleet_serving = result["serving"]
+        log.info("fleet adapter rolled back: retired %s, serving %s", result["retired"], result["serving"])
+        return result
+
+    async def fleet_status(self, args: NoArgs) -> dict[str, Any]:
+        from daemon import fleet
+
+        self._require("serving")
+        assert self.engine is not None
+        result = await fleet.status(self.engine)
+        self.fleet_serving = result["serving"]
+        return result
 
     def health(self) -> dict[str, Any]:
         return {"ok": self.state == "serving", "state": self.state, "model": self.model_name,
@@ -703,7 +749,8 @@ class Service:
                            "users": stats.get("adapter_users", 0),
                            "versions_served": stats.get("adapter_versions", 0),
                            "versions_recorded": out["feedback"].get("adapter_versions", 0),
-                           "cached": stats.get("adapters_cached", 0)}
+                           "cached": stats.get("adapters_cached", 0),
+                           "fleet_serving": self.fleet_serving}
         return out
 
     def _memory(self, stats: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:

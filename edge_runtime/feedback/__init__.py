@@ -25,10 +25,12 @@ from edge_runtime.feedback.records import (
     TRAINED,
     AdapterVersionRecord,
     Choice,
+    ConsentState,
     Edit,
     ErasureReport,
     Feedback,
     FeedbackAck,
+    FleetMaterial,
     PreferencePair,
     Rating,
     RetentionReport,
@@ -40,9 +42,9 @@ from edge_runtime.feedback.records import (
 from edge_runtime.feedback.store import FeedbackStore, default_db_path
 
 __all__ = [
-    "AdapterVersionRecord", "AsyncFeedbackStore", "Choice", "ConsentRequired", "DuplicateFeedback",
+    "AdapterVersionRecord", "AsyncFeedbackStore", "Choice", "ConsentRequired", "ConsentState", "DuplicateFeedback",
     "DuplicateInteraction", "Edit", "ErasureReport", "Feedback", "FeedbackAck", "FeedbackStore",
-    "FeedbackStoreConfig", "HELDOUT", "InvalidFeedback", "PENDING", "PreferencePair", "Rating",
+    "FeedbackStoreConfig", "FleetMaterial", "HELDOUT", "InvalidFeedback", "PENDING", "PreferencePair", "Rating",
     "RetentionReport", "SKIPPED", "StoreClosed", "StoreStats", "StoreUnavailable", "TRAIN",
     "TRAINED", "Thumbs", "UnknownInteraction", "UnpairedExample", "UnknownPair", "UnknownUser", "default_db_path",
     "feedback_from_dict",

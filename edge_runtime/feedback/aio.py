@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from edge_runtime.feedback.records import (
+    ConsentState,
     ErasureReport,
     Feedback,
     FeedbackAck,
@@ -47,6 +48,12 @@ class AsyncFeedbackStore:
 
     async def set_consent(self, user_id: str, granted: bool) -> bool:
         return await asyncio.to_thread(self.store.set_consent, user_id, granted)
+
+    async def set_fleet_consent(self, user_id: str, granted: bool) -> bool:
+        return await asyncio.to_thread(self.store.set_fleet_consent, user_id, granted)
+
+    async def consent_state(self, user_id: str) -> ConsentState:
+        return await asyncio.to_thread(self.store.consent_state, user_id)
 
     async def has_consent(self, user_id: str) -> bool:
         return await asyncio.to_thread(self.store.has_consent, user_id)

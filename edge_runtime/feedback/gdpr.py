@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from edge_runtime.errors import BadRequest
-from edge_runtime.feedback.errors import UnknownUser
-from edge_runtime.feedback.records import RetentionReport
+from edge_runtime.feedback.errors import ConsentRequired, UnknownUser
+from edge_runtime.feedback.records import ConsentState, RetentionReport
 from edge_runtime.feedback.training_queue import adapter_versions
 
 EXPORT_FORMAT = "mace-edge.feedback-export"
-EXPORT_VERSION = 2  # 2: unpaired_examples, trained_on_unpaired_ids
+EXPORT_VERSION = 3  # 2: unpaired_examples, trained_on_unpaired_ids; 3: consent.fleet
 ALL_USERS = "*"  # audit subject of operations over every user (retention)
 
 log = logging.getLogger(__name__)
@@ -89,13 +89,40 @@ def set_consent(conn: sqlite3.Connection, user_id: str, granted: bool, now: floa
     return changed
 
 
+def set_fleet_consent(conn: sqlite3.Connection, user_id: str, granted: bool, now: float) -> bool:
+    """Record consent to training the shared fleet adapter, or its withdrawal; returns whether
+    anything changed.
+
+    Granting needs feedback consent first (there is nothing to train on without it); withdrawing
+    takes the user out of every later round, and is a no-op for a user the store does not know.
+    """
+    row = conn.execute("SELECT consent, fleet_consent FROM users WHERE user_id = ?", (user_id,)).fetchone()
+    if granted and (row is None or not row[0]):
+        raise ConsentRequired(
+            f"user {user_id!r} has not consented to feedback collection; grant that first "
+            "(fleet consent only lets already collected feedback train the fleet adapter)")
+    changed = row is not None and bool(row[1]) != granted
+    if changed:
+        conn.execute("UPDATE users SET fleet_consent = ?, fleet_consent_at = ? WHERE user_id = ?",
+                     (int(granted), now, user_id))
+    write_audit(conn, "fleet_consent_granted" if granted else "fleet_consent_withdrawn", user_id,
+                {"changed": changed}, now)
+    return changed
+
+
+def consent_state(conn: sqlite3.Connection, user_id: str) -> ConsentState:
+    row = conn.execute("SELECT consent, fleet_consent FROM users WHERE user_id = ?", (user_id,)).fetchone()
+    return ConsentState(user_id, bool(row and row[0]), bool(row and row[1]))
+
+
 # --- export ------------------------------------------------------------------------------------
 
 
 def export_user(conn: sqlite3.Connection, user_id: str, now: float) -> dict[str, Any]:
     """Everything held on one user, as JSON-ready data. Run inside one read transaction."""
     user = conn.execute(
-        "SELECT consent, consent_at, created_at FROM users WHERE user_id = ?", (user_id,)
+        "SELECT consent, consent_at, created_at, fleet_consent, fleet_consent_at FROM users"
+        " WHERE user_id = ?", (user_id,)
     ).fetchone()
     if user is None:
         raise UnknownUser(f"the feedback store holds nothing on user {user_id!r}")
@@ -166,7 +193,8 @@ def export_user(conn: sqlite3.Connection, user_id: str, now: float) -> dict[str,
         "time_unit": "seconds since the Unix epoch (UTC)",
         "exported_at": now,
         "user_id": user_id,
-        "consent": {"granted": bool(user[0]), "changed_at": user[1]},
+        "consent": {"granted": bool(user[0]), "changed_at": user[1],
+                    "fleet": {"granted": bool(user[3]), "changed_at": user[4]}},
         "created_at": user[2],
         "interactions": interactions,
         "preference_pairs": pairs,

@@ -142,6 +142,25 @@ class UnpairedExample:
 
 
 @dataclass(frozen=True)
+class ConsentState:
+    """A user's two consents: to feedback collection, and to training the shared fleet adapter
+    (which counts only while the first is also held)."""
+
+    user_id: str
+    granted: bool
+    fleet: bool
+
+
+@dataclass(frozen=True)
+class FleetMaterial:
+    """What a fleet round may train on: rows of users who hold both consents at the time of asking."""
+
+    users: tuple[str, ...]
+    pairs: tuple[PreferencePair, ...]
+    unpaired: tuple[UnpairedExample, ...]
+
+
+@dataclass(frozen=True)
 class AdapterVersionRecord:
     """A published adapter version and the pairs and unpaired examples it was trained on."""
 
@@ -171,6 +190,7 @@ class StoreStats:
     unpaired_pending: int = 0
     unpaired_trained: int = 0
     unpaired_heldout: int = 0
+    fleet_users: int = 0  # users holding both feedback and fleet consent
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

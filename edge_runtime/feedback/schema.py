@@ -172,6 +172,14 @@ MIGRATIONS: tuple[tuple[str | Callable[[sqlite3.Connection, float], None], ...],
         "CREATE INDEX adapter_unpaired_by_example ON adapter_unpaired(example_id)",
         _backfill_unpaired,
     ),
+    (
+        # Fleet consent (issue #20): a second, separately revocable consent to let the user's
+        # pairs and examples train the shared fleet adapter. It lives on the user row, so erasure
+        # takes it with everything else; it counts only while feedback consent is also held.
+        "ALTER TABLE users ADD COLUMN fleet_consent INTEGER NOT NULL DEFAULT 0"
+        " CHECK (fleet_consent IN (0, 1))",
+        "ALTER TABLE users ADD COLUMN fleet_consent_at REAL",
+    ),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -26,9 +26,11 @@ from edge_runtime.feedback.records import (
     SKIPPED,
     TRAIN,
     AdapterVersionRecord,
+    ConsentState,
     ErasureReport,
     Feedback,
     FeedbackAck,
+    FleetMaterial,
     PreferencePair,
     RetentionReport,
     StoreStats,
@@ -134,6 +136,21 @@ class FeedbackStore:
         row = self._read(lambda c: c.execute(
             "SELECT consent FROM users WHERE user_id = ?", (user_id,)).fetchone())
         return bool(row and row[0])
+
+    def set_fleet_consent(self, user_id: str, granted: bool) -> bool:
+        """Grant or withdraw consent to training the shared fleet adapter; returns whether it
+        changed. Granting raises ConsentRequired without feedback consent; withdrawal removes the
+        user from every later round (`fleet_material`)."""
+        user_id = validate_user_id(user_id)
+        if not isinstance(granted, bool):
+            raise BadRequest(f"fleet consent must be true or false; got {granted!r}")
+        now = self._clock()
+        return self._write(lambda conn: gdpr.set_fleet_consent(conn, user_id, granted, now)).result()
+
+    def consent_state(self, user_id: str) -> ConsentState:
+        """Both consents of a user (false for a user the store does not know)."""
+        user_id = validate_user_id(user_id)
+        return self._read(lambda c: gdpr.consent_state(c, user_id))
 
     # --- recording -----------------------------------------------------------------------------
 
@@ -246,6 +263,11 @@ class FeedbackStore:
         checked = tq.check_losses([(example_id, kto_loss)])
         now = self._clock()
         self._write(lambda conn: tq.mark_unpaired_trained(conn, checked, now)).result()
+
+    def fleet_material(self, split: str = TRAIN) -> FleetMaterial:
+        """What a fleet round may train on (`split="heldout"`: evaluate on): the pairs and unpaired
+        examples of users holding both consents at this moment; skipped rows are left out."""
+        return self._read(lambda c: tq.fleet_material(c, split), snapshot=True)
 
     # --- adapters ------------------------------------------------------------------------------
 
@@ -381,6 +403,7 @@ class FeedbackStore:
             return {
                 "users": one("SELECT count(*) FROM users"),
                 "consented_users": one("SELECT sum(consent) FROM users"),
+                "fleet_users": one("SELECT count(*) FROM users WHERE consent = 1 AND fleet_consent = 1"),
                 "interactions": one("SELECT count(*) FROM interactions"),
                 "feedback": one("SELECT count(*) FROM feedback"),
                 "pairs_pending": pairs.get((TRAIN, PENDING), 0),

@@ -20,6 +20,7 @@ from edge_runtime.feedback.records import (
     SPLITS,
     TRAINED,
     AdapterVersionRecord,
+    FleetMaterial,
     PreferencePair,
     UnpairedExample,
 )
@@ -249,3 +250,20 @@ def link_adapter_unpaired(conn: sqlite3.Connection, user_id: str, version: int, 
         "INSERT OR IGNORE INTO adapter_unpaired (user_id, version, example_id) VALUES (?, ?, ?)",
         [(user_id, version, example_id) for example_id in example_ids],
     )
+
+
+def fleet_material(conn: sqlite3.Connection, split: str) -> FleetMaterial:
+    """Pairs and unpaired examples (in `split`, any status but skipped) of the users who hold both
+    feedback and fleet consent now. Run inside one read transaction so the three reads agree."""
+    if split not in SPLITS:
+        raise BadRequest(f"split must be one of {SPLITS}; got {split!r}")
+    both = "JOIN users u ON u.user_id = {a}.user_id AND u.consent = 1 AND u.fleet_consent = 1"
+    users = tuple(str(u) for (u,) in conn.execute(
+        "SELECT user_id FROM users WHERE consent = 1 AND fleet_consent = 1 ORDER BY user_id"))
+    pairs = tuple(_pair(row) for row in conn.execute(
+        f"SELECT {_PAIR_COLUMNS} FROM pairs p {both.format(a='p')}"
+        " WHERE p.split = ? AND p.status != 'skipped' ORDER BY p.id", (split,)))
+    unpaired = tuple(_unpaired(row) for row in conn.execute(
+        f"SELECT {_UNPAIRED_COLUMNS} FROM unpaired x {both.format(a='x')}"
+        " WHERE x.split = ? AND x.status != 'skipped' ORDER BY x.id", (split,)))
+    return FleetMaterial(users=users, pairs=pairs, unpaired=unpaired)

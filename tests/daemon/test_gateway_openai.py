@@ -403,3 +403,15 @@ def test_the_remaining_rows_of_the_compatibility_table(gw: Gateway) -> None:
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model="tiny", max_tokens=2, **kwargs)
         assert info.value.param == param, kwargs
+
+
+def test_the_consent_route_takes_fleet_consent_and_keeps_the_old_body(gw: Gateway) -> None:
+    status, _, body = _post(gw, "/v1/users/fleet-hal/consent", {})  # the old default: grant
+    assert status == 200 and json.loads(body) == {"user": "fleet-hal", "granted": True, "fleet": False,
+                                                  "changed": True}
+    status, _, body = _post(gw, "/v1/users/fleet-hal/consent", {"fleet": True})
+    assert status == 200 and json.loads(body)["fleet"] is True and json.loads(body)["granted"] is True
+    status, _, body = _post(gw, "/v1/users/fleet-hal/consent", {"granted": False, "fleet": True})
+    assert status == 400 and b"fleet" in body
+    status, _, body = _post(gw, "/v1/users/fleet-ivo/consent", {"fleet": True})
+    assert status == 403 and b"consent_required" in body

@@ -94,6 +94,11 @@ def test_envelope_accepts_dealer_and_req_framing() -> None:
     (req("feedback", user="a", interaction_id="bad id", feedback={"kind": "choice"}), "bad_request"),
     (req("users.consent", user="a"), "bad_request"),
     (req("users.consent", user="a", granted=1), "bad_request"),
+    (req("users.consent", user="a", fleet=1), "bad_request"),
+    (req("users.consent", user="a", granted=False, fleet=True), "bad_request"),
+    (req("fleet.publish"), "bad_request"),
+    (req("fleet.publish", path="relative/dir"), "bad_request"),
+    (req("fleet.rollback", version=-1), "bad_request"),
     (req("adapters.rollback", user="a", version="3"), "bad_request"),
     (req("cancel", target=[1]), "bad_request"),
 ])
@@ -118,6 +123,8 @@ def test_every_op_parses_with_its_fields() -> None:
         "status": {}, "health": {}, "adapters.list": {}, "adapters.rollback": {"user": "bob", "version": 2},
         "users.consent": {"user": "bob", "granted": False}, "users.export": {"user": "bob"},
         "users.forget": {"user": "bob"}, "embed": {"input": ["a", "b"]},
+        "fleet.publish": {"path": "/var/lib/mace-edge/round-7"}, "fleet.rollback": {"version": 0},
+        "fleet.status": {},
     }
     assert set(samples) == set(OPS)
     for op, fields in samples.items():
@@ -150,7 +157,7 @@ _values = st.recursive(
 @settings(max_examples=200, deadline=None)
 @given(st.sampled_from(OPS + ("bogus",)), st.dictionaries(
     st.sampled_from(["prompt", "messages", "max_tokens", "temperature", "n", "stop", "user", "feedback",
-                     "interaction_id", "granted", "version", "target", "stream", "seed", "junk"]),
+                     "interaction_id", "granted", "fleet", "path", "version", "target", "stream", "seed", "junk"]),
     _values, max_size=6))
 def test_any_fields_either_parse_or_raise_protocol_error(op: str, fields: dict) -> None:
     try:

@@ -1,0 +1,77 @@
+"""The daemon's admin side of the shared fleet adapter (issue #20): publish a version from a PEFT
+folder on the device, roll back, list. The folder is read and checked against the served model off
+the engine thread; the versioned registry work (`Engine.publish_fleet` / `rollback_fleet`) runs on
+it. Knows nothing of consent or federated rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from daemon.protocol import ProtocolError
+from edge_runtime.lora.adapter import load_adapter
+from edge_runtime.lora.config import AdapterError
+from edge_runtime.lora.registry import FLEET
+
+if TYPE_CHECKING:
+    from daemon.engine_thread import EngineThread
+    from edge_runtime.engine import Engine
+    from edge_runtime.lora.weights import LoraWeights
+    from edge_runtime.model.config import ModelConfig
+
+
+async def publish(engine: EngineThread, folder: str) -> dict[str, Any]:
+    """Make the adapter in `folder` the fleet's next version, beneath every user's adapter for new
+    requests (running ones finish on the version they started with)."""
+    path = Path(folder)
+    cfg = await engine.call(lambda e: e.adapters.model_cfg)
+    weights = await asyncio.to_thread(read_fleet_adapter, path, cfg)
+    ref = await engine.call(lambda e: e.publish_fleet(weights, source=str(path)))
+    return {"version": ref.version, "serving": ref.version, "rank": weights.settings.rank,
+            "target_modules": list(weights.settings.target_modules)}
+
+
+def read_fleet_adapter(path: Path, cfg: ModelConfig) -> LoraWeights:
+    """Read a PEFT LoRA folder and check it fits the served model, or raise `bad_request` naming
+    what does not fit (missing files, LoRA variant, targets, layer, shapes)."""
+    if not path.is_dir():
+        raise ProtocolError("bad_request", f"{path} is not a folder on the daemon's machine", param="path")
+    try:
+        return load_adapter(path, cfg)
+    except AdapterError as exc:
+        raise ProtocolError("bad_request", f"{path} cannot be the fleet adapter: {exc}", param="path") from None
+    except (KeyError, ValueError, TypeError) as exc:  # a config without "r", a non-numeric rank...
+        raise ProtocolError("bad_request", f"{path} is not a PEFT LoRA adapter this runtime reads: "
+                            f"adapter_config.json has a missing or malformed field ({type(exc).__name__}: "
+                            f"{exc})", param="path") from None
+
+
+async def rollback(engine: EngineThread, version: int | None) -> dict[str, Any]:
+    """Retire the fleet's newest version, or every version newer than `version` (0: none)."""
+    def roll(e: Engine) -> dict[str, Any]:
+        before = e.adapters.versions(FLEET)
+        now = e.rollback_fleet(version, reason="fleet rollback requested through the API")
+        return {"serving": None if now is None else now.version,
+                "retired": [v for v in before if v not in e.adapters.versions(FLEET)]}
+
+    try:
+        return await engine.call(roll)
+    except AdapterError as exc:
+        raise ProtocolError("adapter_unavailable", str(exc), param="version") from None
+
+
+async def status(engine: EngineThread) -> dict[str, Any]:
+    """The fleet version new requests get (None: none) and every version that can be served."""
+    def listing(e: Engine) -> dict[str, Any]:
+        registry = e.adapters
+        newest = registry.newest(FLEET)
+        published = {ev.get("version"): ev for ev in registry.events(FLEET) if ev.get("kind") == "published"}
+        versions = [{"version": v, "created_at": published.get(v, {}).get("time"),
+                     "source": published.get(v, {}).get("source"),
+                     "active": newest is not None and newest.version == v}
+                    for v in registry.versions(FLEET)]
+        return {"serving": None if newest is None else newest.version, "versions": versions}
+
+    return await engine.call(listing)
