@@ -3,7 +3,9 @@ each backend produced, step by step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,15 +49,15 @@ def make_engine(model_dir: Path, backend: str, adapters: dict[str, LoraWeights],
     return engine
 
 
-def run_recording(engine: Engine, prompts: list, users: list[str | None], params: SamplingParams):
-    """Generate every prompt (as its user) in one continuous batch; returns (logits of every
-    step, in order, and each request's output token ids)."""
-    captured: list[torch.Tensor] = []
+def run_spying(engine: Engine, prompts: list, users: list[str | None], params: SamplingParams,
+               on_step: Callable[[Any, torch.Tensor], None]) -> list:
+    """Generate every prompt (as its user) in one continuous batch, calling `on_step(batch,
+    logits)` after each forward; returns each request's output, in the prompts' order."""
     execute = engine.backend.execute
 
     def spy(batch):
         out = execute(batch)
-        captured.append(out.detach().float().cpu().clone())
+        on_step(batch, out)
         return out
 
     engine.backend.execute = spy
@@ -67,7 +69,16 @@ def run_recording(engine: Engine, prompts: list, users: list[str | None], params
                 done[out.request_id] = out
     finally:
         engine.backend.execute = execute
-    return captured, [done[i].candidates[0].token_ids for i in ids]
+    return [done[i] for i in ids]
+
+
+def run_recording(engine: Engine, prompts: list, users: list[str | None], params: SamplingParams):
+    """Generate every prompt (as its user) in one continuous batch; returns (logits of every
+    step, in order, and each request's output token ids)."""
+    captured: list[torch.Tensor] = []
+    outputs = run_spying(engine, prompts, users, params,
+                         lambda batch, out: captured.append(out.detach().float().cpu().clone()))
+    return captured, [o.candidates[0].token_ids for o in outputs]
 
 
 PROMPTS = [

@@ -16,6 +16,7 @@ from edge_runtime.lora.registry import FLEET, ServedAdapter
 from edge_runtime.lora.weights import concat_ranks
 from edge_runtime.model.tokenizer import Tokenizer
 from edge_runtime.sampling import SamplingParams
+from tests.backends.helpers import run_spying
 from tests.lora.helpers import ALL_LINEAR, hf_model, random_adapter
 
 PROMPTS = ["The quick brown fox", "Hello, how are you today?", "What is the capital", "Please write"]
@@ -54,29 +55,18 @@ def _merged_hf(model_dir, *adapters):
 
 
 def _run_capturing(engine, prompts, users, params):
-    """Run the requests in one continuous batch; returns {request id: output} and, per request,
+    """Run the requests in one continuous batch; returns each request's output and, per request,
     (position, logits) of every row that sampled."""
     rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    execute = engine.backend.execute
 
-    def spy(batch):
-        out = execute(batch)
+    def record(batch, out):
         sampled = [item for item in batch.items if item.samples]
         for item, logits in zip(sampled, out, strict=True):
             pos = item.seq.num_computed + item.num_tokens - 1
             rows.setdefault(item.seq.request.request_id, []).append((pos, logits.detach().float().clone()))
-        return out
 
-    engine.backend.execute = spy
-    try:
-        ids = [engine.add_request(p, params, adapter=u) for p, u in zip(prompts, users, strict=True)]
-        done = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                done[out.request_id] = out
-    finally:
-        engine.backend.execute = execute
-    return [done[i] for i in ids], [rows[i] for i in ids]
+    outputs = run_spying(engine, prompts, users, params, record)
+    return outputs, [rows[o.request_id] for o in outputs]
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime-dense"])
