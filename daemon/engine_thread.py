@@ -212,8 +212,8 @@ class EngineThread:
         while not self._stopping:
             self._on_alive()
             # Idle with a cost calibration still to run: once the engine has been quiet for
-            # `calibration_quiet_s`, one shape of it per turn (a request arriving meanwhile waits
-            # for that shape at most); until then the queue is waited on for the rest of it.
+            # `calibration_quiet_s`, one shape of it per turn (a command arriving meanwhile stops
+            # the shape after its current forward); until then the queue is waited on.
             calibrating = getattr(engine, "calibrating", False)
             quiet_s = time.monotonic() - busy_at
             if engine.has_unfinished() or not calibrating:

@@ -109,9 +109,8 @@ def mask_rows(logits: torch.Tensor, rows: list[int], allowed: torch.Tensor) -> t
     import torch
 
     shaped = logits.detach().to(torch.float32, copy=True)
-    disallowed = ~allowed
-    for i, row in enumerate(rows):
-        shaped[row].masked_fill_(disallowed[i], float("-inf"))
+    index = torch.tensor(rows, dtype=torch.long)
+    shaped[index] = shaped[index].masked_fill(~allowed, float("-inf"))
     return shaped
 
 

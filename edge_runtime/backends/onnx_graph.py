@@ -25,6 +25,7 @@ from edge_runtime.backends.quantize import (
     BLOCK_SIZE,
     OffsetNBitsWeight,
     bits_of,
+    nbits_levels,
     pack_nbits,
     pack_q4_offsets,
     quantize_symmetric,
@@ -195,7 +196,7 @@ class _StepWriter:
         self.g = _Graph()
         self.ort = spec.flavour == "ort"
         self.dense = spec.kv_layout == "dense"
-        self._block_sum_mats: dict[str, str] = {}  # K -> the [K, K / block] 0/1 initializer
+        self._block_sum_mats: set[str] = set()  # the 0/1 block-sum initializers written so far
         self._block_sums: dict[str, str] = {}  # a linear's input -> its per-block sums
 
     # -- primitives ---------------------------------------------------------------------------
@@ -224,15 +225,7 @@ class _StepWriter:
             # Symmetric block-wise (TensorRT's weight-only INT4/INT8 takes no zero point).
             bits = bits_of(spec.quantization)
             q, scale = quantize_symmetric(w, bits)  # [N, K/b, b], [N, K/b]
-            qt = q.reshape(n, k).T  # [K, N]: MatMul's layout, blocks along K (axis 0)
-            tensor = helper.make_tensor(
-                f"{name}.qweight", TensorProto.INT4 if bits == 4 else TensorProto.INT8, list(qt.shape),
-                qt.reshape(-1).astype(np.int8).tolist() if bits == 4 else qt.tobytes(), raw=bits == 8,
-            )
-            g.inits.append(tensor)
-            deq = g.op("DequantizeLinear", [tensor.name, g.init(f"{name}.scales", scale.T)], axis=0,
-                       block_size=BLOCK_SIZE)
-            y = g.op("MatMul", [x, deq])
+            y = g.op("MatMul", [x, self._block_dequantized(q.reshape(n, k), scale, bits, name)])
         if bias is not None:
             y = g.op("Add", [y, g.init(f"{name}.bias", _np(bias))])
         return y
@@ -247,29 +240,29 @@ class _StepWriter:
                      domain="com.microsoft", K=q.k, N=q.n, bits=4, block_size=q.block_size,
                      accuracy_level=self.spec.accuracy_level)
         else:  # the standard flavour: signed INT4 blocks (q - 8 fits [-8, 7]) for DequantizeLinear
-            y = g.op("MatMul", [x, self._dequantized_int4(w, name)])
+            signed = (nbits_levels(q).astype(np.int8) - 8).reshape(q.n, q.k)
+            y = g.op("MatMul", [x, self._block_dequantized(signed, q.scales.reshape(q.n, -1), 4, name)])
         sums = self._block_sums.get(x)
         if sums is None:
-            key = f"block_sum_{q.k}"
-            if key not in self._block_sum_mats:
-                mat = np.kron(np.eye(q.k // q.block_size, dtype=np.float32), np.ones((q.block_size, 1), np.float32))
-                self._block_sum_mats[key] = g.init(key, mat)  # [K, K / block]
-            sums = self._block_sums[x] = g.op("MatMul", [x, self._block_sum_mats[key]])
+            mat = f"block_sum_{q.k}"  # [K, K / block] of 0/1, one per width K
+            if mat not in self._block_sum_mats:
+                g.init(mat, np.kron(np.eye(q.k // q.block_size, dtype=np.float32), np.ones((q.block_size, 1), np.float32)))
+                self._block_sum_mats.add(mat)
+            sums = self._block_sums[x] = g.op("MatMul", [x, mat])
         shift = g.op("MatMul", [sums, g.init(f"{name}.offsets", np.ascontiguousarray(w.offsets.T))])
         return g.op("Add", [y, shift])
 
-    def _dequantized_int4(self, w: OffsetNBitsWeight, name: str) -> str:
-        """The symmetric part of an offset weight as a block-wise INT4 DequantizeLinear, [K, N]."""
-        q = w.nbits
-        nibbles = np.empty((q.n, q.k // q.block_size, q.block_size), np.int8)
-        nibbles[..., 0::2] = q.packed & 0x0F
-        nibbles[..., 1::2] = q.packed >> 4
-        qt = (nibbles - 8).reshape(q.n, q.k).T  # [K, N], blocks along K (axis 0)
-        tensor = helper.make_tensor(f"{name}.qweight", TensorProto.INT4, list(qt.shape), qt.reshape(-1).tolist())
+    def _block_dequantized(self, q: np.ndarray, scale: np.ndarray, bits: int, name: str) -> str:
+        """Signed levels q [N, K] and scales [N, K / block] as a block-wise DequantizeLinear whose
+        output is the weight in MatMul's layout [K, N] (blocks along K, axis 0)."""
+        qt = q.T
+        tensor = helper.make_tensor(
+            f"{name}.qweight", TensorProto.INT4 if bits == 4 else TensorProto.INT8, list(qt.shape),
+            qt.reshape(-1).astype(np.int8).tolist() if bits == 4 else qt.tobytes(), raw=bits == 8,
+        )
         self.g.inits.append(tensor)
-        scales = q.scales.reshape(q.n, -1).T
-        return self.g.op("DequantizeLinear", [tensor.name, self.g.init(f"{name}.scales", scales)], axis=0,
-                         block_size=q.block_size)
+        return self.g.op("DequantizeLinear", [tensor.name, self.g.init(f"{name}.scales", scale.T)], axis=0,
+                         block_size=BLOCK_SIZE)
 
     def _tied_quantized(self) -> bool:
         return self.ort and self.spec.quantization != "none" and self.model.lm_head is None

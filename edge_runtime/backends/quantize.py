@@ -70,6 +70,21 @@ def quantize_symmetric(weight: np.ndarray, bits: int, block_size: int = BLOCK_SI
     return q.astype(np.int8), scale
 
 
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """4-bit values [..., 2m] two per byte, the even element in the low nibble."""
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+
+
+def nbits_levels(w: NBitsWeight) -> np.ndarray:
+    """The stored integer levels of `w`, uint8 [N, K / block, block] (4-bit ones unpacked)."""
+    if w.bits != 4:
+        return w.packed
+    q = np.empty((w.n, w.k // w.block_size, w.block_size), np.uint8)
+    q[..., 0::2] = w.packed & 0x0F
+    q[..., 1::2] = w.packed >> 4
+    return q
+
+
 def pack_nbits(weight: np.ndarray, bits: int, block_size: int = BLOCK_SIZE, symmetric: bool = False) -> NBitsWeight:
     """Quantise `weight` [N, K] and lay it out as `MatMulNBits` expects: per output row, blocks
     of K; for 4 bits two values per byte, the even element in the low nibble. Symmetric blocks
@@ -83,10 +98,10 @@ def pack_nbits(weight: np.ndarray, bits: int, block_size: int = BLOCK_SIZE, symm
     else:
         q, scale, zero = quantize_asymmetric(weight, bits, block_size)
     if bits == 4:
-        packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+        packed = _pack_nibbles(q)
         if blocks % 2:
             zero = np.concatenate([zero, np.zeros((n, 1), np.uint8)], axis=1)
-        zero_packed = (zero[:, 0::2] | (zero[:, 1::2] << 4)).astype(np.uint8)
+        zero_packed = _pack_nibbles(zero)
     else:
         packed, zero_packed = q, zero
     zero_points = None if symmetric else zero_packed.reshape(-1)
@@ -96,12 +111,7 @@ def pack_nbits(weight: np.ndarray, bits: int, block_size: int = BLOCK_SIZE, symm
 def dequantize_nbits(w: NBitsWeight) -> np.ndarray:
     """The float weight [N, K] that `MatMulNBits` computes with (tests and error reports)."""
     blocks = w.k // w.block_size
-    if w.bits == 4:
-        q = np.empty((w.n, blocks, w.block_size), np.uint8)
-        q[..., 0::2] = w.packed & 0x0F
-        q[..., 1::2] = w.packed >> 4
-    else:
-        q = w.packed
+    q = nbits_levels(w)
     if w.zero_points is None:
         zero = np.full((w.n, blocks), 1 << (w.bits - 1), np.uint8)
     elif w.bits == 4:
@@ -138,9 +148,7 @@ def pack_q4_offsets(weight: np.ndarray, block_size: int = BLOCK_SIZE) -> OffsetN
     scale = ((hi - lo) / 15).astype(np.float32)
     scale = np.where(scale == 0, np.float32(1.0), scale).astype(np.float32)
     q = np.clip(np.round((blocks - lo[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
-    n, nblocks = scale.shape
-    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-    nbits = NBitsWeight(packed, scale.reshape(-1), None, n, weight.shape[1], 4, block_size)
+    nbits = NBitsWeight(_pack_nibbles(q), scale.reshape(-1), None, *weight.shape, 4, block_size)
     offsets = (lo + 8 * scale).astype(np.float32)
     return OffsetNBitsWeight(nbits, offsets)
 
