@@ -533,7 +533,9 @@ class Engine:
         and the ledger count the budget's share of its KV, not every position's. One never compacted
         (or just recomputed after a preemption, every position whole again) compacts as soon as
         that saves a block. Any sequence with a pruning state, whether the engine's settings gave
-        it one or not."""
+        it one or not. Only the torch backend reads a compacted layout."""
+        if self.backend.name != "torch":
+            return
         layers, kv_heads = self.model.cfg.num_layers, self.model.cfg.num_kv_heads
         for seq in self.scheduler.running:
             state = seq.kv_pruning

@@ -14,7 +14,8 @@ the retained keys/values peak at the budget's share of the unpruned ones. Per me
   the prompt's keys/values, computed once per prompt);
 - greedy agreement with the unpruned decoding: the share of positions with the same token, and
   the first position where they differ (after it the histories differ);
-- TBT: median and p90 of the decode iterations' wall time, each method alone (one stream per prompt);
+- TBT: median and p90 of the decode iterations' wall time, each method alone (one stream per
+  prompt), and in those runs the most KV blocks the pool had in use and the ledger's KV entry;
 - peak KV bytes: the most (head, position) entries retained at once x bytes per entry, per
   sequence;
 - peak held KV bytes: the most paged blocks the sequence's table held at once x bytes per block:
@@ -45,6 +46,7 @@ import torch  # noqa: E402
 from edge_runtime import Engine, SamplingParams  # noqa: E402
 from edge_runtime.kv.cache import bytes_per_block  # noqa: E402
 from edge_runtime.kv.pruning import HeadPruning, PruningSettings  # noqa: E402
+from edge_runtime.memory import MemoryKind  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "tools" / "results"
@@ -84,6 +86,7 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
     outputs: dict[str, Any] = {}
     peak = [0] * len(prompt_ids) * len(configs)
     held = [0] * len(peak)
+    pool_peak = {"blocks": 0, "ledger_kv_bytes": 0}  # over the decode iterations, all sequences
     step_s: list[float] = []
 
     def step() -> None:
@@ -92,6 +95,9 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
             outputs[out.request_id] = out
         if all(s.num_computed >= s.num_prompt for _, s in runs):
             step_s.append(time.perf_counter() - start)
+            pool_peak["blocks"] = max(pool_peak["blocks"], engine.pool.num_used)
+            kv = engine.ledger.entries(MemoryKind.KV).get("blocks", 0)
+            pool_peak["ledger_kv_bytes"] = max(pool_peak["ledger_kv_bytes"], kv)
             if len(step_s) % 100 == 0:
                 print(f"{len(step_s)} decode iterations, median {statistics.median(step_s) * 1000:.0f} ms",
                       flush=True)
@@ -111,7 +117,7 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
     entry = 2 * cfg.head_dim * elem  # one (layer, KV head, position)'s key and value
     per_block = bytes_per_block(cfg, engine.pool.block_size, engine.model.dtype)
     results = [{"ids": [], "peak_kv_bytes": [], "full_kv_bytes": [], "peak_held_kv_bytes": [],
-                "tbt_ms": [t * 1000 for t in step_s]} for _ in configs]
+                "tbt_ms": [t * 1000 for t in step_s], "pool": pool_peak} for _ in configs]
     for j, (index, s) in enumerate(runs):
         full = (s.num_tokens - 1) * cfg.num_layers * cfg.num_kv_heads  # the last token is never fed
         r = results[index]
@@ -212,13 +218,15 @@ def main() -> None:
     # TBT: each method alone (one stream per prompt), its budget a share of prompt + tbt_tokens so that it
     # prunes from the first step.
     timed = [("unpruned", 1.0), ("mace", 1.0)] + [(m, args.tbt_budget) for m in methods]
-    tbt = {c: decode(engine, prompt_ids, args.tbt_tokens, [c], settings)[0]["tbt_ms"] for c in timed}
+    tbt = {c: decode(engine, prompt_ids, args.tbt_tokens, [c], settings)[0] for c in timed}
     tbt_rows = []
-    for (method, budget), times in tbt.items():
-        times = sorted(times)
+    for (method, budget), run in tbt.items():
+        times = sorted(run["tbt_ms"])
         tbt_rows.append({"method": method, "budget": budget, "steps": len(times),
                          "tbt_ms_median": round(statistics.median(times), 2),
-                         "tbt_ms_p90": round(times[int(0.9 * (len(times) - 1))], 2)})
+                         "tbt_ms_p90": round(times[int(0.9 * (len(times) - 1))], 2),
+                         "pool_blocks_peak": run["pool"]["blocks"],
+                         "ledger_kv_bytes_peak": run["pool"]["ledger_kv_bytes"]})
 
     result = {
         "model": engine.model_name, "dtype": str(engine.model.dtype), "tokens": args.tokens,
@@ -281,12 +289,15 @@ def markdown(r: dict[str, Any]) -> str:
     lines += [
         "", f"All {len(r['rows'])} configurations decoded in one batch ({len(r['prompt_tokens']) * len(r['rows'])} sequences; "
         f"median iteration {r['batch_decode_ms_median']} ms).", "",
-        f"TBT: each method alone (one stream per prompt), {r['tbt_tokens']} decode steps, its "
-        "budget a share of prompt + those steps so it prunes from the first step:", "",
-        "| method | budget | steps | TBT median ms | TBT p90 ms |", "|---|---|---|---|---|",
+        f"TBT and memory: each method alone (one stream per prompt), {r['tbt_tokens']} decode steps, its "
+        "budget a share of prompt + those steps so it prunes from the first step. Pool blocks: the most "
+        "KV blocks in use at once over the decode steps (compacted); ledger KV: its KV entry then.", "",
+        "| method | budget | steps | TBT median ms | TBT p90 ms | pool blocks (peak) | ledger KV MiB (peak) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for t in r["tbt"]:
-        lines.append(f"| {t['method']} | {t['budget']:.0%} | {t['steps']} | {t['tbt_ms_median']} | {t['tbt_ms_p90']} |")
+        lines.append(f"| {t['method']} | {t['budget']:.0%} | {t['steps']} | {t['tbt_ms_median']} | {t['tbt_ms_p90']} "
+                     f"| {t.get('pool_blocks_peak', '')} | {t.get('ledger_kv_bytes_peak', 0) / 2**20:.1f} |")
     lines += ["", "Pruning masks positions out of each head's attention and compaction gives the freed blocks "
               "back, but a pruned step still gathers a key per position (masked), as many as an unpruned "
               "one, so TBT shows the bookkeeping's cost, not a saving. TBT is noisy on a shared machine "

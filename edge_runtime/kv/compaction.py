@@ -86,8 +86,8 @@ def compact(layout: CompactLayout | None, retained: Tensor, block_table: list[in
             cache: KVCache) -> Compaction | None:
     """Pack the retained entries of positions 0..n-1 (retained: [layers, kv_heads, n] bool) into
     the lowest entries of blocks the sequence alone holds, and release every block then unused.
-    Returns None, changing nothing, when that would not leave the pool with at least one more
-    free block.
+    Returns None, changing nothing, when that would leave the pool with no more free blocks than
+    before and would drop no reference to a shared block.
 
     Blocks another sequence shares (ref count > 1: a prefix-cache hit) are never written: their
     entries stay where they are (the block stays in the table while it holds one). A block that
@@ -112,7 +112,9 @@ def compact(layout: CompactLayout | None, retained: Tensor, block_table: list[in
     dest = writable[:dest_blocks]
     released = [b for b in block_table if b not in kept and b not in dest]
     freed = sum(1 for b in released if pool.ref_count[b] == 1)
-    if freed - fresh < 1 or fresh > pool.num_free:
+    # Dropping a shared block's reference frees nothing now, but its memory goes once the other
+    # sequence ends; worth a compaction that takes no fresh block.
+    if fresh > pool.num_free or freed - fresh < (0 if released and not fresh else 1):
         return None
     dest += [pool.allocate() for _ in range(fresh)]
     table = kept + dest
