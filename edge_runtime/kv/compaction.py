@@ -110,7 +110,8 @@ def compact(layout: CompactLayout | None, retained: Tensor, block_table: list[in
     writable = [b for b in block_table if pool.ref_count[b] == 1 and pool.hash_of[b] is None]
     fresh = max(0, dest_blocks - len(writable))
     dest = writable[:dest_blocks]
-    released = [b for b in block_table if b not in kept and b not in dest]
+    staying = set(kept) | set(dest)
+    released = [b for b in block_table if b not in staying]
     freed = sum(1 for b in released if pool.ref_count[b] == 1)
     # Dropping a shared block's reference frees nothing now, but its memory goes once the other
     # sequence ends; worth a compaction that takes no fresh block.

@@ -71,7 +71,7 @@ class PagedContext:
             rows = [(i, s.ctx_len, s.pruning) for i, s in enumerate(plan.decodes) if s.pruning is not None]
             layers, _, _, kv_heads, _ = cache.data.shape
             self.decode_pruning = DecodePruning(rows, plan.decode_mask, layers, kv_heads)
-            if any(s.layout is not None for s in pruned):
+            if any(s.layout is not None for s in plan.decodes):
                 self.decode_entries = _decode_entries(plan, cache.block_size, layers, kv_heads, device)
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
