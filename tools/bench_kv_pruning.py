@@ -86,7 +86,8 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
     outputs: dict[str, Any] = {}
     peak = [0] * len(prompt_ids) * len(configs)
     held = [0] * len(peak)
-    pool_peak = {"blocks": 0, "ledger_kv_bytes": 0}  # over the decode iterations, all sequences
+    layer_peak = [0] * len(peak)  # the most entries one layer retained at once (what compaction packs)
+    pool_steps: list[tuple[int, int]] = []  # (blocks in use, the ledger's KV bytes) per decode iteration
     step_s: list[float] = []
 
     def step() -> None:
@@ -95,9 +96,7 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
             outputs[out.request_id] = out
         if all(s.num_computed >= s.num_prompt for _, s in runs):
             step_s.append(time.perf_counter() - start)
-            pool_peak["blocks"] = max(pool_peak["blocks"], engine.pool.num_used)
-            kv = engine.ledger.entries(MemoryKind.KV).get("blocks", 0)
-            pool_peak["ledger_kv_bytes"] = max(pool_peak["ledger_kv_bytes"], kv)
+            pool_steps.append((engine.pool.num_used, engine.ledger.entries(MemoryKind.KV).get("blocks", 0)))
             if len(step_s) % 100 == 0:
                 print(f"{len(step_s)} decode iterations, median {statistics.median(step_s) * 1000:.0f} ms",
                       flush=True)
@@ -105,6 +104,8 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
             held[j] = max(held[j], len(s.block_table))
             if s.kv_pruning is not None:
                 peak[j] = max(peak[j], s.kv_pruning.retained_entries)
+                per_layer = s.kv_pruning.retained[:, :, : s.kv_pruning.length].sum((1, 2))
+                layer_peak[j] = max(layer_peak[j], int(per_layer.max()) if per_layer.numel() else 0)
 
     add(0)  # configs[0] is unpruned
     while any(s.num_computed < s.num_prompt for _, s in runs):
@@ -116,8 +117,12 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
     elem = torch.empty((), dtype=engine.model.dtype).element_size()
     entry = 2 * cfg.head_dim * elem  # one (layer, KV head, position)'s key and value
     per_block = bytes_per_block(cfg, engine.pool.block_size, engine.model.dtype)
+    # The last iteration ends the sequences (their blocks go back): the one before is the end's.
+    end = pool_steps[-2] if len(pool_steps) > 1 else (0, 0)
+    pool = {"blocks_peak": max((b for b, _ in pool_steps), default=0), "blocks_end": end[0],
+            "ledger_kv_bytes_peak": max((k for _, k in pool_steps), default=0), "ledger_kv_bytes_end": end[1]}
     results = [{"ids": [], "peak_kv_bytes": [], "full_kv_bytes": [], "peak_held_kv_bytes": [],
-                "tbt_ms": [t * 1000 for t in step_s], "pool": pool_peak} for _ in configs]
+                "layer_kv_share": [], "tbt_ms": [t * 1000 for t in step_s], "pool": pool} for _ in configs]
     for j, (index, s) in enumerate(runs):
         full = (s.num_tokens - 1) * cfg.num_layers * cfg.num_kv_heads  # the last token is never fed
         r = results[index]
@@ -125,6 +130,8 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
         r["peak_kv_bytes"].append((peak[j] if s.kv_pruning is not None else full) * entry)
         r["full_kv_bytes"].append(full * entry)
         r["peak_held_kv_bytes"].append(held[j] * per_block)
+        full_layer = (s.num_tokens - 1) * cfg.num_kv_heads
+        r["layer_kv_share"].append(round(layer_peak[j] / full_layer, 4) if s.kv_pruning is not None else 1.0)
     return results
 
 
@@ -225,8 +232,7 @@ def main() -> None:
         tbt_rows.append({"method": method, "budget": budget, "steps": len(times),
                          "tbt_ms_median": round(statistics.median(times), 2),
                          "tbt_ms_p90": round(times[int(0.9 * (len(times) - 1))], 2),
-                         "pool_blocks_peak": run["pool"]["blocks"],
-                         "ledger_kv_bytes_peak": run["pool"]["ledger_kv_bytes"]})
+                         **{f"pool_{key}": value for key, value in run["pool"].items()}})
 
     result = {
         "model": engine.model_name, "dtype": str(engine.model.dtype), "tokens": args.tokens,
@@ -258,6 +264,7 @@ def summarise(base: Engine, prompt_ids: list[list[int]], prompt_states: list[Any
         "peak_kv_share": round(sum(run["peak_kv_bytes"]) / sum(run["full_kv_bytes"]), 4),
         "peak_held_kv_bytes": run["peak_held_kv_bytes"],
         "peak_held_kv_share": round(sum(run["peak_held_kv_bytes"]) / sum(reference["peak_held_kv_bytes"]), 4),
+        "largest_layer_kv_share": run["layer_kv_share"],
     }
 
 
@@ -273,10 +280,13 @@ def markdown(r: dict[str, Any]) -> str:
         "average. Perplexity: of the generated continuation under the unpruned model. Agreement: share "
         "of positions equal to the unpruned greedy tokens; first divergence per prompt. Peak KV: the most "
         "retained (head, position) keys+values at once, share of the unpruned peak. Held KV: the most "
-        "paged blocks a sequence held at once (compacted), share of the unpruned sequence's.", "",
+        "paged blocks a sequence held at once (compacted; prompt blocks shared with the unpruned copy "
+        "count), share of the unpruned sequence's. Largest layer: the most entries one layer retained "
+        "at once, share of a layer's final context (compaction packs each layer into the same blocks, "
+        "so the largest layer sets the blocks).", "",
         "| method | budget | perplexity (mean; per prompt) | agreement (mean; per prompt) | first divergence "
-        "| peak KV MiB (share of unpruned) | peak held KV MiB (share) |",
-        "|---|---|---|---|---|---|---|",
+        "| peak KV MiB (share of unpruned) | peak held KV MiB (share) | largest layer |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         kv = sum(row["peak_kv_bytes"]) / 2**20
@@ -285,19 +295,21 @@ def markdown(r: dict[str, Any]) -> str:
             f"({', '.join(map(str, row['perplexity']))}) "
             f"| {row['mean_agreement']:.3f} ({', '.join(f'{a:.3f}' for a in row['agreement'])}) "
             f"| {', '.join(map(str, row['first_divergence']))} | {kv:.1f} ({row['peak_kv_share']:.0%}) "
-            f"| {sum(row['peak_held_kv_bytes']) / 2**20:.1f} ({row['peak_held_kv_share']:.0%}) |")
+            f"| {sum(row['peak_held_kv_bytes']) / 2**20:.1f} ({row['peak_held_kv_share']:.0%}) "
+            f"| {', '.join(f'{x:.0%}' for x in row['largest_layer_kv_share'])} |")
     lines += [
         "", f"All {len(r['rows'])} configurations decoded in one batch ({len(r['prompt_tokens']) * len(r['rows'])} sequences; "
         f"median iteration {r['batch_decode_ms_median']} ms).", "",
         f"TBT and memory: each method alone (one stream per prompt), {r['tbt_tokens']} decode steps, its "
-        "budget a share of prompt + those steps so it prunes from the first step. Pool blocks: the most "
-        "KV blocks in use at once over the decode steps (compacted); ledger KV: its KV entry then.", "",
-        "| method | budget | steps | TBT median ms | TBT p90 ms | pool blocks (peak) | ledger KV MiB (peak) |",
+        "budget a share of prompt + those steps so it prunes from the first step. Pool blocks: KV "
+        "blocks in use over the decode steps, the most at once (the unpruned prefill's, before the "
+        "first compaction) and at the last step; ledger KV: its KV entry at the last step.", "",
+        "| method | budget | steps | TBT median ms | TBT p90 ms | pool blocks peak / end | ledger KV MiB end |",
         "|---|---|---|---|---|---|---|",
     ]
     for t in r["tbt"]:
         lines.append(f"| {t['method']} | {t['budget']:.0%} | {t['steps']} | {t['tbt_ms_median']} | {t['tbt_ms_p90']} "
-                     f"| {t.get('pool_blocks_peak', '')} | {t.get('ledger_kv_bytes_peak', 0) / 2**20:.1f} |")
+                     f"| {t['pool_blocks_peak']} / {t['pool_blocks_end']} | {t['pool_ledger_kv_bytes_end'] / 2**20:.1f} |")
     lines += ["", "Pruning masks positions out of each head's attention and compaction gives the freed blocks "
               "back, but a pruned step still gathers a key per position (masked), as many as an unpruned "
               "one, so TBT shows the bookkeeping's cost, not a saving. TBT is noisy on a shared machine "
