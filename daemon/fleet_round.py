@@ -300,7 +300,19 @@ class FleetRounds:
             before, after = await scorer.metrics(given), await scorer.metrics(trained)
             metrics.update(heldout_win_rate_before=before["win_rate"], heldout_win_rate_after=after["win_rate"],
                            heldout_margin_before=before["margin"], heldout_margin_after=after["margin"])
+        if not await self._still_consented(material):
+            log.info("fleet round %d given up: a user it trained on withdrew fleet consent or was erased while "
+                     "it ran; nothing sent", args.round)
+            return self._answer(args, SHED, counts)
         return await asyncio.to_thread(self._release, args, given, trained, material, metrics)
+
+    async def _still_consented(self, material: RoundMaterial) -> bool:
+        """Whether every user the round trained on still holds fleet consent (and exists)."""
+        from edge_runtime.feedback import TRAIN
+
+        assert self.store is not None
+        now = await asyncio.to_thread(self.store.fleet_material, TRAIN)
+        return {record.user_id for record in material.train} <= set(now.users)
 
     def _release(self, args: FleetRoundArgs, given: LoraWeights, trained: LoraWeights, material: RoundMaterial,
                  metrics: dict[str, Any]) -> dict[str, Any]:
@@ -342,8 +354,9 @@ class FleetRounds:
             if engine.scheduler.finetune_paused:
                 return None
             items = list(material.train)
-            trainer = round_trainer(engine.model, engine.tokenizer, given, config, len(items),
-                                    engine.stage_costs(given.settings))
+            # Priced by the users' stage-cost profile (profiling the fleet's rank too would stall
+            # serving for seconds once; the scheduler corrects estimates online anyway).
+            trainer = round_trainer(engine.model, engine.tokenizer, given, config, len(items), engine.stage_costs())
             jobs: list[str] = []
             try:
                 for step in range(config.steps):

@@ -286,3 +286,30 @@ def test_a_device_under_memory_pressure_sheds_the_round_and_keeps_serving(start_
         assert reply["status"] == "shed" and reply["num_examples"] == 0 and reply["delta"] == {}
         assert reply["privacy"]["rounds"] == 0
         assert c.generate("Still serving?", max_tokens=4).text is not None
+
+
+def test_a_user_withdrawing_fleet_consent_during_a_round_stops_its_update_from_leaving(
+        start_daemon: Callable, tiny_model: Path) -> None:
+    import asyncio
+
+    from daemon.client import AsyncClient
+    from tests.daemon.conftest import wait_for
+
+    d = start_daemon(extra_args=FLEET_ON)
+    given = global_adapter(ModelConfig.from_dir(tiny_model))
+    with d.client(timeout_s=120) as c:
+        add_edits(c, "fleet-lou", 3)
+        add_edits(c, "fleet-max", 3)
+
+        async def round_while_withdrawing() -> dict:
+            async with AsyncClient(d.endpoint, timeout_s=120) as ac:
+                running = asyncio.create_task(ac.fleet_round(1, given, LORA, {**CONFIG, "steps": 40}))
+                await asyncio.to_thread(wait_for, lambda: c.status()["fleet"]["round_in_flight"], 30, 0.05)
+                c.consent("fleet-max", granted=None, fleet=False)
+                return await running
+
+        reply = asyncio.run(round_while_withdrawing())
+        assert reply["status"] == "shed" and reply["delta"] == {} and reply["privacy"]["rounds"] == 0
+        after = c.fleet_round(2, given, LORA, {**CONFIG, "steps": 1})
+        assert after["status"] == "trained" and after["metrics"]["users"] == 1
+    assert "withdrew fleet consent or was erased while it ran" in d.log()
