@@ -373,6 +373,30 @@ class FleetRounds:
         if queued is None:
             return None
         trainer, jobs = queued
+        try:
+            failure, losses = await self._wait(jobs, finished)
+            if failure is not None:
+                if failure.startswith("shed") or failure == "cancelled":
+                    log.info("fleet round %d shed: %s", args.round, failure)
+                    return None
+                # The reason stays in this device's log: an exception's text could quote an example.
+                log.warning("fleet round %d: training failed: %s", args.round, failure)
+                raise ProtocolError("internal", "the fleet round's training failed; the daemon's log says why")
+
+            def snapshot(engine: Engine) -> LoraWeights:
+                trainer.flush()
+                return trainer.snapshot()
+
+            last = [losses[j] for j in jobs[-len(material.train):] if losses.get(j) is not None]
+            return await self.engine.call(snapshot), last
+        finally:
+            if self.engine.alive:
+                await asyncio.shield(self.engine.call(lambda e: _retire(e, trainer)))
+
+    async def _wait(self, jobs: list[str], finished: asyncio.Queue[tuple[str, str | None, float | None]],
+                    ) -> tuple[str | None, dict[str, float | None]]:
+        """Until every job of the round has ended: the first error (the rest are then cancelled)
+        and each job's loss. Cancelled itself (client gone, shutdown), it stops the round's jobs."""
         waiting, failure, losses = set(jobs), None, {}
         try:
             while waiting:
@@ -385,20 +409,9 @@ class FleetRounds:
                     failure = error
                     await self.engine.call(lambda e: e.cancel_finetune(user=FLEET))
         finally:
-            if waiting and self.engine.alive:  # cancelled (client gone, shutdown): stop the rest
+            if waiting and self.engine.alive:
                 await asyncio.shield(self.engine.call(lambda e: e.cancel_finetune(user=FLEET)))
-        if failure is not None:
-            if failure.startswith("shed") or failure == "cancelled":
-                log.info("fleet round %d shed: %s", args.round, failure)
-                return None
-            raise ProtocolError("internal", f"the fleet round's training failed: {failure}")
-
-        def snapshot(engine: Engine) -> LoraWeights:
-            trainer.flush()
-            return trainer.snapshot()
-
-        last = [losses[j] for j in jobs[-len(material.train):] if losses.get(j) is not None]
-        return await self.engine.call(snapshot), last
+        return failure, losses
 
     async def evaluate(self, args: FleetEvaluateArgs) -> dict[str, Any]:
         settings = self.settings()
@@ -412,3 +425,10 @@ class FleetRounds:
         metrics = await HeldoutScorer(self.engine, material.heldout).metrics(weights)
         return {"status": "evaluated", "num_examples": len(material.heldout),
                 "metrics": {"heldout_win_rate": metrics["win_rate"], "heldout_margin": metrics["margin"]}}
+
+
+def _retire(engine: Engine, trainer: AdapterTrainer) -> None:
+    """The round's trainer gets no more jobs: its optimizer state leaves the ledger and memory
+    now, not when the fine-tune queue's history lets go of its last job."""
+    engine.scheduler.forget_trainer(trainer)
+    trainer.optimizer.adamw.state.clear()

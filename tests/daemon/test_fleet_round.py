@@ -23,6 +23,7 @@ from edge_runtime.lora import LoraSettings, LoraWeights
 from edge_runtime.lora.adapter import to_state_dict
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.train.dp import gaussian_rounds_epsilon
+from tests.daemon.conftest import wait_for
 
 FLEET_ON = ["--set", "fleet.enabled=true", "--set", "finetune.enabled=false",
             "--set", "feedback.heldout_fraction=0.0"]
@@ -92,6 +93,9 @@ def test_a_round_returns_the_clipped_delta_under_the_adapters_names_and_the_marg
             np.testing.assert_allclose(small["delta"][k], delta[k] / 4, rtol=1e-3, atol=1e-7)
         # The round never published what it was given: serving stays on no fleet version.
         assert c.fleet_status()["serving"] is None
+        # Its trainer's optimizer state left the memory ledger with it.
+        c.generate("one more turn of the engine", max_tokens=2)
+        wait_for(lambda: c.status()["engine"]["memory"]["optimizer_bytes"] == 0, timeout_s=10)
 
 
 def test_held_out_pairs_are_never_trained_on_and_report_metrics_only(start_daemon: Callable,
@@ -278,8 +282,6 @@ def test_a_device_under_memory_pressure_sheds_the_round_and_keeps_serving(start_
                                  "--set", "telemetry.replay_loop=true"])
     given = global_adapter(ModelConfig.from_dir(tiny_model))
     with d.client(timeout_s=120) as c:
-        from tests.daemon.conftest import wait_for
-
         wait_for(lambda: c.status()["admission"]["state"] == "shed_finetune", timeout_s=20)
         add_edits(c, "fleet-jo", 2)
         reply = c.fleet_round(1, given, LORA, CONFIG)
@@ -293,7 +295,6 @@ def test_a_user_withdrawing_fleet_consent_during_a_round_stops_its_update_from_l
     import asyncio
 
     from daemon.client import AsyncClient
-    from tests.daemon.conftest import wait_for
 
     d = start_daemon(extra_args=FLEET_ON)
     given = global_adapter(ModelConfig.from_dir(tiny_model))
