@@ -314,3 +314,21 @@ def test_a_user_withdrawing_fleet_consent_during_a_round_stops_its_update_from_l
         after = c.fleet_round(2, given, LORA, {**CONFIG, "steps": 1})
         assert after["status"] == "trained" and after["metrics"]["users"] == 1
     assert "withdrew fleet consent or was erased while it ran" in d.log()
+
+
+def test_lone_thumbs_train_the_fleet_adapter_with_kto_beside_the_pairs(start_daemon: Callable,
+                                                                       tiny_model: Path) -> None:
+    d = start_daemon(extra_args=FLEET_ON)
+    given = global_adapter(ModelConfig.from_dir(tiny_model))
+    with d.client(timeout_s=120) as c:
+        c.consent("fleet-nia", fleet=True)
+        for i, up in enumerate((True, False, True)):
+            r = c.generate(f"Thumb {i}: say something kind about the fleet", max_tokens=8, ignore_eos=True,
+                           user="fleet-nia")
+            c.thumbs("fleet-nia", r.interaction_id, up)
+        only_thumbs = c.fleet_round(1, given, LORA, {**CONFIG, "steps": 1})
+        assert only_thumbs["status"] == "trained" and only_thumbs["num_examples"] == 3
+        assert math.isfinite(only_thumbs["metrics"]["train_loss"]) and only_thumbs["metrics"]["update_norm"] > 0
+        add_edits(c, "fleet-nia", 2)
+        both = c.fleet_round(2, given, LORA, {**CONFIG, "steps": 1})
+        assert both["num_examples"] == 5 and both["metrics"]["users"] == 1
