@@ -8,6 +8,7 @@ pressure sheds the round and keeps serving; off by default."""
 from __future__ import annotations
 
 import math
+import re
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from edge_runtime.lora.adapter import to_state_dict
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.train.dp import gaussian_rounds_epsilon
 from tests.daemon.conftest import wait_for
+from tests.daemon.test_cli import macectl
 
 FLEET_ON = ["--set", "fleet.enabled=true", "--set", "finetune.enabled=false",
             "--set", "feedback.heldout_fraction=0.0"]
@@ -227,6 +229,8 @@ def test_epsilon_of_noised_rounds_is_finite_grows_and_is_kept_across_restarts(st
         assert c.status()["fleet"]["rounds_sent"] == 2
         third = c.fleet_round(3, given, LORA, noisy)["privacy"]
     assert third["rounds"] == 3 and third["epsilon"] == pytest.approx(gaussian_rounds_epsilon([1.1] * 3, 1e-5))
+    shown = macectl(again.endpoint, "status")
+    assert re.search(r"fleet rounds\W+on: 3 update\(s\) sent; epsilon " + f"{third['epsilon']:.3f}", shown.stdout)
 
 
 def test_fleet_rounds_are_off_by_default_and_bad_adapters_are_refused(start_daemon: Callable,
