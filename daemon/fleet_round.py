@@ -35,8 +35,8 @@ from daemon.protocol import (
     FleetRoundConfig,
     ProtocolError,
     WireTensor,
-    encode_tensor,
 )
+from daemon.wire_tensors import tensors_to_wire
 from edge_runtime.feedback.pairs import is_heldout
 from edge_runtime.lora.config import AdapterError
 from edge_runtime.lora.registry import FLEET
@@ -112,7 +112,7 @@ def weights_from_wire(tensors: dict[str, WireTensor], lora: FleetLoraConfig, cfg
     return weights
 
 
-def delta_to_wire(given: dict[str, WireTensor], trained: LoraWeights, original: LoraWeights) -> dict[str, torch.Tensor]:
+def adapter_delta(given: dict[str, WireTensor], trained: LoraWeights, original: LoraWeights) -> dict[str, torch.Tensor]:
     """trained - original per tensor, under the names the server used."""
     from edge_runtime.lora.adapter import parse_peft_key
 
@@ -135,11 +135,6 @@ def round_trainer(model: LlamaModel, tokenizer: Tokenizer, given: LoraWeights, c
     dpo = DPOSettings(beta=config.beta, optimizer=OptimizerSettings(learning_rate=config.lr,
                                                                     accumulation_steps=max(1, examples)))
     return AdapterTrainer(model, tokenizer, given.settings, dpo, init=given, costs=costs)
-
-
-def tensors_to_wire(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
-    return {name: encode_tensor("float32", list(t.shape), t.contiguous().numpy().astype("<f4").tobytes())
-            for name, t in tensors.items()}
 
 
 # -- held-out evaluation ---------------------------------------------------------------------
@@ -174,14 +169,14 @@ class HeldoutScorer:
             self._tokens = await self.engine.call(lambda e: [
                 tokenize_pair(e.tokenizer, p, settings.max_prompt_tokens, settings.max_completion_tokens)
                 for p in self.pairs])
-        weights = await self.engine.call(lambda e: weights.to(device=e.model.device))
+        on_device = await self.engine.call(lambda e: weights.to(device=e.model.device))
         rows = []
         for i, tokens in enumerate(self._tokens):
             if i == len(self._reference):
                 self._reference.append(await self.engine.call(
                     lambda e, t=tokens: pair_logps(e.model, t, None, settings.window_tokens)))
             policy = await self.engine.call(
-                lambda e, t=tokens: pair_logps(e.model, t, weights, settings.window_tokens))
+                lambda e, t=tokens: pair_logps(e.model, t, on_device, settings.window_tokens))
             rows.append((*policy, *self._reference[i]))
         return heldout_metrics(rows)
 
@@ -320,11 +315,12 @@ class FleetRounds:
         from edge_runtime.train.dp import clip_and_noise
 
         config = args.config
-        update, norm = clip_and_noise(delta_to_wire(args.adapter, trained, given), config.clip,
+        update, norm = clip_and_noise(adapter_delta(args.adapter, trained, given), config.clip,
                                       config.noise_multiplier)
         self.privacy.add(args.round, config.clip, config.noise_multiplier)
         metrics["update_norm"] = norm
-        answer = self._answer(args, TRAINED, metrics, len(material.train), tensors_to_wire(update))
+        answer = self._answer(args, TRAINED, metrics, len(material.train),
+                              tensors_to_wire({name: t.numpy() for name, t in update.items()}))
         privacy = answer["privacy"]
         log.info("fleet round %d: trained on %d example(s) of %d user(s); update norm %.4g clipped to %.4g, noise "
                  "multiplier %.3g; privacy spent: epsilon %.4g at delta %g over %d round(s)", args.round,

@@ -189,7 +189,7 @@ def test_withdrawn_fleet_consent_and_erasure_leave_a_user_out_of_the_next_round(
         assert third["privacy"]["rounds"] == 2  # rounds that sent nothing cost no privacy
 
 
-def test_noise_has_the_right_scale_and_epsilon_grows_per_round_and_survives_a_restart(
+def test_noise_has_the_right_scale_is_fresh_every_round_and_no_noise_spends_unbounded_epsilon(
         start_daemon: Callable, tiny_model: Path) -> None:
     d = start_daemon(extra_args=FLEET_ON)
     given = global_adapter(ModelConfig.from_dir(tiny_model))
