@@ -318,7 +318,7 @@ class FleetRounds:
         update, norm = clip_and_noise(adapter_delta(args.adapter, trained, given), config.clip,
                                       config.noise_multiplier)
         self.privacy.add(args.round, config.clip, config.noise_multiplier)
-        metrics["update_norm"] = norm
+        # The norm before clipping stays here (logged): sent, it would say what the clipping hides.
         answer = self._answer(args, TRAINED, metrics, len(material.train),
                               tensors_to_wire({name: t.numpy() for name, t in update.items()}))
         privacy = answer["privacy"]

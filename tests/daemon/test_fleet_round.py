@@ -71,7 +71,7 @@ def test_a_round_returns_the_clipped_delta_under_the_adapters_names_and_the_marg
         delta = reply["delta"]
         assert set(delta) == set(given) and all(delta[k].shape == given[k].shape for k in given)
         norm = math.sqrt(sum(float((v.astype(np.float64) ** 2).sum()) for v in delta.values()))
-        assert 0 < norm <= CONFIG["clip"] and reply["metrics"]["update_norm"] == pytest.approx(norm, rel=1e-4)
+        assert 0 < norm <= CONFIG["clip"] and "update_norm" not in reply["metrics"]
         privacy = reply["privacy"]
         assert privacy["rounds"] == 1 and math.isinf(privacy["epsilon"]) and privacy["delta"] == 1e-5
         assert math.isfinite(reply["metrics"]["train_loss"])
@@ -332,7 +332,8 @@ def test_lone_thumbs_train_the_fleet_adapter_with_kto_beside_the_pairs(start_dae
             c.thumbs("fleet-nia", r.interaction_id, up)
         only_thumbs = c.fleet_round(1, given, LORA, {**CONFIG, "steps": 1})
         assert only_thumbs["status"] == "trained" and only_thumbs["num_examples"] == 3
-        assert math.isfinite(only_thumbs["metrics"]["train_loss"]) and only_thumbs["metrics"]["update_norm"] > 0
+        assert math.isfinite(only_thumbs["metrics"]["train_loss"])
+        assert any(np.abs(v).max() > 0 for v in only_thumbs["delta"].values())
         add_edits(c, "fleet-nia", 2)
         both = c.fleet_round(2, given, LORA, {**CONFIG, "steps": 1})
         assert both["num_examples"] == 5 and both["metrics"]["users"] == 1
