@@ -202,8 +202,11 @@ class PrivacyRecord:
                 self.error = f"the fleet privacy record {path} cannot be read ({exc}); move it aside only if " \
                              "no update of this device left it"
 
-    def epsilon(self, delta: float, extra: Sequence[float] = ()) -> float:
-        return gaussian_rounds_epsilon([float(r["noise_multiplier"]) for r in self.rounds] + list(extra), delta)
+    def epsilon(self, delta: float) -> float:
+        """Spent so far at `delta`; unknown (infinite) while the record cannot be read."""
+        if self.error is not None:
+            return math.inf
+        return gaussian_rounds_epsilon([float(r["noise_multiplier"]) for r in self.rounds], delta)
 
     def add(self, round_number: int, clip: float, noise_multiplier: float) -> None:
         if self.error is not None:
@@ -276,6 +279,8 @@ class FleetRounds:
 
     async def _run(self, args: FleetRoundArgs) -> dict[str, Any]:
         config = args.config
+        if self.privacy.error is not None:
+            raise ProtocolError("internal", self.privacy.error)
         if (why := self.shedding()) is not None:
             log.info("fleet round %d shed before it started: %s", args.round, why)
             return self._answer(args, SHED)

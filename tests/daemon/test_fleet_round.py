@@ -337,3 +337,20 @@ def test_lone_thumbs_train_the_fleet_adapter_with_kto_beside_the_pairs(start_dae
         add_edits(c, "fleet-nia", 2)
         both = c.fleet_round(2, given, LORA, {**CONFIG, "steps": 1})
         assert both["num_examples"] == 5 and both["metrics"]["users"] == 1
+
+
+def test_a_privacy_record_that_cannot_be_read_stops_rounds_instead_of_starting_over(tmp_path: Path) -> None:
+    from daemon.fleet_round import PrivacyRecord
+    from daemon.protocol import ProtocolError
+
+    record = PrivacyRecord(tmp_path / "fleet" / "privacy.json")
+    record.add(1, 0.1, 1.1)
+    record.add(2, 0.1, 1.1)
+    again = PrivacyRecord(tmp_path / "fleet" / "privacy.json")
+    assert [r["round"] for r in again.rounds] == [1, 2]
+    assert again.epsilon(1e-5) == pytest.approx(gaussian_rounds_epsilon([1.1, 1.1], 1e-5))
+    (tmp_path / "fleet" / "privacy.json").write_text('{"rounds": [{"round": 1}]')
+    broken = PrivacyRecord(tmp_path / "fleet" / "privacy.json")
+    assert broken.error is not None and math.isinf(broken.epsilon(1e-5))
+    with pytest.raises(ProtocolError, match="cannot be read"):
+        broken.add(3, 0.1, 1.1)
