@@ -95,8 +95,10 @@ def train(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
     config = msg.content["config"]
+    # The same held-out split and cap as the round's, so candidate and current meet the same pairs.
+    split = {k: v for k, v in round_config(config).items() if k in ("heldout_fraction", "max_pairs")}
     with daemon_client(context.node_config) as daemon:
-        result = daemon.fleet_evaluate(tensors(msg.content["arrays"]), lora_config(config))
+        result = daemon.fleet_evaluate(tensors(msg.content["arrays"]), lora_config(config), split or None)
     metrics = {WEIGHT: int(result["num_examples"])}
     metrics.update({k: float(v) for k, v in (result.get("metrics") or {}).items()})
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
