@@ -53,9 +53,13 @@ def _bin(name: str) -> str:
 
 def flower_env(flwr_home: Path | None = None) -> dict[str, str]:
     """The environment for Flower processes: this interpreter's bin/ first on PATH (the SuperLink
-    and SuperNode start `flower-superexec`, `flwr-serverapp` and `flwr-clientapp` from PATH)."""
+    and SuperNode start `flower-superexec`, `flwr-serverapp` and `flwr-clientapp` from PATH), and
+    this `daemon` package first on PYTHONPATH, so the apps they start (and `flwr run`'s check of
+    the app's components) import the same code as the process that launched them."""
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    package_root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     if flwr_home is not None:
         env["FLWR_HOME"] = str(flwr_home)
     return env

@@ -56,6 +56,9 @@ class FleetSettings:
     heldout_fraction: float = 0.25
     signing_key: str = ""  # the aggregator's Ed25519 private key (PEM): publishes are signed with it
     round_log: str = ""  # a JSON line per round is appended here
+    # The aggregator's own state: the last published adapter and round number, so a new run (or
+    # a restarted aggregator) goes on from there instead of from a fresh adapter.
+    state_dir: str = ""
     # Every reply a device sent, as received (records, names, shapes, numbers; the serialized
     # bytes beside): what left the devices, for an audit. Off unless a folder is named.
     audit_dir: str = ""
@@ -119,6 +122,32 @@ def initial_adapter(settings: FleetSettings) -> tuple[dict[str, np.ndarray], dic
     weights = LoraWeights.init(cfg, lora, seed=settings.seed)
     tensors = {k: v.numpy().astype(np.float32) for k, v in to_state_dict(weights).items()}
     return tensors, weights.settings.to_peft_config()
+
+
+def load_state(settings: FleetSettings) -> tuple[dict[str, np.ndarray], int] | None:
+    """The adapter and round a previous run of this aggregator left in `state_dir`, if any."""
+    folder = Path(settings.state_dir) if settings.state_dir else None
+    if folder is None or not (folder / "state.json").is_file():
+        return None
+    from safetensors.numpy import load_file
+
+    state = json.loads((folder / "state.json").read_text())
+    return load_file(str(folder / state["adapter"])), int(state["round"])
+
+
+def save_state(settings: FleetSettings, tensors: Mapping[str, np.ndarray], server_round: int) -> None:
+    """Keep the published adapter and the round reached, written so a crash leaves the old state."""
+    if not settings.state_dir:
+        return
+    from safetensors.numpy import save_file
+
+    folder = Path(settings.state_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"fleet-round-{server_round}.safetensors"
+    save_file(dict(tensors), str(folder / name))
+    tmp = folder / "state.json.tmp"
+    tmp.write_text(json.dumps({"round": server_round, "adapter": name}))
+    tmp.replace(folder / "state.json")
 
 
 def round_config(settings: FleetSettings, peft_config: Mapping[str, Any], server_round: int) -> ConfigRecord:
@@ -217,8 +246,14 @@ def run_rounds(grid: Grid, settings: FleetSettings) -> list[RoundRecord]:
     """The federated loop: train, aggregate, evaluate candidate against current, gate, publish."""
     strategy = make_strategy(settings)
     current, peft_config = initial_adapter(settings)
+    first = 1
+    if (resumed := load_state(settings)) is not None:
+        previous, last_round = resumed
+        if set(previous) != set(current) or any(previous[k].shape != current[k].shape for k in current):
+            raise ValueError(f"the adapter in {settings.state_dir} does not have this run's rank/targets/model")
+        current, first = previous, last_round + 1
     records = []
-    for server_round in range(1, settings.rounds + 1):
+    for server_round in range(first, first + settings.rounds):
         started = time.monotonic()
         record = RoundRecord(round=server_round, strategy=settings.strategy)
         config = round_config(settings, peft_config, server_round)
@@ -247,6 +282,7 @@ def run_rounds(grid: Grid, settings: FleetSettings) -> list[RoundRecord]:
                     current = candidate
             else:
                 record.reason = "held-out metrics got worse (or no held-out pairs): not published"
+        save_state(settings, current, server_round)
         record.seconds = round(time.monotonic() - started, 3)
         log.info("fleet round %d: %s", server_round, json.dumps(asdict(record)))
         if settings.round_log:

@@ -56,6 +56,7 @@ class LoopbackFleet:
         write_keypair(self.signing_key, self.signing_public)
         self.procs: list[subprocess.Popen] = []
         self.logs: dict[str, Path] = {}
+        self.nodes: dict[str, int] = {}  # device name -> its SuperNode's id on the SuperLink
 
     def _spawn(self, name: str, cmd: list[str], home: Path) -> subprocess.Popen:
         log = self.root / f"{name}.log"
@@ -77,11 +78,18 @@ class LoopbackFleet:
         home = self.root / f"device-{name}"
         key, public = make_node_key(home, "node-key")
         if register:
-            register_node(self.home, public)
+            self.nodes[name] = register_node(self.home, public)
         config = {"aggregator-key": str(self.signing_public), **node_config}
         cmd = supernode_command(self.addresses.fleet, ca_cert or self.tls.ca_cert, key, config,
                                 clientappio=f"127.0.0.1:{free_port()}", max_retries=max_retries)
         return self._spawn(f"supernode-{name}", cmd, home)
+
+    def wait_joined(self, name: str, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "SuperNode ID" not in self.log(f"supernode-{name}"):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} did not join:\n{self.log(f'supernode-{name}')[-4000:]}")
+            time.sleep(0.2)
 
     def run(self, run_config: dict[str, Any], timeout_s: float) -> subprocess.CompletedProcess[str]:
         config = {"signing-key": str(self.signing_key), **run_config}
