@@ -50,8 +50,12 @@ if TYPE_CHECKING:
     from edge_runtime.feedback import FeedbackStore, FleetMaterial, PreferencePair, UnpairedExample
     from edge_runtime.lora.weights import LoraWeights
     from edge_runtime.model.config import ModelConfig
+    from edge_runtime.model.llama import LlamaModel
+    from edge_runtime.model.tokenizer import Tokenizer
     from edge_runtime.sched.finetune import FineTuneJob
+    from edge_runtime.train.costs import StageCostModel
     from edge_runtime.train.pairs import PairTokens
+    from edge_runtime.train.trainer import AdapterTrainer
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +122,19 @@ def delta_to_wire(given: dict[str, WireTensor], trained: LoraWeights, original: 
         new, old = (trained.a, original.a) if which == "A" else (trained.b, original.b)
         out[name] = new[key].detach().float().cpu() - old[key].detach().float().cpu()
     return out
+
+
+def round_trainer(model: LlamaModel, tokenizer: Tokenizer, given: LoraWeights, config: FleetRoundConfig,
+                  examples: int, costs: StageCostModel | None = None) -> AdapterTrainer:
+    """The trainer of one round: the fleet adapter itself is trainable, starting from `given`,
+    with nothing beneath it (the reference is the base model); one optimizer step per pass over
+    the round's `examples` (the gradient accumulated over all of them)."""
+    from edge_runtime.train.optim import OptimizerSettings
+    from edge_runtime.train.trainer import AdapterTrainer, DPOSettings
+
+    dpo = DPOSettings(beta=config.beta, optimizer=OptimizerSettings(learning_rate=config.lr,
+                                                                    accumulation_steps=max(1, examples)))
+    return AdapterTrainer(model, tokenizer, given.settings, dpo, init=given, costs=costs)
 
 
 def tensors_to_wire(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
@@ -283,7 +300,19 @@ class FleetRounds:
             before, after = await scorer.metrics(given), await scorer.metrics(trained)
             metrics.update(heldout_win_rate_before=before["win_rate"], heldout_win_rate_after=after["win_rate"],
                            heldout_margin_before=before["margin"], heldout_margin_after=after["margin"])
+        if not await self._still_consented(material):
+            log.info("fleet round %d given up: a user it trained on withdrew fleet consent or was erased while "
+                     "it ran; nothing sent", args.round)
+            return self._answer(args, SHED, counts)
         return await asyncio.to_thread(self._release, args, given, trained, material, metrics)
+
+    async def _still_consented(self, material: RoundMaterial) -> bool:
+        """Whether every user the round trained on still holds fleet consent (and exists)."""
+        from edge_runtime.feedback import TRAIN
+
+        assert self.store is not None
+        now = await asyncio.to_thread(self.store.fleet_material, TRAIN)
+        return {record.user_id for record in material.train} <= set(now.users)
 
     def _release(self, args: FleetRoundArgs, given: LoraWeights, trained: LoraWeights, material: RoundMaterial,
                  metrics: dict[str, Any]) -> dict[str, Any]:
@@ -321,16 +350,13 @@ class FleetRounds:
 
         def queue(engine: Engine) -> tuple[Any, list[str]] | None:
             from edge_runtime.errors import AdmissionRejected
-            from edge_runtime.train.optim import OptimizerSettings
-            from edge_runtime.train.trainer import AdapterTrainer, DPOSettings
 
             if engine.scheduler.finetune_paused:
                 return None
             items = list(material.train)
-            dpo = DPOSettings(beta=config.beta, optimizer=OptimizerSettings(learning_rate=config.lr,
-                                                                            accumulation_steps=len(items)))
-            trainer = AdapterTrainer(engine.model, engine.tokenizer, given.settings, dpo, init=given,
-                                     costs=engine.stage_costs(given.settings))
+            # Priced by the users' stage-cost profile (profiling the fleet's rank too would stall
+            # serving for seconds once; the scheduler corrects estimates online anyway).
+            trainer = round_trainer(engine.model, engine.tokenizer, given, config, len(items), engine.stage_costs())
             jobs: list[str] = []
             try:
                 for step in range(config.steps):

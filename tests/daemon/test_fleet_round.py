@@ -131,8 +131,6 @@ def test_the_reply_bytes_hold_no_feedback_text_only_tensors_and_numbers(start_da
     given = global_adapter(ModelConfig.from_dir(tiny_model))
     with d.client(timeout_s=120) as c:
         texts = add_edits(c, "fleet-dee", 3) + add_edits(c, "fleet-eli", 3)
-        stored = c.export("fleet-dee")["data"]
-    assert stored  # the store holds the texts the round must not send
     frame = _raw_request(d.endpoint, {"v": 1, "id": "r1", "op": "fleet.round", "round": 7,
                                       "adapter": tensors_to_wire(given), "lora_config": LORA,
                                       "config": {**CONFIG, "heldout_fraction": 0.5}})
@@ -197,7 +195,7 @@ def test_noise_has_the_right_scale_and_epsilon_grows_per_round_and_survives_a_re
         again = c.fleet_round(3, given, LORA, {**CONFIG, "clip": clip, "noise_multiplier": sigma})
     noise = np.concatenate([(noisy["delta"][k] - plain["delta"][k]).ravel() for k in given]).astype(np.float64)
     # Training is deterministic: the difference is the noise alone, N(0, (sigma C)^2) per coordinate.
-    assert noise.size > 5000
+    assert noise.size > 3000
     assert noise.std() == pytest.approx(sigma * clip, rel=0.05) and abs(noise.mean()) < 4 * sigma * clip / noise.size**0.5
     assert not np.allclose(noisy["delta"][next(iter(given))], again["delta"][next(iter(given))])  # fresh noise
     # The noiseless round spent unbounded privacy; the record counts rounds with noise too.
@@ -236,12 +234,16 @@ def test_fleet_rounds_are_off_by_default_and_bad_adapters_are_refused(start_daem
         reply = c.fleet_round(1, given, LORA, CONFIG)
         assert reply["status"] == "disabled" and reply["delta"] == {} and reply["num_examples"] == 0
         assert c.fleet_evaluate(given, LORA)["status"] == "disabled"
-        with pytest.raises(RemoteError) as info:  # a whole adapter is beyond the other ops' frame limit
-            c.request("fleet.round", round=1, adapter=tensors_to_wire(given), lora_config=LORA,
-                      pad="x" * (2 << 20))
-        assert info.value.code == "too_large"
     d = start_daemon(extra_args=FLEET_ON)
     with d.client() as c:
+        # Frames past server.max_message_bytes (1 MiB) are read for the tensor ops only.
+        with pytest.raises(RemoteError) as info:
+            c.request("users.export", user="fleet-kim", pad="x" * (2 << 20))
+        assert info.value.code == "too_large"
+        with pytest.raises(RemoteError) as info:
+            c.request("fleet.round", round=1, adapter=tensors_to_wire(given), lora_config=LORA,
+                      config={"pad": "x" * (2 << 20)})
+        assert info.value.code == "bad_request" and info.value.param == "config"
         wrong_rank = {**LORA, "r": 2}
         with pytest.raises(RemoteError) as info:
             c.fleet_round(1, given, wrong_rank, CONFIG)
@@ -284,3 +286,30 @@ def test_a_device_under_memory_pressure_sheds_the_round_and_keeps_serving(start_
         assert reply["status"] == "shed" and reply["num_examples"] == 0 and reply["delta"] == {}
         assert reply["privacy"]["rounds"] == 0
         assert c.generate("Still serving?", max_tokens=4).text is not None
+
+
+def test_a_user_withdrawing_fleet_consent_during_a_round_stops_its_update_from_leaving(
+        start_daemon: Callable, tiny_model: Path) -> None:
+    import asyncio
+
+    from daemon.client import AsyncClient
+    from tests.daemon.conftest import wait_for
+
+    d = start_daemon(extra_args=FLEET_ON)
+    given = global_adapter(ModelConfig.from_dir(tiny_model))
+    with d.client(timeout_s=120) as c:
+        add_edits(c, "fleet-lou", 3)
+        add_edits(c, "fleet-max", 3)
+
+        async def round_while_withdrawing() -> dict:
+            async with AsyncClient(d.endpoint, timeout_s=120) as ac:
+                running = asyncio.create_task(ac.fleet_round(1, given, LORA, {**CONFIG, "steps": 40}))
+                await asyncio.to_thread(wait_for, lambda: c.status()["fleet"]["round_in_flight"], 30, 0.05)
+                c.consent("fleet-max", granted=None, fleet=False)
+                return await running
+
+        reply = asyncio.run(round_while_withdrawing())
+        assert reply["status"] == "shed" and reply["delta"] == {} and reply["privacy"]["rounds"] == 0
+        after = c.fleet_round(2, given, LORA, {**CONFIG, "steps": 1})
+        assert after["status"] == "trained" and after["metrics"]["users"] == 1
+    assert "withdrew fleet consent or was erased while it ran" in d.log()
