@@ -32,7 +32,7 @@ GATE_METRICS = ("heldout_win_rate", "heldout_margin")
 
 
 @dataclass(frozen=True)
-class FleetSettings:
+class FleetRunSettings:
     """One federated run; from the Flower app's run config (`[tool.flwr.app.config]`, kebab-case)."""
 
     model: str  # the model folder (its config.json gives the adapter's shapes)
@@ -65,7 +65,7 @@ class FleetSettings:
     timeout_s: float = 1800.0
 
     @classmethod
-    def from_run_config(cls, config: Mapping[str, Any]) -> FleetSettings:
+    def from_run_config(cls, config: Mapping[str, Any]) -> FleetRunSettings:
         values: dict[str, Any] = {}
         for name, default in asdict(cls(model="")).items():
             key = name.replace("_", "-")
@@ -100,7 +100,7 @@ class RoundRecord:
     seconds: float = 0.0
 
 
-def make_strategy(settings: FleetSettings) -> Strategy:
+def make_strategy(settings: FleetRunSettings) -> Strategy:
     common = {"fraction_train": settings.fraction, "fraction_evaluate": 1.0,
               "min_train_nodes": settings.min_devices, "min_evaluate_nodes": settings.min_devices,
               "min_available_nodes": settings.min_devices, "weighted_by_key": WEIGHT}
@@ -109,7 +109,7 @@ def make_strategy(settings: FleetSettings) -> Strategy:
     return FedAvg(**common)
 
 
-def initial_adapter(settings: FleetSettings) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def initial_adapter(settings: FleetRunSettings) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """A seeded, PEFT-initialised fleet adapter (A Kaiming-uniform, B zero: the base model's
     answers until a round moves B) and its PEFT config, shaped by the model's config.json."""
     from edge_runtime.lora import LoraSettings
@@ -124,7 +124,7 @@ def initial_adapter(settings: FleetSettings) -> tuple[dict[str, np.ndarray], dic
     return tensors, weights.settings.to_peft_config()
 
 
-def load_state(settings: FleetSettings) -> tuple[dict[str, np.ndarray], int] | None:
+def load_state(settings: FleetRunSettings) -> tuple[dict[str, np.ndarray], int] | None:
     """The adapter and round a previous run of this aggregator left in `state_dir`, if any."""
     folder = Path(settings.state_dir) if settings.state_dir else None
     if folder is None or not (folder / "state.json").is_file():
@@ -135,7 +135,7 @@ def load_state(settings: FleetSettings) -> tuple[dict[str, np.ndarray], int] | N
     return load_file(str(folder / state["adapter"])), int(state["round"])
 
 
-def save_state(settings: FleetSettings, tensors: Mapping[str, np.ndarray], server_round: int) -> None:
+def save_state(settings: FleetRunSettings, tensors: Mapping[str, np.ndarray], server_round: int) -> None:
     """Keep the published adapter and the round reached, written so a crash leaves the old state."""
     if not settings.state_dir:
         return
@@ -150,7 +150,7 @@ def save_state(settings: FleetSettings, tensors: Mapping[str, np.ndarray], serve
     tmp.replace(folder / "state.json")
 
 
-def round_config(settings: FleetSettings, peft_config: Mapping[str, Any], server_round: int) -> ConfigRecord:
+def round_config(settings: FleetRunSettings, peft_config: Mapping[str, Any], server_round: int) -> ConfigRecord:
     """What a device needs for `fleet.round`: the LoRA layout and the training/privacy knobs."""
     return ConfigRecord({
         "lora.r": int(peft_config["r"]), "lora.alpha": float(peft_config["lora_alpha"]),
@@ -203,7 +203,7 @@ def contributing_replies(replies: Iterable[Message]) -> list[Message]:
     return [r for r in replies if not r.has_error() and int(r.content["metrics"][WEIGHT]) > 0]
 
 
-def evaluate_on_devices(grid: Grid, strategy: Strategy, settings: FleetSettings, server_round: int,
+def evaluate_on_devices(grid: Grid, strategy: Strategy, settings: FleetRunSettings, server_round: int,
                         tensors: Mapping[str, np.ndarray], config: ConfigRecord, kind: str) -> dict[str, float] | None:
     """Held-out win rate and margin of `tensors` as the fleet adapter, weighted by each device's
     held-out pairs (devices without any weigh nothing); None when no device has held-out pairs."""
@@ -225,7 +225,7 @@ def not_worse(candidate: Mapping[str, float] | None, current: Mapping[str, float
     return all(candidate[k] >= current[k] for k in GATE_METRICS)
 
 
-def publish_on_devices(grid: Grid, settings: FleetSettings, server_round: int,
+def publish_on_devices(grid: Grid, settings: FleetRunSettings, server_round: int,
                        tensors: Mapping[str, np.ndarray], peft_config: Mapping[str, Any]) -> int:
     """Ask every connected device to serve `tensors`; returns how many did."""
     config = ConfigRecord({"server-round": server_round, "lora.peft-config": json.dumps(peft_config)})
@@ -242,7 +242,7 @@ def publish_on_devices(grid: Grid, settings: FleetSettings, server_round: int,
     return sum(1 for r in replies if not r.has_error())
 
 
-def run_rounds(grid: Grid, settings: FleetSettings) -> list[RoundRecord]:
+def run_rounds(grid: Grid, settings: FleetRunSettings) -> list[RoundRecord]:
     """The federated loop: train, aggregate, evaluate candidate against current, gate, publish."""
     strategy = make_strategy(settings)
     current, peft_config = initial_adapter(settings)
@@ -297,5 +297,5 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run_rounds(grid, FleetSettings.from_run_config(context.run_config))
+    run_rounds(grid, FleetRunSettings.from_run_config(context.run_config))
 

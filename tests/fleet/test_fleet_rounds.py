@@ -17,7 +17,7 @@ from flwr.common.serde import recorddict_to_proto
 from safetensors.numpy import load_file
 
 from daemon import fleet_client
-from daemon.fleet_server import FleetSettings, initial_adapter, not_worse, run_rounds
+from daemon.fleet_server import FleetRunSettings, initial_adapter, not_worse, run_rounds
 from daemon.fleet_signing import PublishRefused, sign_publish, write_keypair
 
 
@@ -104,8 +104,8 @@ def keys(tmp_path: Path) -> tuple[Path, Path]:
     return private, public
 
 
-def settings(tiny_model_dir: Path, tmp_path: Path, key: Path, **kw: Any) -> FleetSettings:
-    return FleetSettings(model=str(tiny_model_dir), rounds=1, min_devices=2, signing_key=str(key),
+def settings(tiny_model_dir: Path, tmp_path: Path, key: Path, **kw: Any) -> FleetRunSettings:
+    return FleetRunSettings(model=str(tiny_model_dir), rounds=1, min_devices=2, signing_key=str(key),
                          round_log=str(tmp_path / "rounds.jsonl"), **kw)
 
 
@@ -210,3 +210,22 @@ def test_a_device_publishes_only_what_its_aggregator_signed(tmp_path: Path, keys
         with pytest.raises(PublishRefused, match=reason):
             fleet_client.publish(publish_message(sent, signature), ctx(node_config))
     assert daemon.published == []
+
+
+def test_run_config_is_read_and_a_new_run_goes_on_from_the_last_published_adapter(
+        tiny_model_dir: Path, tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    parsed = FleetRunSettings.from_run_config({"model": str(tiny_model_dir), "rounds": 2, "targets": "q_proj, v_proj",
+                                               "strategy": "trimmed-mean", "noise-multiplier": 0, "seed": 7})
+    assert parsed.rounds == 2 and parsed.targets == ("q_proj", "v_proj") and parsed.strategy == "trimmed-mean"
+    assert isinstance(parsed.noise_multiplier, float) and parsed.seed == 7
+    with pytest.raises(ValueError, match="strategy"):
+        FleetRunSettings.from_run_config({"model": "m", "strategy": "median"})
+
+    daemons = {n: ScriptedDaemon(10, 0.1, score=lambda adapter: 0.5 + b_mean(adapter)) for n in (1, 2)}
+    grid = LocalGrid(daemons, {"aggregator-key": str(keys[1])})
+    state = settings(tiny_model_dir, tmp_path, keys[0], state_dir=str(tmp_path / "state"))
+    first = run_rounds(grid, state)
+    second = run_rounds(grid, state)
+    assert [r.round for r in first + second] == [1, 2] and all(r.published for r in first + second)
+    # Round 2 started from round 1's published adapter: B is 0.1 + 0.1 on every entry.
+    assert all(np.allclose(v, 0.2) for k, v in daemons[1].published[-1].items() if ".lora_B." in k)
