@@ -10,7 +10,6 @@ Needs neither torch nor transformers (the SDK and numpy only): the SuperNode sta
 from __future__ import annotations
 
 import json
-import logging
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,13 +22,12 @@ from flwr.clientapp import ClientApp
 from daemon.client import Client
 from daemon.fleet_signing import PublishRefused, verify_publish
 
-log = logging.getLogger("mace.fleet.client")
-
 # Node config keys (flower-supernode --node-config); docs/fleet.md "Joining a device".
 ENDPOINT = "maced-endpoint"  # the daemon's ZeroMQ endpoint; default: its usual ipc socket
 AGGREGATOR_KEY = "aggregator-key"  # the aggregator's Ed25519 public key: publishes must carry its signature
 STAGING_DIR = "staging-dir"  # where a published adapter is written before `fleet.publish` reads it
 DEV_UNSIGNED = "dev-accept-unsigned"  # development only: publish without a signature check
+ROUND_TIMEOUT = "round-timeout-s"  # how long to wait for the daemon's round (default 1800 s)
 
 # What a train reply's MetricRecord says about the round, as numbers (a MetricRecord holds no text).
 STATUS_CODES = {"trained": 0, "no_material": 1, "shed": 2, "disabled": 3}
@@ -47,7 +45,7 @@ app = ClientApp()
 def daemon_client(node_config: Mapping[str, Any]) -> Client:
     endpoint = node_config.get(ENDPOINT) or None
     # A round trains for seconds to minutes on the device: the SDK's default timeout would cut it.
-    return Client(endpoint, timeout_s=float(node_config.get("round-timeout-s", 1800.0)))
+    return Client(endpoint, timeout_s=float(node_config.get(ROUND_TIMEOUT, 1800.0)))
 
 
 def lora_config(config: ConfigRecord) -> dict[str, Any]:
@@ -86,7 +84,8 @@ def train(msg: Message, context: Context) -> Message:
         result = daemon.fleet_round(server_round, tensors(msg.content["arrays"]), lora_config(config),
                                     round_config(config))
     privacy = result.get("privacy") or {}
-    # The device's owner sees the privacy spent, per round (stdout reaches the SuperNode's log).
+    # The device's owner sees the privacy spent, per round: the SuperNode's log has the
+    # ClientApp's stdout (a logger here would need Flower's logging set up in its process).
     print(f"fleet round {server_round}: {result['status']}, {result['num_examples']} examples, "
           f"epsilon {privacy.get('epsilon')} (delta {privacy.get('delta')}) after "
           f"{privacy.get('rounds')} rounds", flush=True)

@@ -4,7 +4,7 @@ aggregator's ServerApp (`flwr run`). Users on three devices share one preference
 start with "The"); two devices also hold a private one from users who gave feedback consent but
 not fleet consent; the fourth device has no feedback for the shared preference at all.
 
-After two rounds the shared preference is learned on the fourth device (its greedy answers
+After two rounds (FedAvg, or the trimmed mean) the shared preference is learned on the fourth device (its greedy answers
 satisfying it at least double, to at least half), the private ones do not move its answers (they
 never enter a round: fleet consent is what lets a pair out, `fleet_material`; the trimmed mean's
 share is tests/fleet/test_fleet_rounds.py), what the devices sent is tensors and numbers only
@@ -76,8 +76,11 @@ def run_fleet(fleet: LoopbackFleet, tmp_path: Path, tiny_model_dir: Path, **over
     assert done.returncode == 0 and "ServerApp raised" not in done.stdout, done.stdout[-6000:] + done.stderr[-3000:]
 
 
+# FedAvg, and Flower's trimmed mean cutting one value of three per coordinate (the median).
+@pytest.mark.parametrize("strategy", [{"strategy": "fedavg"},
+                                      {"strategy": "trimmed-mean", "trim-fraction": 0.34}], ids=["fedavg", "trimmed"])
 def test_a_fleet_learns_the_shared_preference_without_sharing_feedback(
-        devices: dict[str, DaemonProcess], tmp_path: Path, tiny_model_dir: Path) -> None:
+        devices: dict[str, DaemonProcess], tmp_path: Path, tiny_model_dir: Path, strategy: dict) -> None:
     texts: list[str] = []
     for name, shared_user in (("d0", "ann"), ("d1", "ben"), ("d2", "cat")):
         with devices[name].client(timeout_s=60) as c:
@@ -96,7 +99,7 @@ def test_a_fleet_learns_the_shared_preference_without_sharing_feedback(
             fleet.join(name, {"maced-endpoint": d.endpoint})
         for name in devices:
             fleet.wait_joined(name)
-        run_fleet(fleet, tmp_path, tiny_model_dir)
+        run_fleet(fleet, tmp_path, tiny_model_dir, **strategy)
 
         rounds = [json.loads(line) for line in (tmp_path / "rounds.jsonl").read_text().splitlines()]
         assert [r["round"] for r in rounds] == [1, 2]
@@ -136,7 +139,7 @@ def test_a_fleet_learns_the_shared_preference_without_sharing_feedback(
         # Fleet consent withdrawn on d2: it sends no delta and weighs nothing in the next round.
         with devices["d2"].client(timeout_s=60) as c:
             c.consent("cat", granted=None, fleet=False)
-        run_fleet(fleet, tmp_path, tiny_model_dir, rounds=1)
+        run_fleet(fleet, tmp_path, tiny_model_dir, rounds=1, **strategy)
         third = json.loads((tmp_path / "rounds.jsonl").read_text().splitlines()[-1])
         assert third["round"] == 3
         entry = {node[d["node"]]: d for d in third["devices"]}
