@@ -21,9 +21,11 @@ import zmq.asyncio
 
 from daemon.endpoints import default_client_endpoint
 from daemon.protocol import IDEMPOTENT_OPS, PROTOCOL_VERSION, ProtocolError, decode, encode
+from daemon.wire_tensors import tensors_from_wire, tensors_to_wire
 
 __all__ = ["AsyncClient", "Candidate", "Client", "ClientError", "DaemonUnavailable",
-           "GenerateResult", "RemoteError", "Token", "TokenStream", "AsyncTokenStream"]
+           "GenerateResult", "RemoteError", "Token", "TokenStream", "AsyncTokenStream", "tensors_from_wire",
+           "tensors_to_wire"]
 
 # The daemon did nothing with a request refused for these reasons: resending is always safe.
 _RETRY_ANY = frozenset({"busy", "not_ready"})
@@ -673,22 +675,3 @@ def _consents(granted: bool | None, fleet: bool | None) -> dict[str, bool]:
     keep answering calls that do not use it."""
     return {k: v for k, v in (("granted", granted), ("fleet", fleet)) if v is not None}
 
-
-def tensors_to_wire(tensors: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """numpy arrays (or anything numpy reads) -> the wire's float32 tensors (docs/protocol.md)."""
-    import numpy as np
-
-    out = {}
-    for name, value in tensors.items():
-        array = np.ascontiguousarray(np.asarray(value, dtype="<f4"))
-        out[name] = {"dtype": "float32", "shape": list(array.shape), "data": array.tobytes()}
-    return out
-
-
-def tensors_from_wire(tensors: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The wire's tensors -> float32 numpy arrays (copies, writable)."""
-    import numpy as np
-
-    dtypes = {"float32": "<f4"}
-    return {name: np.frombuffer(t["data"], dtype=dtypes[t["dtype"]]).reshape(t["shape"]).copy()
-            for name, t in tensors.items()}

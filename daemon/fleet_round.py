@@ -35,8 +35,8 @@ from daemon.protocol import (
     FleetRoundConfig,
     ProtocolError,
     WireTensor,
-    encode_tensor,
 )
+from daemon.wire_tensors import tensors_to_wire
 from edge_runtime.feedback.pairs import is_heldout
 from edge_runtime.lora.config import AdapterError
 from edge_runtime.lora.registry import FLEET
@@ -112,7 +112,7 @@ def weights_from_wire(tensors: dict[str, WireTensor], lora: FleetLoraConfig, cfg
     return weights
 
 
-def delta_to_wire(given: dict[str, WireTensor], trained: LoraWeights, original: LoraWeights) -> dict[str, torch.Tensor]:
+def adapter_delta(given: dict[str, WireTensor], trained: LoraWeights, original: LoraWeights) -> dict[str, torch.Tensor]:
     """trained - original per tensor, under the names the server used."""
     from edge_runtime.lora.adapter import parse_peft_key
 
@@ -135,11 +135,6 @@ def round_trainer(model: LlamaModel, tokenizer: Tokenizer, given: LoraWeights, c
     dpo = DPOSettings(beta=config.beta, optimizer=OptimizerSettings(learning_rate=config.lr,
                                                                     accumulation_steps=max(1, examples)))
     return AdapterTrainer(model, tokenizer, given.settings, dpo, init=given, costs=costs)
-
-
-def tensors_to_wire(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
-    return {name: encode_tensor("float32", list(t.shape), t.contiguous().numpy().astype("<f4").tobytes())
-            for name, t in tensors.items()}
 
 
 # -- held-out evaluation ---------------------------------------------------------------------
@@ -174,14 +169,14 @@ class HeldoutScorer:
             self._tokens = await self.engine.call(lambda e: [
                 tokenize_pair(e.tokenizer, p, settings.max_prompt_tokens, settings.max_completion_tokens)
                 for p in self.pairs])
-        weights = await self.engine.call(lambda e: weights.to(device=e.model.device))
+        on_device = await self.engine.call(lambda e: weights.to(device=e.model.device))
         rows = []
         for i, tokens in enumerate(self._tokens):
             if i == len(self._reference):
                 self._reference.append(await self.engine.call(
                     lambda e, t=tokens: pair_logps(e.model, t, None, settings.window_tokens)))
             policy = await self.engine.call(
-                lambda e, t=tokens: pair_logps(e.model, t, weights, settings.window_tokens))
+                lambda e, t=tokens: pair_logps(e.model, t, on_device, settings.window_tokens))
             rows.append((*policy, *self._reference[i]))
         return heldout_metrics(rows)
 
@@ -320,11 +315,12 @@ class FleetRounds:
         from edge_runtime.train.dp import clip_and_noise
 
         config = args.config
-        update, norm = clip_and_noise(delta_to_wire(args.adapter, trained, given), config.clip,
+        update, norm = clip_and_noise(adapter_delta(args.adapter, trained, given), config.clip,
                                       config.noise_multiplier)
         self.privacy.add(args.round, config.clip, config.noise_multiplier)
-        metrics["update_norm"] = norm
-        answer = self._answer(args, TRAINED, metrics, len(material.train), tensors_to_wire(update))
+        # The norm before clipping stays here (logged): sent, it would say what the clipping hides.
+        answer = self._answer(args, TRAINED, metrics, len(material.train),
+                              tensors_to_wire({name: t.numpy() for name, t in update.items()}))
         privacy = answer["privacy"]
         log.info("fleet round %d: trained on %d example(s) of %d user(s); update norm %.4g clipped to %.4g, noise "
                  "multiplier %.3g; privacy spent: epsilon %.4g at delta %g over %d round(s)", args.round,
@@ -373,6 +369,30 @@ class FleetRounds:
         if queued is None:
             return None
         trainer, jobs = queued
+        try:
+            failure, losses = await self._wait(jobs, finished)
+            if failure is not None:
+                if failure.startswith("shed") or failure == "cancelled":
+                    log.info("fleet round %d shed: %s", args.round, failure)
+                    return None
+                # The reason stays in this device's log: an exception's text could quote an example.
+                log.warning("fleet round %d: training failed: %s", args.round, failure)
+                raise ProtocolError("internal", "the fleet round's training failed; the daemon's log says why")
+
+            def snapshot(engine: Engine) -> LoraWeights:
+                trainer.flush()
+                return trainer.snapshot()
+
+            last = [losses[j] for j in jobs[-len(material.train):] if losses.get(j) is not None]
+            return await self.engine.call(snapshot), last
+        finally:
+            if self.engine.alive:
+                await asyncio.shield(self.engine.call(lambda e: _retire(e, trainer)))
+
+    async def _wait(self, jobs: list[str], finished: asyncio.Queue[tuple[str, str | None, float | None]],
+                    ) -> tuple[str | None, dict[str, float | None]]:
+        """Until every job of the round has ended: the first error (the rest are then cancelled)
+        and each job's loss. Cancelled itself (client gone, shutdown), it stops the round's jobs."""
         waiting, failure, losses = set(jobs), None, {}
         try:
             while waiting:
@@ -385,20 +405,9 @@ class FleetRounds:
                     failure = error
                     await self.engine.call(lambda e: e.cancel_finetune(user=FLEET))
         finally:
-            if waiting and self.engine.alive:  # cancelled (client gone, shutdown): stop the rest
+            if waiting and self.engine.alive:
                 await asyncio.shield(self.engine.call(lambda e: e.cancel_finetune(user=FLEET)))
-        if failure is not None:
-            if failure.startswith("shed") or failure == "cancelled":
-                log.info("fleet round %d shed: %s", args.round, failure)
-                return None
-            raise ProtocolError("internal", f"the fleet round's training failed: {failure}")
-
-        def snapshot(engine: Engine) -> LoraWeights:
-            trainer.flush()
-            return trainer.snapshot()
-
-        last = [losses[j] for j in jobs[-len(material.train):] if losses.get(j) is not None]
-        return await self.engine.call(snapshot), last
+        return failure, losses
 
     async def evaluate(self, args: FleetEvaluateArgs) -> dict[str, Any]:
         settings = self.settings()
@@ -412,3 +421,10 @@ class FleetRounds:
         metrics = await HeldoutScorer(self.engine, material.heldout).metrics(weights)
         return {"status": "evaluated", "num_examples": len(material.heldout),
                 "metrics": {"heldout_win_rate": metrics["win_rate"], "heldout_margin": metrics["margin"]}}
+
+
+def _retire(engine: Engine, trainer: AdapterTrainer) -> None:
+    """The round's trainer gets no more jobs: its optimizer state leaves the ledger and memory
+    now, not when the fine-tune queue's history lets go of its last job."""
+    engine.scheduler.forget_trainer(trainer)
+    trainer.optimizer.adamw.state.clear()

@@ -736,11 +736,6 @@ class FleetEvaluateArgs:
     max_pairs: int | None = None
 
 
-def encode_tensor(dtype: str, shape: Sequence[int], data: bytes) -> dict[str, Any]:
-    """One tensor as the wire carries it."""
-    return {"dtype": dtype, "shape": list(shape), "data": data}
-
-
 def _parse_tensors(f: _Fields, name: str) -> dict[str, WireTensor]:
     value = f.values.get(name)
     want = (f"a map of at most {MAX_TENSORS} PEFT tensor names to {{'dtype': 'float32', 'shape': [ints], "

@@ -103,6 +103,14 @@ class Scheduler:
             self.ledger.set(MemoryKind.OPTIMIZER, f"trainer-{key}", need)
         self.finetune.add(job)
 
+    def forget_trainer(self, trainer: Any) -> None:
+        """A trainer that will queue no more jobs (a finished fleet round's): its optimizer state
+        leaves the ledger now, though finished jobs in the queue's history still refer to it."""
+        key = id(trainer)
+        if self._trainers.get(key) is trainer:
+            del self._trainers[key]
+            self.ledger.drop(MemoryKind.OPTIMIZER, f"trainer-{key}")
+
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.FINISHED:
             return

@@ -8,6 +8,7 @@ pressure sheds the round and keeps serving; off by default."""
 from __future__ import annotations
 
 import math
+import re
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,8 @@ from edge_runtime.lora import LoraSettings, LoraWeights
 from edge_runtime.lora.adapter import to_state_dict
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.train.dp import gaussian_rounds_epsilon
+from tests.daemon.conftest import wait_for
+from tests.daemon.test_cli import macectl
 
 FLEET_ON = ["--set", "fleet.enabled=true", "--set", "finetune.enabled=false",
             "--set", "feedback.heldout_fraction=0.0"]
@@ -68,7 +71,7 @@ def test_a_round_returns_the_clipped_delta_under_the_adapters_names_and_the_marg
         delta = reply["delta"]
         assert set(delta) == set(given) and all(delta[k].shape == given[k].shape for k in given)
         norm = math.sqrt(sum(float((v.astype(np.float64) ** 2).sum()) for v in delta.values()))
-        assert 0 < norm <= CONFIG["clip"] and reply["metrics"]["update_norm"] == pytest.approx(norm, rel=1e-4)
+        assert 0 < norm <= CONFIG["clip"] and "update_norm" not in reply["metrics"]
         privacy = reply["privacy"]
         assert privacy["rounds"] == 1 and math.isinf(privacy["epsilon"]) and privacy["delta"] == 1e-5
         assert math.isfinite(reply["metrics"]["train_loss"])
@@ -92,6 +95,9 @@ def test_a_round_returns_the_clipped_delta_under_the_adapters_names_and_the_marg
             np.testing.assert_allclose(small["delta"][k], delta[k] / 4, rtol=1e-3, atol=1e-7)
         # The round never published what it was given: serving stays on no fleet version.
         assert c.fleet_status()["serving"] is None
+        # Its trainer's optimizer state left the memory ledger with it.
+        c.generate("one more turn of the engine", max_tokens=2)
+        wait_for(lambda: c.status()["engine"]["memory"]["optimizer_bytes"] == 0, timeout_s=10)
 
 
 def test_held_out_pairs_are_never_trained_on_and_report_metrics_only(start_daemon: Callable,
@@ -183,7 +189,7 @@ def test_withdrawn_fleet_consent_and_erasure_leave_a_user_out_of_the_next_round(
         assert third["privacy"]["rounds"] == 2  # rounds that sent nothing cost no privacy
 
 
-def test_noise_has_the_right_scale_and_epsilon_grows_per_round_and_survives_a_restart(
+def test_noise_has_the_right_scale_is_fresh_every_round_and_no_noise_spends_unbounded_epsilon(
         start_daemon: Callable, tiny_model: Path) -> None:
     d = start_daemon(extra_args=FLEET_ON)
     given = global_adapter(ModelConfig.from_dir(tiny_model))
@@ -223,6 +229,8 @@ def test_epsilon_of_noised_rounds_is_finite_grows_and_is_kept_across_restarts(st
         assert c.status()["fleet"]["rounds_sent"] == 2
         third = c.fleet_round(3, given, LORA, noisy)["privacy"]
     assert third["rounds"] == 3 and third["epsilon"] == pytest.approx(gaussian_rounds_epsilon([1.1] * 3, 1e-5))
+    shown = macectl(again.endpoint, "status")
+    assert re.search(r"fleet rounds\W+on: 3 update\(s\) sent; epsilon " + f"{third['epsilon']:.3f}", shown.stdout)
 
 
 def test_fleet_rounds_are_off_by_default_and_bad_adapters_are_refused(start_daemon: Callable,
@@ -278,8 +286,6 @@ def test_a_device_under_memory_pressure_sheds_the_round_and_keeps_serving(start_
                                  "--set", "telemetry.replay_loop=true"])
     given = global_adapter(ModelConfig.from_dir(tiny_model))
     with d.client(timeout_s=120) as c:
-        from tests.daemon.conftest import wait_for
-
         wait_for(lambda: c.status()["admission"]["state"] == "shed_finetune", timeout_s=20)
         add_edits(c, "fleet-jo", 2)
         reply = c.fleet_round(1, given, LORA, CONFIG)
@@ -293,7 +299,6 @@ def test_a_user_withdrawing_fleet_consent_during_a_round_stops_its_update_from_l
     import asyncio
 
     from daemon.client import AsyncClient
-    from tests.daemon.conftest import wait_for
 
     d = start_daemon(extra_args=FLEET_ON)
     given = global_adapter(ModelConfig.from_dir(tiny_model))
@@ -313,3 +318,22 @@ def test_a_user_withdrawing_fleet_consent_during_a_round_stops_its_update_from_l
         after = c.fleet_round(2, given, LORA, {**CONFIG, "steps": 1})
         assert after["status"] == "trained" and after["metrics"]["users"] == 1
     assert "withdrew fleet consent or was erased while it ran" in d.log()
+
+
+def test_lone_thumbs_train_the_fleet_adapter_with_kto_beside_the_pairs(start_daemon: Callable,
+                                                                       tiny_model: Path) -> None:
+    d = start_daemon(extra_args=FLEET_ON)
+    given = global_adapter(ModelConfig.from_dir(tiny_model))
+    with d.client(timeout_s=120) as c:
+        c.consent("fleet-nia", fleet=True)
+        for i, up in enumerate((True, False, True)):
+            r = c.generate(f"Thumb {i}: say something kind about the fleet", max_tokens=8, ignore_eos=True,
+                           user="fleet-nia")
+            c.thumbs("fleet-nia", r.interaction_id, up)
+        only_thumbs = c.fleet_round(1, given, LORA, {**CONFIG, "steps": 1})
+        assert only_thumbs["status"] == "trained" and only_thumbs["num_examples"] == 3
+        assert math.isfinite(only_thumbs["metrics"]["train_loss"])
+        assert any(np.abs(v).max() > 0 for v in only_thumbs["delta"].values())
+        add_edits(c, "fleet-nia", 2)
+        both = c.fleet_round(2, given, LORA, {**CONFIG, "steps": 1})
+        assert both["num_examples"] == 5 and both["metrics"]["users"] == 1
