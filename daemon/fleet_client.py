@@ -35,8 +35,7 @@ WEIGHT = "num-examples"  # Flower's strategies weight by this key
 # The numbers a train reply carries (`fleet.round`'s metrics and privacy), always all of them:
 # Flower's strategies refuse replies whose MetricRecords differ in keys. Absent ones are 0.
 ROUND_METRICS = ("heldout_win_rate_before", "heldout_win_rate_after", "heldout_margin_before",
-                 "heldout_margin_after", "train_loss", "update_norm", "users", "train_examples",
-                 "heldout_pairs")
+                 "heldout_margin_after", "train_loss", "users", "train_examples", "heldout_pairs")
 PRIVACY = ("clip", "noise_multiplier", "delta", "epsilon", "rounds")
 
 app = ClientApp()
