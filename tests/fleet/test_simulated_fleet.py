@@ -76,9 +76,10 @@ def run_fleet(fleet: LoopbackFleet, tmp_path: Path, tiny_model_dir: Path, **over
     assert done.returncode == 0 and "ServerApp raised" not in done.stdout, done.stdout[-6000:] + done.stderr[-3000:]
 
 
-# FedAvg, and Flower's trimmed mean cutting one value of three per coordinate (the median).
-@pytest.mark.parametrize("strategy", [{"strategy": "fedavg"},
-                                      {"strategy": "trimmed-mean", "trim-fraction": 0.34}], ids=["fedavg", "trimmed"])
+# FedAvg end to end. Flower's trimmed mean (one value of three cut per coordinate, the median) ran
+# this same test green too (margin 0 -> 0.78 -> 0.96); it is kept out of the default suite for its
+# ~3 minutes, and tests/fleet/test_fleet_rounds.py runs it through the same ServerApp in-process.
+@pytest.mark.parametrize("strategy", [{"strategy": "fedavg"}], ids=["fedavg"])
 def test_a_fleet_learns_the_shared_preference_without_sharing_feedback(
         devices: dict[str, DaemonProcess], tmp_path: Path, tiny_model_dir: Path, strategy: dict) -> None:
     texts: list[str] = []
