@@ -322,6 +322,15 @@ def _fleet(version: int | None) -> str:
     return "none" if version is None else f"version {version}"
 
 
+def _fleet_rounds(fleet: dict[str, Any] | None) -> str:
+    """This device's part in federated rounds and the privacy it spent."""
+    if not fleet or not fleet.get("enabled"):
+        return "off"
+    running = ", one running" if fleet.get("round_in_flight") else ""
+    return (f"on: {fleet.get('rounds_sent', 0)} update(s) sent{running}; epsilon {_num(fleet.get('epsilon'), '', 3)} "
+            f"at delta {fleet.get('delta')}")
+
+
 def cmd_top(client: Client, args: argparse.Namespace) -> int:
     from rich.live import Live
 
@@ -412,7 +421,8 @@ def render_status(status: dict[str, Any], tokens_per_s: float | None = None) -> 
                           ("adapters", f"{status.get('adapters', {}).get('versions_served', 0)} versions, "
                                        f"{status.get('adapters', {}).get('users', 0)} users "
                                        f"(trainer: {status.get('adapters', {}).get('trainer')})"),
-                          ("fleet adapter", _fleet(status.get("adapters", {}).get("fleet_serving")))]),
+                          ("fleet adapter", _fleet(status.get("adapters", {}).get("fleet_serving"))),
+                          ("fleet rounds", _fleet_rounds(status.get("fleet")))]),
         section("engine", [("generating", str(q.get("generates_in_flight"))),
                            ("waiting / running", f"{q.get('engine_waiting')} / {q.get('engine_running')}"),
                            ("admission queue", str(q.get("admission_queued"))),

@@ -21,9 +21,11 @@ import zmq.asyncio
 
 from daemon.endpoints import default_client_endpoint
 from daemon.protocol import IDEMPOTENT_OPS, PROTOCOL_VERSION, ProtocolError, decode, encode
+from daemon.wire_tensors import tensors_from_wire, tensors_to_wire
 
 __all__ = ["AsyncClient", "Candidate", "Client", "ClientError", "DaemonUnavailable",
-           "GenerateResult", "RemoteError", "Token", "TokenStream", "AsyncTokenStream"]
+           "GenerateResult", "RemoteError", "Token", "TokenStream", "AsyncTokenStream", "tensors_from_wire",
+           "tensors_to_wire"]
 
 # The daemon did nothing with a request refused for these reasons: resending is always safe.
 _RETRY_ANY = frozenset({"busy", "not_ready"})
@@ -374,6 +376,21 @@ class Client:
     def fleet_status(self) -> dict[str, Any]:
         return self.request("fleet.status")
 
+    def fleet_round(self, round: int, adapter: dict[str, Any], lora_config: dict[str, Any],
+                    config: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """One federated round on this device (docs/protocol.md): `adapter` maps PEFT tensor
+        names to numpy arrays (the global fleet adapter), `lora_config` is {"r", "lora_alpha",
+        "target_modules"}. The reply's `delta` maps the same names to float32 numpy arrays."""
+        reply = self.request("fleet.round", timeout_s=timeout_s, round=round, adapter=tensors_to_wire(adapter),
+                             lora_config=lora_config, **({"config": config} if config else {}))
+        return {**reply, "delta": tensors_from_wire(reply.get("delta") or {})}
+
+    def fleet_evaluate(self, adapter: dict[str, Any], lora_config: dict[str, Any],
+                       config: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """Held-out win rate and margin of a candidate fleet adapter on this device's pairs."""
+        return self.request("fleet.evaluate", timeout_s=timeout_s, adapter=tensors_to_wire(adapter),
+                            lora_config=lora_config, **({"config": config} if config else {}))
+
     def consent(self, user: str, granted: bool | None = True, fleet: bool | None = None) -> dict[str, Any]:
         """Set consent to feedback collection and/or to fleet training (None: leave it); the reply
         holds both as they now stand."""
@@ -588,6 +605,21 @@ class AsyncClient:
     async def fleet_status(self) -> dict[str, Any]:
         return await self.request("fleet.status")
 
+    async def fleet_round(self, round: int, adapter: dict[str, Any], lora_config: dict[str, Any],
+                          config: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """See `Client.fleet_round`."""
+        reply = await self.request("fleet.round", timeout_s=timeout_s, round=round,
+                                   adapter=tensors_to_wire(adapter), lora_config=lora_config,
+                                   **({"config": config} if config else {}))
+        return {**reply, "delta": tensors_from_wire(reply.get("delta") or {})}
+
+    async def fleet_evaluate(self, adapter: dict[str, Any], lora_config: dict[str, Any],
+                             config: dict[str, Any] | None = None, *,
+                             timeout_s: float | None = None) -> dict[str, Any]:
+        """See `Client.fleet_evaluate`."""
+        return await self.request("fleet.evaluate", timeout_s=timeout_s, adapter=tensors_to_wire(adapter),
+                                  lora_config=lora_config, **({"config": config} if config else {}))
+
     async def export(self, user: str) -> dict[str, Any]:
         return (await self.request("users.export", user=user))["data"]
 
@@ -642,3 +674,4 @@ def _consents(granted: bool | None, fleet: bool | None) -> dict[str, bool]:
     """The fields of `users.consent`: only the consents being set, so old daemons (no `fleet`)
     keep answering calls that do not use it."""
     return {k: v for k, v in (("granted", granted), ("fleet", fleet)) if v is not None}
+

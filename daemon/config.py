@@ -95,6 +95,19 @@ class FineTuneSettings:
     guard: bool = True  # publish only if held-out win rate / CLPD did not regress
 
 
+@dataclass(frozen=True)
+class FleetSettings:
+    """This device's part in federated rounds of the shared fleet adapter (fleet.round,
+    fleet.evaluate; docs/protocol.md). Off: both ops answer status "disabled"."""
+
+    enabled: bool = False
+    delta: float = 1e-5  # the delta at which epsilon is accounted over this device's rounds
+    # Request frames of fleet.round / fleet.evaluate carry a whole adapter (a rank-8 q/k/v/o
+    # adapter of SmolLM2-135M is 3.5 MiB): their own limit, the other ops keep server's.
+    max_message_bytes: int = 64 << 20
+    heldout_fraction: float = 0.2  # fleet.evaluate's split when the request does not give one
+
+
 _SECTIONS: dict[str, tuple[type, ...]] = {
     "daemon": (DaemonSettings,),
     "server": (ServerSettings,),
@@ -104,6 +117,7 @@ _SECTIONS: dict[str, tuple[type, ...]] = {
     "feedback": (FeedbackSettings, FeedbackStoreConfig),
     "admission": (AdmissionSettings, AdmissionConfig),
     "finetune": (FineTuneSettings,),
+    "fleet": (FleetSettings,),
 }
 # Changing these at run time cannot break a request in flight; the rest need a restart.
 RELOADABLE = frozenset({
@@ -112,7 +126,7 @@ RELOADABLE = frozenset({
     "server.admission_wait_s", "admission.min_dwell_s", "admission.stale_after_s",
     "admission.retry_after_s", "admission.power_budget_mw", "finetune.enabled",
     "finetune.pairs_per_version", "finetune.idle_s", "finetune.guard",
-    "http.api_keys", "http.api_key_file",
+    "http.api_keys", "http.api_key_file", "fleet.delta", "fleet.heldout_fraction",
 })
 # Short names people already know, besides the generic MACE_<SECTION>_<KEY>.
 _ENV_ALIASES = {"MACE_STATE_DIR": "daemon.state_dir", "MACE_MODEL": "engine.model",
@@ -241,6 +255,7 @@ class DaemonConfig:
         self.feedback: FeedbackSettings = self._build("feedback", FeedbackSettings)
         self.admission: AdmissionSettings = self._build("admission", AdmissionSettings)
         self.finetune: FineTuneSettings = self._build("finetune", FineTuneSettings)
+        self.fleet: FleetSettings = self._build("fleet", FleetSettings)
         try:
             self.feedback_store: FeedbackStoreConfig = self._build("feedback", FeedbackStoreConfig)
             self.admission_config: AdmissionConfig = self._build("admission", AdmissionConfig)
@@ -280,6 +295,12 @@ class DaemonConfig:
     @property
     def ipc_mode(self) -> int:
         return int(self.server.ipc_mode, 8)
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The largest request frame read at all: fleet.max_message_bytes with fleet rounds on
+        (only their ops may use it), else server.max_message_bytes."""
+        return self.fleet.max_message_bytes if self.fleet.enabled else self.server.max_message_bytes
 
     @property
     def curve_enabled(self) -> bool:
@@ -362,6 +383,10 @@ class DaemonConfig:
             raise ConfigError("server.max_message_bytes must be at least 1024")
         if self.finetune.pairs_per_version < 1 or self.finetune.idle_s < 0:
             raise ConfigError("finetune.pairs_per_version must be >= 1 and finetune.idle_s >= 0")
+        if not 0 < self.fleet.delta < 1 or not 0 <= self.fleet.heldout_fraction <= 0.95:
+            raise ConfigError("fleet.delta must be in (0, 1) and fleet.heldout_fraction in [0, 0.95]")
+        if self.fleet.max_message_bytes < s.max_message_bytes:
+            raise ConfigError("fleet.max_message_bytes must be at least server.max_message_bytes")
         if s.drain_timeout_s < 0 or s.admission_wait_s < 0:
             raise ConfigError("server.drain_timeout_s and server.admission_wait_s must be >= 0")
 

@@ -22,6 +22,7 @@ import zmq.asyncio
 from daemon.config import DaemonConfig
 from daemon.endpoints import prepare_ipc_dir
 from daemon.protocol import (
+    TENSOR_OPS,
     ProtocolError,
     Request,
     decode,
@@ -107,7 +108,8 @@ class Server:
         sock.setsockopt(zmq.RCVHWM, 10_000)
         # libzmq drops (and disconnects) a peer sending frames far beyond the limit, before they
         # are buffered whole; frames between the two limits get a `too_large` reply.
-        sock.setsockopt(zmq.MAXMSGSIZE, max(4 * s.max_message_bytes, s.max_message_bytes + (64 << 10)))
+        limit = self.config.max_frame_bytes
+        sock.setsockopt(zmq.MAXMSGSIZE, max(4 * limit, limit + (64 << 10)))
         sock.setsockopt(zmq.LINGER, 1000)
         if curve:
             public, secret = _load_server_keys(self.config.server.curve_secret_key)
@@ -181,7 +183,7 @@ class Server:
 
     def _handle(self, index: int, parts: list[zmq.Frame]) -> None:
         self.stats["received"] += 1
-        limit = self.config.server.max_message_bytes
+        limit = self.config.max_frame_bytes
         identity = parts[0].bytes if parts else b""
         client: ClientKey = (index, identity)
         # Measure before copying: an oversized body is refused without ever being copied.
@@ -197,11 +199,16 @@ class Server:
             self._reject(client, reply_envelope(frames), None, exc)
             return
         try:
-            message = decode(body, self.config.server.max_message_bytes)
+            message = decode(body, limit)
         except ProtocolError as exc:
             self._reject(client, envelope, None, exc)
             return
         request_id = request_id_of(message)
+        small = self.config.server.max_message_bytes
+        if len(body) > small and message.get("op") not in TENSOR_OPS:
+            self._reject(client, envelope, request_id, ProtocolError(
+                "too_large", f"frame of {len(body)} bytes exceeds the limit of {small}"))
+            return
         try:
             request = parse_request(message)
         except ProtocolError as exc:
@@ -287,6 +294,7 @@ class Server:
             "adapters.list": service.adapters_list, "adapters.rollback": service.adapters_rollback,
             "embed": service.embed, "fleet.publish": service.fleet_publish,
             "fleet.rollback": service.fleet_rollback, "fleet.status": service.fleet_status,
+            "fleet.round": service.fleet_round, "fleet.evaluate": service.fleet_evaluate,
         }
         return await handlers[op](args)
 

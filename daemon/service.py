@@ -32,8 +32,10 @@ from daemon.protocol import (
     ConsentArgs,
     EmbedArgs,
     FeedbackArgs,
+    FleetEvaluateArgs,
     FleetPublishArgs,
     FleetRollbackArgs,
+    FleetRoundArgs,
     GenerateArgs,
     NoArgs,
     ProtocolError,
@@ -199,6 +201,7 @@ class Service:
         self.started_at = time.monotonic()
         self.engine: EngineThread | None = None
         self.fleet_serving: int | None = None  # the fleet version new requests get (status)
+        self.fleet_rounds: Any = None  # daemon.fleet_round.FleetRounds once the engine serves
         self.model_name = ""
         self.tool_style = "hermes"  # how the served model writes tool calls (edge_runtime.chat)
         self.store: FeedbackStore | None = None
@@ -248,6 +251,10 @@ class Service:
 
         newest_fleet = await self.engine.call(lambda e: e.adapters.newest(FLEET))
         self.fleet_serving = None if newest_fleet is None else newest_fleet.version
+        from daemon.fleet_round import FleetRounds
+
+        self.fleet_rounds = FleetRounds(self.engine, self.store, lambda: self.config.fleet, self.config.state_dir,
+                                        self._shedding_finetune)
         if not self._custom_tuner:
             from daemon.training import EngineFineTuner
 
@@ -378,6 +385,12 @@ class Service:
         elif state is AdmissionState.NORMAL:
             self.fine_tuner.resume()
         self._last_state = state
+
+    def _shedding_finetune(self) -> str | None:
+        """Why fine-tuning is shed now (admission at shed_finetune or worse), or None."""
+        if self._last_state.level >= AdmissionState.SHED_FINETUNE.level:
+            return self.admission.decision.reason if self.admission else self._last_state.value
+        return None
 
     @property
     def queue_length(self) -> int:
@@ -708,6 +721,19 @@ class Service:
         self.fleet_serving = result["serving"]
         return result
 
+    # A round of the federated fleet (ZeroMQ only, like the other fleet ops): the Flower client
+    # on this device calls them; nothing in their replies is feedback text.
+
+    async def fleet_round(self, args: FleetRoundArgs) -> dict[str, Any]:
+        self._require("serving")
+        assert self.fleet_rounds is not None
+        return await self.fleet_rounds.run(args)
+
+    async def fleet_evaluate(self, args: FleetEvaluateArgs) -> dict[str, Any]:
+        self._require("serving")
+        assert self.fleet_rounds is not None
+        return await self.fleet_rounds.evaluate(args)
+
     def health(self) -> dict[str, Any]:
         return {"ok": self.state == "serving", "state": self.state, "model": self.model_name,
                 "uptime_s": round(time.monotonic() - self.started_at, 3),
@@ -751,6 +777,8 @@ class Service:
                            "versions_recorded": out["feedback"].get("adapter_versions", 0),
                            "cached": stats.get("adapters_cached", 0),
                            "fleet_serving": self.fleet_serving}
+        if self.fleet_rounds is not None:
+            out["fleet"] = self.fleet_rounds.status()
         return out
 
     def _memory(self, stats: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:

@@ -371,16 +371,19 @@ class Engine:
         arrival: float | None = None,
         job_id: str | None = None,
         on_done: Callable[[FineTuneJob], None] | None = None,
+        shed_first: bool = False,
     ) -> str:
         """Queue one staged fine-tune task (e.g. `AdapterTrainer.task(pair)`); the policy packs its
         stages into iterations beside inference. `dpo_loss` seeds MACE's gamma * L_DPO term until
         the task's score stage measures it; `arrival` is on the engine clock (default now);
         `on_done(job)` runs on the engine thread when the last stage ran (or the job failed:
-        `job.error`). Returns the job id."""
+        `job.error`). `shed_first`: when memory runs short the job is dropped (error "shed: ...")
+        before any other job gives its activations back (a fleet round's). Returns the job id."""
         job_id = job_id or f"ft-{next(self._job_ids)}"
         now = self.clock()
         job = FineTuneJob(job_id, task, arrival if arrival is not None else now,
-                          arrival if arrival is not None else now, dpo_loss, user, on_done)
+                          arrival if arrival is not None else now, dpo_loss, user, on_done,
+                          shed_first=shed_first)
         self.scheduler.add_finetune(job)
         return job_id
 
@@ -449,8 +452,10 @@ class Engine:
             queue.after_stage(job, stage.seconds or 0.0, self.clock())
 
     def pause_finetune(self, reason: str) -> None:
-        """Stop scheduling fine-tune stages (admission says shed) and give activations back."""
+        """Stop scheduling fine-tune stages (admission says shed) and give activations back;
+        `shed_first` jobs (a fleet round) are dropped, the others wait for `resume_finetune`."""
         self.scheduler.finetune_paused = reason
+        self.scheduler.drop_shed_first(reason)
         for job in self.scheduler.finetune.holding():
             if not must_finish(job):  # those run on to their optimizer stage, then wait
                 self.scheduler.finetune.abandon(job)

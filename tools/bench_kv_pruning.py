@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
 import statistics
@@ -62,29 +63,53 @@ def prompts() -> list[list[dict[str, str]]]:
 
 
 def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
-           configs: list[tuple[str, float]], settings: PruningSettings) -> list[dict[str, Any]]:
-    """Greedy-decode every prompt under every (method, budget) config, all in one batch: the
-    unpruned sequences first, through their prefill, so every other copy of a prompt takes its
-    blocks from the prefix cache. Each pruned sequence keeps on average budget x (its prompt +
-    tokens) positions per KV head. Returns per config: ids per prompt, peak KV bytes per prompt,
-    and the decode iterations' wall times."""
+           configs: list[tuple[str, float]], settings: PruningSettings,
+           reference: list[list[int]] | None = None) -> list[dict[str, Any]]:
+    """Greedy-decode every prompt under every (method, budget) config, all in one batch, after
+    the prompts' prefill has gone through once (every copy of a prompt takes its blocks from the
+    prefix cache). Each pruned sequence keeps on average budget x (its prompt + tokens) positions
+    per KV head. Returns per config: ids per prompt, peak KV bytes per prompt, and the decode
+    iterations' wall times.
+
+    With `reference` (the unpruned greedy ids per prompt), each config also runs teacher-forced:
+    a second copy is fed the reference tokens whatever it predicts, and at each step notes
+    whether its own greedy choice is the reference token and that token's NLL ("forced" in the
+    result: per prompt, the agreement and exp(mean NLL)). Free-running agreement stops meaning
+    much after the first divergence (the histories differ); the forced one scores every step."""
     cfg = engine.model.cfg
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    runs: list[tuple[int, Any]] = []  # (config index, sequence)
+    runs: list[tuple[int, Any, list[int] | None]] = []  # (config index, sequence, forced tokens)
+    forced_steps: dict[int, list[tuple[bool, float]]] = {}
 
-    def add(index: int) -> None:
+    def add(index: int, forced: bool) -> None:
         method, budget = configs[index]
-        for ids in prompt_ids:
+        for p, ids in enumerate(prompt_ids):
             rid = engine.add_request(list(ids), params)
             seq = engine.requests[rid].seqs[0]
             if method != "unpruned":
                 capacity = max(1, round(budget * (len(ids) + tokens)))
                 seq.kv_pruning = HeadPruning(dataclasses.replace(settings, policy=method, capacity=capacity),
                                              cfg.num_layers, cfg.num_kv_heads, engine.model.device)
-            runs.append((index, seq))
+            if forced:
+                forced_steps[seq.seq_id] = []
+            runs.append((index, seq, reference[p] if forced else None))
+
+    commit = engine._commit_tokens
+
+    def commit_forced(seqs: list[Any], logits: torch.Tensor) -> Any:
+        rows = [(r, s) for r, s in enumerate(seqs) if s.seq_id in forced_steps]
+        if rows:
+            logits = logits.clone()
+            for r, s in rows:
+                ref = forced_tokens[s.seq_id][s.num_generated]
+                logp = torch.log_softmax(logits[r].float(), -1)
+                forced_steps[s.seq_id].append((int(logp.argmax()) == ref, -float(logp[ref])))
+                logits[r] = float("-inf")
+                logits[r, ref] = 0.0
+        return commit(seqs, logits)
 
     outputs: dict[str, Any] = {}
-    peak = [0] * len(prompt_ids) * len(configs)
+    peak = [0] * len(prompt_ids) * len(configs) * (2 if reference is not None else 1)
     held = [0] * len(peak)
     layer_peak = [0] * len(peak)  # the most entries one layer retained at once (what compaction packs)
     pool_steps: list[tuple[int, int]] = []  # (blocks in use, the ledger's KV bytes) per decode iteration
@@ -94,26 +119,34 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
         start = time.perf_counter()
         for out in engine.step():
             outputs[out.request_id] = out
-        if all(s.num_computed >= s.num_prompt for _, s in runs):
+        if all(s.num_computed >= s.num_prompt for _, s, _ in runs):
             step_s.append(time.perf_counter() - start)
             pool_steps.append((engine.pool.num_used, engine.ledger.entries(MemoryKind.KV).get("blocks", 0)))
             if len(step_s) % 100 == 0:
                 print(f"{len(step_s)} decode iterations, median {statistics.median(step_s) * 1000:.0f} ms",
                       flush=True)
-        for j, (_, s) in enumerate(runs):
+        for j, (_, s, _) in enumerate(runs):
             held[j] = max(held[j], len(s.block_table))
             if s.kv_pruning is not None:
                 peak[j] = max(peak[j], s.kv_pruning.retained_entries)
                 per_layer = s.kv_pruning.retained[:, :, : s.kv_pruning.length].sum((1, 2))
                 layer_peak[j] = max(layer_peak[j], int(per_layer.max()) if per_layer.numel() else 0)
 
-    add(0)  # configs[0] is unpruned
-    while any(s.num_computed < s.num_prompt for _, s in runs):
-        step()
-    for index in range(1, len(configs)):
-        add(index)
-    while engine.has_unfinished():
-        step()
+    # The prompts' prefill once, alone, so that every config's copy hits the prefix cache.
+    warm = [engine.add_request(list(ids), SamplingParams(max_tokens=1)) for ids in prompt_ids]
+    while any(r in engine.requests for r in warm):
+        engine.step()
+    for index in range(len(configs)):
+        add(index, forced=False)
+        if reference is not None:
+            add(index, forced=True)
+    forced_tokens = {s.seq_id: ids for _, s, ids in runs if ids is not None}
+    engine._commit_tokens = commit_forced
+    try:
+        while engine.has_unfinished():
+            step()
+    finally:
+        del engine._commit_tokens
     elem = torch.empty((), dtype=engine.model.dtype).element_size()
     entry = 2 * cfg.head_dim * elem  # one (layer, KV head, position)'s key and value
     per_block = bytes_per_block(cfg, engine.pool.block_size, engine.model.dtype)
@@ -121,11 +154,16 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
     end = pool_steps[-2] if len(pool_steps) > 1 else (0, 0)
     pool = {"blocks_peak": max((b for b, _ in pool_steps), default=0), "blocks_end": end[0],
             "ledger_kv_bytes_peak": max((k for _, k in pool_steps), default=0), "ledger_kv_bytes_end": end[1]}
-    results = [{"ids": [], "peak_kv_bytes": [], "full_kv_bytes": [], "peak_held_kv_bytes": [],
+    results = [{"ids": [], "peak_kv_bytes": [], "full_kv_bytes": [], "forced": [], "peak_held_kv_bytes": [],
                 "layer_kv_share": [], "tbt_ms": [t * 1000 for t in step_s], "pool": pool} for _ in configs]
-    for j, (index, s) in enumerate(runs):
-        full = (s.num_tokens - 1) * cfg.num_layers * cfg.num_kv_heads  # the last token is never fed
+    for j, (index, s, ids) in enumerate(runs):
         r = results[index]
+        if ids is not None:
+            steps = forced_steps[s.seq_id]
+            r["forced"].append({"agreement": sum(a for a, _ in steps) / len(steps),
+                                "perplexity": math.exp(statistics.mean(nll for _, nll in steps))})
+            continue
+        full = (s.num_tokens - 1) * cfg.num_layers * cfg.num_kv_heads  # the last token is never fed
         r["ids"].append(outputs[s.request.request_id].token_ids)
         r["peak_kv_bytes"].append((peak[j] if s.kv_pruning is not None else full) * entry)
         r["full_kv_bytes"].append(full * entry)
@@ -212,8 +250,10 @@ def main() -> None:
                          max_num_seqs=64)
     settings = PruningSettings("mace", capacity=1, window=args.window, norm_threshold=args.tau, sinks=args.sinks)
     prompt_ids = [engine.tokenizer.encode_prompt(p)[1] for p in prompts()[: args.prompts]]
-    configs = [("unpruned", 1.0)] + [(m, b) for m in methods for b in budgets if b < 1.0 or m == "mace"]
-    quality = decode(engine, prompt_ids, args.tokens, configs, settings)
+    pruned = [(m, b) for m in methods for b in budgets if b < 1.0 or m == "mace"]
+    configs = [("unpruned", 1.0)] + pruned
+    reference = decode(engine, prompt_ids, args.tokens, configs[:1], settings)[0]
+    quality = [reference] + decode(engine, prompt_ids, args.tokens, pruned, settings, reference["ids"])
     print(f"decoded {len(configs)} configs in {time.time() - began:.0f} s", flush=True)
 
     reference = quality[0]
@@ -260,6 +300,8 @@ def summarise(base: Engine, prompt_ids: list[list[int]], prompt_states: list[Any
         "agreement": [round(a, 4) for a, _ in agree],
         "mean_agreement": round(statistics.mean(a for a, _ in agree), 4),
         "first_divergence": [f for _, f in agree],
+        "forced_agreement": [round(f["agreement"], 4) for f in run["forced"]] or [1.0] * len(ppl),
+        "forced_perplexity": [round(f["perplexity"], 4) for f in run["forced"]] or [round(p, 4) for p in ppl],
         "peak_kv_bytes": run["peak_kv_bytes"],
         "peak_kv_share": round(sum(run["peak_kv_bytes"]) / sum(run["full_kv_bytes"]), 4),
         "peak_held_kv_bytes": run["peak_held_kv_bytes"],
@@ -284,17 +326,24 @@ def markdown(r: dict[str, Any]) -> str:
         "count), share of the unpruned sequence's. Largest layer: the most entries one layer retained "
         "at once, share of a layer's final context (compaction packs each layer into the same blocks, "
         "so the largest layer sets the blocks).", "",
-        "| method | budget | perplexity (mean; per prompt) | agreement (mean; per prompt) | first divergence "
+        "Forced: the same config fed the unpruned tokens (teacher forcing): the share of steps whose "
+        "greedy choice is the unpruned token, and the perplexity of the unpruned continuation under "
+        "the pruned cache; every step counts, not only those before a first divergence.", "",
+        "| method | budget | forced agreement (per prompt) | forced perplexity (per prompt) "
+        "| free agreement (mean; per prompt) | first divergence | perplexity under unpruned "
         "| peak KV MiB (share of unpruned) | peak held KV MiB (share) | largest layer |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         kv = sum(row["peak_kv_bytes"]) / 2**20
         lines.append(
-            f"| {row['method']} | {row['budget']:.0%} | {row['mean_perplexity']} "
-            f"({', '.join(map(str, row['perplexity']))}) "
+            f"| {row['method']} | {row['budget']:.0%} "
+            f"| {', '.join(f'{a:.3f}' for a in row['forced_agreement'])} "
+            f"| {', '.join(f'{a:.3f}' for a in row['forced_perplexity'])} "
             f"| {row['mean_agreement']:.3f} ({', '.join(f'{a:.3f}' for a in row['agreement'])}) "
-            f"| {', '.join(map(str, row['first_divergence']))} | {kv:.1f} ({row['peak_kv_share']:.0%}) "
+            f"| {', '.join(map(str, row['first_divergence']))} "
+            f"| {row['mean_perplexity']} ({', '.join(map(str, row['perplexity']))}) "
+            f"| {kv:.1f} ({row['peak_kv_share']:.0%}) "
             f"| {sum(row['peak_held_kv_bytes']) / 2**20:.1f} ({row['peak_held_kv_share']:.0%}) "
             f"| {', '.join(f'{x:.0%}' for x in row['largest_layer_kv_share'])} |")
     lines += [
@@ -323,7 +372,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     unpruned = next(row for row in r["rows"] if row["method"] == "unpruned")
     for method in sorted({row["method"] for row in r["rows"]} - {"unpruned"}):
         pts = sorted([(1.0, unpruned)] + [(row["budget"], row) for row in r["rows"]
@@ -332,8 +381,10 @@ def plot(r: dict[str, Any], path: Path) -> None:
         xs = [100 * b for b, _ in pts]
         axes[0].plot(xs, [row["mean_perplexity"] for _, row in pts], marker="o", label=method)
         axes[1].plot(xs, [row["mean_agreement"] for _, row in pts], marker="o", label=method)
+        axes[2].plot(xs, [statistics.mean(row["forced_agreement"]) for _, row in pts], marker="o", label=method)
     axes[0].set_ylabel("perplexity under the unpruned model (lower is better)")
-    axes[1].set_ylabel("greedy agreement with unpruned")
+    axes[1].set_ylabel("greedy agreement with unpruned (free-running)")
+    axes[2].set_ylabel("agreement with unpruned, teacher-forced")
     for ax in axes:
         ax.set_xlabel("KV budget (% of the final context)")
         ax.invert_xaxis()

@@ -27,7 +27,8 @@ TORCH_VERSION=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null)
 echo "torch==${TORCH_VERSION}" > "$VENV/constraints.txt"
 echo "bootstrap: torch ${TORCH_VERSION} pinned"
 
-"$PY" -m pip install -c "$VENV/constraints.txt" -e ".[dev]"
+# `fleet`: Flower for the federated fleet rounds (docs/fleet.md); its tests need it.
+"$PY" -m pip install -c "$VENV/constraints.txt" -e ".[dev,fleet]"
 # ONNX Runtime is a default dependency except on Linux aarch64 (pyproject.toml): a Jetson keeps
 # NVIDIA's onnxruntime-gpu (the CPU wheel would shadow it); another aarch64 box without any
 # onnxruntime gets the CPU one, so the auto backend has its fast path there too.

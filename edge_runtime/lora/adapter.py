@@ -43,15 +43,21 @@ def to_state_dict(weights: LoraWeights) -> dict[str, torch.Tensor]:
     return state
 
 
+def parse_peft_key(name: str) -> tuple[Key, str]:
+    """((layer, projection), "A" or "B") of a PEFT LoRA tensor name (with or without the
+    adapter's name), or AdapterError."""
+    m = _KEY.search(name)
+    if m is None:
+        raise AdapterError(f"adapter tensor {name!r} is not a LoRA A/B weight of a llama-family layer")
+    return (int(m.group(1)), m.group(2)), m.group(3)
+
+
 def from_state_dict(state: dict[str, torch.Tensor], settings: LoraSettings) -> LoraWeights:
     a: dict[Key, torch.Tensor] = {}
     b: dict[Key, torch.Tensor] = {}
     for name, tensor in state.items():
-        m = _KEY.search(name)
-        if m is None:
-            raise AdapterError(f"adapter tensor {name!r} is not a LoRA A/B weight of a llama-family layer")
-        key = (int(m.group(1)), m.group(2))
-        (a if m.group(3) == "A" else b)[key] = tensor
+        key, which = parse_peft_key(name)
+        (a if which == "A" else b)[key] = tensor
     return LoraWeights(settings, a, b)
 
 

@@ -64,6 +64,9 @@ class FineTuneJob:
     finished_at: float | None = None
     abandoned: int = 0
     error: str | None = None
+    # Dropped before any other job's activations when memory runs short (a fleet round: the
+    # device's own users' updates and its serving matter more than a share of the fleet's).
+    shed_first: bool = False
     _costs: dict[int, StageCost] = field(default_factory=dict, repr=False)
     _remaining_costs: list[StageCost] | None = field(default=None, repr=False)
 

@@ -103,6 +103,14 @@ class Scheduler:
             self.ledger.set(MemoryKind.OPTIMIZER, f"trainer-{key}", need)
         self.finetune.add(job)
 
+    def forget_trainer(self, trainer: Any) -> None:
+        """A trainer that will queue no more jobs (a finished fleet round's): its optimizer state
+        leaves the ledger now, though finished jobs in the queue's history still refer to it."""
+        key = id(trainer)
+        if self._trainers.get(key) is trainer:
+            del self._trainers[key]
+            self.ledger.drop(MemoryKind.OPTIMIZER, f"trainer-{key}")
+
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SeqStatus.FINISHED:
             return
@@ -222,15 +230,29 @@ class Scheduler:
         return len(self.pool.cached) - len(held)
 
     def _shed_activations(self, want: int) -> int:
-        """Fine-tune jobs give back their held activations, lowest priority first."""
+        """Fine-tune jobs give back their held activations: first every `shed_first` job (a
+        fleet round), dropped whole with its trainer's other queued jobs whether or not it holds
+        any now; then the others, lowest priority first, which restart at their first forward."""
+        freed = self.drop_shed_first("memory pressure")
         holding = [job for job in self.finetune.holding() if not must_finish(job)]
         holding.sort(key=lambda job: self.policy.priority(self._job_task(job), self._now))
-        freed = 0
         for job in holding:
             if freed >= want:
                 break
             freed += self.finetune.abandon(job)
             self.ledger.drop(MemoryKind.ACTIVATIONS, job.job_id)
+        return freed
+
+    def drop_shed_first(self, reason: str) -> int:
+        """Retire every `shed_first` job (error "shed: <reason>"), giving back what it holds;
+        one whose backward has begun runs on to its optimizer stage (a torn update would leak
+        into the adapter) and is dropped on the next shed. Returns the bytes freed."""
+        freed = 0
+        for job in [j for j in self.finetune.jobs.values() if j.shed_first and not must_finish(j)]:
+            if job.work.held_bytes:
+                freed += self.finetune.abandon(job)
+            self.ledger.drop(MemoryKind.ACTIVATIONS, job.job_id)
+            self.finetune.retire(job, self._now, error=f"shed: {reason}")
         return freed
 
     def _shed_prefix_cache(self, want: int) -> int:

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from daemon.protocol import (
     ERROR_CODES,
     OPS,
+    FleetRoundArgs,
+    FleetRoundConfig,
     GenerateArgs,
     ProtocolError,
     decode,
@@ -115,6 +117,33 @@ def test_generate_defaults_and_sampling_arguments() -> None:
     assert kwargs["max_tokens"] == 33 and kwargs["temperature"] == 0.7 and kwargs["seed"] == 3
 
 
+_TENSORS = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+            {"dtype": "float32", "shape": [2, 3], "data": b"\0" * 24}}
+_LORA = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+
+
+def test_fleet_round_fields_are_checked_and_defaulted() -> None:
+    args = parse_request(req("fleet.round", round=1, adapter=_TENSORS, lora_config=_LORA)).args
+    assert isinstance(args, FleetRoundArgs) and args.config == FleetRoundConfig()
+    tensor = next(iter(args.adapter.values()))
+    assert tensor.shape == (2, 3) and tensor.dtype == "float32" and args.lora_config.lora_alpha == 4.0
+    bad = [
+        ({"config": {"noise_multiplier": -1}}, "config.noise_multiplier"),
+        ({"config": {"stepz": 1}}, "config"),
+        ({"adapter": {}}, "adapter"),
+        ({"adapter": {"a": {"dtype": "float16", "shape": [1], "data": b"\0\0"}}}, "adapter.a"),
+        ({"adapter": {"a": {"dtype": "float32", "shape": [2], "data": b"\0" * 4}}}, "adapter.a"),
+        ({"adapter": {"a": {"dtype": "float32", "shape": [1], "data": "text"}}}, "adapter.a"),
+        ({"lora_config": {"r": 0, "lora_alpha": 1, "target_modules": ["q_proj"]}}, "lora_config"),
+        ({"round": -1}, "round"),
+    ]
+    for change, param in bad:
+        fields = {"round": 1, "adapter": _TENSORS, "lora_config": _LORA, **change}
+        with pytest.raises(ProtocolError) as info:
+            parse_request(req("fleet.round", **fields))
+        assert info.value.code == "bad_request" and info.value.param == param, change
+
+
 def test_every_op_parses_with_its_fields() -> None:
     samples = {
         "generate": {"messages": [{"role": "user", "content": "hi"}], "stream": True, "user": "bob"},
@@ -125,6 +154,8 @@ def test_every_op_parses_with_its_fields() -> None:
         "users.forget": {"user": "bob"}, "embed": {"input": ["a", "b"]},
         "fleet.publish": {"path": "/var/lib/mace-edge/round-7"}, "fleet.rollback": {"version": 0},
         "fleet.status": {},
+        "fleet.round": {"round": 3, "adapter": _TENSORS, "lora_config": _LORA, "config": {"steps": 2, "clip": 0.5}},
+        "fleet.evaluate": {"adapter": _TENSORS, "lora_config": _LORA},
     }
     assert set(samples) == set(OPS)
     for op, fields in samples.items():

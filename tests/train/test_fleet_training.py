@@ -16,7 +16,7 @@ from edge_runtime.train.guard import RegressionGuard, publish_guarded
 from edge_runtime.train.logprobs import ReferenceCache, pair_logps_dense
 from edge_runtime.train.optim import OptimizerSettings
 from tests.lora.helpers import ALL_LINEAR, random_adapter
-from tests.train.helpers import make_trainer, max_rel_error, staged_grads
+from tests.train.helpers import full_autograd_grads, make_trainer, max_rel_error, staged_grads
 
 
 class _HandSum:
@@ -120,5 +120,24 @@ def test_kto_staged_gradients_with_the_fleet_beneath_equal_full_autograd(tiny4, 
     monkeypatch.setattr(kto, "pair_logps_dense",
                         lambda model, tokens, weights: pair_logps_dense(model, tokens, _HandSum(fleet, weights)))
     want, _ = kto._autograd_grads(trainer, tasks, accumulation=16)
+    assert all(w.abs().max() > 0 for w in want)
+    assert max_rel_error(got, want) <= 1e-4
+
+
+@pytest.mark.parametrize("window, group", [(None, 4), (3, 2)])
+def test_a_fleet_rounds_staged_gradients_on_the_fleet_adapter_equal_full_autograd(tiny4, tiny4_tokenizer, pairs,
+                                                                                  window, group):
+    """In a federated round the fleet adapter is the trainable one (nothing beneath it, the base
+    as reference), built as `daemon.fleet_round.round_trainer` builds it."""
+    from daemon.fleet_round import round_trainer
+    from daemon.protocol import FleetRoundConfig
+
+    given = _fleet(tiny4.cfg)
+    trainer = round_trainer(tiny4, tiny4_tokenizer, given, FleetRoundConfig(beta=0.1, lr=1e-3), examples=3)
+    trainer.dpo = DPOSettings(beta=0.1, window_tokens=window, layers_per_group=group, optimizer=trainer.dpo.optimizer)
+    assert trainer.fleet is None and trainer.optimizer.settings.accumulation_steps == 3
+    assert all(torch.equal(a, b) for a, b in zip(trainer.weights.parameters(), given.parameters(), strict=True))
+    want = full_autograd_grads(trainer, pairs[:3], accumulation=3)
+    got = staged_grads(trainer, pairs[:3])
     assert all(w.abs().max() > 0 for w in want)
     assert max_rel_error(got, want) <= 1e-4
