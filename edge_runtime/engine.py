@@ -536,9 +536,10 @@ class Engine:
         """A pruned stream about to need another block first packs what its heads retain into the
         blocks that holds and gives the rest back (edge_runtime.kv.compaction), so the scheduler
         and the ledger count the budget's share of its KV, not every position's. One never compacted
-        (or just recomputed after a preemption, every position whole again) compacts as soon as
-        that saves a block. Any sequence with a pruning state, whether the engine's settings gave
-        it one or not. Only the torch backend reads a compacted layout."""
+        (or recomputed after a preemption, every position whole again) also tries at its first
+        decode step and every `block_size` steps after (a try that frees nothing costs a few ms).
+        Any sequence with a pruning state, whether the engine's settings gave it one or not. Only
+        the torch backend reads a compacted layout."""
         if self.backend.name != "torch":
             return
         layers, kv_heads = self.model.cfg.num_layers, self.model.cfg.num_kv_heads
@@ -547,7 +548,7 @@ class Engine:
             if state is None or seq.in_prefill or not state.length:
                 continue
             due = self.scheduler.blocks_needed(seq, 1) > 0
-            if not due and seq.kv_layout is not None:
+            if not due and (seq.kv_layout is not None or (state.steps - 1) % self.pool.block_size):
                 continue
             n = seq.num_computed
             retained = torch.ones(layers, kv_heads, n, dtype=torch.bool)

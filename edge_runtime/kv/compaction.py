@@ -101,7 +101,8 @@ def compact(layout: CompactLayout | None, retained: Tensor, block_table: list[in
     shared = [b for b in block_table if pool.ref_count[b] > 1]
     shared_set = torch.tensor(shared, dtype=torch.long)
     stays = retained & torch.isin(block_of, shared_set) if shared else torch.zeros_like(retained)
-    kept = [b for b in shared if bool((stays & (block_of == b)).any())]
+    holding = set(block_of[stays].unique().tolist())
+    kept = [b for b in shared if b in holding]
     moves = retained & ~stays
     # Position-major order: entries never move up, and a layer that prunes nothing keeps its slots.
     moving = [moves[layer].t().nonzero() for layer in range(layers)]  # [(p, h)] per layer
