@@ -201,3 +201,24 @@ def test_compact_packs_retained_entries_and_gives_the_freed_pages_back() -> None
             assert torch.equal(got[retained[layer]], want[retained[layer]])
     assert torch.equal(cache.data[:, :, size : 2 * size], before[:, :, size : 2 * size])  # block 1 unwritten
     assert pool.hash_of[table[1]] == b"cached" and table[1] in done.released
+
+
+def test_the_blocks_compaction_frees_are_room_for_more_streams(model_dir: Path) -> None:
+    """A pool too small for three unpruned streams: masking alone must preempt (its blocks stay
+    held), compaction lets all three decode side by side."""
+    settings = dict(kv_prune_policy="window", kv_prune_capacity=10, kv_prune_sinks=2)
+    probe = make_engine(model_dir)
+    per_block = probe.costs.kv_block_bytes
+    small = dict(settings, kv_cache_bytes=22 * per_block)  # unpruned, the three need 30 blocks
+    masked_engine = make_engine(model_dir, **small)
+    assert masked_engine.pool.num_blocks == 22
+    _run(masked_engine, PROMPTS, STEPS, compacting=False)
+    engine = make_engine(model_dir, **small)
+    compacted = _run(engine, PROMPTS, STEPS)
+    assert masked_engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.num_preemptions == 0
+    assert compacted[2] < 22
+    # The small pool changed nothing but the schedule: the same bits as with room to spare.
+    roomy = _run(make_engine(model_dir, **settings), PROMPTS, STEPS)
+    assert compacted[1] == roomy[1]
+    assert all(torch.equal(a, b) for a, b in zip(compacted[0], roomy[0], strict=True))
