@@ -91,8 +91,9 @@ def compact(layout: CompactLayout | None, retained: Tensor, block_table: list[in
 
     Blocks another sequence shares (ref count > 1: a prefix-cache hit) are never written: their
     entries stay where they are (the block stays in the table while it holds one). A block that
-    caches a prefix but only this sequence holds is never written either: its entries are copied
-    out and it goes back to the pool, still caching its prefix."""
+    caches a prefix but only this sequence holds is copied out of and goes back to the pool, still
+    caching its prefix, while the pool has free blocks to copy into; when it has too few, such
+    blocks stop caching their prefix (`BlockPool.uncache`) and take entries instead."""
     layers, kv_heads, n = retained.shape
     size = pool.block_size
     per_block = size * kv_heads
@@ -109,6 +110,13 @@ def compact(layout: CompactLayout | None, retained: Tensor, block_table: list[in
     most = max(len(m) for m in moving)
     dest_blocks = -(-most // per_block)
     writable = [b for b in block_table if pool.ref_count[b] == 1 and pool.hash_of[b] is None]
+    short = dest_blocks - len(writable) - pool.num_free
+    # No free block to copy into (memory pressure): blocks only this sequence holds stop caching
+    # their prefix and take entries, rather than nothing being given back. The chain's last ones
+    # first: a prefix is matched from its first block, so its head stays reusable.
+    own_cached = [b for b in block_table if pool.ref_count[b] == 1 and pool.hash_of[b] is not None]
+    uncache = own_cached[::-1][: max(0, short)]
+    writable += uncache
     fresh = max(0, dest_blocks - len(writable))
     dest = writable[:dest_blocks]
     staying = set(kept) | set(dest)
@@ -118,6 +126,8 @@ def compact(layout: CompactLayout | None, retained: Tensor, block_table: list[in
     # sequence ends; worth a compaction that takes no fresh block.
     if fresh > pool.num_free or freed - fresh < (0 if released and not fresh else 1):
         return None
+    for block in uncache:
+        pool.uncache(block)
     dest += [pool.allocate() for _ in range(fresh)]
     table = kept + dest
     index_of = {b: i for i, b in enumerate(table)}

@@ -222,3 +222,38 @@ def test_the_blocks_compaction_frees_are_room_for_more_streams(model_dir: Path) 
     roomy = _run(make_engine(model_dir, **settings), PROMPTS, STEPS)
     assert compacted[1] == roomy[1]
     assert all(torch.equal(a, b) for a, b in zip(compacted[0], roomy[0], strict=True))
+
+
+def test_with_no_free_block_compaction_writes_blocks_only_it_holds_that_cached_a_prefix() -> None:
+    from edge_runtime.kv.block_pool import BlockPool
+    from edge_runtime.kv.cache import KVCache
+    from edge_runtime.kv.compaction import compact, entry_rows, table_slots
+
+    from .test_kv_memory import _cfg
+
+    cfg = _cfg()
+    size, kv = 16, cfg.num_kv_heads
+    cache = KVCache(cfg, 8, size, torch.float32, "cpu")
+    pool = BlockPool(8, size, enable_prefix_cache=True, on_idle=cache.release_blocks)
+    table = [pool.allocate() for _ in range(8)]  # the whole pool: a prompt's blocks, all cached
+    for i, block in enumerate(table):
+        pool.register(block, bytes([i]))
+    n = 8 * size
+    slots = table_slots(table, size)
+    cache.data[:, :, slots] = torch.randn(cfg.num_layers, 2, n, kv, cfg.head_dim)
+    before = cache.data[:, :, slots].clone()
+    retained = torch.zeros(cfg.num_layers, kv, n, dtype=torch.bool)
+    retained[:, :, ::4] = True  # a quarter: two blocks' worth
+    assert pool.num_free == 0
+
+    done = compact(None, retained, table, pool, cache)
+
+    assert done is not None and done.allocated == 0
+    assert len(done.block_table) == 2 and pool.num_free == 6
+    assert done.block_table == table[-2:][::-1]  # the prompt's last blocks stopped caching it
+    assert all(pool.hash_of[b] is None for b in done.block_table)
+    assert all(pool.hash_of[b] is not None for b in done.released)  # the rest still cache it
+    rows = entry_rows(done.layout, done.block_table, n, size, cfg.num_layers, kv)
+    for layer in range(cfg.num_layers):
+        flat = cache.data[layer, 0].view(-1, cfg.head_dim)
+        assert torch.equal(flat[rows[layer]][retained[layer]], before[layer, 0].transpose(0, 1)[retained[layer]])
