@@ -554,7 +554,7 @@ class Engine:
             retained = torch.ones(layers, kv_heads, n, dtype=torch.bool)
             seen = min(state.length, n)  # positions its decode steps have not seen yet are all retained
             retained[:, :, :seen] = state.retained[:, :, :seen].cpu()
-            if not due and n - -(-int(retained.sum((1, 2)).max()) // kv_heads) < self.pool.block_size:
+            if not due and n - -(-int(retained.sum()) // (layers * kv_heads)) < self.pool.block_size:
                 continue
             done = compact(seq.kv_layout, retained, seq.block_table, self.pool, self.cache)
             if done is not None:

@@ -324,8 +324,8 @@ def markdown(r: dict[str, Any]) -> str:
         "retained (head, position) keys+values at once, share of the unpruned peak. Held KV: the most "
         "paged blocks a sequence held at once (compacted; prompt blocks shared with the unpruned copy "
         "count), share of the unpruned sequence's. Largest layer: the most entries one layer retained "
-        "at once, share of a layer's final context (compaction packs each layer into the same blocks, "
-        "so the largest layer sets the blocks).", "",
+        "at once, share of a layer's final context (MACE shares its capacity across layers; "
+        "compaction packs every layer's entries into the same blocks, so the sum sets the blocks).", "",
         "Forced: the same config fed the unpruned tokens (teacher forcing): the share of steps whose "
         "greedy choice is the unpruned token, and the perplexity of the unpruned continuation under "
         "the pruned cache; every step counts, not only those before a first divergence.", "",

@@ -3,17 +3,20 @@ as few of its blocks as they need, the blocks left holding nothing given back to
 where each entry lies (`CompactLayout`); knows blocks and the slab, not the scheduler or the rule
 that decided what is retained (edge_runtime.kv.pruning).
 
-Entries. Layer l's keys (and values) are rows `slot * kv_heads + lane` of `k_cache(l).view(-1, d)`.
-A block holds `block_size * kv_heads` entries of every layer, so a sequence's block table gives
-each layer the same entry space: its entry j lies in block `table[j // E]`, row
-`table[j // E] * E + j % E` (E = block_size * kv_heads). Keys are cached already rotated, so an
-entry means the same wherever it lies; only the decode gather must know where.
+Entries. The slab `[layer, k/v, slot, kv_head, d]` seen as rows of d: layer l's key of lane h in
+slot s is row `((2 l) S + s) H + h` (S slots, H KV heads), its value the row `S H` after. A block
+holds `block_size` slots of every layer, so `layers x block_size x kv_heads` entries, and any of
+them can hold any (layer, head, position)'s key and value: keys are cached already rotated, so an
+entry means the same wherever it lies; only the decode gather must know where. Packing across
+layers matters because MACE shares C_total among the heads of all layers by their norms (sec.
+4.3): one layer may keep nearly its whole context while another keeps a few positions, and only
+the sum is what the budget bounds.
 
-Layout. Positions below `base_pos` are compacted: each retained entry at `entry[l, h, p]`;
-position p >= base_pos lies whole (every lane, every layer) in the table's slot
-`base_slot + p - base_pos`, as every position of a sequence never compacted does (base 0, 0).
-A layer's packed entries go in position-major order; the sum over layers is what the budget
-bounds, the largest layer is what the blocks must hold.
+Layout. Positions below `base_pos` are compacted: each retained entry at table entry
+`entry[l, h, p]` (entry g lies in the table's slot `g // (layers x H)`, in plane
+`g % (layers x H) // H` and lane `g % H`); position p >= base_pos lies whole (every lane, every
+layer) in the table's slot `base_slot + p - base_pos`, as every position of a sequence never
+compacted does (base 0, 0).
 """
 
 from __future__ import annotations
@@ -54,24 +57,31 @@ def position_slots(layout: CompactLayout | None, block_table: list[int], block_s
     return torch.cat([slots[:1].expand(layout.base_pos), slots[layout.base_slot :]])
 
 
+def slab_row(slot: Tensor, plane: Tensor | int, lane: Tensor | int, num_slots: int, kv_heads: int) -> Tensor:
+    """The row of the slab seen as rows of d holding the key of `lane` in `slot` of layer `plane`
+    (its value: the row `num_slots * kv_heads` after)."""
+    return ((2 * plane) * num_slots + slot) * kv_heads + lane
+
+
 def entry_rows(layout: CompactLayout | None, block_table: list[int], n: int, block_size: int,
-               num_layers: int, kv_heads: int) -> Tensor:
-    """[layers, kv_heads, n] long: the row of `k_cache(l).view(-1, d)` holding each (l, h, p) for
+               num_layers: int, kv_heads: int, num_slots: int) -> Tensor:
+    """[layers, kv_heads, n] long: the slab row (`slab_row`) of the key of each (l, h, p) for
     positions 0..n-1. A compacted entry no longer retained points at row 0 (masked anyway: the
     decode gather must only stay inside the slab)."""
-    per_block = block_size * kv_heads
     lanes = torch.arange(kv_heads)
+    planes = torch.arange(num_layers)
     base = 0 if layout is None else min(layout.base_pos, n)
     slots = position_slots(layout, block_table, block_size)[base:n]
-    whole = (slots[None, :] * kv_heads + lanes[:, None]).expand(num_layers, kv_heads, n - base)
+    whole = slab_row(slots[None, None, :], planes[:, None, None], lanes[None, :, None], num_slots, kv_heads)
     if base == 0:
         return whole
-    table = torch.tensor(block_table, dtype=torch.long)
+    per_slot = num_layers * kv_heads
+    slots_of_table = table_slots(block_table, block_size)
     j = layout.entry[:, :, :base]
     present = j >= 0
     j = j.clamp(min=0)
-    packed = torch.where(present, table[j // per_block] * per_block + j % per_block, 0)
-    return torch.cat([packed, whole], dim=-1)
+    packed = slab_row(slots_of_table[j // per_slot], j % per_slot // kv_heads, j % kv_heads, num_slots, kv_heads)
+    return torch.cat([torch.where(present, packed, 0), whole], dim=-1)
 
 
 @dataclass
@@ -96,19 +106,19 @@ def compact(layout: CompactLayout | None, retained: Tensor, block_table: list[in
     blocks stop caching their prefix (`BlockPool.uncache`) and take entries instead."""
     layers, kv_heads, n = retained.shape
     size = pool.block_size
-    per_block = size * kv_heads
-    rows = entry_rows(layout, block_table, n, size, layers, kv_heads)
-    block_of = rows // per_block  # the block each entry lies in
+    num_slots = cache.data.shape[2]
+    per_slot = layers * kv_heads  # entries in one slot of every layer
+    rows = entry_rows(layout, block_table, n, size, layers, kv_heads, num_slots)
+    block_of = (rows // kv_heads) % num_slots // size  # the block each entry lies in
     shared = [b for b in block_table if pool.ref_count[b] > 1]
     shared_set = torch.tensor(shared, dtype=torch.long)
     stays = retained & torch.isin(block_of, shared_set) if shared else torch.zeros_like(retained)
     holding = set(block_of[stays].unique().tolist())
     kept = [b for b in shared if b in holding]
     moves = retained & ~stays
-    # Position-major order: entries never move up, and a layer that prunes nothing keeps its slots.
-    moving = [moves[layer].t().nonzero() for layer in range(layers)]  # [(p, h)] per layer
-    most = max(len(m) for m in moving)
-    dest_blocks = -(-most // per_block)
+    # Position-major, then layer, then head: the oldest positions lowest, whatever their layer.
+    moving = moves.permute(2, 0, 1).nonzero()  # [(p, l, h)]
+    dest_blocks = -(-len(moving) // (per_slot * size))
     writable = [b for b in block_table if pool.ref_count[b] == 1 and pool.hash_of[b] is None]
     short = dest_blocks - len(writable) - pool.num_free
     # No free block to copy into (memory pressure): blocks only this sequence holds stop caching
@@ -136,27 +146,27 @@ def compact(layout: CompactLayout | None, retained: Tensor, block_table: list[in
     if kept:
         remap = torch.zeros(pool.num_blocks, dtype=torch.long)
         remap[shared_set] = torch.tensor([index_of.get(b, 0) for b in shared], dtype=torch.long)
-        in_place = remap[block_of] * per_block + rows % per_block
-        entry = torch.where(stays, in_place, entry)
-    first = len(kept) * per_block
-    dest_t = torch.tensor(dest, dtype=torch.long)
-    for layer, found in enumerate(moving):
-        if not len(found):
-            continue
-        p, h = found[:, 0], found[:, 1]
-        rank = torch.arange(len(found))
-        entry[layer, h, p] = first + rank
+        slot = (rows // kv_heads) % num_slots
+        table_slot = remap[block_of] * size + slot % size
+        own = torch.arange(layers)[:, None, None] * kv_heads + torch.arange(kv_heads)[None, :, None]
+        entry = torch.where(stays, table_slot * per_slot + own, entry)
+    if len(moving):
+        p, layer, h = moving[:, 0], moving[:, 1], moving[:, 2]
+        rank = torch.arange(len(moving))
+        entry[layer, h, p] = len(kept) * size * per_slot + rank
+        dest_t = torch.tensor(dest, dtype=torch.long)
+        dest_slot = dest_t[rank // per_slot // size] * size + rank // per_slot % size
         src = rows[layer, h, p]
-        dst = dest_t[rank // per_block] * per_block + rank % per_block
-        if torch.equal(src, dst):
-            continue
-        device = cache.data.device
-        src, dst = src.to(device), dst.to(device)
-        for kind in (0, 1):
-            flat = cache.data[layer, kind].view(-1, cache.data.shape[-1])
+        dst = slab_row(dest_slot, rank % per_slot // kv_heads, rank % kv_heads, num_slots, kv_heads)
+        if not torch.equal(src, dst):
+            device = cache.data.device
+            value = num_slots * kv_heads  # a key's row to its value's
+            src = torch.cat([src, src + value]).to(device)
+            dst = torch.cat([dst, dst + value]).to(device)
+            flat = cache.data.view(-1, cache.data.shape[-1])
             # Gathered whole before written: a destination may be another entry's source.
             flat.index_copy_(0, dst, flat.index_select(0, src))
-    base_slot = len(kept) * size + -(-most // kv_heads)
+    base_slot = len(kept) * size + -(-len(moving) // per_slot)
     for block in released:
         pool.release(block)  # after the copies: a block given back reads as zeros
     return Compaction(CompactLayout(n, base_slot, entry), table, released, fresh)

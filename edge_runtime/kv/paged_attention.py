@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from edge_runtime.kv.cache import KVCache
-from edge_runtime.kv.compaction import CompactLayout, entry_rows, position_slots
+from edge_runtime.kv.compaction import CompactLayout, entry_rows, position_slots, slab_row
 from edge_runtime.kv.pruning import DecodePruning, HeadPruning
 from edge_runtime.model.llama import LoraApplier, layer_window, softcap, window_mask
 
@@ -72,7 +72,8 @@ class PagedContext:
             layers, _, _, kv_heads, _ = cache.data.shape
             self.decode_pruning = DecodePruning(rows, plan.decode_mask, layers, kv_heads)
             if any(s.layout is not None for s in plan.decodes):
-                self.decode_entries = _decode_entries(plan, cache.block_size, layers, kv_heads, device)
+                self.decode_entries = _decode_entries(plan, cache.block_size, layers, kv_heads,
+                                                      cache.data.shape[2], device)
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache, v_cache = self.cache.layer(layer)
@@ -104,9 +105,10 @@ class PagedContext:
             else:
                 # Some rows are compacted: every (row, position, head) gathered from where its
                 # entry lies, into the layout and strides above, so every row keeps its bits.
-                entries = self.decode_entries[layer]  # [B, width, kv_heads]
-                kd = k_cache.view(-1, d)[entries].permute(0, 2, 1, 3)
-                vd = v_cache.view(-1, d)[entries].permute(0, 2, 1, 3)
+                entries = self.decode_entries[layer]  # [B, width, kv_heads]: slab rows of keys
+                slab = self.cache.data.view(-1, d)
+                kd = slab[entries].permute(0, 2, 1, 3)
+                vd = slab[entries + self.cache.data.shape[2] * kv_heads].permute(0, 2, 1, 3)
             if self.decode_pruning is None:
                 o = attend(qd, kd, vd, plan.decode_mask, self.softcap)
             else:
@@ -115,16 +117,17 @@ class PagedContext:
         return out
 
 
-def _decode_entries(plan: _WindowPlan, block_size: int, layers: int, kv_heads: int,
+def _decode_entries(plan: _WindowPlan, block_size: int, layers: int, kv_heads: int, num_slots: int,
                     device: torch.device) -> Tensor:
-    """[layers, B, width, kv_heads]: the row of `k_cache(l).view(-1, d)` each decode row reads for
-    each position and head; a compacted row's where its layout put them, the others' the slot's."""
+    """[layers, B, width, kv_heads]: the slab row (`compaction.slab_row`) of the key each decode row
+    reads for each position and head; a compacted row's where its layout put them (any layer's
+    plane), the others' their own layer's slot."""
     lanes = torch.arange(kv_heads, device=device)
-    whole = plan.decode_index[:, :, None] * kv_heads + lanes  # [B, width, kv_heads]
-    entries = whole.unsqueeze(0).repeat(layers, 1, 1, 1)
+    planes = torch.arange(layers, device=device)[:, None, None, None]
+    entries = slab_row(plan.decode_index[None, :, :, None], planes, lanes, num_slots, kv_heads)
     for i, s in enumerate(plan.decodes):
         if s.layout is not None:
-            rows = entry_rows(s.layout, s.block_table, s.ctx_len, block_size, layers, kv_heads)
+            rows = entry_rows(s.layout, s.block_table, s.ctx_len, block_size, layers, kv_heads, num_slots)
             entries[:, i, : s.ctx_len] = rows.transpose(1, 2).to(device)
     return entries
 

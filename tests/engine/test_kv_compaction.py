@@ -187,16 +187,16 @@ def test_compact_packs_retained_entries_and_gives_the_freed_pages_back() -> None
     assert done is not None and done.allocated == 0
     moved = retained.clone()
     moved[:, :, :size] = False  # what block 0 holds stays there
-    most = int(moved.sum((1, 2)).max())  # the fullest layer's entries decide the blocks
+    # Every layer's entries packed together: the sum decides the blocks, not the fullest layer.
     assert done.block_table[0] == table[0]  # the shared block stays where it is, in the table
-    assert len(done.block_table) == 1 + -(-most // (size * kv)) < 64 // 3
+    assert len(done.block_table) == 1 + -(-int(moved.sum()) // (cfg.num_layers * size * kv)) < 64 // 3
     assert pool.num_free == len(outside) + len(done.released)  # block 0 is still the other's
     assert resident - _anon() > (len(done.released) - 3) * 256 * 1024  # their pages went back
-    rows = entry_rows(done.layout, done.block_table, n, size, cfg.num_layers, kv)
+    rows = entry_rows(done.layout, done.block_table, n, size, cfg.num_layers, kv, blocks * size)
+    slab = cache.data.view(-1, cfg.head_dim)
     for layer in range(cfg.num_layers):
         for kind in (0, 1):
-            flat = cache.data[layer, kind].view(-1, cfg.head_dim)
-            got = flat[rows[layer]]  # [kv, n, d]
+            got = slab[rows[layer] + kind * blocks * size * kv]  # [kv, n, d]
             want = before[layer, kind].transpose(0, 1)
             assert torch.equal(got[retained[layer]], want[retained[layer]])
     assert torch.equal(cache.data[:, :, size : 2 * size], before[:, :, size : 2 * size])  # block 1 unwritten
@@ -253,7 +253,44 @@ def test_with_no_free_block_compaction_writes_blocks_only_it_holds_that_cached_a
     assert done.block_table == table[-2:][::-1]  # the prompt's last blocks stopped caching it
     assert all(pool.hash_of[b] is None for b in done.block_table)
     assert all(pool.hash_of[b] is not None for b in done.released)  # the rest still cache it
-    rows = entry_rows(done.layout, done.block_table, n, size, cfg.num_layers, kv)
+    rows = entry_rows(done.layout, done.block_table, n, size, cfg.num_layers, kv, 8 * size)
+    slab = cache.data.view(-1, cfg.head_dim)
     for layer in range(cfg.num_layers):
-        flat = cache.data[layer, 0].view(-1, cfg.head_dim)
-        assert torch.equal(flat[rows[layer]][retained[layer]], before[layer, 0].transpose(0, 1)[retained[layer]])
+        for kind in (0, 1):
+            got = slab[rows[layer] + kind * 8 * size * kv][retained[layer]]
+            assert torch.equal(got, before[layer, kind].transpose(0, 1)[retained[layer]])
+
+
+def test_compaction_packs_layers_together_so_the_blocks_follow_the_sum_not_the_fullest_layer() -> None:
+    """MACE's capacities are shared across layers by norm: one layer may keep its whole context
+    while the others keep little. The blocks must hold the sum of the entries, not the fullest
+    layer times the layers."""
+    from edge_runtime.kv.block_pool import BlockPool
+    from edge_runtime.kv.cache import KVCache
+    from edge_runtime.kv.compaction import compact, entry_rows, table_slots
+
+    from .test_kv_memory import _cfg
+
+    cfg = _cfg()  # 4 layers x 8 KV heads
+    size, blocks, kv, layers = 16, 40, cfg.num_kv_heads, cfg.num_layers
+    cache = KVCache(cfg, blocks, size, torch.float32, "cpu")
+    pool = BlockPool(blocks, size, enable_prefix_cache=False, on_idle=cache.release_blocks)
+    table = [pool.allocate() for _ in range(32)]
+    n = 32 * size
+    cache.data[:, :, table_slots(table, size)] = torch.randn(layers, 2, n, kv, cfg.head_dim)
+    before = cache.data[:, :, table_slots(table, size)].clone()
+    retained = torch.zeros(layers, kv, n, dtype=torch.bool)
+    retained[0] = True  # layer 0 keeps everything, the others one position in 16
+    retained[1:, :, ::16] = True
+    total = int(retained.sum())
+
+    done = compact(None, retained, table, pool, cache)
+
+    assert done is not None
+    assert len(done.block_table) == -(-total // (layers * size * kv)) == 10  # per layer: 32 (layer 0)
+    rows = entry_rows(done.layout, done.block_table, n, size, layers, kv, blocks * size)
+    slab = cache.data.view(-1, cfg.head_dim)
+    for layer in range(layers):
+        for kind in (0, 1):
+            got = slab[rows[layer] + kind * blocks * size * kv][retained[layer]]
+            assert torch.equal(got, before[layer, kind].transpose(0, 1)[retained[layer]])
