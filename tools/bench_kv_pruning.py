@@ -14,10 +14,13 @@ the retained keys/values peak at the budget's share of the unpruned ones. Per me
   the prompt's keys/values, computed once per prompt);
 - greedy agreement with the unpruned decoding: the share of positions with the same token, and
   the first position where they differ (after it the histories differ);
-- TBT: median and p90 of the decode iterations' wall time, each method alone (one stream per prompt);
+- TBT: median and p90 of the decode iterations' wall time, each method alone (one stream per
+  prompt), and in those runs the most KV blocks the pool had in use and the ledger's KV entry;
 - peak KV bytes: the most (head, position) entries retained at once x bytes per entry, per
-  sequence (what a per-head compacted cache holds; the paged blocks this slice allocates do not
-  shrink yet, see docs/kv.md).
+  sequence;
+- peak held KV bytes: the most paged blocks the sequence's table held at once x bytes per block:
+  what the pool and the ledger count once compaction (edge_runtime.kv.compaction) has packed the
+  retained entries (prompt blocks a pruned copy shares with the unpruned one count for both).
 Budget 1.0 runs MACE only: every method then keeps everything (tests/engine/test_kv_pruning.py
 shows it bit-identical), so it measures the bookkeeping's cost. Writes
 tools/results/bench_kv_pruning.{json,md,png}.
@@ -42,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from edge_runtime import Engine, SamplingParams  # noqa: E402
+from edge_runtime.kv.cache import bytes_per_block  # noqa: E402
 from edge_runtime.kv.pruning import HeadPruning, PruningSettings  # noqa: E402
+from edge_runtime.memory import MemoryKind  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "tools" / "results"
@@ -105,6 +110,9 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
 
     outputs: dict[str, Any] = {}
     peak = [0] * len(prompt_ids) * len(configs) * (2 if reference is not None else 1)
+    held = [0] * len(peak)
+    layer_peak = [0] * len(peak)  # the most entries one layer retained at once (what compaction packs)
+    pool_steps: list[tuple[int, int]] = []  # (blocks in use, the ledger's KV bytes) per decode iteration
     step_s: list[float] = []
 
     def step() -> None:
@@ -113,12 +121,16 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
             outputs[out.request_id] = out
         if all(s.num_computed >= s.num_prompt for _, s, _ in runs):
             step_s.append(time.perf_counter() - start)
+            pool_steps.append((engine.pool.num_used, engine.ledger.entries(MemoryKind.KV).get("blocks", 0)))
             if len(step_s) % 100 == 0:
                 print(f"{len(step_s)} decode iterations, median {statistics.median(step_s) * 1000:.0f} ms",
                       flush=True)
         for j, (_, s, _) in enumerate(runs):
+            held[j] = max(held[j], len(s.block_table))
             if s.kv_pruning is not None:
                 peak[j] = max(peak[j], s.kv_pruning.retained_entries)
+                per_layer = s.kv_pruning.retained[:, :, : s.kv_pruning.length].sum((1, 2))
+                layer_peak[j] = max(layer_peak[j], int(per_layer.max()) if per_layer.numel() else 0)
 
     # The prompts' prefill once, alone, so that every config's copy hits the prefix cache.
     warm = [engine.add_request(list(ids), SamplingParams(max_tokens=1)) for ids in prompt_ids]
@@ -137,8 +149,13 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
         del engine._commit_tokens
     elem = torch.empty((), dtype=engine.model.dtype).element_size()
     entry = 2 * cfg.head_dim * elem  # one (layer, KV head, position)'s key and value
-    results = [{"ids": [], "peak_kv_bytes": [], "full_kv_bytes": [], "forced": [],
-                "tbt_ms": [t * 1000 for t in step_s]} for _ in configs]
+    per_block = bytes_per_block(cfg, engine.pool.block_size, engine.model.dtype)
+    # The last iteration ends the sequences (their blocks go back): the one before is the end's.
+    end = pool_steps[-2] if len(pool_steps) > 1 else (0, 0)
+    pool = {"blocks_peak": max((b for b, _ in pool_steps), default=0), "blocks_end": end[0],
+            "ledger_kv_bytes_peak": max((k for _, k in pool_steps), default=0), "ledger_kv_bytes_end": end[1]}
+    results = [{"ids": [], "peak_kv_bytes": [], "full_kv_bytes": [], "forced": [], "peak_held_kv_bytes": [],
+                "layer_kv_share": [], "tbt_ms": [t * 1000 for t in step_s], "pool": pool} for _ in configs]
     for j, (index, s, ids) in enumerate(runs):
         r = results[index]
         if ids is not None:
@@ -150,6 +167,9 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
         r["ids"].append(outputs[s.request.request_id].token_ids)
         r["peak_kv_bytes"].append((peak[j] if s.kv_pruning is not None else full) * entry)
         r["full_kv_bytes"].append(full * entry)
+        r["peak_held_kv_bytes"].append(held[j] * per_block)
+        full_layer = (s.num_tokens - 1) * cfg.num_kv_heads
+        r["layer_kv_share"].append(round(layer_peak[j] / full_layer, 4) if s.kv_pruning is not None else 1.0)
     return results
 
 
@@ -245,13 +265,14 @@ def main() -> None:
     # TBT: each method alone (one stream per prompt), its budget a share of prompt + tbt_tokens so that it
     # prunes from the first step.
     timed = [("unpruned", 1.0), ("mace", 1.0)] + [(m, args.tbt_budget) for m in methods]
-    tbt = {c: decode(engine, prompt_ids, args.tbt_tokens, [c], settings)[0]["tbt_ms"] for c in timed}
+    tbt = {c: decode(engine, prompt_ids, args.tbt_tokens, [c], settings)[0] for c in timed}
     tbt_rows = []
-    for (method, budget), times in tbt.items():
-        times = sorted(times)
+    for (method, budget), run in tbt.items():
+        times = sorted(run["tbt_ms"])
         tbt_rows.append({"method": method, "budget": budget, "steps": len(times),
                          "tbt_ms_median": round(statistics.median(times), 2),
-                         "tbt_ms_p90": round(times[int(0.9 * (len(times) - 1))], 2)})
+                         "tbt_ms_p90": round(times[int(0.9 * (len(times) - 1))], 2),
+                         **{f"pool_{key}": value for key, value in run["pool"].items()}})
 
     result = {
         "model": engine.model_name, "dtype": str(engine.model.dtype), "tokens": args.tokens,
@@ -283,6 +304,9 @@ def summarise(base: Engine, prompt_ids: list[list[int]], prompt_states: list[Any
         "forced_perplexity": [round(f["perplexity"], 4) for f in run["forced"]] or [round(p, 4) for p in ppl],
         "peak_kv_bytes": run["peak_kv_bytes"],
         "peak_kv_share": round(sum(run["peak_kv_bytes"]) / sum(run["full_kv_bytes"]), 4),
+        "peak_held_kv_bytes": run["peak_held_kv_bytes"],
+        "peak_held_kv_share": round(sum(run["peak_held_kv_bytes"]) / sum(reference["peak_held_kv_bytes"]), 4),
+        "largest_layer_kv_share": run["layer_kv_share"],
     }
 
 
@@ -297,14 +321,18 @@ def markdown(r: dict[str, Any]) -> str:
         f"tau = {r['mace_tau'] or 'off'}. Budget = share of the final context each KV head keeps on "
         "average. Perplexity: of the generated continuation under the unpruned model. Agreement: share "
         "of positions equal to the unpruned greedy tokens; first divergence per prompt. Peak KV: the most "
-        "retained (head, position) keys+values at once, share of the unpruned peak.", "",
+        "retained (head, position) keys+values at once, share of the unpruned peak. Held KV: the most "
+        "paged blocks a sequence held at once (compacted; prompt blocks shared with the unpruned copy "
+        "count), share of the unpruned sequence's. Largest layer: the most entries one layer retained "
+        "at once, share of a layer's final context (MACE shares its capacity across layers; "
+        "compaction packs every layer's entries into the same blocks, so the sum sets the blocks).", "",
         "Forced: the same config fed the unpruned tokens (teacher forcing): the share of steps whose "
         "greedy choice is the unpruned token, and the perplexity of the unpruned continuation under "
         "the pruned cache; every step counts, not only those before a first divergence.", "",
         "| method | budget | forced agreement (per prompt) | forced perplexity (per prompt) "
         "| free agreement (mean; per prompt) | first divergence | perplexity under unpruned "
-        "| peak KV MiB (share of unpruned) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| peak KV MiB (share of unpruned) | peak held KV MiB (share) | largest layer |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         kv = sum(row["peak_kv_bytes"]) / 2**20
@@ -315,19 +343,26 @@ def markdown(r: dict[str, Any]) -> str:
             f"| {row['mean_agreement']:.3f} ({', '.join(f'{a:.3f}' for a in row['agreement'])}) "
             f"| {', '.join(map(str, row['first_divergence']))} "
             f"| {row['mean_perplexity']} ({', '.join(map(str, row['perplexity']))}) "
-            f"| {kv:.1f} ({row['peak_kv_share']:.0%}) |")
+            f"| {kv:.1f} ({row['peak_kv_share']:.0%}) "
+            f"| {sum(row['peak_held_kv_bytes']) / 2**20:.1f} ({row['peak_held_kv_share']:.0%}) "
+            f"| {', '.join(f'{x:.0%}' for x in row['largest_layer_kv_share'])} |")
     lines += [
         "", f"All {len(r['rows'])} configurations decoded in one batch ({len(r['prompt_tokens']) * len(r['rows'])} sequences; "
         f"median iteration {r['batch_decode_ms_median']} ms).", "",
-        f"TBT: each method alone (one stream per prompt), {r['tbt_tokens']} decode steps, its "
-        "budget a share of prompt + those steps so it prunes from the first step:", "",
-        "| method | budget | steps | TBT median ms | TBT p90 ms |", "|---|---|---|---|---|",
+        f"TBT and memory: each method alone (one stream per prompt), {r['tbt_tokens']} decode steps, its "
+        "budget a share of prompt + those steps so it prunes from the first step. Pool blocks: KV "
+        "blocks in use over the decode steps, the most at once (the unpruned prefill's, before the "
+        "first compaction) and at the last step; ledger KV: its KV entry at the last step.", "",
+        "| method | budget | steps | TBT median ms | TBT p90 ms | pool blocks peak / end | ledger KV MiB end |",
+        "|---|---|---|---|---|---|---|",
     ]
     for t in r["tbt"]:
-        lines.append(f"| {t['method']} | {t['budget']:.0%} | {t['steps']} | {t['tbt_ms_median']} | {t['tbt_ms_p90']} |")
-    lines += ["", "Pruning masks positions out of each head's attention; this slice does not compact the "
-              "paged cache, so a pruned step gathers as many keys as an unpruned one and TBT shows the "
-              "bookkeeping's cost, not a saving. TBT is noisy on a shared machine (see the load average).", ""]
+        lines.append(f"| {t['method']} | {t['budget']:.0%} | {t['steps']} | {t['tbt_ms_median']} | {t['tbt_ms_p90']} "
+                     f"| {t['pool_blocks_peak']} / {t['pool_blocks_end']} | {t['pool_ledger_kv_bytes_end'] / 2**20:.1f} |")
+    lines += ["", "Pruning masks positions out of each head's attention and compaction gives the freed blocks "
+              "back, but a pruned step still gathers a key per position (masked), as many as an unpruned "
+              "one, so TBT shows the bookkeeping's cost, not a saving. TBT is noisy on a shared machine "
+              "(see the load average).", ""]
     return "\n".join(lines)
 
 

@@ -116,6 +116,17 @@ class BlockPool:
         self.hash_of[block] = h
         self.cached[h] = block
 
+    def uncache(self, block: int) -> None:
+        """Stop a held block caching its prefix, so its holder may write it (KV compaction with no
+        free block to copy into)."""
+        h = self.hash_of[block]
+        if h is None:
+            return
+        if self.cached.get(h) == block:
+            del self.cached[h]
+        self.hash_of[block] = None
+        self.stats.evictions += 1
+
     def evict_cached(self, count: int) -> int:
         """Drop up to `count` cached-but-free prefixes (memory pressure). Returns how many."""
         dropped = 0
