@@ -20,8 +20,9 @@ class MemoryKind(enum.Enum):
     OPTIMIZER = "optimizer"  # trainable LoRA leaves, their gradients and AdamW moments
 
 
-# ARCHITECTURE.md, decision 7: what goes first when the budget shrinks. Weights and optimizer
-# state are not sheddable while their owners live.
+# docs/architecture.md, decision 3's shedding order: what goes first when the budget shrinks (after
+# the relief step, KV pruning under kv_prune_when = "pressure"). Weights and optimizer state are
+# not sheddable while their owners live.
 SHED_ORDER: tuple[MemoryKind, ...] = (
     MemoryKind.ACTIVATIONS,
     MemoryKind.ADAPTERS,
