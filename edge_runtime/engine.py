@@ -30,6 +30,7 @@ from edge_runtime.errors import BadRequest, EngineBroken, InsufficientMemory, Un
 from edge_runtime.ids import validate_request_id, validate_user_id
 from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.kv.cache import KVCache, bytes_per_block
+from edge_runtime.kv.compaction import compact
 from edge_runtime.kv.pruning import HeadPruning, PruningSettings
 from edge_runtime.lora.registry import FLEET, AdapterRef, AdapterRegistry
 from edge_runtime.lora.weights import LoraWeights
@@ -126,6 +127,7 @@ class Engine:
         self._job_ids = itertools.count()
         self.iterations = 0
         self.tokens_generated = 0
+        self.kv_compactions = 0  # times a pruned sequence's KV was packed and blocks given back
         self.last_iteration_s = 0.0
         # Called (engine thread) once an iteration's tokens are emitted and before its
         # fine-tune stages run, so a host can hand those tokens on without waiting for them.
@@ -512,6 +514,7 @@ class Engine:
         start = self.clock()
         self.ledger.set(MemoryKind.ADAPTERS, "cache", self.adapters.cache.nbytes)
         self._note_backend_memory()
+        self._compact_pruned_kv()
         batch = self.scheduler.schedule(start)
         if batch.empty:
             self.ledger.release_reservation()
@@ -533,6 +536,25 @@ class Engine:
         self.iterations += 1
         self.last_iteration_s = self.clock() - start
         return finished
+
+    def _compact_pruned_kv(self) -> None:
+        """A pruned stream about to need another block first packs what its heads retain into the
+        blocks that holds and gives the rest back (edge_runtime.kv.compaction), so the scheduler
+        and the ledger count the budget's share of its KV, not every position's."""
+        if self.kv_pruning is None:
+            return
+        for seq in self.scheduler.running:
+            state = seq.kv_pruning
+            if state is None or seq.in_prefill or self.scheduler.blocks_needed(seq, 1) == 0:
+                continue
+            n = seq.num_computed
+            retained = torch.ones(self.model.cfg.num_layers, self.model.cfg.num_kv_heads, n, dtype=torch.bool)
+            seen = min(state.length, n)  # positions its decode steps have not seen yet are all retained
+            retained[:, :, :seen] = state.retained[:, :, :seen].cpu()
+            done = compact(seq.kv_layout, retained, seq.block_table, self.pool, self.cache)
+            if done is not None:
+                seq.kv_layout, seq.block_table = done.layout, done.block_table
+                self.kv_compactions += 1
 
     def _run_forward(self, batch: Batch, failed: list[RequestOutput]) -> torch.Tensor | None:
         """The bin's forward. If it raises, the requests whose rows make it fail are found and

@@ -102,6 +102,7 @@ class Sequence:
     counts: dict[int, int] = field(default_factory=dict)  # generated token -> times (for penalties)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     kv_pruning: Any = None  # its decode KV pruning state (edge_runtime.kv.pruning.HeadPruning), if on
+    kv_layout: Any = None  # where compaction packed its pruned KV (edge_runtime.kv.compaction), if it did
 
     @property
     def params(self) -> SamplingParams:
@@ -126,6 +127,11 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.num_prompt
+
+    @property
+    def num_slots(self) -> int:
+        """Cache slots its computed tokens take: one each, fewer once compaction packed its KV."""
+        return self.num_computed - (self.kv_layout.slots_saved if self.kv_layout is not None else 0)
 
     @property
     def in_prefill(self) -> bool:

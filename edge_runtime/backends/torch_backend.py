@@ -40,7 +40,8 @@ class TorchBackend:
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed
             # Probe sequences (cost calibration) carry no pruning state.
-            seqs.append(SeqAttention(len(ids), n, start + n, seq.block_table, getattr(seq, "kv_pruning", None)))
+            seqs.append(SeqAttention(len(ids), n, start + n, seq.block_table, getattr(seq, "kv_pruning", None),
+                                     getattr(seq, "kv_layout", None)))
             ids.extend(seq.token_ids[start : start + n])
             # Rows of the rotary table: LongRoPE picks its factors by the sequence's whole length.
             offset = rope.offset(seq.num_tokens)

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from edge_runtime.kv.cache import KVCache
+from edge_runtime.kv.compaction import CompactLayout, entry_rows, position_slots
 from edge_runtime.kv.pruning import DecodePruning, HeadPruning
 from edge_runtime.model.llama import LoraApplier, layer_window, softcap, window_mask
 
@@ -23,13 +24,16 @@ class SeqAttention:
     """One sequence's part of the flat batch: rows [q_start, q_start + q_len) are its new tokens,
     whose positions end at ctx_len - 1; `block_table` lists the cache blocks of positions
     0..ctx_len-1 in order. With `pruning`, a decode step attends each KV head's retained
-    positions only (edge_runtime.kv.pruning)."""
+    positions only (edge_runtime.kv.pruning); with `layout`, those entries were compacted
+    (edge_runtime.kv.compaction): the table holds them packed, and the new token goes to the
+    layout's next slot."""
 
     q_start: int
     q_len: int
     ctx_len: int
     block_table: list[int]
     pruning: HeadPruning | None = None
+    layout: CompactLayout | None = None
 
 
 class PagedContext:
@@ -51,23 +55,24 @@ class PagedContext:
         self.lora = lora
         self.sliding_window = sliding_window
         self.softcap = softcap
-        offsets = torch.arange(cache.block_size)
-        slots = {
-            id(s): (torch.tensor(s.block_table, dtype=torch.long)[:, None] * cache.block_size + offsets).view(-1)
-            for s in seqs
-        }
+        if any(s.layout is not None and s.q_len != 1 for s in seqs):
+            raise ValueError("a compacted sequence only decodes (a recompute starts from a fresh table)")
+        slots = {id(s): position_slots(s.layout, s.block_table, cache.block_size) for s in seqs}
         self.slot_mapping = torch.cat([slots[id(s)][s.ctx_len - s.q_len : s.ctx_len] for s in seqs]).to(device)
         windows = set(sliding_window) if isinstance(sliding_window, tuple) else {sliding_window}
         self.plans = {w: _WindowPlan(seqs, slots, device, w) for w in windows}
         # Decode KV pruning (edge_runtime.kv.pruning) runs only where every layer sees its whole
         # context (the engine refuses it with windows), so it masks the one plan there is.
         self.decode_pruning = None
+        self.decode_entries = None
         pruned = [s for s in seqs if s.q_len == 1 and s.pruning is not None]
         if pruned:
             plan = self.plans[None]
             rows = [(i, s.ctx_len, s.pruning) for i, s in enumerate(plan.decodes) if s.pruning is not None]
             layers, _, _, kv_heads, _ = cache.data.shape
             self.decode_pruning = DecodePruning(rows, plan.decode_mask, layers, kv_heads)
+            if any(s.layout is not None for s in pruned):
+                self.decode_entries = _decode_entries(plan, cache.block_size, layers, kv_heads, device)
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache, v_cache = self.cache.layer(layer)
@@ -93,14 +98,35 @@ class PagedContext:
         if plan.decode_rows is not None:
             b = plan.decode_rows.shape[0]
             qd = q.index_select(0, plan.decode_rows).view(b, kv_heads, group, d)
-            kd = k_cache[plan.decode_index].permute(0, 2, 1, 3)  # [B, kv_heads, width, d]
-            vd = v_cache[plan.decode_index].permute(0, 2, 1, 3)
+            if self.decode_entries is None:
+                kd = k_cache[plan.decode_index].permute(0, 2, 1, 3)  # [B, kv_heads, width, d]
+                vd = v_cache[plan.decode_index].permute(0, 2, 1, 3)
+            else:
+                # Some rows are compacted: every (row, position, head) gathered from where its
+                # entry lies, into the layout and strides above, so every row keeps its bits.
+                entries = self.decode_entries[layer]  # [B, width, kv_heads]
+                kd = k_cache.view(-1, d)[entries].permute(0, 2, 1, 3)
+                vd = v_cache.view(-1, d)[entries].permute(0, 2, 1, 3)
             if self.decode_pruning is None:
                 o = attend(qd, kd, vd, plan.decode_mask, self.softcap)
             else:
                 o = self.decode_pruning.attend(layer, qd, kd, vd)
             out.index_copy_(0, plan.decode_rows, o.reshape(b, heads * d))
         return out
+
+
+def _decode_entries(plan: _WindowPlan, block_size: int, layers: int, kv_heads: int,
+                    device: torch.device) -> Tensor:
+    """[layers, B, width, kv_heads]: the row of `k_cache(l).view(-1, d)` each decode row reads for
+    each position and head; a compacted row's where its layout put them, the others' the slot's."""
+    lanes = torch.arange(kv_heads, device=device)
+    whole = plan.decode_index[:, :, None] * kv_heads + lanes  # [B, width, kv_heads]
+    entries = whole.unsqueeze(0).repeat(layers, 1, 1, 1)
+    for i, s in enumerate(plan.decodes):
+        if s.layout is not None:
+            rows = entry_rows(s.layout, s.block_table, s.ctx_len, block_size, layers, kv_heads)
+            entries[:, i, : s.ctx_len] = rows.transpose(1, 2).to(device)
+    return entries
 
 
 class _WindowPlan:

@@ -85,7 +85,8 @@ class Bin:
             seconds = self._priced[key] = self.costs.inference_s(task.context, n, samples)
         if not self.inference:
             seconds += self.costs.forward_base_s  # the first inference item pays for the forward
-        blocks = max(0, -(-(task.context + n) // self.block_size) - len(seq.block_table))
+        # Slots, not context: a compacted sequence (edge_runtime.kv.compaction) holds fewer.
+        blocks = max(0, -(-(seq.num_slots + n) // self.block_size) - len(seq.block_table))
         fresh = min(blocks, self.fresh_blocks - self.fresh)
         # Logits memory is charged even for a chunk that does not sample: a prefix-cache hit at
         # admission can turn it into the prompt's last chunk.

@@ -136,7 +136,7 @@ class Scheduler:
 
     def blocks_needed(self, seq: Sequence, new_tokens: int) -> int:
         size = self.pool.block_size
-        total = -(-(seq.num_computed + new_tokens) // size)
+        total = -(-(seq.num_slots + new_tokens) // size)
         return max(0, total - len(seq.block_table))
 
     def _release(self, seq: Sequence) -> None:
@@ -146,6 +146,7 @@ class Scheduler:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed = 0
+        seq.kv_layout = None  # a recompute writes every position whole again
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -475,6 +476,10 @@ class Scheduler:
             if item.samples:
                 self._last_token[seq.seq_id] = now
             full = seq.num_computed // size
+            if seq.kv_pruning is not None:
+                # Its decode blocks get compacted (edge_runtime.kv.compaction): only its prompt's
+                # blocks keep the prefix's keys and values.
+                full = min(full, seq.num_prompt // size)
             salt = self._salt(seq)
             while len(seq.block_hashes) < full:
                 i = len(seq.block_hashes)

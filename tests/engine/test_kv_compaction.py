@@ -1,0 +1,197 @@
+"""Compaction of pruned KV (edge_runtime.kv.compaction): a pruned sequence's retained entries packed
+into fewer blocks give the same tokens and logits, bit for bit, as masking alone, and the blocks
+(and their pages) go back to the pool, which the scheduler and the ledger then count as free."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from edge_runtime import SamplingParams
+from edge_runtime.memory import MemoryKind
+from edge_runtime.model.testing import make_tiny_model_dir
+
+from .helpers import _set_prompt_ids, make_engine
+
+PROMPTS = [list(range(40, 40 + 37)), list(range(100, 100 + 21)), list(range(7, 7 + 52))]
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-compact"), random_norms=True, seed=3,
+                               num_heads=4, num_kv_heads=2, num_layers=2)
+
+
+def _run(engine, prompts, steps, compacting=True, preempt=None, stagger=0):
+    """Greedy-decode every prompt in shared iterations; returns each request's logits [steps,
+    vocab], its tokens, and the most blocks the pool held at once. `preempt`: (iteration, prompt
+    index) preempted to recompute. `stagger`: iterations between adding prompts (so a later one
+    can hit an earlier one's cached prompt blocks)."""
+    if not compacting:
+        engine._compact_pruned_kv = lambda: None
+    rows: dict[str, list[torch.Tensor]] = {}
+    execute = engine.backend.execute
+
+    def spy(batch, lora=None):
+        out = execute(batch)
+        sampled = [item.seq.request.request_id for item in batch.items if item.samples]
+        for rid, row in zip(sampled, out, strict=True):
+            rows.setdefault(rid, []).append(row.detach().cpu().clone())
+        return out
+
+    engine.backend.execute = spy
+    ids, outputs, most, iteration = [], {}, 0, 0
+    pending = list(prompts)
+    while pending or engine.has_unfinished():
+        if pending and iteration % (stagger + 1) == 0:
+            prompt = pending.pop(0)
+            rid = engine.add_request(engine.tokenizer.hf.decode(prompt), SamplingParams(max_tokens=steps, ignore_eos=True))
+            _set_prompt_ids(engine, rid, prompt)
+            ids.append(rid)
+        if preempt is not None and iteration == preempt[0]:
+            seq = engine.requests[ids[preempt[1]]].seqs[0]
+            engine.scheduler._preempt(seq)
+        for out in engine.step():
+            outputs[out.request_id] = out
+        most = max(most, engine.pool.num_used)
+        iteration += 1
+    return [torch.stack(rows[rid]) for rid in ids], [outputs[rid].token_ids for rid in ids], most
+
+
+@pytest.mark.parametrize("policy", ["window", "h2o", "mace"])
+def test_compacted_decoding_is_bit_identical_to_masking(model_dir: Path, policy: str) -> None:
+    settings = dict(kv_prune_policy=policy, kv_prune_capacity=10, kv_prune_sinks=2)
+    masked = _run(make_engine(model_dir, **settings), PROMPTS, STEPS, compacting=False)
+    engine = make_engine(model_dir, **settings)
+    compacted = _run(engine, PROMPTS, STEPS)
+    assert engine.kv_compactions > 0
+    for a, b in zip(masked[0], compacted[0], strict=True):
+        assert torch.equal(a, b)
+    assert masked[1] == compacted[1]
+    assert compacted[2] < masked[2]
+
+
+def _guard_cached_blocks(engine) -> list[int]:
+    """Make every compaction check that no block another sequence shares or that caches a prefix
+    was written; returns the list it appends the shared blocks it saw to."""
+    compact, pool, data = engine._compact_pruned_kv, engine.pool, engine.cache.data
+    size, seen = pool.block_size, []
+
+    def guarded():
+        guarded_blocks = [b for b in range(pool.num_blocks) if pool.ref_count[b] > 1 or pool.hash_of[b] is not None]
+        seen.extend(b for b in guarded_blocks if pool.ref_count[b] > 1)
+        before = {b: data[:, :, b * size : (b + 1) * size].clone() for b in guarded_blocks}
+        compact()
+        for b, old in before.items():
+            assert torch.equal(data[:, :, b * size : (b + 1) * size], old), f"compaction wrote block {b}"
+
+    engine._compact_pruned_kv = guarded
+    return seen
+
+
+def test_compaction_with_a_shared_prompt_prefix_keeps_it_unwritten_and_the_bits(model_dir: Path) -> None:
+    shared = list(range(200, 200 + 32))  # four full blocks of 8
+    prompts = [shared + list(range(5, 14)), shared + list(range(60, 75)), shared + [3]]
+    settings = dict(kv_prune_policy="window", kv_prune_capacity=10, kv_prune_sinks=2)
+    masked = _run(make_engine(model_dir, **settings), prompts, STEPS, compacting=False, stagger=3)
+    engine = make_engine(model_dir, **settings)
+    seen = _guard_cached_blocks(engine)
+    compacted = _run(engine, prompts, STEPS, stagger=3)
+    assert engine.pool.stats.hit_blocks >= 8  # the later prompts reused the first one's blocks
+    assert seen and engine.kv_compactions > 0  # compaction ran while prompt blocks were shared
+    for a, b in zip(masked[0], compacted[0], strict=True):
+        assert torch.equal(a, b)
+    assert masked[1] == compacted[1]
+
+
+@pytest.mark.parametrize("policy", ["window", "mace"])
+def test_a_preempted_compacted_sequence_recomputes_and_keeps_the_bits(model_dir: Path, policy: str) -> None:
+    settings = dict(kv_prune_policy=policy, kv_prune_capacity=10, kv_prune_sinks=2)
+    masked = _run(make_engine(model_dir, **settings), PROMPTS, STEPS, compacting=False, preempt=(25, 0))
+    engine = make_engine(model_dir, **settings)
+    compacted = _run(engine, PROMPTS, STEPS, preempt=(25, 0))
+    assert engine.scheduler.num_preemptions == 1
+    for a, b in zip(masked[0], compacted[0], strict=True):
+        assert torch.equal(a, b)
+    assert masked[1] == compacted[1]
+
+
+def test_a_compacted_sequence_holds_the_budgets_share_of_blocks(model_dir: Path) -> None:
+    capacity, sinks, steps = 10, 2, 80
+    engine = make_engine(model_dir, kv_prune_policy="window", kv_prune_capacity=capacity, kv_prune_sinks=sinks)
+    idle: list[int] = []
+    on_idle = engine.pool.on_idle
+    engine.pool.on_idle = lambda blocks: (idle.extend(blocks), on_idle(blocks))
+    prompt = PROMPTS[0]
+    rid = engine.add_request(engine.tokenizer.hf.decode(prompt), SamplingParams(max_tokens=steps, ignore_eos=True))
+    _set_prompt_ids(engine, rid, prompt)
+    seq = engine.requests[rid].seqs[0]
+    cfg, size = engine.model.cfg, engine.pool.block_size
+    per_block = size * cfg.num_kv_heads
+    # Each head keeps its sinks, `capacity` recent positions and the newest: a layer's share.
+    budget_blocks = -(-(capacity + sinks + 1) * cfg.num_kv_heads // per_block)
+    held = []
+    while seq.num_generated < steps - 1:
+        engine.step()
+        if seq.num_generated > 16:
+            held.append(len(seq.block_table))
+            assert len(seq.block_table) <= budget_blocks + 1  # + the block new tokens go to
+            assert engine.pool.num_used == len(seq.block_table)  # its prompt's blocks went back too
+            engine.scheduler.sync_memory()  # the ledger's KV entry is the blocks held
+            assert engine.ledger.entries(MemoryKind.KV)["blocks"] == len(seq.block_table) * engine.costs.kv_block_bytes
+            # The prompt's full blocks were copied out of, not written: they still cache it.
+            assert engine.pool.num_cached_free == len(prompt) // size
+    unpruned_blocks = -(-seq.num_computed // size)
+    assert max(held) <= budget_blocks + 1 < unpruned_blocks // 3
+    # Each compaction after the first gave a block's pages back (the pool hands it out again as
+    # the next write block); the first gave back the prompt's blocks, which still cache it.
+    assert len(idle) >= engine.kv_compactions - 1 >= 3
+
+
+def test_compact_packs_retained_entries_and_gives_the_freed_pages_back() -> None:
+    from edge_runtime.kv.block_pool import BlockPool
+    from edge_runtime.kv.cache import KVCache
+    from edge_runtime.kv.compaction import compact, entry_rows, table_slots
+
+    from .test_kv_memory import _anon, _cfg
+
+    cfg = _cfg()  # 4 layers x 8 KV heads x 64 dims, float32: 256 KiB a block of 16
+    size, blocks, kv = 16, 80, cfg.num_kv_heads
+    cache = KVCache(cfg, blocks, size, torch.float32, "cpu")
+    pool = BlockPool(blocks, size, enable_prefix_cache=True, on_idle=cache.release_blocks)
+    table = [pool.allocate() for _ in range(64)]
+    n = 64 * size - 5
+    pool.register(table[0], b"shared")
+    assert pool.match(b"shared") == table[0]  # another sequence holds block 0 too
+    pool.register(table[1], b"cached")  # only this sequence holds block 1, which caches a prefix
+    slots = table_slots(table, size)[:n]
+    torch.manual_seed(0)
+    cache.data[:, :, slots] = torch.randn(cfg.num_layers, 2, n, kv, cfg.head_dim)
+    before = cache.data[:, :, slots].clone()
+    retained = torch.rand(cfg.num_layers, kv, n) < 0.25
+    retained[:, :, :4] = True
+    outside = [b for b in range(blocks) if b not in table]
+    resident = _anon()
+
+    done = compact(None, retained, table, pool, cache)
+
+    assert done is not None and done.allocated == 0
+    moved = retained.clone()
+    moved[:, :, :size] = False  # what block 0 holds stays there
+    most = int(moved.sum((1, 2)).max())  # the fullest layer's entries decide the blocks
+    assert done.block_table[0] == table[0]  # the shared block stays where it is, in the table
+    assert len(done.block_table) == 1 + -(-most // (size * kv)) < 64 // 3
+    assert pool.num_free == len(outside) + len(done.released)  # block 0 is still the other's
+    assert resident - _anon() > (len(done.released) - 3) * 256 * 1024  # their pages went back
+    rows = entry_rows(done.layout, done.block_table, n, size, cfg.num_layers, kv)
+    for layer in range(cfg.num_layers):
+        for kind in (0, 1):
+            flat = cache.data[layer, kind].view(-1, cfg.head_dim)
+            got = flat[rows[layer]]  # [kv, n, d]
+            want = before[layer, kind].transpose(0, 1)
+            assert torch.equal(got[retained[layer]], want[retained[layer]])
+    assert torch.equal(cache.data[:, :, size : 2 * size], before[:, :, size : 2 * size])  # block 1 unwritten
+    assert pool.hash_of[table[1]] == b"cached" and table[1] in done.released
