@@ -540,17 +540,24 @@ class Engine:
     def _compact_pruned_kv(self) -> None:
         """A pruned stream about to need another block first packs what its heads retain into the
         blocks that holds and gives the rest back (edge_runtime.kv.compaction), so the scheduler
-        and the ledger count the budget's share of its KV, not every position's."""
-        if self.kv_pruning is None:
-            return
+        and the ledger count the budget's share of its KV, not every position's. One never compacted
+        (or just recomputed after a preemption, every position whole again) compacts as soon as
+        that saves a block. Any sequence with a pruning state, whether the engine's settings gave
+        it one or not."""
+        layers, kv_heads = self.model.cfg.num_layers, self.model.cfg.num_kv_heads
         for seq in self.scheduler.running:
             state = seq.kv_pruning
-            if state is None or seq.in_prefill or self.scheduler.blocks_needed(seq, 1) == 0:
+            if state is None or seq.in_prefill or not state.length:
+                continue
+            due = self.scheduler.blocks_needed(seq, 1) > 0
+            if not due and seq.kv_layout is not None:
                 continue
             n = seq.num_computed
-            retained = torch.ones(self.model.cfg.num_layers, self.model.cfg.num_kv_heads, n, dtype=torch.bool)
+            retained = torch.ones(layers, kv_heads, n, dtype=torch.bool)
             seen = min(state.length, n)  # positions its decode steps have not seen yet are all retained
             retained[:, :, :seen] = state.retained[:, :, :seen].cpu()
+            if not due and n - -(-int(retained.sum((1, 2)).max()) // kv_heads) < self.pool.block_size:
+                continue
             done = compact(seq.kv_layout, retained, seq.block_table, self.pool, self.cache)
             if done is not None:
                 seq.kv_layout, seq.block_table = done.layout, done.block_table

@@ -16,8 +16,10 @@ the retained keys/values peak at the budget's share of the unpruned ones. Per me
   the first position where they differ (after it the histories differ);
 - TBT: median and p90 of the decode iterations' wall time, each method alone (one stream per prompt);
 - peak KV bytes: the most (head, position) entries retained at once x bytes per entry, per
-  sequence (what a per-head compacted cache holds; the paged blocks this slice allocates do not
-  shrink yet, see docs/kv.md).
+  sequence;
+- peak held KV bytes: the most paged blocks the sequence's table held at once x bytes per block:
+  what the pool and the ledger count once compaction (edge_runtime.kv.compaction) has packed the
+  retained entries (prompt blocks a pruned copy shares with the unpruned one count for both).
 Budget 1.0 runs MACE only: every method then keeps everything (tests/engine/test_kv_pruning.py
 shows it bit-identical), so it measures the bookkeeping's cost. Writes
 tools/results/bench_kv_pruning.{json,md,png}.
@@ -41,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from edge_runtime import Engine, SamplingParams  # noqa: E402
+from edge_runtime.kv.cache import bytes_per_block  # noqa: E402
 from edge_runtime.kv.pruning import HeadPruning, PruningSettings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +83,7 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
 
     outputs: dict[str, Any] = {}
     peak = [0] * len(prompt_ids) * len(configs)
+    held = [0] * len(peak)
     step_s: list[float] = []
 
     def step() -> None:
@@ -92,6 +96,7 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
                 print(f"{len(step_s)} decode iterations, median {statistics.median(step_s) * 1000:.0f} ms",
                       flush=True)
         for j, (_, s) in enumerate(runs):
+            held[j] = max(held[j], len(s.block_table))
             if s.kv_pruning is not None:
                 peak[j] = max(peak[j], s.kv_pruning.retained_entries)
 
@@ -104,14 +109,16 @@ def decode(engine: Engine, prompt_ids: list[list[int]], tokens: int,
         step()
     elem = torch.empty((), dtype=engine.model.dtype).element_size()
     entry = 2 * cfg.head_dim * elem  # one (layer, KV head, position)'s key and value
-    results = [{"ids": [], "peak_kv_bytes": [], "full_kv_bytes": [], "tbt_ms": [t * 1000 for t in step_s]}
-               for _ in configs]
+    per_block = bytes_per_block(cfg, engine.pool.block_size, engine.model.dtype)
+    results = [{"ids": [], "peak_kv_bytes": [], "full_kv_bytes": [], "peak_held_kv_bytes": [],
+                "tbt_ms": [t * 1000 for t in step_s]} for _ in configs]
     for j, (index, s) in enumerate(runs):
         full = (s.num_tokens - 1) * cfg.num_layers * cfg.num_kv_heads  # the last token is never fed
         r = results[index]
         r["ids"].append(outputs[s.request.request_id].token_ids)
         r["peak_kv_bytes"].append((peak[j] if s.kv_pruning is not None else full) * entry)
         r["full_kv_bytes"].append(full * entry)
+        r["peak_held_kv_bytes"].append(held[j] * per_block)
     return results
 
 
@@ -241,6 +248,8 @@ def summarise(base: Engine, prompt_ids: list[list[int]], prompt_states: list[Any
         "first_divergence": [f for _, f in agree],
         "peak_kv_bytes": run["peak_kv_bytes"],
         "peak_kv_share": round(sum(run["peak_kv_bytes"]) / sum(run["full_kv_bytes"]), 4),
+        "peak_held_kv_bytes": run["peak_held_kv_bytes"],
+        "peak_held_kv_share": round(sum(run["peak_held_kv_bytes"]) / sum(reference["peak_held_kv_bytes"]), 4),
     }
 
 
@@ -255,10 +264,11 @@ def markdown(r: dict[str, Any]) -> str:
         f"tau = {r['mace_tau'] or 'off'}. Budget = share of the final context each KV head keeps on "
         "average. Perplexity: of the generated continuation under the unpruned model. Agreement: share "
         "of positions equal to the unpruned greedy tokens; first divergence per prompt. Peak KV: the most "
-        "retained (head, position) keys+values at once, share of the unpruned peak.", "",
+        "retained (head, position) keys+values at once, share of the unpruned peak. Held KV: the most "
+        "paged blocks a sequence held at once (compacted), share of the unpruned sequence's.", "",
         "| method | budget | perplexity (mean; per prompt) | agreement (mean; per prompt) | first divergence "
-        "| peak KV MiB (share of unpruned) |",
-        "|---|---|---|---|---|---|",
+        "| peak KV MiB (share of unpruned) | peak held KV MiB (share) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         kv = sum(row["peak_kv_bytes"]) / 2**20
@@ -266,7 +276,8 @@ def markdown(r: dict[str, Any]) -> str:
             f"| {row['method']} | {row['budget']:.0%} | {row['mean_perplexity']} "
             f"({', '.join(map(str, row['perplexity']))}) "
             f"| {row['mean_agreement']:.3f} ({', '.join(f'{a:.3f}' for a in row['agreement'])}) "
-            f"| {', '.join(map(str, row['first_divergence']))} | {kv:.1f} ({row['peak_kv_share']:.0%}) |")
+            f"| {', '.join(map(str, row['first_divergence']))} | {kv:.1f} ({row['peak_kv_share']:.0%}) "
+            f"| {sum(row['peak_held_kv_bytes']) / 2**20:.1f} ({row['peak_held_kv_share']:.0%}) |")
     lines += [
         "", f"All {len(r['rows'])} configurations decoded in one batch ({len(r['prompt_tokens']) * len(r['rows'])} sequences; "
         f"median iteration {r['batch_decode_ms_median']} ms).", "",
@@ -276,9 +287,10 @@ def markdown(r: dict[str, Any]) -> str:
     ]
     for t in r["tbt"]:
         lines.append(f"| {t['method']} | {t['budget']:.0%} | {t['steps']} | {t['tbt_ms_median']} | {t['tbt_ms_p90']} |")
-    lines += ["", "Pruning masks positions out of each head's attention; this slice does not compact the "
-              "paged cache, so a pruned step gathers as many keys as an unpruned one and TBT shows the "
-              "bookkeeping's cost, not a saving. TBT is noisy on a shared machine (see the load average).", ""]
+    lines += ["", "Pruning masks positions out of each head's attention and compaction gives the freed blocks "
+              "back, but a pruned step still gathers a key per position (masked), as many as an unpruned "
+              "one, so TBT shows the bookkeeping's cost, not a saving. TBT is noisy on a shared machine "
+              "(see the load average).", ""]
     return "\n".join(lines)
 
 
