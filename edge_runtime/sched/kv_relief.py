@@ -19,6 +19,13 @@ class PruneUnderPressure:
     block_size: int
     turned_on: int = 0  # sequences pruning was turned on for, over the engine's life
 
+    @property
+    def compaction_headroom(self) -> int:
+        """Free blocks kept for compaction: a sequence turned on mid-generation holds blocks the
+        prefix cache registered, which compaction copies out of, never writes; the blocks of a
+        pruned sequence's kept positions may all have to come fresh from the pool."""
+        return -(-(self.kept_positions + 1) // self.block_size)
+
     def expected_blocks_freed(self, seq: Sequence) -> int:
         """Blocks the sequence should hold beyond a pruned one's (its kept positions plus the
         next token): what pruning it is expected to give back. An estimate: MACE's per-head

@@ -272,6 +272,7 @@ class Scheduler:
         policy packs: take it from the pool, or shed in ledger order (fine-tune activations,
         adapters, prefix cache, then the policy's victims) until they have it."""
         per_token = self.costs.inference_bytes(1, True)
+        self._prune_for_blocks()  # kv_prune_when = "pressure": before the pool runs dry
         while True:
             decodes = [s for s in self.running if not s.in_prefill]
             need = sum(self.blocks_needed(s, 1) for s in decodes)
@@ -299,14 +300,19 @@ class Scheduler:
         return [s for s in self.running if not s.in_prefill and self.blocks_needed(s, 1) == 0]
 
     def _prune_for_blocks(self) -> bool:
-        """Before a stream is preempted for blocks, turn pruning on for running ones
-        (kv_relief.py). True when the blocks promised cover the shortfall: nothing is preempted
-        now; a stream that needs a block waits for the pruned ones' step to give some back (if
-        nothing at all can run, `schedule` still preempts)."""
+        """Turn pruning on for running streams (kv_relief.py) while the free blocks are fewer
+        than the streams' next tokens need plus `compaction_headroom` (compaction copies a
+        sequence's entries out of its prefix-cached blocks into fresh ones, so with none free it
+        cannot give anything back). True when the blocks promised cover the real shortfall:
+        nothing is preempted now; a stream that needs a block waits for the pruned ones' step to
+        give some back (if nothing at all can run, `schedule` still preempts)."""
         if self.kv_relief is None:
             return False
-        short = sum(self.blocks_needed(s, 1) for s in self.running if not s.in_prefill) - self.pool.num_free
-        return self.kv_relief.relieve(self._prunable_now(), short) >= short
+        need = sum(self.blocks_needed(s, 1) for s in self.running if not s.in_prefill)
+        short = need + self.kv_relief.compaction_headroom - self.pool.num_free
+        if short <= 0:
+            return True
+        return self.kv_relief.relieve(self._prunable_now(), short) >= need - self.pool.num_free
 
     def _prune_for_memory(self, want: int) -> int:
         """The ledger's relief step, before it sheds fine-tune activations: the bytes promised by

@@ -1,6 +1,7 @@
 """kv_prune_when = "pressure" on the model-free harness: pruning is turned on for running streams
-(longest context first) before a stream is preempted for blocks or fine-tune activations are
-shed for the ledger, and only the shortfall's worth of streams. Until pruned sequences give
+(longest context first) before the pool runs dry (compaction needs free blocks to copy into),
+before a stream is preempted for blocks and before fine-tune activations are shed for the
+ledger, and only the shortfall's worth of streams. Until pruned sequences give
 blocks back (kv-compact), a shortage their step did not relieve still ends in a preemption."""
 
 from __future__ import annotations
@@ -49,16 +50,29 @@ def test_without_pressure_pruning_a_block_shortage_preempts_at_once() -> None:
     assert sim.scheduler.num_preemptions == 1
 
 
-def test_pressure_turns_pruning_on_for_the_longest_stream_instead_of_preempting() -> None:
+def test_pressure_turns_pruning_on_for_the_longest_stream_before_the_pool_runs_dry() -> None:
+    # The prompts fill the pool; compaction needs free blocks to copy into (headroom: 1 block
+    # here), so pruning starts before any stream needs a block: one stream, the longest.
     sim, (longest, middle, shortest) = three_streams(relief())
-    step_until_blocks_short(sim)
-    assert sim.scheduler.blocks_needed(middle, 1) == 1  # the one asking for a block
-    sim.step()
-    assert sim.scheduler.num_preemptions == 0
-    # One stream is enough for a one-block shortfall; the longest frees the most.
+    while longest.kv_pruning is None:
+        assert not sim.scheduler.blocks_short()  # no stream needs a block yet
+        sim.step()
+    assert sim.pool.num_free == 0 and sim.scheduler.num_preemptions == 0
     assert isinstance(longest.kv_pruning, FakePruning) and longest.kv_pruning.steps == 1
     assert middle.kv_pruning is None and shortest.kv_pruning is None
     assert sim.scheduler.kv_relief.turned_on == 1
+
+
+def test_pressure_does_not_preempt_while_a_pruned_stream_has_not_stepped_yet() -> None:
+    # A shortage met by blocks a just-pruned stream promises: nobody is preempted that iteration.
+    kv_relief = relief()
+    sim, (longest, middle, shortest) = three_streams(kv_relief)
+    step_until_blocks_short(sim)
+    assert sim.scheduler.blocks_needed(middle, 1) == 1  # the one asking for a block
+    longest.kv_pruning = shortest.kv_pruning = None  # as if they had not been turned on yet
+    sim.step()
+    assert sim.scheduler.num_preemptions == 0
+    assert longest.kv_pruning is not None and longest.kv_pruning.steps == 1
 
 
 def test_pressure_preempts_only_once_pruned_streams_gave_nothing_back() -> None:
@@ -75,7 +89,9 @@ def test_pressure_preempts_only_once_pruned_streams_gave_nothing_back() -> None:
         pending = [s for s in sched.running if s.kv_pruning is not None and s.kv_pruning.steps == 0]
         sim.step()
     assert not prunable and not pending  # the preempting iteration had nothing left to prune
-    assert seqs[0].kv_pruning is not None and seqs[2].kv_pruning is not None and sched.kv_relief.turned_on == 2
+    # Nothing came back, so every stream was turned on, longest first, one per iteration.
+    assert all(s.kv_pruning is not None for s in seqs) and sched.kv_relief.turned_on == 3
+    assert seqs[0].kv_pruning.steps > seqs[1].kv_pruning.steps > seqs[2].kv_pruning.steps
     for _ in range(3000):
         if not sim.scheduler.has_work():
             break
