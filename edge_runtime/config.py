@@ -44,6 +44,10 @@ class EngineConfig:
     kv_prune_norm_threshold: float = 0.0  # tau: a head whose output norm is below keeps what it used now
     kv_prune_sinks: int = 4  # first positions never pruned (attention sinks)
     kv_prune_use_ratio: float = 1.0  # "used": weight >= this x the uniform share, from a query head
+    # When a sequence prunes: "always" (from its first decode step) | "pressure" (it starts unpruned;
+    # pruning is turned on for it when KV blocks or the ledger run short, before preempting a stream
+    # or shedding fine-tuning)
+    kv_prune_when: str = "always"
     policy: str = "fcfs"  # "mace" | "fcfs" | "periodic" | "continuous" | "fifo" | "token-level" | "apt"
     policy_params: dict[str, float] = field(default_factory=dict)  # overrides of the policy's defaults
     slo_tbt_ms: float = 0.0  # time between tokens; 0 = slo_tbt_factor x a calibrated unloaded decode step

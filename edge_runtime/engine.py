@@ -52,6 +52,7 @@ from edge_runtime.sampling import (
 from edge_runtime.sched.batch import ScheduledSeq
 from edge_runtime.sched.cost_model import activation_sizes, load_cost_model, load_stage_costs
 from edge_runtime.sched.finetune import FineTuneJob, FineTuneWork
+from edge_runtime.sched.kv_relief import PruneUnderPressure
 from edge_runtime.sched.registry import make_policy
 from edge_runtime.sched.scheduler import Batch, Scheduler, must_finish
 from edge_runtime.sequence import Request, SeqStatus, Sequence
@@ -110,10 +111,14 @@ class Engine:
         self.ledger.set(MemoryKind.WEIGHTS, "model", _weights_bytes(model))
         self._note_backend_memory()
         self.ledger.register_shedder(MemoryKind.ADAPTERS, self._shed_adapters)
+        kv_relief = None
+        if self.kv_pruning is not None and self.kv_pruning.when == "pressure":
+            kv_relief = PruneUnderPressure(self._start_pruning, self.kv_pruning.capacity + self.kv_pruning.sinks,
+                                           config.block_size)
         self.scheduler = Scheduler(
             self.pool, make_policy(config.policy, config.policy_params), self.costs, self.ledger,
             max_batched_tokens=config.max_batched_tokens, max_num_seqs=config.max_num_seqs,
-            slo_ttft_factor=config.slo_ttft_factor, rope_switch=cfg.rope_switch,
+            slo_ttft_factor=config.slo_ttft_factor, rope_switch=cfg.rope_switch, kv_relief=kv_relief,
         )
         self._set_slo()
         self.requests: dict[str, Request] = {}
@@ -287,9 +292,8 @@ class Engine:
                     generator = torch.Generator().manual_seed(seed)
                 seq = Sequence(next(self._seq_ids), request, index, list(ids), self.tokenizer.stream_decoder(),
                                generator)
-                if self.kv_pruning is not None:
-                    seq.kv_pruning = HeadPruning(self.kv_pruning, self.model.cfg.num_layers,
-                                                 self.model.cfg.num_kv_heads, self.model.device)
+                if self.kv_pruning is not None and self.kv_pruning.when == "always":
+                    self._start_pruning(seq)
                 if matcher is not None:
                     seq.matcher = matcher if index == 0 else matcher.deep_copy()
                 request.seqs.append(seq)
@@ -303,6 +307,12 @@ class Engine:
             self.scheduler.add(seq)
         self.requests[request_id] = request
         return request_id
+
+    def _start_pruning(self, seq: Sequence) -> None:
+        """Decode KV pruning on for `seq` from its next decode step: its positions so far start
+        retained, and its heads' norm statistics start now."""
+        seq.kv_pruning = HeadPruning(self.kv_pruning, self.model.cfg.num_layers, self.model.cfg.num_kv_heads,
+                                     self.model.device)
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request now; its candidates finish with reason "abort"."""
@@ -850,6 +860,8 @@ class Engine:
             "prefix_cache_queried_blocks": pool.stats.queried_blocks,
             "preemptions": self.scheduler.num_preemptions,
             "rope_recomputes": self.scheduler.num_rope_recomputes,
+            # sequences kv_prune_when = "pressure" turned pruning on for
+            "kv_prune_turned_on": self.scheduler.kv_relief.turned_on if self.scheduler.kv_relief else 0,
             "iterations": self.iterations,
             "tokens_generated": self.tokens_generated,
             "last_iteration_ms": round(self.last_iteration_s * 1000, 3),

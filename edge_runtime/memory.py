@@ -20,8 +20,9 @@ class MemoryKind(enum.Enum):
     OPTIMIZER = "optimizer"  # trainable LoRA leaves, their gradients and AdamW moments
 
 
-# ARCHITECTURE.md, decision 7: what goes first when the budget shrinks. Weights and optimizer
-# state are not sheddable while their owners live.
+# docs/architecture.md, decision 3's shedding order: what goes first when the budget shrinks (after
+# the relief step, KV pruning under kv_prune_when = "pressure"). Weights and optimizer state are
+# not sheddable while their owners live.
 SHED_ORDER: tuple[MemoryKind, ...] = (
     MemoryKind.ACTIVATIONS,
     MemoryKind.ADAPTERS,
@@ -38,7 +39,8 @@ class ShedReport:
 
     wanted_bytes: int = 0
     freed: dict[str, int] = field(default_factory=dict)
-    satisfied: bool = True
+    promised_bytes: int = 0  # by the relief step: freed after the pruned streams' next step, not yet
+    satisfied: bool = True  # freed + promised cover what was wanted
 
     @property
     def freed_bytes(self) -> int:
@@ -61,6 +63,7 @@ class MemoryLedger:
         self.reserved = 0
         self.peak_used = 0  # highest held + reserved since the budget was last set
         self._shedders: dict[MemoryKind, Shedder] = {}
+        self._relief: Shedder | None = None
         self.sheds: list[ShedReport] = []
 
     # -- entries -----------------------------------------------------------------------------
@@ -130,6 +133,13 @@ class MemoryLedger:
             raise ValueError(f"{kind.value} memory cannot be shed")
         self._shedders[kind] = shedder
 
+    def register_relief(self, relief: Shedder) -> None:
+        """A step tried before SHED_ORDER that degrades work instead of dropping it: KV pruning
+        turned on for running streams (kv_prune_when = "pressure"). It returns bytes it promises,
+        given back once those streams have taken their next step, not now: `reclaim` counts them
+        against what it wants, so nothing is shed for them, and reports them as promised."""
+        self._relief = relief
+
     def set_budget(self, budget_bytes: int) -> ShedReport:
         """New budget (e.g. `MemoryBudget.ledger_capacity_bytes(ledger.held())` from telemetry);
         sheds in ARCHITECTURE.md order if what is held no longer fits."""
@@ -139,9 +149,13 @@ class MemoryLedger:
         return report
 
     def reclaim(self, extra_bytes: int) -> ShedReport:
-        """Shed until `extra_bytes` more would fit, in SHED_ORDER, each kind only as far as needed."""
+        """Shed until `extra_bytes` more would fit: the relief step's promise first (if one is
+        registered), then SHED_ORDER, each kind only as far as needed."""
         want = self.used + extra_bytes - self.budget
         report = ShedReport(wanted_bytes=max(0, want))
+        if want > 0 and self._relief is not None:
+            report.promised_bytes = self._relief(want)
+            want -= report.promised_bytes
         for kind in SHED_ORDER:
             if want <= 0:
                 break

@@ -13,6 +13,8 @@ a quiet or a busy machine. Writes tools/results/bench_coserve.{json,md} and PNG 
     .venv/bin/python tools/bench_coserve.py            # full run (~20-25 min on 2 CPU cores)
     .venv/bin/python tools/bench_coserve.py --quick    # smoke run (~3 min)
     .venv/bin/python tools/bench_coserve.py --record   # regenerate tools/traces/coserve.json
+    .venv/bin/python tools/bench_coserve.py --scenario memory-pressure   # KV pruning off vs on under
+        # a KV cache below the streams' full need (tools/results/bench_coserve_pressure.{json,md})
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from edge_runtime.config import EngineConfig  # noqa: E402
 from edge_runtime.engine import Engine  # noqa: E402
+from edge_runtime.kv.cache import bytes_per_block  # noqa: E402
 from edge_runtime.lora import LoraSettings  # noqa: E402
 from edge_runtime.outputs import TokenEvent  # noqa: E402
 from edge_runtime.sampling import SamplingParams  # noqa: E402
@@ -187,23 +190,32 @@ class RunResult:
     others_cores: float = 0.0  # CPU other processes used during the run, in cores
     cost_model: dict[str, Any] = field(default_factory=dict)
     trace: list[dict[str, Any]] = field(default_factory=list)  # per iteration (--iteration-log)
+    peak_kv_blocks: int = 0  # most KV blocks sequences held after an iteration
+    kv_blocks_total: int = 0
+    preemptions: int = 0
+    kv_prune_turned_on: int = 0  # sequences kv_prune_when = "pressure" turned pruning on for
+    ft_stages_run: int = 0
 
 
 def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx: dict[str, Any],
-               window_s: float, drain_s: float, checkpoints: int) -> RunResult:
+               window_s: float, drain_s: float, checkpoints: int, *, engine_overrides: dict[str, Any] | None = None,
+               seconds_per_unit: float | None = None, stop_when_served: bool = False) -> RunResult:
+    """One replay of `trace`. Arrivals come every `seconds_per_unit` trace units (default: the
+    unloaded service time / `load`); with `stop_when_served` the run ends once every request in
+    the window is answered (fine-tune work left over is what it is then)."""
     model, tokenizer, unloaded = ctx["model"], ctx["tokenizer"], ctx["unloaded"]
     params = {"period_s": window_s / 3} if policy == "periodic" else {}
-    config = EngineConfig(policy=policy, policy_params=params, slo_tbt_ms=unloaded.slo_tbt_s * 1000,
-                          kv_cache_bytes=64 << 20, max_num_seqs=16, max_batched_tokens=256,
-                          cost_cache_dir=ctx["cost_dir"], **ctx.get("engine_overrides", {}))
-    engine = Engine(model, tokenizer, config, name=ctx["name"])
+    settings = {"policy": policy, "policy_params": params, "slo_tbt_ms": unloaded.slo_tbt_s * 1000,
+                "kv_cache_bytes": 64 << 20, "max_num_seqs": 16, "max_batched_tokens": 256,
+                "cost_cache_dir": ctx["cost_dir"], **(engine_overrides or {})}
+    engine = Engine(model, tokenizer, EngineConfig(**settings), name=ctx["name"])
     trainers = {u: AdapterTrainer(model, tokenizer, lora=LORA, dpo=DPO, costs=ctx["stage_costs"],
                                   reference_cache=ctx["reference"]) for u in USERS}
-    gap = unloaded.service_s / load  # seconds per trace time unit
+    gap = seconds_per_unit if seconds_per_unit is not None else unloaded.service_s / load
     prompts, pairs = ctx["prompts"]["inference"], ctx["train_pairs"]
     arrivals = [(r["t"] * gap, r) for r in trace["requests"] if r["t"] * gap <= window_s]
-    feedback = sorted((t + trace["feedback_delay_s"], r) for t, r in arrivals
-                      if r["u"] < rate and t + trace["feedback_delay_s"] <= window_s)
+    feedback = sorted(((t + trace["feedback_delay_s"], r) for t, r in arrivals
+                       if r["u"] < rate and t + trace["feedback_delay_s"] <= window_s), key=lambda f: f[0])
     result = RunResult(policy, load, rate, window_s + drain_s, pairs_offered=len(feedback))
     stamps: dict[str, list[float]] = {}
     pending: list[tuple[TokenEvent, float]] = []
@@ -268,6 +280,8 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
                 u: {"pairs": trainers[u].pairs_trained, "weights": trainers[u].snapshot()} for u in USERS}})
         if now >= window_s + drain_s:
             break
+        if stop_when_served and next_request == len(arrivals) and not engine.requests:
+            break
         if not engine.has_unfinished():
             upcoming = [arrivals[next_request][0]] if next_request < len(arrivals) else []
             upcoming += [feedback[next_pair][0]] if next_pair < len(feedback) else []
@@ -286,6 +300,7 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
             now = engine.clock()
         step_start, ft_before = now, sched.finetune.seconds
         engine.step()
+        result.peak_kv_blocks = max(result.peak_kv_blocks, engine.pool.num_used)
         delivered = engine.clock()
         for event, at in pending:
             if event.token_id is not None:
@@ -315,11 +330,13 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
             u: {"pairs": trainers[u].pairs_trained, "weights": trainers[u].snapshot()} for u in USERS}})
     # An iteration that started before the deadline runs to its end (a blocking policy's whole
     # fine-tune job can take longer than the window): rates use the time the run really took.
-    result.duration_s = max(result.duration_s, end)
+    result.duration_s = end if stop_when_served else max(result.duration_s, end)
     for rid in list(engine.requests):
         engine.abort(rid)
     stats = engine.stats()
     result.iterations = stats["iterations"]
+    result.kv_blocks_total, result.preemptions = stats["kv_blocks_total"], stats["preemptions"]
+    result.kv_prune_turned_on, result.ft_stages_run = stats["kv_prune_turned_on"], stats["finetune_stages_run"]
     result.busy = {"forward": timing["forward"], "finetune": stats["finetune_seconds"],
                    "scheduler": sum(result.overhead_s)}
     for rid, info in meta.items():
@@ -374,6 +391,9 @@ def summarise(run: RunResult, unloaded: Unloaded, ttft_factor: float) -> dict[st
         "sched_overhead_mean_ms": 1000 * statistics.mean(run.overhead_s) if run.overhead_s else None,
         "sched_overhead_p99_ms": 1000 * (pct(run.overhead_s, 0.99) or 0.0),
         "max_queued": max(run.queued, default=0),
+        "preemptions": run.preemptions, "peak_kv_blocks": run.peak_kv_blocks, "kv_blocks_total": run.kv_blocks_total,
+        "kv_prune_turned_on": run.kv_prune_turned_on, "ft_stages_run": run.ft_stages_run,
+        "ft_stages_per_s": run.ft_stages_run / run.duration_s, "duration_s": run.duration_s,
         "busy_s": {k: round(v, 3) for k, v in run.busy.items()},
         "loadavg_start_end": run.loadavg[:2],
         "other_processes_cores": round(run.others_cores, 3),
@@ -421,6 +441,156 @@ def alignment_summary(run: RunResult, base_loss: float) -> dict[str, Any]:
         "final_clpd": run.snapshots[-1]["clpd"],
         "curve": run.snapshots,
     }
+
+
+# -- memory-pressure scenario (issue #22: KV pruning turned on under pressure) ------------------
+
+# Each run: the scheduling policy's engine with these KV pruning settings (capacity from --prune-capacity).
+PRESSURE_RUNS: dict[str, dict[str, Any]] = {
+    "off": {},
+    "mace": {"kv_prune_policy": "mace", "kv_prune_when": "pressure"},
+    "window": {"kv_prune_policy": "window", "kv_prune_when": "pressure"},
+}
+
+
+def pressure_trace(streams: int, max_tokens: int, span_s: float, prompts: int, pairs: int,
+                   seed: int = 11) -> dict[str, Any]:
+    """`streams` long generations arriving (Poisson) within `span_s` seconds, each answer giving a
+    preference pair one second later: the trace format of `record_trace`, in seconds."""
+    rng = random.Random(seed)
+    rows, t = [], 0.0
+    for i in range(streams):
+        rows.append({"t": round(t, 4), "process": "poisson", "prompt": rng.randrange(prompts), "max_tokens": max_tokens,
+                     "user": USERS[i % len(USERS)], "u": 0.0, "pair": rng.randrange(pairs)})
+        t += rng.expovariate(streams / span_s) if span_s > 0 else 0.0
+    return {"version": 1, "seed": seed, "unit": "second", "feedback_delay_s": 1.0, "requests": rows}
+
+
+def full_kv_blocks(ctx: dict[str, Any], trace: dict[str, Any], block_size: int) -> int:
+    """KV blocks every stream of `trace` needs at its full length (prompt + generation), together."""
+    engine = Engine(ctx["model"], ctx["tokenizer"],
+                    EngineConfig(cost_profile="off", block_size=block_size, kv_cache_bytes=64 << 20),
+                    name=ctx["name"])
+    total = 0
+    for row in trace["requests"]:
+        rid = engine.add_request(chat(ctx["prompts"]["inference"][row["prompt"]]),
+                                 SamplingParams(max_tokens=row["max_tokens"], ignore_eos=True))
+        total += -(-(len(engine.requests[rid].prompt_ids) + row["max_tokens"]) // block_size)
+        engine.abort(rid)
+    return total
+
+
+def memory_pressure(args: argparse.Namespace) -> dict[str, Any]:
+    """Pruning off vs on (kv_prune_when = "pressure") on one trace whose streams' full KV exceeds
+    the cache (`--kv-fraction` of it), with their answers' preference pairs trained alongside."""
+    prompts = json.loads((TRACES / "prompts.json").read_text())
+    block_size = EngineConfig().block_size
+    runs = [r for r in args.pressure_runs.split(",") if r]
+    unknown = set(runs) - set(PRESSURE_RUNS)
+    if unknown:
+        raise SystemExit(f"unknown --pressure-runs: {sorted(unknown)} (use {', '.join(PRESSURE_RUNS)})")
+    ctx = prepare(args, prompts, args.pressure_tokens)
+    unloaded = ctx["unloaded"]
+    train_pairs = len(ctx["train_pairs"])
+    trace = pressure_trace(args.pressure_streams, args.pressure_tokens, args.pressure_span, len(prompts["inference"]),
+                           train_pairs)
+    full = full_kv_blocks(ctx, trace, block_size)
+    cfg = ctx["model"].cfg
+    per_block = bytes_per_block(cfg, block_size, ctx["model"].dtype)
+    blocks = max(1, int(full * args.kv_fraction))
+    base = {"kv_cache_bytes": blocks * per_block, "policy": args.pressure_policy, "kv_prune_capacity": args.prune_capacity}
+    window_s = args.pressure_span + 2.0
+    print(f"memory pressure: {len(trace['requests'])} streams x {args.pressure_tokens} tokens need {full} KV blocks; "
+          f"the cache holds {blocks} ({args.kv_fraction:.0%}); pruning keeps {args.prune_capacity} positions per head",
+          flush=True)
+    rows, results = [], []
+    for name in runs:
+        overrides = {**base, **PRESSURE_RUNS[name]}
+        if name == "off":
+            overrides.pop("kv_prune_capacity")
+        run = run_policy(args.pressure_policy, 1.0, 1.0, trace, ctx, window_s, args.pressure_drain, 1,
+                         engine_overrides=overrides, seconds_per_unit=1.0, stop_when_served=True)
+        row = {"pruning": name, **summarise(run, unloaded, args.ttft_factor)}
+        rows.append(row)
+        results.append(run)
+        print(f"pruning {name:6s} SLO {row['slo_attainment']:.0%} TBT p50/p99 {fmt(row['tbt_p50_s'], 1000, 0)}/"
+              f"{fmt(row['tbt_p99_s'], 1000, 0)} ms preemptions {row['preemptions']} turned on "
+              f"{row['kv_prune_turned_on']} peak KV {row['peak_kv_blocks']}/{row['kv_blocks_total']} blocks "
+              f"FT pairs {row['pairs_done']}/{row['pairs_offered']} stages {row['ft_stages_run']} "
+              f"({run.duration_s:.1f} s)", flush=True)
+    # Runs end when their streams are answered, so fine-tune progress is compared at one moment:
+    # the end of the shortest run (a faster run would otherwise look slower at training).
+    common_end = min(run.duration_s for run in results)
+    for row, run in zip(rows, results, strict=True):
+        row["common_end_s"] = common_end
+        row["ft_pairs_by_common_end"] = sum(1 for p in run.pairs if p["done"] <= common_end)
+        row["ft_stages_by_common_end"] = sum(it["stages"] for it in run.trace if it["t"] + it["wall_s"] <= common_end)
+    out = {
+        "scenario": "memory-pressure",
+        "machine": f"{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+                   f"{args.threads} torch thread(s)",
+        "model": ctx["name"], "dtype": str(ctx["model"].dtype).removeprefix("torch."),
+        "policy": args.pressure_policy, "streams": len(trace["requests"]), "max_tokens": args.pressure_tokens,
+        "span_s": args.pressure_span, "full_kv_blocks": full, "kv_blocks": blocks, "kv_fraction": args.kv_fraction,
+        "prune_capacity": args.prune_capacity, "ttft_factor": args.ttft_factor, "tbt_factor": args.tbt_factor,
+        "unloaded": asdict(unloaded), "calibration_other_processes_cores": round(ctx["calibration_others"], 3),
+        "runs": rows,
+    }
+    out["bar"] = pressure_bar(rows)
+    prefix = Path(args.out)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{prefix}.json").write_text(json.dumps(out, indent=1, default=float))
+    write_pressure_report(out, Path(f"{prefix}.md"))
+    print("\n".join(out["bar"]), flush=True)
+    print(f"wrote {prefix}.json and {prefix}.md")
+    return out
+
+
+def pressure_bar(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue #22's bar: pruning on gives higher SLO attainment or fine-tune progress than off.
+    Progress: pairs, then stages, done by the end of the shortest run."""
+    off = next((r for r in rows if r["pruning"] == "off"), None)
+    if off is None:
+        return ["no run with pruning off to compare with"]
+    lines = []
+    for r in rows:
+        if r is off:
+            continue
+        slo_up = (r["slo_attainment"] or 0) > (off["slo_attainment"] or 0)
+        progress = (r["ft_pairs_by_common_end"], r["ft_stages_by_common_end"])
+        ft_up = progress > (off["ft_pairs_by_common_end"], off["ft_stages_by_common_end"])
+        lines.append(f"{r['pruning']} vs off: SLO {fmt(r['slo_attainment'], 100, 0)}% vs {fmt(off['slo_attainment'], 100, 0)}%, "
+                     f"FT by {r['common_end_s']:.0f} s: {progress[0]} vs {off['ft_pairs_by_common_end']} pairs, "
+                     f"{progress[1]} vs {off['ft_stages_by_common_end']} stages (all: {r['pairs_done']} vs "
+                     f"{off['pairs_done']} pairs in {r['duration_s']:.0f} vs {off['duration_s']:.0f} s), preemptions "
+                     f"{r['preemptions']} vs {off['preemptions']}: bar {'met' if slo_up or ft_up else 'NOT met'}")
+    return lines
+
+
+def write_pressure_report(out: dict[str, Any], path_md: Path) -> None:
+    lines = [
+        "# Co-serving under memory pressure (`tools/bench_coserve.py --scenario memory-pressure`)", "",
+        f"{out['machine']}. Model {out['model']} ({out['dtype']}), scheduling policy {out['policy']}. "
+        f"{out['streams']} streams of {out['max_tokens']} tokens arriving within {out['span_s']:g} s need "
+        f"{out['full_kv_blocks']} KV blocks at full length; the cache holds {out['kv_blocks']} "
+        f"({out['kv_fraction']:.0%}). Each answer gives a preference pair trained alongside. Pruning, when on, "
+        f"is turned on per sequence under pressure (kv_prune_when = \"pressure\") and keeps "
+        f"{out['prune_capacity']} positions per KV head. SLO: TTFT <= {out['ttft_factor']:g}x the prompt's "
+        f"unloaded prefill and mean TBT <= {out['unloaded']['slo_tbt_s'] * 1000:.0f} ms. A run ends when every "
+        "stream is answered.", "",
+        "| pruning | SLO % | TTFT p50/p99 s | TBT p50/p99 ms | preemptions | turned on | peak KV blocks | "
+        "FT pairs (stages) by the shortest run's end | FT pairs (stages) in all | run s | tok/s |",
+        "|---|---:|---|---|---:|---:|---:|---|---|---:|---:|",
+    ]
+    for r in out["runs"]:
+        lines.append(f"| {r['pruning']} | {fmt(r['slo_attainment'], 100, 0)} | {fmt(r['ttft_p50_s'])}/{fmt(r['ttft_p99_s'])} | "
+                     f"{fmt(r['tbt_p50_s'], 1000, 0)}/{fmt(r['tbt_p99_s'], 1000, 0)} | {r['preemptions']} | "
+                     f"{r['kv_prune_turned_on']} | {r['peak_kv_blocks']}/{r['kv_blocks_total']} | "
+                     f"{r['ft_pairs_by_common_end']} ({r['ft_stages_by_common_end']}) | "
+                     f"{r['pairs_done']}/{r['pairs_offered']} ({r['ft_stages_run']}) | "
+                     f"{r['duration_s']:.0f} | {fmt(r['tokens_per_s'], 1, 1)} |")
+    lines += ["", "## Bar", ""] + [f"- {line}" for line in out["bar"]] + [""]
+    path_md.write_text("\n".join(lines))
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -568,7 +738,53 @@ def plot(out: dict[str, Any], runs_alignment: dict[str, Any], prefix: Path) -> l
 # -- main ---------------------------------------------------------------------------------------
 
 
-def main() -> None:
+def prepare(args: argparse.Namespace, prompts: dict[str, Any], mean_tokens: float) -> dict[str, Any]:
+    """What every run shares: the model (`args.model`, None = the default), the cost models,
+    the tokenized preference pairs with their reference log-probabilities, and the unloaded
+    figures (measured with `mean_tokens` per request) that define load and the SLOs."""
+    t_setup = time.monotonic()
+    torch.set_num_threads(args.threads)
+    # float32: on CPUs autograd in bfloat16 is several times slower than in float32 (measured
+    # here: a pair's score stage 15 s vs 2.5 s), and the DPO benchmark trains in float32 too.
+    # The cost models are calibrated afresh for this run (not taken from the machine's cache,
+    # which may date from a busier or quieter moment) and shared by every run.
+    cost_dir = tempfile.mkdtemp(prefix="bench-coserve-costs-")
+    quiet = wait_until_quiet(args.quiet_wait)
+    if quiet >= 0.2:
+        print(f"warning: other processes still use {quiet:.2f} cores; the unloaded figures (and so the load "
+              "scale) will describe a shared machine", flush=True)
+    calibration = OtherCPU()
+    probe = Engine.load(args.model, dtype="float32", policy="fcfs", kv_cache_bytes=64 << 20, enable_prefix_cache=False,
+                        cost_cache_dir=cost_dir)
+    model, tokenizer = probe.model, probe.tokenizer
+    torch.manual_seed(0)
+    records = [PreferenceRecord(tuple(chat(p["prompt"])), p["chosen"], p["rejected"]) for p in prompts["preference"]]
+    heldout_n = prompts["heldout"]
+    train_records, heldout_records = records[:-heldout_n], records[-heldout_n:]
+    stage_costs = probe.stage_costs(LORA)
+    reference = ReferenceCache()
+    warm = AdapterTrainer(model, tokenizer, lora=LORA, dpo=DPO, costs=stage_costs, reference_cache=reference)
+    train_tokens = [warm.tokenize(r) for r in train_records]
+    heldout_tokens = [warm.tokenize(r) for r in heldout_records]
+    for tokens in train_tokens + heldout_tokens:  # every policy finds the same reference cache
+        warm.reference_logps(tokens)
+    wait_until_quiet(args.quiet_wait)
+    calibration.start()
+    unloaded = measure_unloaded(probe, prompts["inference"], mean_tokens, args.tbt_factor,
+                                AdapterTrainer(model, tokenizer, lora=LORA, dpo=DPO, costs=stage_costs,
+                                               reference_cache=reference), train_records[0])
+    calibration_others = calibration.cores()
+    print(f"setup {time.monotonic() - t_setup:.0f} s; unloaded (other processes {calibration_others:.2f} cores): "
+          f"service {unloaded.service_s:.2f} s, decode "
+          f"{unloaded.decode_s * 1000:.0f} ms, pair {unloaded.pair_s:.2f} s, TBT SLO {unloaded.slo_tbt_s * 1000:.0f} ms",
+          flush=True)
+    return {"model": model, "tokenizer": tokenizer, "name": probe.model_name, "unloaded": unloaded, "cost_dir": cost_dir,
+            "iteration_log": bool(args.iteration_log),
+            "stage_costs": stage_costs, "reference": reference, "prompts": prompts, "train_pairs": train_tokens,
+            "heldout_tokens": heldout_tokens, "calibration_others": calibration_others}
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--record", action="store_true", help="regenerate the trace and exit")
     parser.add_argument("--policies", default=",".join(ORDER))
@@ -589,10 +805,29 @@ def main() -> None:
                              "unloaded figures that define load")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 policies, 1 load, short windows")
     parser.add_argument("--out", default=str(RESULTS / "bench_coserve"))
+    parser.add_argument("--scenario", choices=("sweep", "memory-pressure"), default="sweep",
+                        help="sweep: every policy over loads and retrain rates; memory-pressure: KV pruning off vs "
+                             "on (kv_prune_when = pressure) with a KV cache below the streams' full need")
+    parser.add_argument("--model", default=None, help="model folder or GGUF (default: the default model)")
+    parser.add_argument("--pressure-runs", default="off,mace,window", help="pruning settings to compare")
+    parser.add_argument("--pressure-policy", default="mace", help="scheduling policy of the memory-pressure runs")
+    parser.add_argument("--pressure-streams", type=int, default=6)
+    parser.add_argument("--pressure-tokens", type=int, default=192, help="tokens each stream generates")
+    parser.add_argument("--pressure-span", type=float, default=3.0, help="seconds over which the streams arrive")
+    parser.add_argument("--pressure-drain", type=float, default=300.0,
+                        help="most seconds after the arrivals a run may take to answer every stream")
+    parser.add_argument("--kv-fraction", type=float, default=0.5,
+                        help="KV cache as a share of what every stream's full KV needs")
+    parser.add_argument("--prune-capacity", type=int, default=64, help="kv_prune_capacity of the pruned runs")
     parser.add_argument("--iteration-log", default=None,
                         help="also write every run's per-iteration record (bin contents, planned vs wall "
                              "seconds, queue lengths) to this JSON file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.scenario == "memory-pressure":
+        if args.out == str(RESULTS / "bench_coserve"):
+            args.out = str(RESULTS / "bench_coserve_pressure")
+        memory_pressure(args)
+        return
     trace_path = TRACES / "coserve.json"
     if args.record:
         trace = record_trace(trace_path)
@@ -609,48 +844,9 @@ def main() -> None:
     loads = [float(x) for x in args.loads.split(",")]
     rates = [float(x) for x in args.retrain_rates.split(",")]
 
-    t_setup = time.monotonic()
-    torch.set_num_threads(args.threads)
-    # float32: on CPUs autograd in bfloat16 is several times slower than in float32 (measured
-    # here: a pair's score stage 15 s vs 2.5 s), and the DPO benchmark trains in float32 too.
-    # The cost models are calibrated afresh for this run (not taken from the machine's cache,
-    # which may date from a busier or quieter moment) and shared by every run.
-    cost_dir = tempfile.mkdtemp(prefix="bench-coserve-costs-")
-    quiet = wait_until_quiet(args.quiet_wait)
-    if quiet >= 0.2:
-        print(f"warning: other processes still use {quiet:.2f} cores; the unloaded figures (and so the load "
-              "scale) will describe a shared machine", flush=True)
-    calibration = OtherCPU()
-    probe = Engine.load(None, dtype="float32", policy="fcfs", kv_cache_bytes=64 << 20, enable_prefix_cache=False,
-                        cost_cache_dir=cost_dir)
-    model, tokenizer = probe.model, probe.tokenizer
-    torch.manual_seed(0)
-    records = [PreferenceRecord(tuple(chat(p["prompt"])), p["chosen"], p["rejected"]) for p in prompts["preference"]]
-    heldout_n = prompts["heldout"]
-    train_records, heldout_records = records[:-heldout_n], records[-heldout_n:]
-    stage_costs = probe.stage_costs(LORA)
-    reference = ReferenceCache()
-    warm = AdapterTrainer(model, tokenizer, lora=LORA, dpo=DPO, costs=stage_costs, reference_cache=reference)
-    train_tokens = [warm.tokenize(r) for r in train_records]
-    heldout_tokens = [warm.tokenize(r) for r in heldout_records]
-    for tokens in train_tokens + heldout_tokens:  # every policy finds the same reference cache
-        warm.reference_logps(tokens)
     mean_tokens = statistics.mean(r["max_tokens"] for r in trace["requests"])
-    wait_until_quiet(args.quiet_wait)
-    calibration.start()
-    unloaded = measure_unloaded(probe, prompts["inference"], mean_tokens, args.tbt_factor,
-                                AdapterTrainer(model, tokenizer, lora=LORA, dpo=DPO, costs=stage_costs,
-                                               reference_cache=reference), train_records[0])
-    calibration_others = calibration.cores()
-    print(f"setup {time.monotonic() - t_setup:.0f} s; unloaded (other processes {calibration_others:.2f} cores): "
-          f"service {unloaded.service_s:.2f} s, decode "
-          f"{unloaded.decode_s * 1000:.0f} ms, pair {unloaded.pair_s:.2f} s, TBT SLO {unloaded.slo_tbt_s * 1000:.0f} ms",
-          flush=True)
-    ctx = {"model": model, "tokenizer": tokenizer, "name": probe.model_name, "unloaded": unloaded, "cost_dir": cost_dir,
-           "iteration_log": bool(args.iteration_log),
-           "stage_costs": stage_costs, "reference": reference, "prompts": prompts, "train_pairs": train_tokens,
-           "heldout_tokens": heldout_tokens}
-    del probe
+    ctx = prepare(args, prompts, mean_tokens)
+    unloaded, calibration_others = ctx["unloaded"], ctx["calibration_others"]
 
     points = [(x, args.main_rate) for x in loads]
     points += [(args.main_load, r) for r in rates if (args.main_load, r) not in points]
@@ -695,7 +891,7 @@ def main() -> None:
     out: dict[str, Any] = {
         "machine": f"{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
                    f"{args.threads} torch thread(s)",
-        "model": ctx["name"], "dtype": str(model.dtype).removeprefix("torch."),
+        "model": ctx["name"], "dtype": str(ctx["model"].dtype).removeprefix("torch."),
         "window_s": args.window, "drain_s": args.drain, "ttft_factor": args.ttft_factor, "tbt_factor": args.tbt_factor,
         "unloaded": asdict(unloaded), "policies": policies,
         "policy_params": {p: POLICIES[p]().describe() for p in policies},

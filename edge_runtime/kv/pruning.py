@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 POLICIES = ("off", "mace", "window", "h2o")
+WHEN = ("always", "pressure")  # every sequence from its first decode step | turned on under memory pressure
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,13 @@ class PruningSettings:
     norm_threshold: float = 0.0  # tau; 0 = no norm rule
     sinks: int = 4
     use_ratio: float = 1.0
+    when: str = "always"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown KV pruning policy {self.policy!r}; use one of {', '.join(POLICIES)}")
+        if self.when not in WHEN:
+            raise ValueError(f"kv_prune_when must be one of {', '.join(WHEN)} (got {self.when!r})")
         if self.policy != "off" and self.capacity < 1:
             raise ValueError(f"kv_prune_capacity must be at least 1 position per head with policy "
                              f"{self.policy!r} (got {self.capacity})")
@@ -51,7 +55,8 @@ class PruningSettings:
     def from_config(cls, config: Any) -> PruningSettings | None:
         """The settings of an `EngineConfig`, or None when pruning is off."""
         settings = cls(config.kv_prune_policy, config.kv_prune_capacity, config.kv_prune_window,
-                       config.kv_prune_norm_threshold, config.kv_prune_sinks, config.kv_prune_use_ratio)
+                       config.kv_prune_norm_threshold, config.kv_prune_sinks, config.kv_prune_use_ratio,
+                       config.kv_prune_when)
         return None if settings.policy == "off" else settings
 
 

@@ -19,6 +19,7 @@ from edge_runtime.sched.batch import Batch, ScheduledSeq, ScheduledStages
 from edge_runtime.sched.bins import Bin
 from edge_runtime.sched.cost_model import CostModel
 from edge_runtime.sched.finetune import FineTuneJob, FineTuneQueue
+from edge_runtime.sched.kv_relief import PruneUnderPressure
 from edge_runtime.sched.policy import Policy, Task, TaskKind
 from edge_runtime.sequence import SeqStatus, Sequence
 
@@ -47,6 +48,7 @@ class Scheduler:
         max_latency_budget_s: float | None = None,
         headroom_margin: float = 0.85,
         rope_switch: int | None = None,
+        kv_relief: PruneUnderPressure | None = None,
     ) -> None:
         self.pool = pool
         self.policy = policy
@@ -77,9 +79,16 @@ class Scheduler:
         self.rope_switch = rope_switch
         self.num_rope_recomputes = 0
         self.overhead_s = 0.0  # wall time of the last schedule() (the scheduler's own cost)
+        # kv_prune_when = "pressure": pruning turned on for running streams before any is
+        # preempted or fine-tuning is shed; the bytes it promised this iteration (freed after
+        # the pruned streams' next step) may carry their decode rows meanwhile.
+        self.kv_relief = kv_relief
+        self._promised_bytes = 0
         ledger.register_shedder(MemoryKind.ACTIVATIONS, self._shed_activations)
         ledger.register_shedder(MemoryKind.PREFIX_CACHE, self._shed_prefix_cache)
         ledger.register_shedder(MemoryKind.KV, self._shed_sequences)
+        if kv_relief is not None:
+            ledger.register_relief(self._prune_for_memory)
 
     # -- queue management -------------------------------------------------------------------
 
@@ -285,6 +294,7 @@ class Scheduler:
         policy packs: take it from the pool, or shed in ledger order (fine-tune activations,
         adapters, prefix cache, then the policy's victims) until they have it."""
         per_token = self.costs.inference_bytes(1, True)
+        self._prune_for_blocks()  # kv_prune_when = "pressure": before the pool runs dry
         while True:
             decodes = [s for s in self.running if not s.in_prefill]
             need = sum(self.blocks_needed(s, 1) for s in decodes)
@@ -296,6 +306,8 @@ class Scheduler:
             if short > 0:
                 progressed = self.ledger.reclaim(short).freed_bytes > 0
             if self.running and self.blocks_short():
+                if self._prune_for_blocks():
+                    return  # the pruned streams give blocks back after this step; who needs one waits
                 victim = self.policy.victim(self.running, self._now)
                 self._preempt(victim)
                 self._shed_preempted.append(victim)
@@ -303,6 +315,36 @@ class Scheduler:
                 progressed = True
             if not progressed:
                 return  # nothing left to shed: the bin holds what still fits
+
+    def _prunable_now(self) -> list[Sequence]:
+        """Running streams whose next decode step can run without a new block: only a step
+        that runs can prune, and so give blocks back."""
+        return [s for s in self.running if not s.in_prefill and self.blocks_needed(s, 1) == 0]
+
+    def _prune_for_blocks(self) -> bool:
+        """Turn pruning on for running streams (kv_relief.py) while the free blocks are fewer
+        than the streams' next tokens need plus `compaction_headroom` (compaction copies a
+        sequence's entries out of its prefix-cached blocks into fresh ones, so with none free it
+        cannot give anything back). True when the blocks promised cover the real shortfall:
+        nothing is preempted now; a stream that needs a block waits for the pruned ones' step to
+        give some back (if nothing at all can run, `schedule` still preempts)."""
+        if self.kv_relief is None:
+            return False
+        need = sum(self.blocks_needed(s, 1) for s in self.running if not s.in_prefill)
+        short = need + self.kv_relief.compaction_headroom - self.pool.num_free
+        if short <= 0:
+            return True
+        return self.kv_relief.relieve(self._prunable_now(), short) >= need - self.pool.num_free
+
+    def _prune_for_memory(self, want: int) -> int:
+        """The ledger's relief step, before it sheds fine-tune activations: the bytes promised by
+        turning pruning on for running streams."""
+        assert self.kv_relief is not None
+        per_block = self.costs.kv_block_bytes
+        promised = self.kv_relief.relieve(self._prunable_now(), -(-want // per_block)) * per_block
+        # The bin may borrow what was wanted of it (those streams' decode rows), no more.
+        self._promised_bytes = max(self._promised_bytes, min(promised, want))
+        return promised
 
     def blocks_short(self) -> bool:
         """Whether the running streams' next tokens need more blocks than the pool has free."""
@@ -336,6 +378,7 @@ class Scheduler:
         self._now = now
         self.ledger.release_reservation()
         self._shed_preempted = []
+        self._promised_bytes = 0
         cached_free = self.sync_memory()
         self._make_room_for_decodes()
         if self._shed_preempted:
@@ -347,7 +390,7 @@ class Scheduler:
         bin = Bin(
             self.costs,
             latency_budget_s=budget,
-            memory_bytes=max(0, self.ledger.free),
+            memory_bytes=max(0, self.ledger.free + self._promised_bytes),
             free_blocks=self.pool.num_free,
             fresh_blocks=self.pool.num_free - cached_free,
             token_budget=self.max_batched_tokens,

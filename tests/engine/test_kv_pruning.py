@@ -277,6 +277,8 @@ def test_a_step_observed_again_changes_nothing() -> None:
     ({"kv_prune_policy": "mace", "kv_prune_capacity": 8, "kv_prune_window": -1}, "cannot be negative"),
     ({"kv_prune_policy": "mace", "kv_prune_capacity": 8, "kv_prune_norm_threshold": float("nan")}, "kv_prune_norm_threshold"),
     ({"kv_prune_policy": "mace", "kv_prune_capacity": 8, "kv_prune_use_ratio": 0.0}, "use_ratio"),
+    ({"kv_prune_policy": "mace", "kv_prune_capacity": 8, "kv_prune_when": "sometimes"}, "kv_prune_when"),
+    ({"kv_prune_when": "sometimes"}, "kv_prune_when"),
 ])
 def test_bad_pruning_settings_are_refused_at_load(model_dir: Path, bad, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -302,3 +304,82 @@ def test_pruned_engine_keeps_each_head_within_its_capacity(model_dir: Path) -> N
     assert bool((counts <= caps.clamp(min=3)).all())
     assert state.retained_entries <= 10 * state.num_heads + state.num_heads
     assert bool(state.retained[:, :, :2].all())  # sinks
+
+
+# -- kv_prune_when = "pressure": pruning turned on per sequence when KV blocks run short ----------
+
+TIGHT_BLOCKS = 16  # blocks of 8 positions: 128, for three streams of 37 + 40 tokens (10 blocks each)
+
+
+def _tight_engine(model_dir: Path, policy: str):
+    probe = make_engine(model_dir)
+    per_block = probe.cache.nbytes // probe.pool.num_blocks
+    return make_engine(model_dir, kv_prune_policy=policy, kv_prune_capacity=8, kv_prune_sinks=2,
+                       kv_prune_when="pressure", kv_cache_bytes=TIGHT_BLOCKS * per_block, policy="mace")
+
+
+def _three_streams(engine, steps: int = 40) -> list:
+    """Three greedy streams of different prompts admitted at once; their sequences, stepped to the end."""
+    from edge_runtime import SamplingParams
+
+    seqs = []
+    for first in (40, 90, 140):
+        rid = engine.add_request("x", SamplingParams(max_tokens=steps, ignore_eos=True))
+        seq = engine.requests[rid].seqs[0]
+        seq.token_ids = list(range(first, first + len(PROMPT)))
+        engine.requests[rid].prompt_ids = list(seq.token_ids)
+        seqs.append(seq)
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished()
+    return seqs
+
+
+def test_pressure_pruning_with_room_to_spare_never_starts_and_changes_nothing(model_dir: Path, unpruned) -> None:
+    engine = make_engine(model_dir, kv_prune_policy="mace", kv_prune_capacity=4, kv_prune_when="pressure")
+    logits, ids = engine_logits_for(engine, PROMPT, STEPS)
+    assert torch.equal(logits, unpruned[0]) and ids == unpruned[1]
+    assert engine.stats()["kv_prune_turned_on"] == 0
+
+
+def test_pressure_turns_pruning_on_mid_generation_before_any_preemption(model_dir: Path) -> None:
+    engine = _tight_engine(model_dir, "mace")
+    sched = engine.scheduler
+    turned_on_at_preemption = []
+    preempt = sched._preempt
+
+    def spy(seq) -> None:
+        turned_on_at_preemption.append(sched.kv_relief.turned_on)
+        preempt(seq)
+
+    sched._preempt = spy
+    seqs = _three_streams(engine)
+    assert all(len(s.token_ids) == len(PROMPT) + 40 and s.finish_reason == "length" for s in seqs)
+    pruned = [s for s in seqs if s.kv_pruning is not None]
+    assert pruned and engine.stats()["kv_prune_turned_on"] == len(pruned)
+    for seq in pruned:
+        state = seq.kv_pruning
+        # Turned on mid-generation: its statistics cover only the steps since, over a context
+        # that already held the prompt and earlier tokens (mask(n) grew to them at once).
+        assert 0 < state.steps < 40 and state.length > len(PROMPT)
+        assert state.retained_entries < state.num_heads * state.length
+    assert all(n >= 1 for n in turned_on_at_preemption)  # pruning came before any preemption (none, compacted)
+
+
+def test_pressure_pruning_gives_blocks_back_so_no_stream_is_preempted(model_dir: Path) -> None:
+    engine = _tight_engine(model_dir, "window")
+    held_fewer = []
+    step = engine.step
+
+    def observed_step():
+        out = step()
+        held_fewer.extend(s.seq_id for s in engine.scheduler.running if s.kv_pruning is not None
+                          and len(s.block_table) < -(-s.num_computed // engine.pool.block_size))
+        return out
+
+    engine.step = observed_step
+    _three_streams(engine)
+    assert held_fewer  # a pruned sequence held fewer blocks than its context's positions
+    assert engine.stats()["preemptions"] == 0

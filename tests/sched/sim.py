@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.memory import MemoryKind, MemoryLedger
@@ -38,6 +39,7 @@ class Sim:
     max_num_seqs: int = 16
     max_batched_tokens: int = 128
     max_latency_budget_s: float | None = None  # > latency_budget_s: headroom-spending policies may grow to it
+    kv_relief: Any = None  # a PruneUnderPressure (kv_prune_when = "pressure")
     now: float = 0.0
     finished: list[Sequence] = field(default_factory=list)
     stage_log: list[tuple[float, str]] = field(default_factory=list)  # (time, job id) per stage run
@@ -51,7 +53,7 @@ class Sim:
         self.scheduler = Scheduler(self.pool, self.policy, self.costs, self.ledger,
                                    max_batched_tokens=self.max_batched_tokens, max_num_seqs=self.max_num_seqs,
                                    latency_budget_s=self.latency_budget_s, slo_tbt_s=2 * self.latency_budget_s,
-                                   max_latency_budget_s=self.max_latency_budget_s)
+                                   max_latency_budget_s=self.max_latency_budget_s, kv_relief=self.kv_relief)
         self._ids = itertools.count()
         self.trainers = [FakeTrainer(), FakeTrainer()]
 
@@ -84,6 +86,8 @@ class Sim:
         sampling = [item.seq for item in batch.items if item.samples]
         self.scheduler.commit(batch, self.now + elapsed)
         for seq in sampling:
+            if seq.kv_pruning is not None:
+                seq.kv_pruning.steps += 1  # a pruned step ran (a FakePruning's; real ones count in observe)
             seq.token_ids.append(3)
             times = self.token_times.setdefault(seq.seq_id, [])
             times.append(self.now + batch.planned_forward_s)  # tokens go out before the stages run
