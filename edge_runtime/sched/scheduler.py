@@ -299,12 +299,13 @@ class Scheduler:
             decodes = [s for s in self.running if not s.in_prefill]
             need = sum(self.blocks_needed(s, 1) for s in decodes)
             fresh = min(need, self.pool.num_free - self._cached_free())
-            short = fresh * self.costs.kv_block_bytes + len(decodes) * per_token - self.ledger.free
-            if need <= self.pool.num_free and short <= 0:
+            wanted = fresh * self.costs.kv_block_bytes + len(decodes) * per_token
+            if need <= self.pool.num_free and wanted <= self.ledger.free:
                 return
             progressed = False
-            if short > 0:
-                progressed = self.ledger.reclaim(short).freed_bytes > 0
+            if wanted > self.ledger.free:
+                # reclaim(x) frees until x more fits: the whole need, not what is missing of it.
+                progressed = self.ledger.reclaim(wanted).freed_bytes > 0
             if self.running and self.blocks_short():
                 if self._prune_for_blocks():
                     return  # the pruned streams give blocks back after this step; who needs one waits
