@@ -26,7 +26,8 @@ def test_memory_pressure_scenario_compares_pruning_off_and_on_over_one_trace(tin
                                                                               tmp_path: Path) -> None:
     _tool().main(["--scenario", "memory-pressure", "--model", str(tiny_model_dir), "--quiet-wait", "0",
                   "--pressure-runs", "off,mace", "--pressure-streams", "3", "--pressure-tokens", "40",
-                  "--pressure-span", "0", "--prune-capacity", "8", "--out", str(tmp_path / "pressure")])
+                  "--pressure-span", "0", "--prune-capacity", "8", "--kv-fraction", "0.5",
+                  "--out", str(tmp_path / "pressure")])
     data = json.loads((tmp_path / "pressure.json").read_text())
     assert data["kv_blocks"] < data["full_kv_blocks"]
     off, mace = data["runs"]

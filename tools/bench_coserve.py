@@ -811,12 +811,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="model folder or GGUF (default: the default model)")
     parser.add_argument("--pressure-runs", default="off,mace,window", help="pruning settings to compare")
     parser.add_argument("--pressure-policy", default="mace", help="scheduling policy of the memory-pressure runs")
-    parser.add_argument("--pressure-streams", type=int, default=6)
+    parser.add_argument("--pressure-streams", type=int, default=8)
     parser.add_argument("--pressure-tokens", type=int, default=192, help="tokens each stream generates")
     parser.add_argument("--pressure-span", type=float, default=3.0, help="seconds over which the streams arrive")
     parser.add_argument("--pressure-drain", type=float, default=300.0,
                         help="most seconds after the arrivals a run may take to answer every stream")
-    parser.add_argument("--kv-fraction", type=float, default=0.5,
+    parser.add_argument("--kv-fraction", type=float, default=0.35,
                         help="KV cache as a share of what every stream's full KV needs")
     parser.add_argument("--prune-capacity", type=int, default=64, help="kv_prune_capacity of the pruned runs")
     parser.add_argument("--iteration-log", default=None,
