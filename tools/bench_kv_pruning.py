@@ -347,8 +347,9 @@ def markdown(r: dict[str, Any]) -> str:
             f"| {sum(row['peak_held_kv_bytes']) / 2**20:.1f} ({row['peak_held_kv_share']:.0%}) "
             f"| {', '.join(f'{x:.0%}' for x in row['largest_layer_kv_share'])} |")
     lines += [
-        "", f"All {len(r['rows'])} configurations decoded in one batch ({len(r['prompt_tokens']) * len(r['rows'])} sequences; "
-        f"median iteration {r['batch_decode_ms_median']} ms).", "",
+        "", f"The unpruned reference decoded first ({len(r['prompt_tokens'])} sequences; median iteration "
+        f"{r['batch_decode_ms_median']} ms), then the {len(r['rows']) - 1} pruned configurations, each free and "
+        f"teacher-forced, in one batch ({2 * len(r['prompt_tokens']) * (len(r['rows']) - 1)} sequences).", "",
         f"TBT and memory: each method alone (one stream per prompt), {r['tbt_tokens']} decode steps, its "
         "budget a share of prompt + those steps so it prunes from the first step. Pool blocks: KV "
         "blocks in use over the decode steps, the most at once (the unpruned prefill's, before the "
