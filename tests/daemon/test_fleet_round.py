@@ -282,8 +282,10 @@ def test_a_device_under_memory_pressure_sheds_the_round_and_keeps_serving(start_
                                                                           tiny_model: Path, tmp_path: Path) -> None:
     trace = tmp_path / "squeeze.log"
     trace.write_text(SQUEEZE + "\n")
+    slo_tbt_s = 0.25  # the engine's TBT SLO, set so the test can hold serving to it
     d = start_daemon(extra_args=[*FLEET_ON, "--set", f"telemetry.replay_file={trace}",
-                                 "--set", "telemetry.replay_loop=true"])
+                                 "--set", "telemetry.replay_loop=true",
+                                 "--set", f"engine.slo_tbt_ms={slo_tbt_s * 1000:g}"])
     given = global_adapter(ModelConfig.from_dir(tiny_model))
     with d.client(timeout_s=120) as c:
         wait_for(lambda: c.status()["admission"]["state"] == "shed_finetune", timeout_s=20)
@@ -291,7 +293,11 @@ def test_a_device_under_memory_pressure_sheds_the_round_and_keeps_serving(start_
         reply = c.fleet_round(1, given, LORA, CONFIG)
         assert reply["status"] == "shed" and reply["num_examples"] == 0 and reply["delta"] == {}
         assert reply["privacy"]["rounds"] == 0
-        assert c.generate("Still serving?", max_tokens=4).text is not None
+        served = c.generate("Still serving?", max_tokens=16, ignore_eos=True)
+        tokens = served.usage["completion_tokens"]
+        assert tokens == 16
+        mean_tbt_s = (served.timing["total_s"] - served.timing["ttft_s"]) / (tokens - 1)
+        assert mean_tbt_s <= slo_tbt_s, served.timing
 
 
 def test_a_user_withdrawing_fleet_consent_during_a_round_stops_its_update_from_leaving(
