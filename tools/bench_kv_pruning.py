@@ -53,8 +53,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "tools" / "results"
 
 
-def prompts() -> list[list[dict[str, str]]]:
+def prompts(long: bool = False) -> list[list[dict[str, str]]]:
+    """The two chat prompts, or (`long`) one long prompt: the design text's first 7,000 characters,
+    then the story to continue (~2,300 tokens; a budget below the prompt prunes from the first step)."""
     story = (ROOT / "tools" / "data" / "perplexity.txt").read_text()
+    if long:
+        design = (ROOT / "docs" / "scheduler.md").read_text()[:7000]
+        return [[{"role": "user", "content": f"{design}\n\n{story}\n\nForget the design notes above. Continue "
+                  "this story for many more pages, in the same style."}]]
     design = (ROOT / "docs" / "scheduler.md").read_text()[:2500]
     return [
         [{"role": "user", "content": f"{story}\n\nContinue this story for many more pages, in the same style."}],
@@ -234,6 +240,7 @@ def main() -> None:
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--window", type=int, default=0, help="MACE's W (0 = no idle rule)")
     ap.add_argument("--tau", type=float, default=0.0, help="MACE's norm threshold (0 = no norm rule)")
+    ap.add_argument("--long", action="store_true", help="one long prompt (~2,300 tokens) instead of the two chat ones")
     ap.add_argument("--prompts", type=int, default=2, help="how many of the two prompts (1: the story)")
     ap.add_argument("--tbt-tokens", type=int, default=64)
     ap.add_argument("--tbt-budget", type=float, default=0.5)
@@ -249,7 +256,7 @@ def main() -> None:
     engine = Engine.load(num_threads=args.threads, kv_cache_bytes=2 << 30, kv_cache_max_bytes=2 << 30,
                          max_num_seqs=64)
     settings = PruningSettings("mace", capacity=1, window=args.window, norm_threshold=args.tau, sinks=args.sinks)
-    prompt_ids = [engine.tokenizer.encode_prompt(p)[1] for p in prompts()[: args.prompts]]
+    prompt_ids = [engine.tokenizer.encode_prompt(p)[1] for p in prompts(args.long)[: args.prompts]]
     pruned = [(m, b) for m in methods for b in budgets if b < 1.0 or m == "mace"]
     configs = [("unpruned", 1.0)] + pruned
     reference = decode(engine, prompt_ids, args.tokens, configs[:1], settings)[0]
