@@ -3,31 +3,22 @@ and on (kv_prune_when = "pressure") replay one trace against a KV cache below th
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "bench_coserve.py"
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("bench_coserve", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from tests.tool_modules import load_tool
 
 
 @pytest.mark.slow  # ~30 s: the tool calibrates its cost models and measures unloaded figures first
 def test_memory_pressure_scenario_compares_pruning_off_and_on_over_one_trace(tiny_model_dir: Path,
                                                                               tmp_path: Path) -> None:
-    _tool().main(["--scenario", "memory-pressure", "--model", str(tiny_model_dir), "--quiet-wait", "0",
-                  "--pressure-runs", "off,mace", "--pressure-streams", "3", "--pressure-tokens", "40",
-                  "--pressure-span", "0", "--prune-capacity", "8", "--kv-fraction", "0.5",
-                  "--out", str(tmp_path / "pressure")])
+    load_tool("bench_coserve").main([
+        "--scenario", "memory-pressure", "--model", str(tiny_model_dir), "--quiet-wait", "0",
+        "--pressure-runs", "off,mace", "--pressure-streams", "3", "--pressure-tokens", "40",
+        "--pressure-span", "0", "--prune-capacity", "8", "--kv-fraction", "0.5",
+        "--out", str(tmp_path / "pressure")])
     data = json.loads((tmp_path / "pressure.json").read_text())
     assert data["kv_blocks"] < data["full_kv_blocks"]
     off, mace = data["runs"]

@@ -3,26 +3,15 @@ transformers' own class, bf16 shards, padded tokenizer) is one `Engine.load` acc
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 from edge_runtime import Engine, SamplingParams
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_scale.py"
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("bench_scale", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+from tests.tool_modules import load_tool
 
 
 def test_tiny_llama3_shape_builds_a_folder_the_engine_loads(tmp_path: Path) -> None:
-    tool = _tool()
+    tool = load_tool("bench_scale")
     real = tool.SHAPES["llama-3.2-1b"]
     shape = real.scaled(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                         vocab_size=600, max_position_embeddings=1024,

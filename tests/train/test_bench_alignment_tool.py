@@ -3,26 +3,19 @@ on the tiny model (JSON, Markdown and plot written)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from edge_runtime.outputs import CandidateOutput
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "bench_alignment.py"
+from tests.tool_modules import load_tool
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_alignment", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_alignment"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_alignment")
 
 
 def _candidate(text: str, reason: str = "stop") -> CandidateOutput:
