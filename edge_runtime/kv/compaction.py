@@ -12,11 +12,11 @@ layers matters because MACE shares C_total among the heads of all layers by thei
 4.3): one layer may keep nearly its whole context while another keeps a few positions, and only
 the sum is what the budget bounds.
 
-Layout. Positions below `base_pos` are compacted: each retained entry at table entry
-`entry[l, h, p]` (entry g lies in the table's slot `g // (layers x H)`, in plane
-`g % (layers x H) // H` and lane `g % H`); position p >= base_pos lies whole (every lane, every
-layer) in the table's slot `base_slot + p - base_pos`, as every position of a sequence never
-compacted does (base 0, 0).
+Layout. Positions below `base_pos` are compacted: each retained entry's key at slab row
+`rows[l, h, p]` (in a block of the table's first ones, which stay where they are until the next
+compaction, so the rows need no recomputing per step); position p >= base_pos lies whole (every
+lane, every layer) in the table's slot `base_slot + p - base_pos`, as every position of a
+sequence never compacted does (base 0, 0).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from edge_runtime.kv.cache import KVCache
 class CompactLayout:
     base_pos: int  # positions below it are compacted
     base_slot: int  # the table slot of position base_pos (and of each later one, in order)
-    entry: Tensor  # [layers, kv_heads, base_pos] long: table entry of each retained entry; -1: none
+    rows: Tensor  # [layers, kv_heads, base_pos] long: slab row of each retained entry's key; 0: none
 
     @property
     def slots_saved(self) -> int:
@@ -75,13 +75,7 @@ def entry_rows(layout: CompactLayout | None, block_table: list[int], n: int, blo
     whole = slab_row(slots[None, None, :], planes[:, None, None], lanes[None, :, None], num_slots, kv_heads)
     if base == 0:
         return whole
-    per_slot = num_layers * kv_heads
-    slots_of_table = table_slots(block_table, block_size)
-    j = layout.entry[:, :, :base]
-    present = j >= 0
-    j = j.clamp(min=0)
-    packed = slab_row(slots_of_table[j // per_slot], j % per_slot // kv_heads, j % kv_heads, num_slots, kv_heads)
-    return torch.cat([torch.where(present, packed, 0), whole], dim=-1)
+    return torch.cat([layout.rows[:, :, :base], whole], dim=-1)
 
 
 @dataclass
@@ -139,25 +133,16 @@ def compact(layout: CompactLayout | None, retained: Tensor, block_table: list[in
     for block in uncache:
         pool.uncache(block)
     dest += [pool.allocate() for _ in range(fresh)]
-    table = kept + dest
-    index_of = {b: i for i, b in enumerate(table)}
-
-    entry = torch.full((layers, kv_heads, n), -1, dtype=torch.long)
-    if kept:
-        remap = torch.zeros(pool.num_blocks, dtype=torch.long)
-        remap[shared_set] = torch.tensor([index_of.get(b, 0) for b in shared], dtype=torch.long)
-        slot = (rows // kv_heads) % num_slots
-        table_slot = remap[block_of] * size + slot % size
-        own = torch.arange(layers)[:, None, None] * kv_heads + torch.arange(kv_heads)[None, :, None]
-        entry = torch.where(stays, table_slot * per_slot + own, entry)
+    # Entries left in shared blocks keep their rows; the others get the rows they move to.
+    packed = torch.where(stays, rows, 0)
     if len(moving):
         p, layer, h = moving[:, 0], moving[:, 1], moving[:, 2]
         rank = torch.arange(len(moving))
-        entry[layer, h, p] = len(kept) * size * per_slot + rank
         dest_t = torch.tensor(dest, dtype=torch.long)
         dest_slot = dest_t[rank // per_slot // size] * size + rank // per_slot % size
         src = rows[layer, h, p]
         dst = slab_row(dest_slot, rank % per_slot // kv_heads, rank % kv_heads, num_slots, kv_heads)
+        packed[layer, h, p] = dst
         if not torch.equal(src, dst):
             device = cache.data.device
             value = num_slots * kv_heads  # a key's row to its value's
@@ -169,4 +154,4 @@ def compact(layout: CompactLayout | None, retained: Tensor, block_table: list[in
     base_slot = len(kept) * size + -(-len(moving) // per_slot)
     for block in released:
         pool.release(block)  # after the copies: a block given back reads as zeros
-    return Compaction(CompactLayout(n, base_slot, entry), table, released, fresh)
+    return Compaction(CompactLayout(n, base_slot, packed), kept + dest, released, fresh)
