@@ -141,12 +141,15 @@ def round_trainer(model: LlamaModel, tokenizer: Tokenizer, given: LoraWeights, c
 
 
 def heldout_metrics(rows: Sequence[tuple[float, float, float, float]]) -> dict[str, float]:
-    """Win rate (share of pairs with pi(y+|x) > pi(y-|x), the MACE paper's) and margin (mean of
+    """Win rate (`edge_runtime.train.dpo.win_rate`, the MACE paper's) and margin (mean of
     Delta+ - Delta-, the log-ratios against the base model) of (policy chosen, policy rejected,
     reference chosen, reference rejected) rows."""
-    n = len(rows)
-    return {"win_rate": sum(pc > pr for pc, pr, _, _ in rows) / n,
-            "margin": sum((pc - rc) - (pr - rr) for pc, pr, rc, rr in rows) / n}
+    import torch
+
+    from edge_runtime.train.dpo import win_rate
+
+    pc, pr, rc, rr = torch.tensor(rows, dtype=torch.float64).unbind(1)
+    return {"win_rate": win_rate(pc, pr), "margin": ((pc - rc) - (pr - rr)).mean().item()}
 
 
 class HeldoutScorer:
