@@ -12,6 +12,7 @@ import torch
 from edge_runtime.train.dp import clip_and_noise, gaussian_rounds_epsilon, l2_norm
 
 # dp_accounting 0.6.0: RdpAccountant(); compose(GaussianDpEvent(sigma), rounds); get_epsilon(delta).
+# Recorded from the library (its attrs<24 pin conflicts with the project's, so it is not installed).
 DP_ACCOUNTING_0_6_0 = [
     (1.0, 1, 1e-5, 4.728507067217623),
     (1.0, 10, 1e-5, 19.05359753163139),
@@ -20,20 +21,14 @@ DP_ACCOUNTING_0_6_0 = [
     (5.0, 1, 1e-5, 0.794522032537103),
     (0.8, 20, 1e-5, 40.970493283868805),
     (1.1, 5, 1e-5, 10.941319823567266),
+    (0.7, 4, 1e-5, 16.72512084464173),
+    (3.0, 50, 1e-7, 15.294424270036243),
 ]
 
 
 @pytest.mark.parametrize("sigma, rounds, delta, published", DP_ACCOUNTING_0_6_0)
 def test_epsilon_of_gaussian_rounds_equals_dp_accountings(sigma, rounds, delta, published) -> None:
     assert gaussian_rounds_epsilon([sigma] * rounds, delta) == pytest.approx(published, rel=1e-12)
-
-
-def test_epsilon_equals_the_installed_dp_accounting_when_there_is_one() -> None:
-    dp_accounting = pytest.importorskip("dp_accounting")
-    for sigma, rounds, delta in [(0.7, 4, 1e-5), (3.0, 50, 1e-7)]:
-        accountant = dp_accounting.rdp.RdpAccountant()
-        accountant.compose(dp_accounting.GaussianDpEvent(sigma), rounds)
-        assert gaussian_rounds_epsilon([sigma] * rounds, delta) == pytest.approx(accountant.get_epsilon(delta))
 
 
 def test_epsilon_is_zero_before_any_round_grows_with_rounds_and_is_unbounded_without_noise() -> None:
