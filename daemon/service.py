@@ -246,7 +246,9 @@ class Service:
             self.state = "failed"
             raise
         self.model_name = engine.model_name
-        self.tool_style = engine.tokenizer.tool_style
+        from edge_runtime.chat import tool_style
+
+        self.tool_style = tool_style(engine.tokenizer)
         from edge_runtime.lora.registry import FLEET
 
         newest_fleet = await self.engine.call(lambda e: e.adapters.newest(FLEET))

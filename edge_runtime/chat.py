@@ -15,12 +15,16 @@ import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from edge_runtime.constraints import JSON_WHITESPACE, Constraint
 from edge_runtime.errors import BadRequest
 
+if TYPE_CHECKING:
+    from edge_runtime.model.tokenizer import Tokenizer
+
 ToolStyle = Literal["hermes", "json"]
+ChatMessages = Sequence[dict[str, Any]]
 MAX_TOOLS = 128
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
@@ -189,6 +193,47 @@ def render(hf_tokenizer: Any, prompt: ChatPrompt) -> str:
             except Exception as again:  # noqa: BLE001
                 exc = again
         raise BadRequest(f"the model's chat template refused these messages: {exc}", param="messages") from None
+
+
+def render_messages(hf_tokenizer: Any, messages: ChatMessages) -> str:
+    """Plain turns (dicts with string `role` and `content`) through the model's chat template,
+    ready for the assistant's answer."""
+    if not messages:
+        raise BadRequest("chat messages must not be empty")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadRequest("each chat message must be a dict with string 'role' and 'content'")
+    if not getattr(hf_tokenizer, "chat_template", None):
+        raise BadRequest("this model has no chat template; send a plain prompt instead")
+    return hf_tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | ChatMessages | ChatPrompt | Sequence[int]) -> tuple[str, list[int]]:
+    """The prompt's text (a conversation rendered through the chat template) and its token ids.
+    A list of ints is taken as the token ids themselves (checked against the vocabulary)."""
+    if isinstance(prompt, str):
+        text = prompt
+        ids = tokenizer.encode(text)
+    elif isinstance(prompt, ChatPrompt):
+        text = render(tokenizer.hf, prompt)
+        ids = tokenizer.encode(text, special_tokens=False)
+    elif isinstance(prompt, (list, tuple)) and prompt and all(type(t) is int for t in prompt):
+        ids = tokenizer.checked_ids(prompt)
+        text = tokenizer.text_of(ids)
+    elif isinstance(prompt, (list, tuple)):
+        text = render_messages(tokenizer.hf, prompt)
+        # The template already placed every special token it wants.
+        ids = tokenizer.encode(text, special_tokens=False)
+    else:
+        raise BadRequest(f"prompt must be a string, chat messages or token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise BadRequest("prompt is empty")
+    return text, ids
+
+
+def tool_style(tokenizer: Tokenizer) -> ToolStyle:
+    """How the tokenizer's model writes a tool call (see template_tool_style)."""
+    return template_tool_style(tokenizer.chat_template)[1]
 
 
 # -- forcing and parsing calls -------------------------------------------------------------------

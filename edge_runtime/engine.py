@@ -22,7 +22,13 @@ from typing import Any
 import torch
 
 from edge_runtime.backends.auto import SELF_CHECK_PROMPTS, choose_backend, first_candidate
-from edge_runtime.chat import ChatPrompt, forced_call_constraint
+from edge_runtime.chat import (
+    ChatMessages,
+    ChatPrompt,
+    encode_prompt,
+    forced_call_constraint,
+    tool_style,
+)
 from edge_runtime.config import EngineConfig
 from edge_runtime.constraints import GrammarCompiler, unpack_masks
 from edge_runtime.device import pick_device, pick_dtype
@@ -37,7 +43,7 @@ from edge_runtime.lora.weights import LoraWeights
 from edge_runtime.memory import MemoryKind, MemoryLedger, ShedReport
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.llama import LlamaModel
-from edge_runtime.model.tokenizer import ChatMessages, Tokenizer
+from edge_runtime.model.tokenizer import Tokenizer
 from edge_runtime.model.weights import load_llama
 from edge_runtime.outputs import RequestMetrics, RequestOutput, TokenEvent, TokenLogprob
 from edge_runtime.sampling import (
@@ -255,13 +261,13 @@ class Engine:
             raise BadRequest(f"prompt has {len(prompt)} characters; the limit is {self.config.max_prompt_chars}",
                              param="prompt")
         if isinstance(prompt, ChatPrompt):
-            forced = forced_call_constraint(prompt, self.tokenizer.tool_style)
+            forced = forced_call_constraint(prompt, tool_style(self.tokenizer))
             if forced is not None:
                 if params.constraint is not None:
                     raise BadRequest("a forced tool call and a response format cannot both shape one answer",
                                      param="response_format")
                 params = dataclasses.replace(params, constraint=forced)
-        text, ids = self.tokenizer.encode_prompt(prompt)
+        text, ids = encode_prompt(self.tokenizer, prompt)
         if len(ids) >= self.max_context:
             raise BadRequest(
                 f"prompt has {len(ids)} tokens; this engine holds at most {self.max_context - 1} "
@@ -832,7 +838,7 @@ class Engine:
         for i, item in enumerate(inputs):
             if isinstance(item, str) and not item:
                 raise BadRequest(f"input {i} is empty")
-            _, ids = self.tokenizer.encode_prompt(item)
+            _, ids = encode_prompt(self.tokenizer, item)
             if len(ids) > self.max_context:
                 raise BadRequest(f"input {i} has {len(ids)} tokens; this engine embeds at most {self.max_context}")
             encoded.append(ids)

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from edge_runtime import Engine, SamplingParams  # noqa: E402
+from edge_runtime.chat import encode_prompt  # noqa: E402
 from edge_runtime.kv.cache import bytes_per_block  # noqa: E402
 from edge_runtime.kv.pruning import HeadPruning, PruningSettings  # noqa: E402
 from edge_runtime.memory import MemoryKind  # noqa: E402
@@ -256,7 +257,7 @@ def main() -> None:
     engine = Engine.load(num_threads=args.threads, kv_cache_bytes=2 << 30, kv_cache_max_bytes=2 << 30,
                          max_num_seqs=64)
     settings = PruningSettings("mace", capacity=1, window=args.window, norm_threshold=args.tau, sinks=args.sinks)
-    prompt_ids = [engine.tokenizer.encode_prompt(p)[1] for p in prompts(args.long)[: args.prompts]]
+    prompt_ids = [encode_prompt(engine.tokenizer, p)[1] for p in prompts(args.long)[: args.prompts]]
     pruned = [(m, b) for m in methods for b in budgets if b < 1.0 or m == "mace"]
     configs = [("unpruned", 1.0)] + pruned
     reference = decode(engine, prompt_ids, args.tokens, configs[:1], settings)[0]

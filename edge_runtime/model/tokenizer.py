@@ -1,17 +1,14 @@
-"""Text <-> token ids for one model: prompts, chat messages through the model's own chat
-template, end-of-sequence ids, and UTF-8-safe incremental detokenisation for streaming."""
+"""Text <-> token ids for one model: encoding, end-of-sequence ids, and UTF-8-safe incremental
+detokenisation for streaming. Knows nothing of chat: edge_runtime.chat renders a conversation to
+text through the template this exposes, then encodes it here."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from edge_runtime.chat import ChatPrompt, ToolStyle, render, template_tool_style
 from edge_runtime.errors import BadRequest, ModelNotAvailable
-
-ChatMessages = Sequence[dict[str, Any]]
 
 
 class Tokenizer:
@@ -41,45 +38,27 @@ class Tokenizer:
     def __len__(self) -> int:
         return len(self.hf)
 
-    def render_chat(self, messages: ChatMessages) -> str:
-        if not messages:
-            raise BadRequest("chat messages must not be empty")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise BadRequest("each chat message must be a dict with string 'role' and 'content'")
-        if not getattr(self.hf, "chat_template", None):
-            raise BadRequest("this model has no chat template; send a plain prompt instead")
-        return self.hf.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-
     @property
-    def tool_style(self) -> ToolStyle:
-        """How this model writes a tool call (chat.template_tool_style)."""
+    def chat_template(self) -> str | None:
+        """The model's own chat template (edge_runtime.chat renders through it), or None."""
         template = getattr(self.hf, "chat_template", None)
-        return template_tool_style(template if isinstance(template, str) else None)[1]
+        return template if isinstance(template, str) and template else None
 
-    def encode_prompt(self, prompt: str | ChatMessages | ChatPrompt | Sequence[int]) -> tuple[str, list[int]]:
-        """Returns the prompt text (chat rendered through the template) and its token ids. A
-        list of ints is taken as the token ids themselves (checked against the vocabulary)."""
-        if isinstance(prompt, str):
-            text = prompt
-            ids = self.hf.encode(text)
-        elif isinstance(prompt, ChatPrompt):
-            text = render(self.hf, prompt)
-            ids = self.hf.encode(text, add_special_tokens=False)
-        elif isinstance(prompt, (list, tuple)) and prompt and all(type(t) is int for t in prompt):
-            ids = list(prompt)
-            if any(not 0 <= t < len(self.hf) for t in ids):
-                raise BadRequest(f"prompt token ids must be in [0, {len(self.hf)})", param="prompt")
-            text = self.hf.decode(ids, skip_special_tokens=False)
-        elif isinstance(prompt, (list, tuple)):
-            text = self.render_chat(prompt)
-            # The template already placed every special token it wants.
-            ids = self.hf.encode(text, add_special_tokens=False)
-        else:
-            raise BadRequest(f"prompt must be a string, chat messages or token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise BadRequest("prompt is empty")
-        return text, list(ids)
+    def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
+        """The token ids of `text`; `special_tokens=False` for text a chat template already
+        wrapped in every special token it wants."""
+        return list(self.hf.encode(text, add_special_tokens=special_tokens))
+
+    def checked_ids(self, ids: Sequence[int]) -> list[int]:
+        """Token ids given directly, checked against the vocabulary."""
+        ids = list(ids)
+        if any(not 0 <= t < len(self.hf) for t in ids):
+            raise BadRequest(f"prompt token ids must be in [0, {len(self.hf)})", param="prompt")
+        return ids
+
+    def text_of(self, ids: Sequence[int]) -> str:
+        """The text ids spell, special tokens included (a prompt given as ids, shown as text)."""
+        return self.hf.decode(list(ids), skip_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)

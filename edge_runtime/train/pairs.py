@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from edge_runtime.chat import encode_prompt
 from edge_runtime.errors import BadRequest
 from edge_runtime.model.tokenizer import Tokenizer
 
@@ -67,13 +68,13 @@ def tokenize_pair(
     max_prompt_tokens: int = 512,
     max_completion_tokens: int = 256,
 ) -> PairTokens:
-    """Prompt through the engine's own `encode_prompt` (what inference fed the model); each
+    """Prompt through the engine's own `chat.encode_prompt` (what inference fed the model); each
     completion as its text's ids plus EOS, the token that ended the answer when it was served.
     Long prompts keep their tail (the question nearest the answer); long completions their head."""
     if not pair.chosen and not pair.rejected:
         raise BadRequest("a preference pair needs at least one non-empty completion")
     prompt = pair.prompt if isinstance(pair.prompt, str) else list(pair.prompt)
-    _, prompt_ids = tokenizer.encode_prompt(prompt)
+    _, prompt_ids = encode_prompt(tokenizer, prompt)
     prompt_ids = prompt_ids[-max_prompt_tokens:]
     eos = tokenizer.hf.eos_token_id
     if eos is None:

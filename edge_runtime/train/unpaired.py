@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
+from edge_runtime.chat import encode_prompt
 from edge_runtime.errors import BadRequest
 from edge_runtime.model.tokenizer import Tokenizer
 from edge_runtime.train.kto import KTOScore, kto_loss
@@ -75,7 +76,7 @@ def tokenize_unpaired(
     if eos is None:
         raise BadRequest("the tokenizer has no EOS token; completions cannot be terminated")
     prompt = example.prompt if isinstance(example.prompt, str) else list(example.prompt)
-    _, prompt_ids = tokenizer.encode_prompt(prompt)
+    _, prompt_ids = encode_prompt(tokenizer, prompt)
     completion = tuple((tokenizer.hf.encode(example.completion, add_special_tokens=False) + [int(eos)])
                        [:max_completion_tokens])
     kl_completion = mismatched_completion(recent, completion)

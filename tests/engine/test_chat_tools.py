@@ -10,7 +10,14 @@ import json
 import pytest
 
 from edge_runtime import SamplingParams
-from edge_runtime.chat import CallStreamer, ChatPrompt, parse_calls, render, template_tool_style
+from edge_runtime.chat import (
+    CallStreamer,
+    ChatPrompt,
+    parse_calls,
+    render,
+    template_tool_style,
+    tool_style,
+)
 from edge_runtime.errors import BadRequest
 from tests.engine.helpers import make_engine
 
@@ -63,7 +70,7 @@ def test_a_forced_call_is_always_a_valid_call_of_an_offered_tool(engine, choice)
     outs = engine.generate([prompt] * 3, SamplingParams(max_tokens=300, temperature=1.0, seed=4))
     for out in outs:
         assert out.candidates[0].finish_reason == "stop", out.text
-        content, calls = parse_calls(out.text, (WEATHER, TIME), engine.tokenizer.tool_style)
+        content, calls = parse_calls(out.text, (WEATHER, TIME), tool_style(engine.tokenizer))
         assert content == "" and len(calls) == 1
         call = calls[0]
         assert call.name in (("get_weather", "get_time") if choice == "required" else (choice,))

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from edge_runtime import SamplingParams
+from edge_runtime.chat import encode_prompt
 from edge_runtime.errors import BadRequest, UnknownRequest
 from edge_runtime.outputs import TokenEvent
 
@@ -165,7 +166,7 @@ def test_bad_input_gets_typed_errors_and_leaves_engine_serving(tiny_model_dir: P
 
 def test_context_limit_finishes_with_length(tiny_model_dir: Path) -> None:
     engine = make_engine(tiny_model_dir, max_context=40)
-    prompt_len = len(engine.tokenizer.encode_prompt(PROMPTS[0])[1])
+    prompt_len = len(encode_prompt(engine.tokenizer, PROMPTS[0])[1])
     out = engine.generate(PROMPTS[0], SamplingParams(max_tokens=500, ignore_eos=True))[0]
     assert prompt_len + len(out.token_ids) == 40
     assert out.candidates[0].finish_reason == "length"
