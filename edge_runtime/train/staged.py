@@ -1,7 +1,7 @@
-"""One pair's DPO update cut into stages the scheduler can fit into iteration budgets:
+"""One example's update (a pair's DPO, a judged answer's KTO: its `Objective`) cut into stages the scheduler can fit into iteration budgets:
 
   score     no-grad policy log-probs, one token window per stage (the windows the forward uses),
-            and the reference (cached) -> DPO loss (the pair's priority input); windowed so a
+            and the reference (cached) -> the objective's loss (the priority input); windowed so a
             stage fits the slack of an iteration's latency budget like the forward windows do
   reference (only without score, and only the first time a pair is seen) the base model's
             log-probs with the adapter off; cached for good since the base is frozen
@@ -9,11 +9,12 @@
             detached leaf, so the graph is cut at group boundaries; the LM head is applied and
             differentiated per window right away, keeping only a [rows, hidden] gradient
   backward  one layer group, last to first: its own graph, seeded with the gradient the group
-            above left on its input leaves (for the top group: the DPO loss's gradient)
+            above left on its input leaves (for the top group: the objective's gradient)
   optimizer AdamW on the LoRA parameters once `accumulation_steps` pairs have added gradients
 
 The gradients equal one full-sequence autograd pass of the same loss (tests check it); each
-stage reports an estimate of its latency and memory before it runs.
+stage reports an estimate of its latency and memory before it runs. The task reaches the adapter
+it trains only through `AdapterSide` (AdapterTrainer implements it).
 """
 
 from __future__ import annotations
@@ -22,19 +23,52 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
-from edge_runtime.train.costs import StageEstimate
-from edge_runtime.train.dpo import DPOScore, dpo_loss
+from edge_runtime.train.costs import StageCostModel, StageEstimate
 from edge_runtime.train.logprobs import token_logps
+from edge_runtime.train.objectives import Objective, Score
 from edge_runtime.train.pairs import PairTokens
-from edge_runtime.train.windows import PairKV, pair_rope_offsets, plan_windows
+from edge_runtime.train.windows import PairKV, Window
 
 if TYPE_CHECKING:
-    from edge_runtime.train.trainer import AdapterTrainer
+    from edge_runtime.model.llama import LlamaModel, LoraApplier
+
+
+class AdapterSide(Protocol):
+    """What a staged task asks of the adapter it trains."""
+
+    model: LlamaModel
+    costs: StageCostModel
+
+    def has_reference(self, tokens: PairTokens) -> bool: ...
+
+    def reference_logps(self, tokens: PairTokens) -> tuple[float, float]:
+        """Summed log-probs of the two rows with the adapter off (cached)."""
+        ...
+
+    def applier(self, training: bool = False) -> LoraApplier | None:
+        """The adapter being trained, as the forward applies it."""
+        ...
+
+    def claim(self, task: FineTuneTask) -> None:
+        """Hold the adapter from the first forward to the optimizer stage (raises if taken)."""
+        ...
+
+    def release(self, task: FineTuneTask) -> None: ...
+
+    @property
+    def accumulation_steps(self) -> int: ...
+
+    def optimizer_estimate(self) -> StageEstimate: ...
+
+    def finish(self, task: FineTuneTask) -> bool:
+        """Add the task's gradients to the optimizer (stepping when a window is full; returns
+        whether it stepped) and release the adapter."""
+        ...
 
 
 class StageKind(enum.Enum):
@@ -74,20 +108,22 @@ class _Activations:
     sums: Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
 
 
-class DPOFineTuneTask:
-    """Stages of one pair's update. Run them in order (`run_next()`), all at once (`run()`), or
-    shed the held activations under memory pressure (`abandon()`) and redo the forward later."""
+class FineTuneTask:
+    """Stages of one example's update. Run them in order (`run_next()`), all at once (`run()`),
+    or shed the held activations under memory pressure (`abandon()`) and redo the forward later.
+    `windows` are the token windows of `tokens`, `groups` the (start, stop) layer groups."""
 
-    def __init__(self, trainer: AdapterTrainer, tokens: PairTokens, score: bool = True, pair_id: object = None) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer: AdapterSide, tokens: PairTokens, objective: Objective,
+                 windows: list[Window], groups: list[tuple[int, int]], score: bool = True,
+                 pair_id: object = None) -> None:
+        self.trainer = trainer  # jobs of one trainer hold its adapter one at a time (scheduler)
         self.tokens = tokens
+        self.objective = objective
         self.pair_id = pair_id
-        settings = trainer.dpo
-        self.windows = plan_windows(tokens, settings.window_tokens, trainer.pad_id,
-                                    pair_rope_offsets(trainer.model, tokens))
-        self.groups = trainer.layer_groups()
-        self.score: DPOScore | None = None  # from the score stage (before training)
-        self.result: DPOScore | None = None  # the log-probs the gradient was taken at
+        self.windows = windows
+        self.groups = groups
+        self.score: Score | None = None  # from the score stage (before training)
+        self.result: Score | None = None  # the log-probs the gradient was taken at
         self.stepped = False  # whether this pair's optimizer stage applied an update
         self._acts: _Activations | None = None
         self._held = 0  # estimated bytes held between forward and backward
@@ -129,7 +165,7 @@ class DPOFineTuneTask:
         self._cursor += 1
         return stage
 
-    def run(self) -> DPOScore:
+    def run(self) -> Score:
         while not self.done:
             self.run_next()
         assert self.result is not None
@@ -195,7 +231,7 @@ class DPOFineTuneTask:
         win = self.windows[j]
         device = model.device
         with torch.no_grad():
-            ctx = kv.context(win, trainer.policy(trainer.weights))
+            ctx = kv.context(win, trainer.applier())
             hidden = model.run_layers(model.embed_tokens(win.input_ids.to(device)), win.positions.to(device), ctx)
             if win.score_rows.numel():
                 logp = token_logps(model, hidden.index_select(0, win.score_rows.to(device)), win.targets.to(device))
@@ -229,7 +265,7 @@ class DPOFineTuneTask:
         trainer, model = self.trainer, self.trainer.model
         if j == 0:
             trainer.claim(self)
-            self.trainer.reference_logps(self.tokens)  # needed by the top backward group (normally cached)
+            trainer.reference_logps(self.tokens)  # needed by the top backward group (normally cached)
             n = len(self.groups)
             self._acts = _Activations(PairKV(model.cfg.num_layers, model.cfg.layer_windows, model.cfg.attn_softcap), [[] for _ in range(n)], [[] for _ in range(n)])
             self._held = 0
@@ -238,7 +274,7 @@ class DPOFineTuneTask:
             raise RuntimeError("forward windows must run in order from the first")
         win = self.windows[j]
         device = model.device
-        ctx = acts.kv.context(win, trainer.policy(trainer.weights, training=True))
+        ctx = acts.kv.context(win, trainer.applier(training=True))
         positions = win.positions.to(device)
         with torch.enable_grad():
             x = model.embed_tokens(win.input_ids.to(device))
@@ -275,21 +311,9 @@ class DPOFineTuneTask:
     def _runner_backward(self, g: int) -> Callable[[], None]:
         return lambda: self._run_backward(g)
 
-    def _scored(self, sums: Tensor) -> DPOScore:
-        """The pair's score from the policy's summed log-probs of its two answers."""
-        ref_c, ref_r = self.trainer.reference_logps(self.tokens)
-        return DPOScore(float(sums[0]), float(sums[1]), ref_c, ref_r, self.trainer.dpo.beta)
-
-    def _loss_coefficients(self) -> Tensor:
-        """dL/d(sum log pi(chosen)), dL/d(sum log pi(rejected)) for this pair's share of the
-        accumulated (mean) loss: two scalars, so the top group's seed is exact and cheap."""
-        assert self.result is not None
-        r = self.result
-        logps = torch.tensor([r.policy_chosen, r.policy_rejected], dtype=torch.float64, requires_grad=True)
-        ref = torch.tensor([r.ref_chosen, r.ref_rejected], dtype=torch.float64)
-        loss = dpo_loss(logps[0], logps[1], ref[0], ref[1], r.beta) / self.trainer.optimizer.settings.accumulation_steps
-        loss.backward()
-        return logps.grad
+    def _scored(self, sums: Tensor) -> Score:
+        """The example's score from the policy's summed log-probs of its two rows."""
+        return self.objective.score((float(sums[0]), float(sums[1])), self.trainer.reference_logps(self.tokens))
 
     def _run_backward(self, g: int) -> None:
         acts = self._acts
@@ -297,7 +321,8 @@ class DPOFineTuneTask:
             raise RuntimeError("backward groups must run after the forward windows, last group first")
         outputs = acts.outputs[g]
         if g == len(self.groups) - 1:
-            coeff = self._loss_coefficients()
+            assert self.result is not None
+            coeff = self.objective.seed(self.result, self.trainer.accumulation_steps)
             seeds = []
             for out, (rows, grad, owners) in zip(outputs, acts.head_grads, strict=True):
                 seed = torch.zeros_like(out)
@@ -321,9 +346,9 @@ class DPOFineTuneTask:
     # -- optimizer ---------------------------------------------------------------------------
 
     def _estimate_optimizer(self) -> StageEstimate:
-        t = self.trainer
-        return t.costs.optimizer(t.weights.num_params, t.optimizer.will_step)
+        return self.trainer.optimizer_estimate()
 
     def _run_optimizer(self) -> None:
-        self.stepped = self.trainer.optimizer.accumulate()
-        self.trainer.finish(self)
+        if self.result is not None:
+            self.objective.stepped(self.result)
+        self.stepped = self.trainer.finish(self)

@@ -1,5 +1,6 @@
-"""One user's adapter under continual DPO on the shared base model: trainable LoRA leaves, their
-AdamW state, the staged task factory, and held-out evaluation (win rate, CLPD).
+"""One user's adapter under continual DPO (KTO for unpaired feedback) on the shared base model:
+trainable LoRA leaves, their AdamW state, the staged task factory (the `AdapterSide` a task
+trains through) and held-out evaluation (win rate, CLPD).
 
 The base weights are the engine's own tensors (never copied, never given to the optimizer); the
 reference policy is the same model with the adapter off, its log-probs cached per pair. With a
@@ -21,19 +22,16 @@ from edge_runtime.lora.config import LoraSettings
 from edge_runtime.lora.weights import LoraWeights, SummedLora, TrainingLora
 from edge_runtime.model.llama import LlamaModel, LoraApplier
 from edge_runtime.model.tokenizer import Tokenizer
-from edge_runtime.train.costs import StageCostModel
+from edge_runtime.train.costs import StageCostModel, StageEstimate
 from edge_runtime.train.dpo import AlignmentMetrics, DPOScore, alignment_metrics
 from edge_runtime.train.kto import UnpairedMetrics, unpaired_metrics
 from edge_runtime.train.logprobs import ReferenceCache, pair_logps
+from edge_runtime.train.objectives import DPOObjective, KTOObjective, Objective
 from edge_runtime.train.optim import LoraOptimizer, OptimizerSettings
 from edge_runtime.train.pairs import PairLike, PairTokens, tokenize_pair
-from edge_runtime.train.staged import DPOFineTuneTask
-from edge_runtime.train.unpaired import (
-    KTOFineTuneTask,
-    UnpairedLike,
-    UnpairedTokens,
-    tokenize_unpaired,
-)
+from edge_runtime.train.staged import FineTuneTask
+from edge_runtime.train.unpaired import UnpairedLike, UnpairedTokens, tokenize_unpaired
+from edge_runtime.train.windows import pair_rope_offsets, plan_windows
 
 
 @dataclass(frozen=True)
@@ -89,7 +87,7 @@ class AdapterTrainer:
         # its own forward (alpha 0.3): the estimate of a new pair's loss when its task skips the
         # score stage. None until a pair was trained.
         self.recent_loss: float | None = None
-        self._active: DPOFineTuneTask | None = None
+        self._active: FineTuneTask | None = None
         # The user's recent answers (ids) that mismatched completions are drawn from, and the
         # mismatched log-ratios their forwards measured (the samples of KTO's z0).
         self.recent_completions: deque[tuple[int, ...]] = deque(maxlen=max(1, self.dpo.kto_kl_window))
@@ -161,17 +159,24 @@ class AdapterTrainer:
         return out
 
     def task(self, pair: PairLike | PairTokens | UnpairedLike | UnpairedTokens,
-             score: bool = True) -> DPOFineTuneTask:
+             score: bool = True) -> FineTuneTask:
         """The staged update for one pair (see `staged.py`); the scheduler runs its stages.
         `score` adds the no-grad score stages that measure the pair's DPO loss under the current
         adapter before training (MACE's priority input, exact); without them, priorities use
         `expected_loss` and the update costs about a third less."""
         key = getattr(pair, "pair_id", getattr(pair, "example_id", getattr(pair, "id", None)))
+        objective: Objective
         if isinstance(pair, UnpairedTokens) or hasattr(pair, "desirable"):
             example = pair if isinstance(pair, UnpairedTokens) else self.tokenize_unpaired(pair)  # type: ignore[arg-type]
-            return KTOFineTuneTask(self, example, score=score, example_id=key)
-        tokens = pair if isinstance(pair, PairTokens) else self.tokenize(pair)  # type: ignore[arg-type]
-        return DPOFineTuneTask(self, tokens, score=score, pair_id=key)
+            tokens = example.tokens
+            s = self.dpo
+            objective = KTOObjective(example, self.kl_samples, s.kto_beta, s.kto_desirable_weight,
+                                     s.kto_undesirable_weight)
+        else:
+            tokens = pair if isinstance(pair, PairTokens) else self.tokenize(pair)  # type: ignore[arg-type]
+            objective = DPOObjective(self.dpo.beta)
+        windows = plan_windows(tokens, self.dpo.window_tokens, self.pad_id, pair_rope_offsets(self.model, tokens))
+        return FineTuneTask(self, tokens, objective, windows, self.layer_groups(), score=score, pair_id=key)
 
     def train(self, pairs: Iterable[PairLike | UnpairedLike], score: bool = False) -> list[Any]:
         """Run every pair's task to completion, in order (no scheduler: tools and tests)."""
@@ -184,23 +189,37 @@ class AdapterTrainer:
         self.optimizer.step()
         return True
 
-    def claim(self, task: DPOFineTuneTask) -> None:
+    # -- what a task asks of the adapter (staged.AdapterSide) ------------------------------
+
+    def applier(self, training: bool = False) -> LoraApplier | None:
+        return self.policy(self.weights, training=training)
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self.optimizer.settings.accumulation_steps
+
+    def optimizer_estimate(self) -> StageEstimate:
+        return self.costs.optimizer(self.weights.num_params, self.optimizer.will_step)
+
+    def claim(self, task: FineTuneTask) -> None:
         # Between a task's forward and its optimizer stage the graph references the LoRA leaves;
         # an optimizer step in between would invalidate it, so one task holds the adapter.
         if self._active is not None and self._active is not task:
             raise RuntimeError("another fine-tune task of this adapter is between its forward and optimizer stages")
         self._active = task
 
-    def release(self, task: DPOFineTuneTask) -> None:
+    def release(self, task: FineTuneTask) -> None:
         if self._active is task:
             self._active = None
 
-    def finish(self, task: DPOFineTuneTask) -> None:
+    def finish(self, task: FineTuneTask) -> bool:
+        stepped = self.optimizer.accumulate()
         self.release(task)
         self.pairs_trained += 1
         if task.result is not None:
             loss = task.result.loss
             self.recent_loss = loss if self.recent_loss is None else 0.7 * self.recent_loss + 0.3 * loss
+        return stepped
 
     @property
     def expected_loss(self) -> float:

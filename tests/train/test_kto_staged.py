@@ -13,7 +13,8 @@ from edge_runtime.train import StageKind
 from edge_runtime.train.dpo import dpo_loss
 from edge_runtime.train.kto import KTOScore, kto_loss
 from edge_runtime.train.logprobs import pair_logps_dense
-from edge_runtime.train.unpaired import KTOFineTuneTask, UnpairedRecord
+from edge_runtime.train.objectives import KTOObjective
+from edge_runtime.train.unpaired import UnpairedRecord
 from tests.train.helpers import chat, make_trainer, max_rel_error
 
 
@@ -43,13 +44,13 @@ def _autograd_grads(trainer, tasks, accumulation):
         tokens = task.tokens
         ref_a, ref_b = (torch.tensor(v, dtype=torch.float32) for v in trainer.reference_logps(tokens))
         logps = pair_logps_dense(trainer.model, tokens, trainer.weights)
-        if isinstance(task, KTOFineTuneTask):
-            if task.example.has_kl:
+        if isinstance(task.objective, KTOObjective):
+            if task.objective.example.has_kl:
                 samples.append(float(logps[1].detach() - ref_b))
             z0 = max(0.0, sum(samples) / len(samples)) if samples else 0.0
             z0s.append(z0)
             s = trainer.dpo
-            loss = kto_loss(logps[0], ref_a, torch.tensor(task.example.desirable), z0, s.kto_beta,
+            loss = kto_loss(logps[0], ref_a, torch.tensor(task.objective.example.desirable), z0, s.kto_beta,
                             s.kto_desirable_weight, s.kto_undesirable_weight)
         else:
             loss = dpo_loss(logps[0], logps[1], ref_a, ref_b, trainer.dpo.beta)
@@ -66,10 +67,10 @@ def test_kto_staged_gradients_equal_full_autograd_in_a_mixed_job(tiny4, tiny4_to
     examples = unpaired_records()
     items = [examples[0], examples[1], pairs[0], examples[2], examples[3]]
     tasks = [trainer.task(item) for item in items]
-    assert [isinstance(t, KTOFineTuneTask) for t in tasks] == [True, True, False, True, True]
-    assert not tasks[0].example.has_kl and tasks[0].tokens.rejected == (tiny4_tokenizer.hf.eos_token_id,)
+    assert [isinstance(t.objective, KTOObjective) for t in tasks] == [True, True, False, True, True]
+    assert not tasks[0].objective.example.has_kl and tasks[0].tokens.rejected == (tiny4_tokenizer.hf.eos_token_id,)
     # The mismatched answer is the user's previous answer (TRL rotates the batch by one).
-    assert tasks[1].example.has_kl and tasks[1].tokens.rejected == tasks[0].tokens.chosen
+    assert tasks[1].objective.example.has_kl and tasks[1].tokens.rejected == tasks[0].tokens.chosen
     for task in tasks:
         task.run()  # the optimizer stages accumulate (16 > 5 examples): nothing steps
     assert trainer.optimizer.steps == 0 and len(trainer.kl_samples) == 3
@@ -77,7 +78,7 @@ def test_kto_staged_gradients_equal_full_autograd_in_a_mixed_job(tiny4, tiny4_to
     want, z0s = _autograd_grads(trainer, tasks, accumulation=16)
     assert all(w.abs().max() > 0 for w in want)
     assert max_rel_error(got, want) <= 1e-4
-    kto_results = [t.result for t in tasks if isinstance(t, KTOFineTuneTask)]
+    kto_results = [t.result for t in tasks if isinstance(t.objective, KTOObjective)]
     assert [r.z0 for r in kto_results] == pytest.approx(z0s, abs=1e-4)
 
 
