@@ -17,14 +17,14 @@ import torch
 
 from edge_runtime.backends.lora_stack import LoraStackCache
 from edge_runtime.backends.onnx_export import default_cache_dir, export_step, model_hash
-from edge_runtime.backends.onnx_graph import GraphSpec, weight_format
-from edge_runtime.backends.onnxruntime_backend import _TORCH_TO_KV, write_new_kv
+from edge_runtime.backends.onnx_graph import TORCH_KV_DTYPES, GraphSpec, weight_format
+from edge_runtime.backends.onnxruntime_backend import write_new_kv
+from edge_runtime.backends.shape_profiles import StepLimits
 from edge_runtime.backends.step_inputs import StepItem, plan_step, split_groups
 from edge_runtime.kv.cache import KVCache
 from edge_runtime.lora.registry import AdapterRegistry
 from edge_runtime.model.llama import LlamaModel, LoraApplier
 from trt_plugins.builder import TensorRTUnavailable, build_engine, require_tensorrt
-from trt_plugins.profiles import StepLimits
 
 
 class TensorRTBackend:
@@ -50,7 +50,7 @@ class TensorRTBackend:
         self.model, self.cfg, self.cache, self.adapters = model, model.cfg, cache, adapters
         self.device = cache.data.device
         self.spec = GraphSpec(**weight_format(quantization), flavour="standard",  # type: ignore[arg-type]
-                              kv_dtype=_TORCH_TO_KV[cache.data.dtype])
+                              kv_dtype=TORCH_KV_DTYPES[cache.data.dtype])
         cfg = self.cfg
         self.limits = StepLimits(max_batch, max_tokens, max_context or cfg.max_position_embeddings, max_lora_rank,
                                  cache_rows=cache.data.shape[2] * cfg.num_kv_heads)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from edge_runtime.backends.shape_profiles import StepLimits, input_shapes
 from trt_plugins.engine_cache import engine_key, engine_path, gpu_name, write_atomically
-from trt_plugins.profiles import StepLimits, input_shapes
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from trt_plugins.profiles import StepLimits
+from edge_runtime.backends.shape_profiles import StepLimits
 
 
 def gpu_name() -> str:

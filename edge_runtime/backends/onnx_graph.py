@@ -39,6 +39,8 @@ IR_VERSION = 10  # the newest IR that ONNX Runtime 1.18+ and TensorRT 10 both re
 FLAVOURS = ("ort", "standard")
 KV_LAYOUTS = ("paged", "dense")
 KV_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+# The KV dtype name a graph takes for a cache slab of this torch dtype (the backends bind the slab).
+TORCH_KV_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 # LoRA sites of one layer: fused projections and the PEFT targets that feed each, in column order.
 LORA_SITES = {

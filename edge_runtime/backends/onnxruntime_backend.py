@@ -22,6 +22,7 @@ from edge_runtime.backends.lora_stack import LoraStackCache
 from edge_runtime.backends.onnx_export import DATA_FILE, export_step, model_hash
 from edge_runtime.backends.onnx_graph import (
     KV_DTYPES,
+    TORCH_KV_DTYPES,
     GraphSpec,
     rope_by_row,
     weight_format,
@@ -57,7 +58,6 @@ def onnxruntime_has_gpu() -> bool:
     import onnxruntime as ort
 
     return any(name in GPU_PROVIDERS for name in ort.get_available_providers())
-_TORCH_TO_KV = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def pick_providers(trt_cache_dir: Path | None = None, device: torch.device | None = None) -> list:
@@ -111,7 +111,7 @@ class OnnxRuntimeBackend:
         self.adapters = adapters
         self.device = cache.data.device
         self.pad_single_row = pad_single_row
-        kv_dtype = _TORCH_TO_KV.get(cache.data.dtype)
+        kv_dtype = TORCH_KV_DTYPES.get(cache.data.dtype)
         if kv_dtype is None:
             raise ValueError(f"the ONNX backends cannot bind a {cache.data.dtype} KV cache")
         root = Path(cache_dir) if cache_dir else None
@@ -180,12 +180,12 @@ class OnnxRuntimeBackend:
         return session
 
     def _providers_for(self, path: Path) -> list:
-        """TensorRT EP gets one explicit shape profile (trt_plugins.profiles), so it never
+        """TensorRT EP gets one explicit shape profile (edge_runtime.backends.shape_profiles), so it never
         rebuilds engines when a step's shapes change."""
         out = []
         for p in self.providers:
             if isinstance(p, tuple) and p[0] == "TensorrtExecutionProvider":
-                from trt_plugins.profiles import StepLimits, ort_trt_profile_options
+                from edge_runtime.backends.shape_profiles import StepLimits, ort_trt_profile_options
 
                 limits = StepLimits(max_batch=self.max_batch, max_tokens=self.max_tokens,
                                     max_context=self.max_context or self.cfg.max_position_embeddings,
@@ -534,4 +534,4 @@ def write_new_kv(cache: KVCache, new_kv: torch.Tensor, slot_mapping: np.ndarray)
 
 
 def _onnx_type(dtype: torch.dtype) -> int:
-    return KV_DTYPES[_TORCH_TO_KV[dtype]]
+    return KV_DTYPES[TORCH_KV_DTYPES[dtype]]

@@ -14,10 +14,10 @@ from edge_runtime import Engine, SamplingParams  # noqa: E402
 from edge_runtime.backends.onnx_export import export_step  # noqa: E402
 from edge_runtime.backends.onnx_graph import GraphSpec  # noqa: E402
 from edge_runtime.backends.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
+from edge_runtime.backends.shape_profiles import StepLimits, input_shapes, ort_trt_profile_options  # noqa: E402
 from tests.backends.helpers import ort_device  # noqa: E402
 from trt_plugins.builder import TensorRTUnavailable, require_tensorrt  # noqa: E402
 from trt_plugins.engine_cache import engine_key  # noqa: E402
-from trt_plugins.profiles import StepLimits, input_shapes, ort_trt_profile_options  # noqa: E402
 
 CONFIG = dict(dtype="float32", kv_cache_bytes=4 << 20, device=ort_device())
 
