@@ -5,9 +5,9 @@ the optimisation profile, so an engine is reused only where it was built for exa
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
+from edge_runtime import durable
 from edge_runtime.backends.shape_profiles import StepLimits
 
 
@@ -33,9 +33,4 @@ def engine_path(cache_dir: str | Path, key: str) -> Path:
 
 def write_atomically(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    durable.write_bytes(path, data)

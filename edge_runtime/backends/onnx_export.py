@@ -11,9 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +26,7 @@ from edge_runtime.backends.onnx_graph import (
     build_step_graph,
     with_gqa_window,
 )
+from edge_runtime.durable import TargetExists, publish_directory
 from edge_runtime.model.llama import LlamaModel
 
 log = logging.getLogger(__name__)
@@ -85,8 +83,8 @@ def export_step(
     with tqdm(total=model.cfg.num_layers, desc=f"exporting {spec.quantization} graph", unit="layer",
               disable=None, leave=False) as bar:
         proto = build_step_graph(model, spec, on_layer=lambda: bar.update(1))
-    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=root))
-    try:
+
+    def write(tmp: Path) -> None:
         onnx.save_model(proto, str(tmp / MODEL_FILE), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=DATA_FILE, size_threshold=1024)
         meta = {
@@ -100,18 +98,13 @@ def export_step(
             "export_seconds": round(time.monotonic() - started, 2),
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
         log.info("exported %s in %.1f s", key, meta["export_seconds"])
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / META_FILE).exists():  # not a concurrent exporter that won the race
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    try:
+        publish_directory(target, write, temp_prefix=".export-")
+    except TargetExists:
+        if not (target / META_FILE).exists():  # not a concurrent exporter that won the race
+            raise
     return target / MODEL_FILE
 
 

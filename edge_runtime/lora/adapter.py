@@ -1,20 +1,19 @@
 """PEFT-format adapter files: `adapter_config.json` + `adapter_model.safetensors`, written as an
-immutable snapshot (temp dir, fsync every file, rename, fsync the parent) so a crash leaves
-either the whole version or nothing. Knows file layout and key names, not users or versions.
+immutable snapshot (edge_runtime.durable.publish_directory) so a crash leaves either the whole
+version or nothing. Knows file layout and key names, not users or versions.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import secrets
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from edge_runtime.durable import TargetExists, publish_directory
 from edge_runtime.lora.config import AdapterError, LoraSettings
 from edge_runtime.lora.weights import Key, LoraWeights
 from edge_runtime.model.config import ModelConfig
@@ -61,55 +60,20 @@ def from_state_dict(state: dict[str, torch.Tensor], settings: LoraSettings) -> L
     return LoraWeights(settings, a, b)
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    # Directory fsync makes the rename itself durable; not every filesystem allows it.
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_adapter(directory: Path, weights: LoraWeights, base_model: str = "") -> None:
-    """Write the two PEFT files into an existing directory and fsync them."""
+    """Write the two PEFT files into an existing directory (`save_snapshot` makes them durable)."""
     config_path = directory / CONFIG_FILE
     config_path.write_text(json.dumps(weights.settings.to_peft_config(base_model), indent=2, sort_keys=True))
     save_file(to_state_dict(weights), str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-    for path in (config_path, directory / WEIGHTS_FILE):
-        _fsync_file(path)
 
 
 def save_snapshot(target: Path, weights: LoraWeights, base_model: str = "") -> Path:
     """Atomically create `target` holding the adapter; refuses to overwrite (versions are immutable)."""
     target = Path(target)
-    parent = target.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():
-        raise AdapterError(f"adapter snapshot {target} already exists; versions are immutable")
-    tmp = parent / f"{TEMP_PREFIX}{target.name}-{secrets.token_hex(4)}"
-    tmp.mkdir()
     try:
-        write_adapter(tmp, weights, base_model)
-        _fsync_dir(tmp)
-        os.rename(tmp, target)  # atomic on POSIX; fails if target appeared meanwhile
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _fsync_dir(parent)
-    return target
+        return publish_directory(target, lambda tmp: write_adapter(tmp, weights, base_model), TEMP_PREFIX)
+    except TargetExists as exc:
+        raise AdapterError(f"adapter snapshot {target} already exists; versions are immutable") from exc
 
 
 def load_adapter(directory: Path, cfg: ModelConfig | None = None) -> LoraWeights:

@@ -12,7 +12,6 @@ benchmarks). Thread-safe: the trainer may publish while the engine thread looks 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import threading
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from edge_runtime import durable
 from edge_runtime.errors import BadRequest
 from edge_runtime.ids import validate_user_id
 from edge_runtime.lora.adapter import load_adapter, remove_stale_temps, save_snapshot
@@ -318,10 +318,7 @@ class AdapterRegistry:
             if self.root is not None:
                 user_dir = self.root / user
                 user_dir.mkdir(parents=True, exist_ok=True)
-                with open(user_dir / EVENTS_FILE, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(event, default=str) + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
+                durable.append_line(user_dir / EVENTS_FILE, json.dumps(event, default=str))
         return event
 
     def events(self, user: str) -> list[dict[str, Any]]:
@@ -348,13 +345,7 @@ class AdapterRegistry:
     def _write_retired(self, user: str) -> None:
         if self.root is None:
             return
-        user_dir = self.root / user
-        tmp = user_dir / f".{RETIRED_FILE}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(sorted(self._retired[user]), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, user_dir / RETIRED_FILE)
+        durable.write_json(self.root / user / RETIRED_FILE, sorted(self._retired[user]))
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

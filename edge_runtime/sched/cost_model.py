@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from edge_runtime import durable
 from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.sched.batch import Batch, ScheduledSeq
@@ -417,9 +418,7 @@ def store(path: Path | None, values: dict[str, Any], provisional: bool) -> None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"version": CACHE_VERSION, "provisional": provisional, "values": values}, indent=1))
-        os.replace(tmp, path)
+        durable.write_json(path, {"version": CACHE_VERSION, "provisional": provisional, "values": values}, indent=1)
     except OSError as exc:  # a read-only state dir costs a re-profile next start, nothing else
         log.warning("cannot write cost cache %s: %s", path, exc)
 
