@@ -17,7 +17,7 @@ import torch
 
 from edge_runtime.backends.lora_stack import LoraStackCache
 from edge_runtime.backends.onnx_export import default_cache_dir, export_step, model_hash
-from edge_runtime.backends.onnx_graph import TORCH_KV_DTYPES, GraphSpec, weight_format
+from edge_runtime.backends.onnx_spec import TORCH_KV_DTYPES, GraphSpec, weight_format
 from edge_runtime.backends.onnxruntime_backend import write_new_kv
 from edge_runtime.backends.shape_profiles import StepLimits
 from edge_runtime.backends.step_inputs import StepItem, plan_step, split_groups

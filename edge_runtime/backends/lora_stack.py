@@ -14,7 +14,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import torch
 
-from edge_runtime.backends.onnx_graph import lora_sites
+from edge_runtime.backends.onnx_spec import lora_sites
 from edge_runtime.lora.weights import LoraWeights, projection_shape
 from edge_runtime.model.config import ModelConfig
 

@@ -19,13 +19,8 @@ import torch
 from tqdm import tqdm
 
 from edge_runtime import paths
-from edge_runtime.backends.onnx_graph import (
-    GRAPH_VERSION,
-    OPSET,
-    GraphSpec,
-    build_step_graph,
-    with_gqa_window,
-)
+from edge_runtime.backends.onnx_graph import build_step_graph
+from edge_runtime.backends.onnx_spec import GRAPH_VERSION, OPSET, GraphSpec, with_gqa_window
 from edge_runtime.durable import TargetExists, publish_directory
 from edge_runtime.model.llama import LlamaModel
 

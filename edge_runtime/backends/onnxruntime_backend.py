@@ -20,7 +20,7 @@ import torch
 from edge_runtime.backends.dense_kv import DenseKV
 from edge_runtime.backends.lora_stack import LoraStackCache
 from edge_runtime.backends.onnx_export import DATA_FILE, export_step, model_hash
-from edge_runtime.backends.onnx_graph import (
+from edge_runtime.backends.onnx_spec import (
     KV_DTYPES,
     TORCH_KV_DTYPES,
     GraphSpec,

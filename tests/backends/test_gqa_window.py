@@ -8,7 +8,8 @@ import pytest
 pytest.importorskip("onnxruntime")
 
 from edge_runtime.backends import gqa_window  # noqa: E402
-from edge_runtime.backends.onnx_graph import GraphSpec, build_step_graph, with_gqa_window  # noqa: E402
+from edge_runtime.backends.onnx_graph import build_step_graph  # noqa: E402
+from edge_runtime.backends.onnx_spec import GraphSpec, with_gqa_window  # noqa: E402
 from edge_runtime.backends.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
 from edge_runtime.model.testing import make_tiny_model_dir  # noqa: E402
 from tests.backends.helpers import ort_device  # noqa: E402

@@ -13,7 +13,7 @@ pytest.importorskip("onnxruntime")
 from edge_runtime import Engine, SamplingParams  # noqa: E402
 from edge_runtime.backends import make_backend  # noqa: E402
 from edge_runtime.backends.onnx_export import export_step, read_meta  # noqa: E402
-from edge_runtime.backends.onnx_graph import GraphSpec  # noqa: E402
+from edge_runtime.backends.onnx_spec import GraphSpec  # noqa: E402
 from edge_runtime.backends.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
 from edge_runtime.backends.step_inputs import (  # noqa: E402
     DecodeInputs,

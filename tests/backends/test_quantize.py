@@ -117,13 +117,14 @@ def test_the_graphs_offset_linear_multiplies_by_the_q4_1_weight(tiny_model_dir, 
     grid, with float activations (accuracy level 0)."""
     import torch
 
-    from edge_runtime.backends.onnx_graph import GraphSpec, _StepWriter
+    from edge_runtime.backends.onnx_graph import step_writer
+    from edge_runtime.backends.onnx_spec import GraphSpec
     from edge_runtime.model.config import ModelConfig
     from edge_runtime.model.llama import LlamaModel
 
     with torch.device("meta"):
         shell = LlamaModel(ModelConfig.from_dir(tiny_model_dir))
-    writer = _StepWriter(shell, GraphSpec(quantization="int4", offsets=True, flavour=flavour,
+    writer = step_writer(shell, GraphSpec(quantization="int4", offsets=True, flavour=flavour,
                                                                 accuracy_level=0))
     weight = _q4_1_grid(40, 96, seed=2)
     y = writer.linear("x", torch.from_numpy(weight), None, "proj")

@@ -12,7 +12,7 @@ pytest.importorskip("onnxruntime")
 
 from edge_runtime import Engine, SamplingParams  # noqa: E402
 from edge_runtime.backends.onnx_export import export_step  # noqa: E402
-from edge_runtime.backends.onnx_graph import GraphSpec  # noqa: E402
+from edge_runtime.backends.onnx_spec import GraphSpec  # noqa: E402
 from edge_runtime.backends.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
 from edge_runtime.backends.shape_profiles import StepLimits, input_shapes, ort_trt_profile_options  # noqa: E402
 from tests.backends.helpers import ort_device  # noqa: E402

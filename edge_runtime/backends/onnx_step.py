@@ -1,0 +1,309 @@
+"""The decoder step as ONNX nodes, whatever the flavour: the layer loop (mirroring
+`DecoderLayer.forward`), linears with their weight formats and LoRA columns, norms' weights, the
+inputs, outputs and model properties. What each flavour writes its own way (quantised matmuls,
+RMSNorm, RoPE, attention) is left to its writer: onnx_ort.py and onnx_standard.py.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from edge_runtime.backends.onnx_spec import (
+    GRAPH_VERSION,
+    IR_VERSION,
+    KV_DTYPES,
+    OPSET,
+    GraphSpec,
+    lora_sites,
+)
+from edge_runtime.backends.quantize import NBitsWeight, OffsetNBitsWeight, pack_q4_offsets
+from edge_runtime.model.llama import LlamaModel
+
+
+class GraphBuilder:
+    """A tiny node/initializer accumulator with unique names."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self._count = 0
+        self._consts: dict[tuple, str] = {}
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, domain: str = "", **attrs) -> str | list[str]:
+        self._count += 1
+        outs = [f"{op_type}_{self._count}_{i}" for i in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, inputs, outs, domain=domain or None, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def node(self, op_type: str, inputs: list[str], outputs: list[str], **attrs) -> str:
+        """A node whose later outputs carry given names (graph outputs); returns its first output."""
+        self._count += 1
+        first = f"{op_type}_{self._count}_0"
+        self.nodes.append(helper.make_node(op_type, inputs, [first, *outputs], **attrs))
+        return first
+
+    def init(self, name: str, array: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def const(self, values: list[int] | list[float] | int | float, dtype: type = np.int64) -> str:
+        key = (repr(values), np.dtype(dtype).str)
+        if key not in self._consts:
+            self._consts[key] = self.init(f"const_{len(self._consts)}", np.array(values, dtype=dtype))
+        return self._consts[key]
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).cpu().numpy()
+
+
+class StepWriter(ABC):
+    """Emits the step for one model and spec; a flavour's writer fills in the abstract parts."""
+
+    def __init__(self, model: LlamaModel, spec: GraphSpec, on_layer: Callable[[], None] | None = None) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self.spec = spec
+        self.on_layer = on_layer  # called after each decoder layer is written (a progress bar)
+        self.g = GraphBuilder()
+        self._block_sum_mats: set[str] = set()  # the 0/1 block-sum initializers written so far
+        self._block_sums: dict[str, str] = {}  # a linear's input -> its per-block sums
+
+    # -- what each flavour writes its own way ---------------------------------------------------
+
+    @abstractmethod
+    def quantized_matmul(self, x: str, w: np.ndarray, name: str) -> str:
+        """x @ w.T for float w [N, K] in the spec's weight-only format (not q4_1)."""
+
+    @abstractmethod
+    def q4_matmul(self, x: str, q: NBitsWeight, name: str) -> str:
+        """x @ W^T for symmetric 4-bit blocks W = scale * (q - 8) (the q4_1 format's product)."""
+
+    @abstractmethod
+    def normalize(self, x: str, w: str, skip: str | None) -> tuple[str, str]:
+        """RMSNorm of (x + skip) with weight initializer w; returns (normalised, the sum)."""
+
+    @abstractmethod
+    def step_inputs(self) -> list[onnx.ValueInfoProto]:
+        """The step's index inputs, ending with `lora_index` and `lora_columns`."""
+
+    @abstractmethod
+    def prepare_rope(self) -> None:
+        """The rotary tables every layer shares."""
+
+    @abstractmethod
+    def token_ids(self) -> str:
+        """The token ids as the embedding reads them."""
+
+    @abstractmethod
+    def attention_block(self, i: int, layer: torch.nn.Module, qkv: str) -> tuple[str, str | None]:
+        """Layer i's attention from its fused q|k|v: (output, this step's K|V or None)."""
+
+    # -- shared parts ---------------------------------------------------------------------------
+
+    def linear(self, x: str, weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> str:
+        g, spec = self.g, self.spec
+        w = as_numpy(weight)  # [out, in]
+        if spec.quantization == "none":
+            y = g.op("MatMul", [x, g.init(f"{name}.weight", w.T)])
+        elif spec.offsets:
+            y = self._offset_linear(x, pack_q4_offsets(w), name)
+        else:
+            y = self.quantized_matmul(x, w, name)
+        if bias is not None:
+            y = g.op("Add", [y, g.init(f"{name}.bias", as_numpy(bias))])
+        return y
+
+    def _offset_linear(self, x: str, w: OffsetNBitsWeight, name: str) -> str:
+        """x @ W^T for W = scale * (q - 8) + offset per block: a symmetric 4-bit product, plus x
+        summed over each block of K (one MatMul by a 0/1 matrix, shared by the linears of one
+        input) times the offsets [K / block, N]."""
+        g, q = self.g, w.nbits
+        y = self.q4_matmul(x, q, name)
+        sums = self._block_sums.get(x)
+        if sums is None:
+            mat = f"block_sum_{q.k}"  # [K, K / block] of 0/1, one per width K
+            if mat not in self._block_sum_mats:
+                g.init(mat, np.kron(np.eye(q.k // q.block_size, dtype=np.float32), np.ones((q.block_size, 1), np.float32)))
+                self._block_sum_mats.add(mat)
+            sums = self._block_sums[x] = g.op("MatMul", [x, mat])
+        shift = g.op("MatMul", [sums, g.init(f"{name}.offsets", np.ascontiguousarray(w.offsets.T))])
+        return g.op("Add", [y, shift])
+
+    def embedding(self, ids: str) -> str:
+        return self.g.op("Gather", [self.g.init("embed.weight", as_numpy(self.model.embed)), ids], axis=0)
+
+    def lm_head(self, rows: str) -> str:
+        return self.linear(rows, self.model.lm_head_weight(), None, "lm_head")
+
+    def rms_norm(self, x: str, weight: torch.Tensor, name: str, skip: str | None = None) -> tuple[str, str]:
+        """RMSNorm of (x + skip); returns (normalised, the sum that is the next residual)."""
+        # Gemma's weights are offsets from 1: added here in float32, as its RMSNorm does.
+        w = as_numpy(weight)
+        w = self.g.init(f"{name}.weight", w + np.float32(self.cfg.norm_offset) if self.cfg.norm_offset else w)
+        return self.normalize(x, w, skip)
+
+    def qk_norm(self, q: str, k: str, layer: torch.nn.Module, name: str) -> tuple[str, str]:
+        """q [.., .., H*d] and k [.., .., KVH*d] RMS-normalised as `ModelConfig.qk_norm` says
+        (before RoPE): "head" normalises each head (Qwen3), "full" the whole projection (OLMo 2)."""
+        cfg, g = self.cfg, self.g
+        if cfg.qk_norm is None:
+            return q, k
+        if cfg.qk_norm == "full":
+            return self.rms_norm(q, layer.q_norm, f"{name}.q_norm")[0], self.rms_norm(k, layer.k_norm, f"{name}.k_norm")[0]
+        out = []
+        for x, weight, heads, tag in ((q, layer.q_norm, cfg.num_heads, "q_norm"),
+                                      (k, layer.k_norm, cfg.num_kv_heads, "k_norm")):
+            # Reshape's 0 keeps that dimension: [B, S, heads*d] or [1, T, heads*d] alike.
+            x = g.op("Reshape", [x, g.const([0, 0, heads, cfg.head_dim])])
+            x, _ = self.rms_norm(x, weight, f"{name}.{tag}")
+            out.append(g.op("Reshape", [x, g.const([0, 0, heads * cfg.head_dim])]))
+        return out[0], out[1]
+
+    def softcap(self, x: str, cap: float | None) -> str:
+        """Gemma's tanh(x / cap) * cap; x itself where cap is None."""
+        if cap is None:
+            return x
+        g, c = self.g, self.g.const(cap, np.float32)
+        return g.op("Mul", [g.op("Tanh", [g.op("Div", [x, c])]), c])
+
+    def scaled(self, x: str, factor: float) -> str:
+        """x * factor (Granite's multipliers); x itself where the factor is 1."""
+        return x if factor == 1.0 else self.g.op("Mul", [x, self.g.const(factor, np.float32)])
+
+    def lora(self, base: str, x: str, site: str, layer: int) -> str:
+        """base + ((x @ A_l) * row_mask) @ B_l: each row gets only its own adapter's columns."""
+        if not self.spec.lora:
+            return base
+        g = self.g
+        u = g.op("MatMul", [x, self.lora_a[site][layer]])
+        u = g.op("Mul", [u, self.lora_mask[len(lora_sites(self.cfg)[site])]])
+        return g.op("Add", [base, g.op("MatMul", [u, self.lora_b[site][layer]])])
+
+    def site_sizes(self) -> dict[str, tuple[int, int]]:
+        cfg = self.cfg
+        h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * inter), "down": (inter, h)}
+
+    def kv_input(self, layer: int, kind: str) -> onnx.ValueInfoProto:
+        """Layer `layer`'s key or value store as the graph reads it: the paged cache slab."""
+        return helper.make_tensor_value_info(f"cache.{layer}.{kind}", KV_DTYPES[self.spec.kv_dtype],
+                                             ["cache_rows", self.cfg.head_dim])
+
+    def inputs(self) -> list[onnx.ValueInfoProto]:
+        cfg = self.cfg
+        vi = helper.make_tensor_value_info
+        ins = self.step_inputs()
+        if not self.spec.lora:
+            ins = ins[:-2]
+        for layer in range(cfg.num_layers if self.spec.lora else 0):
+            for site, (fan_in, fan_out) in self.site_sizes().items():
+                k = len(lora_sites(cfg)[site])
+                ins.append(vi(f"lora.{layer}.{site}.a", TensorProto.FLOAT, [fan_in, f"lora_{site}_columns_x{k}"]))
+                ins.append(vi(f"lora.{layer}.{site}.b", TensorProto.FLOAT, [f"lora_{site}_columns_x{k}", fan_out]))
+        for layer in range(cfg.num_layers):
+            for kind in ("key", "value"):
+                ins.append(self.kv_input(layer, kind))
+        return ins
+
+    def prepare_shared(self) -> None:
+        g, cfg = self.g, self.cfg
+        L = cfg.num_layers
+        # One set of tables per rotary table of the model (Gemma 3's sliding layers have their own).
+        self.prepare_rope()
+        if not self.spec.lora:
+            return
+        # Row masks: column c of the stacked LoRA weights belongs to adapter lora_columns[c].
+        same = g.op("Equal", [g.op("Unsqueeze", ["lora_index", g.const([-1])]), "lora_columns"])
+        mask = g.op("Cast", [same], to=TensorProto.FLOAT)  # [T, M] (flat) or [B, S, M] (rows)
+        self.lora_mask = {1: mask, 2: g.op("Concat", [mask, mask], axis=-1),
+                          3: g.op("Concat", [mask, mask, mask], axis=-1)}
+        # Per-layer inputs (bound as views of one stacked array): a Split here would copy them all.
+        self.lora_a = {site: [f"lora.{i}.{site}.a" for i in range(L)] for site in lora_sites(cfg)}
+        self.lora_b = {site: [f"lora.{i}.{site}.b" for i in range(L)] for site in lora_sites(cfg)}
+
+    def kv_outputs(self, kv_out: list[str | None]) -> list[onnx.ValueInfoProto]:
+        """This step's keys/values as one `new_kv` output [layers, tokens, 2 * kv_size]."""
+        g, cfg, kv_dtype = self.g, self.cfg, self.spec.kv_dtype
+        new_kv = g.op("Reshape", [g.op("Concat", kv_out, axis=0), g.const([cfg.num_layers, -1, 2 * cfg.kv_size])])
+        if kv_dtype != "float32":
+            new_kv = g.op("Cast", [new_kv], to=KV_DTYPES[kv_dtype])
+        g.nodes.append(helper.make_node("Identity", [new_kv], ["new_kv"]))
+        return [helper.make_tensor_value_info("new_kv", KV_DTYPES[kv_dtype], [cfg.num_layers, "tokens", 2 * cfg.kv_size])]
+
+    def opsets(self) -> list[onnx.OperatorSetIdProto]:
+        return [helper.make_opsetid("", OPSET)]
+
+    def properties(self) -> dict[str, str]:
+        cfg, spec = self.cfg, self.spec
+        return {
+            "graph_version": str(GRAPH_VERSION), "flavour": spec.flavour,
+            "quantization": spec.quantization, "lora": str(int(spec.lora)),
+            "kv_layout": spec.kv_layout,
+            "layers": str(cfg.num_layers), "heads": str(cfg.num_heads), "kv_heads": str(cfg.num_kv_heads),
+            "group": str(cfg.num_heads // cfg.num_kv_heads), "head_dim": str(cfg.head_dim),
+            "vocab": str(cfg.vocab_size),
+        }
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def build(self) -> onnx.ModelProto:
+        g, cfg, model = self.g, self.cfg, self.model
+        self.prepare_shared()
+        # Activations are [1, T, h] (flat) or [B, S, h] (rows, "ort").
+        x = self.scaled(self.embedding(self.token_ids()), cfg.embedding_multiplier)
+        residual, delta = x, None
+        kv_out = []
+        # Norms on the sublayers' inputs (all but OLMo 2), on their outputs (OLMo 2, Gemma).
+        pre, post = cfg.norm_before_sublayer, cfg.norm_after_sublayer
+        for i, layer in enumerate(model.layers):
+            p = f"layers.{i}"
+            if not pre:
+                residual = residual if delta is None else g.op("Add", [residual, delta])
+                hn = residual
+            else:
+                hn, residual = self.rms_norm(residual, layer.input_norm, f"{p}.input_norm", delta)
+            qkv = self.lora(self.linear(hn, layer.qkv_weight, layer.qkv_bias, f"{p}.qkv"), hn, "qkv", i)
+            attn, kv_new = self.attention_block(i, layer, qkv)
+            kv_out.append(kv_new)
+            o = self.lora(self.linear(attn, layer.o_weight, layer.o_bias, f"{p}.o"), attn, "o", i)
+            if post:
+                o, _ = self.rms_norm(o, layer.attn_out_norm, f"{p}.attn_out_norm")
+            o = self.scaled(o, cfg.residual_multiplier)
+            if not pre:
+                residual = hn = g.op("Add", [residual, o])
+            else:
+                hn, residual = self.rms_norm(residual, layer.post_norm, f"{p}.post_norm", o)
+            gu = self.lora(self.linear(hn, layer.gate_up_weight, layer.gate_up_bias, f"{p}.gate_up"), hn, "gate_up", i)
+            gate, up = g.op("Split", [gu], n_out=2, axis=-1, num_outputs=2)
+            if cfg.activation == "silu":
+                act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+            else:  # Gemma's GELU-tanh (ai.onnx Gelu, opset 20+)
+                act = g.op("Mul", [g.op("Gelu", [gate], approximate="tanh"), up])
+            delta = self.lora(self.linear(act, layer.down_weight, layer.down_bias, f"{p}.down"), act, "down", i)
+            if post:
+                delta, _ = self.rms_norm(delta, layer.mlp_out_norm, f"{p}.mlp_out_norm")
+            delta = self.scaled(delta, cfg.residual_multiplier)
+            if self.on_layer is not None:
+                self.on_layer()
+        normed, _ = self.rms_norm(residual, model.norm, "norm", delta)
+        flat = g.op("Reshape", [normed, g.const([-1, cfg.hidden_size])])
+        rows = g.op("Gather", [flat, "logit_rows"], axis=0)  # [R, h]
+        logits = self.lm_head(rows)
+        if cfg.logits_scaling != 1.0:  # Granite divides its logits
+            logits = g.op("Div", [logits, g.const(cfg.logits_scaling, np.float32)])
+        logits = self.softcap(logits, cfg.final_softcap)  # Gemma's final soft-cap
+        g.nodes.append(helper.make_node("Reshape", [logits, g.const([-1, cfg.vocab_size])], ["logits"]))
+        outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["logit_rows", cfg.vocab_size])]
+        outputs += self.kv_outputs(kv_out)
+        graph = helper.make_graph(g.nodes, "mace_edge_step", self.inputs(), outputs, g.inits)
+        proto = helper.make_model(graph, opset_imports=self.opsets(), ir_version=IR_VERSION,
+                                  producer_name="mace-edge", producer_version=str(GRAPH_VERSION))
+        helper.set_model_props(proto, self.properties())
+        return proto
