@@ -951,7 +951,7 @@ def _engine_device(config: EngineConfig) -> torch.device:
     the CPU and read the cache there, so the engine stays on the CPU too."""
     device = pick_device(config.device)
     if device.type == "cuda" and config.device == "auto" and config.backend == "onnxruntime":
-        from edge_runtime.backends.onnxruntime_backend import onnxruntime_has_gpu
+        from edge_runtime.backends.ort_session import onnxruntime_has_gpu
 
         if not onnxruntime_has_gpu():
             log.warning("this onnxruntime build has no GPU provider: the onnxruntime backend runs on "

@@ -91,7 +91,7 @@ def candidates(device: torch.device) -> list[str]:
         if device.type != "cuda":
             names.append("onnxruntime")
         else:
-            from edge_runtime.backends.onnxruntime_backend import onnxruntime_has_gpu
+            from edge_runtime.backends.ort_session import onnxruntime_has_gpu
 
             if onnxruntime_has_gpu():  # the CUDA / TensorRT execution providers
                 names.append("onnxruntime")

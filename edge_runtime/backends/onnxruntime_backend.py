@@ -8,25 +8,31 @@ which are written into their slots here. Providers: TensorRT EP -> CUDA EP -> CP
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Hashable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from edge_runtime.backends.dense_kv import DenseKV
 from edge_runtime.backends.lora_stack import LoraStackCache
-from edge_runtime.backends.onnx_export import DATA_FILE, export_step, model_hash
+from edge_runtime.backends.onnx_export import export_step, model_hash
 from edge_runtime.backends.onnx_spec import (
-    KV_DTYPES,
     TORCH_KV_DTYPES,
     GraphSpec,
     rope_by_row,
     weight_format,
     with_gqa_window,
+)
+from edge_runtime.backends.ort_session import (
+    GPU_PROVIDERS,
+    OrtSession,
+    bind_cpu_inputs,
+    onnx_type,
+    open_session,
+    pick_providers,
 )
 from edge_runtime.backends.step_inputs import (
     DecodeInputs,
@@ -45,43 +51,6 @@ from edge_runtime.model.llama import LlamaModel, LoraApplier
 
 if TYPE_CHECKING:
     from edge_runtime.sched.scheduler import Batch
-
-log = logging.getLogger(__name__)
-
-PROVIDER_ORDER = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
-GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
-
-
-def onnxruntime_has_gpu() -> bool:
-    """Whether this onnxruntime build can run a graph on an NVIDIA GPU (the plain `onnxruntime`
-    wheel cannot: it has the CPU provider alone, whatever torch sees)."""
-    import onnxruntime as ort
-
-    return any(name in GPU_PROVIDERS for name in ort.get_available_providers())
-
-
-def pick_providers(trt_cache_dir: Path | None = None, device: torch.device | None = None) -> list:
-    """The providers this onnxruntime build has, best first; TensorRT EP gets fp16 and an
-    engine cache directory so its engines are built once per shape profile and GPU."""
-    import onnxruntime as ort
-
-    available = set(ort.get_available_providers())
-    on_gpu = device is not None and device.type == "cuda"
-    chosen: list = []
-    for name in PROVIDER_ORDER:
-        if name not in available or (name != "CPUExecutionProvider" and not on_gpu):
-            continue
-        if name == "TensorrtExecutionProvider":
-            options = {"trt_fp16_enable": True, "trt_engine_cache_enable": True}
-            if trt_cache_dir is not None:
-                trt_cache_dir.mkdir(parents=True, exist_ok=True)
-                options["trt_engine_cache_path"] = str(trt_cache_dir)
-            chosen.append((name, options))
-        elif name == "CUDAExecutionProvider":
-            chosen.append((name, {"device_id": device.index or 0}))
-        else:
-            chosen.append(name)
-    return chosen
 
 
 class OnnxRuntimeBackend:
@@ -149,7 +118,7 @@ class OnnxRuntimeBackend:
         # Two graphs of one export family: without LoRA nodes (batches where no row has an
         # adapter; 16 fewer nodes per layer, ~1.8 ms a step on 2 cores) and with them. Each is
         # opened on first use, so an engine that never serves adapters never loads the second.
-        self._sessions: dict[bool, _Session] = {}
+        self._sessions: dict[bool, OrtSession] = {}
         # The export key's digest of every weight, taken once (~1 CPU second for the default
         # model): the LoRA graph, opened when a first adapter is served, reuses it.
         self._digest = model_hash(model)
@@ -158,22 +127,11 @@ class OnnxRuntimeBackend:
 
     # -- sessions and binding -------------------------------------------------------------------
 
-    def _session(self, lora: bool) -> _Session:
+    def _session(self, lora: bool) -> OrtSession:
         session = self._sessions.get(lora)
         if session is None:
-            import onnxruntime as ort
-
-            spec = replace(self.spec, lora=lora)
-            path = export_step(self.model, spec, self.cache_dir, self._digest)
-            options = ort.SessionOptions()
-            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            if self.num_threads:
-                options.intra_op_num_threads = self.num_threads
-            inference = ort.InferenceSession(str(path), options, providers=self._providers_for(path))
-            log.info("onnxruntime backend: %s on %s", path.parent.name, inference.get_providers())
-            data = path.parent / DATA_FILE
-            session = _Session(path, inference, inference.io_binding(), has_lora_inputs=lora,
-                               weights_bytes=data.stat().st_size if data.exists() else 0)
+            path = export_step(self.model, replace(self.spec, lora=lora), self.cache_dir, self._digest)
+            session = open_session(path, self._providers_for(path), self.num_threads, has_lora_inputs=lora)
             if self.dense is None:
                 self._bind_cache(session.binding)
             self._sessions[lora] = session
@@ -222,7 +180,7 @@ class OnnxRuntimeBackend:
     def _bind_cache(self, binding) -> None:
         """Bind every layer's key and value slab [slots * kv_heads, head_dim] in place."""
         dev, idx = self._ort_device()
-        elem = _onnx_type(self.cache.data.dtype)
+        elem = onnx_type(self.cache.data.dtype)
         d = self.cfg.head_dim
         for layer in range(self.cfg.num_layers):
             for kv, kind in enumerate(("key", "value")):
@@ -394,7 +352,7 @@ class OnnxRuntimeBackend:
         target.copy_to_cache(base + plan.real_rows // width, plan.real_positions, plan.slot_mapping)
         return logits  # rows are sorted, so the sampling rows come in `items` order
 
-    def _session_with_stack(self, key: tuple[Hashable, ...]) -> _Session:
+    def _session_with_stack(self, key: tuple[Hashable, ...]) -> OrtSession:
         """The session for this step (with LoRA inputs when any row has an adapter), its stacked
         adapter inputs bound to `key`'s versions in slot order (rebound only when they change)."""
         session = self._session(lora=bool(key))
@@ -405,7 +363,7 @@ class OnnxRuntimeBackend:
             session.bound_stack = key
         return session
 
-    def _bind_dense(self, session: _Session, dense: DenseKV, first: int, count: int) -> None:
+    def _bind_dense(self, session: OrtSession, dense: DenseKV, first: int, count: int) -> None:
         """Bind rows [first, first + count) of `dense` as every layer's past and present."""
         key = (dense.buffer.data_ptr(), dense.rows_capacity, dense.capacity, first, count)
         if session.dense_key == key:
@@ -449,21 +407,21 @@ class OnnxRuntimeBackend:
             return plan_gqa_step(steps, self.cache.block_size, cfg.num_kv_heads, pad, self.rope_rows)
         return plan_step(steps, self.cache.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.layer_windows, pad)
 
-    def _run(self, session: _Session, plan: StepPlan):
+    def _run(self, session: OrtSession, plan: StepPlan):
         cfg = self.cfg
         if not session.has_lora_inputs:
             plan.inputs.pop("lora_index", None)
-        _bind_cpu_inputs(session, plan.inputs)
+        bind_cpu_inputs(session, plan.inputs)
         new_kv = None
         if self.dense is None:  # the dense layout's new keys/values stay in its rows
             dev, idx = self._ort_device()
             new_kv = torch.empty(cfg.num_layers, plan.num_tokens, 2 * cfg.kv_size, dtype=self.cache.data.dtype,
                                  device=self.device)
-            session.binding.bind_output("new_kv", dev, idx, _onnx_type(new_kv.dtype), list(new_kv.shape),
+            session.binding.bind_output("new_kv", dev, idx, onnx_type(new_kv.dtype), list(new_kv.shape),
                                         new_kv.data_ptr())
         return self._run_bound(session, len(plan.sampling_items)), new_kv, plan
 
-    def _run_bound(self, session: _Session, rows: int) -> torch.Tensor:
+    def _run_bound(self, session: OrtSession, rows: int) -> torch.Tensor:
         """Run with the inputs already bound; returns the logits of `rows` sampling rows (a
         fresh tensor each run: callers may keep it)."""
         binding = session.binding
@@ -498,31 +456,10 @@ class OnnxRuntimeBackend:
             self._bind_dense(session, scratch, 0, 1)
         plan.inputs["logit_rows"] = np.arange(n, dtype=np.int64)
         plan.inputs.pop("lora_index")
-        _bind_cpu_inputs(session, plan.inputs)
+        bind_cpu_inputs(session, plan.inputs)
         if self.dense is None:
             session.binding.bind_output("new_kv", *self._ort_device())
         return self._run_bound(session, n).cpu()
-
-
-@dataclass
-class _Session:
-    """One ONNX Runtime session with its bindings (the KV cache bound once, by pointer)."""
-
-    path: Path
-    inference: Any
-    binding: Any
-    has_lora_inputs: bool
-    weights_bytes: int = 0  # the graph's external weight data
-    bound_stack: tuple[Hashable, ...] | None = None
-    dense_key: tuple | None = None  # what the dense layout's past/present are bound to
-    inputs_key: tuple | None = None  # which preallocated decode inputs are bound (None: a plan's)
-
-
-def _bind_cpu_inputs(session: _Session, inputs: dict[str, np.ndarray]) -> None:
-    """Bind a plan's arrays; the decode step's preallocated inputs are then no longer bound."""
-    for name, array in inputs.items():
-        session.binding.bind_cpu_input(name, array)
-    session.inputs_key = None
 
 
 def write_new_kv(cache: KVCache, new_kv: torch.Tensor, slot_mapping: np.ndarray) -> None:
@@ -531,7 +468,3 @@ def write_new_kv(cache: KVCache, new_kv: torch.Tensor, slot_mapping: np.ndarray)
     heads, d = cache.data.shape[3], cache.data.shape[4]
     src = new_kv.reshape(layers, t, 2, heads, d).permute(0, 2, 1, 3, 4)
     cache.data.index_copy_(2, torch.from_numpy(slot_mapping).to(cache.data.device), src)
-
-
-def _onnx_type(dtype: torch.dtype) -> int:
-    return KV_DTYPES[TORCH_KV_DTYPES[dtype]]

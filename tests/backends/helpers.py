@@ -17,7 +17,7 @@ from edge_runtime.model.config import ModelConfig
 def ort_device() -> str:
     """The torch device an engine whose graphs run on this onnxruntime build must use: the GPU
     only where the build has a GPU provider (the plain wheel has not, whatever torch sees)."""
-    from edge_runtime.backends.onnxruntime_backend import onnxruntime_has_gpu
+    from edge_runtime.backends.ort_session import onnxruntime_has_gpu
 
     return "cuda" if torch.cuda.is_available() and onnxruntime_has_gpu() else "cpu"
 

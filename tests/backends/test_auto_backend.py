@@ -87,15 +87,15 @@ def test_quantization_is_the_fastest_within_the_perplexity_margin(margin, expect
 
 
 def test_candidates_follow_the_device_and_what_is_installed(monkeypatch):
-    from edge_runtime.backends import onnxruntime_backend
+    from edge_runtime.backends import ort_session
 
     have = {"onnx", "onnxruntime", "tensorrt"}
     monkeypatch.setattr(auto, "installed", lambda module: module in have)
-    monkeypatch.setattr(onnxruntime_backend, "onnxruntime_has_gpu", lambda: True)
+    monkeypatch.setattr(ort_session, "onnxruntime_has_gpu", lambda: True)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert auto.candidates(cuda) == ["tensorrt", "onnxruntime"]  # native TensorRT, then the EPs
     assert auto.candidates(cpu) == ["onnxruntime"]  # TensorRT needs a GPU
-    monkeypatch.setattr(onnxruntime_backend, "onnxruntime_has_gpu", lambda: False)
+    monkeypatch.setattr(ort_session, "onnxruntime_has_gpu", lambda: False)
     assert auto.candidates(cuda) == ["tensorrt"]  # a CPU-only onnxruntime cannot read a CUDA cache
     have.discard("tensorrt")
     assert auto.candidates(cuda) == [] and auto.first_candidate(cuda) == "torch"

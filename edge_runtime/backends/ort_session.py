@@ -1,0 +1,96 @@
+"""ONNX Runtime's side of the ONNX backends: which execution providers this build has and how
+they are configured, one session of an exported graph with its IO binding, and tensors bound to
+it by pointer. Knows nothing of batches or the KV layouts that fill the bindings.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge_runtime.backends.onnx_export import DATA_FILE
+from edge_runtime.backends.onnx_spec import KV_DTYPES, TORCH_KV_DTYPES
+
+log = logging.getLogger(__name__)
+
+PROVIDER_ORDER = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+
+
+def onnxruntime_has_gpu() -> bool:
+    """Whether this onnxruntime build can run a graph on an NVIDIA GPU (the plain `onnxruntime`
+    wheel cannot: it has the CPU provider alone, whatever torch sees)."""
+    import onnxruntime as ort
+
+    return any(name in GPU_PROVIDERS for name in ort.get_available_providers())
+
+
+def pick_providers(trt_cache_dir: Path | None = None, device: torch.device | None = None) -> list:
+    """The providers this onnxruntime build has, best first; TensorRT EP gets fp16 and an
+    engine cache directory so its engines are built once per shape profile and GPU."""
+    import onnxruntime as ort
+
+    available = set(ort.get_available_providers())
+    on_gpu = device is not None and device.type == "cuda"
+    chosen: list = []
+    for name in PROVIDER_ORDER:
+        if name not in available or (name != "CPUExecutionProvider" and not on_gpu):
+            continue
+        if name == "TensorrtExecutionProvider":
+            options = {"trt_fp16_enable": True, "trt_engine_cache_enable": True}
+            if trt_cache_dir is not None:
+                trt_cache_dir.mkdir(parents=True, exist_ok=True)
+                options["trt_engine_cache_path"] = str(trt_cache_dir)
+            chosen.append((name, options))
+        elif name == "CUDAExecutionProvider":
+            chosen.append((name, {"device_id": device.index or 0}))
+        else:
+            chosen.append(name)
+    return chosen
+
+
+@dataclass
+class OrtSession:
+    """One ONNX Runtime session with its bindings (the KV cache bound once, by pointer)."""
+
+    path: Path
+    inference: Any
+    binding: Any
+    has_lora_inputs: bool
+    weights_bytes: int = 0  # the graph's external weight data
+    bound_stack: tuple[Hashable, ...] | None = None
+    dense_key: tuple | None = None  # what the dense layout's past/present are bound to
+    inputs_key: tuple | None = None  # which preallocated decode inputs are bound (None: a plan's)
+
+
+def open_session(path: Path, providers: list, num_threads: int = 0, has_lora_inputs: bool = True) -> OrtSession:
+    """A session of the exported graph at `path` with every graph optimisation, on `providers`
+    (`num_threads` intra-op threads; 0: ONNX Runtime's choice)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if num_threads:
+        options.intra_op_num_threads = num_threads
+    inference = ort.InferenceSession(str(path), options, providers=providers)
+    log.info("onnxruntime backend: %s on %s", path.parent.name, inference.get_providers())
+    data = path.parent / DATA_FILE
+    return OrtSession(path, inference, inference.io_binding(), has_lora_inputs=has_lora_inputs,
+                      weights_bytes=data.stat().st_size if data.exists() else 0)
+
+
+def bind_cpu_inputs(session: OrtSession, inputs: dict[str, np.ndarray]) -> None:
+    """Bind a plan's arrays; the decode step's preallocated inputs are then no longer bound."""
+    for name, array in inputs.items():
+        session.binding.bind_cpu_input(name, array)
+    session.inputs_key = None
+
+
+def onnx_type(dtype: torch.dtype) -> int:
+    return KV_DTYPES[TORCH_KV_DTYPES[dtype]]
