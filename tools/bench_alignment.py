@@ -62,8 +62,7 @@ from edge_runtime.train.guard import RegressionGuard, publish_guarded  # noqa: E
 from edge_runtime.train.kto import UnpairedMetrics  # noqa: E402
 from edge_runtime.train.optim import OptimizerSettings  # noqa: E402
 from edge_runtime.train.unpaired import UnpairedRecord  # noqa: E402
-
-RESULTS = ROOT / "tools" / "results"
+from tools.report import RESULTS, load_average, markdown_table, pyplot, save_figure, write_json  # noqa: E402
 
 # Short-answer questions (with BRIEF appended, ~90% of sampled answers end within 32 tokens), so
 # a sign-off is visible. Items are split between training, held-out pairs and greedy evaluation.
@@ -260,7 +259,7 @@ def peak_rss_mb() -> float:
 def online(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
-    load_start = [round(x, 2) for x in os.getloadavg()]  # 1/5/15-minute; a shared machine slows every figure
+    load_start = load_average()  # 1/5/15-minute; a shared machine slows every figure
     path = args.model or _default_model_path()
     engine = serving_engine(args, path)
     model = engine.model  # the trainer reads the engine's torch weights, as the daemon's does
@@ -432,7 +431,7 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
         "heldout_pairs": {"trained": len(trained_eval), "guard": len(guard_pairs), "untouched": len(untouched_pairs)},
         "backend": backend_record(engine),
         "threads": torch.get_num_threads(),
-        "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
+        "load_average": {"start": load_start, "end": load_average()},
         "cost_model": costs.as_dict(),
         "summary": summary,
         "history": history,
@@ -472,7 +471,7 @@ def online_thumbs(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
-    load_start = [round(x, 2) for x in os.getloadavg()]
+    load_start = load_average()
     path = args.model or _default_model_path()
     engine = serving_engine(args, path)
     model = engine.model
@@ -631,7 +630,7 @@ def online_thumbs(args: argparse.Namespace) -> dict[str, Any]:
                            "up": sum(e.desirable for e in heldout)},
         "backend": backend_record(engine),
         "threads": torch.get_num_threads(),
-        "load_average": {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]},
+        "load_average": {"start": load_start, "end": load_average()},
         "summary": summary, "history": history, "publishes": publishes,
     }
 
@@ -679,18 +678,13 @@ def _default_model_path() -> str:
 
 
 def write_report(result: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    write_json(f"{out}.json", result, indent=2, default=str)
     plot(result, Path(f"{out}.png"))
     Path(f"{out}.md").write_text(markdown(result))
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     history = result["history"]
     if result["mode"] == "thumbs":
         plot_thumbs(result, path, plt)
@@ -710,9 +704,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("MACE-edge personalisation: alignment over time (cf. MACE Fig. 2)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_thumbs(result: dict[str, Any], path: Path, plt: Any) -> None:
@@ -731,9 +723,7 @@ def plot_thumbs(result: dict[str, Any], path: Path, plt: Any) -> None:
     axes[1].legend(fontsize=8)
     fig.suptitle("MACE-edge: learning from lone thumbs (KTO); the pair rules derive 0 pairs from them",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def markdown_thumbs(result: dict[str, Any]) -> list[str]:
@@ -766,14 +756,12 @@ def markdown_thumbs(result: dict[str, Any]) -> list[str]:
         f"- backend ({result['backend']['requested']}): {served_by(result['backend'])}: {result['backend']['reason']}",
         f"- bar: {s['bar']}",
         "",
-        "| thumbs | up | served | margin | accuracy | share | untouched unchanged | store | last guard decision |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for h in result["history"]:
-        verdict = guard_verdict(h)
-        lines.append(f"| {h['thumbs']} | {h['thumbs_up']} | {h['served_version']} | {h['trained']['margin']:+.2f} "
-                     f"| {h['trained']['accuracy']:.2f} | {h['trained']['share']:.2f} "
-                     f"| {h['untouched']['greedy_unchanged']} | {h['store']} | {verdict} |")
+    lines += markdown_table(
+        ["thumbs", "up", "served", "margin", "accuracy", "share", "untouched unchanged", "store", "last guard decision"],
+        [[h["thumbs"], h["thumbs_up"], h["served_version"], f"{h['trained']['margin']:+.2f}",
+          f"{h['trained']['accuracy']:.2f}", f"{h['trained']['share']:.2f}", h["untouched"]["greedy_unchanged"],
+          h["store"], guard_verdict(h)] for h in result["history"]])
     lines += ["", "Greedy answers of the trained user at the start and at the end:", ""]
     lines += [f"- {json.dumps(a)} -> {json.dumps(b)}"
               for a, b in zip(result["history"][0]["examples"], result["history"][-1]["examples"], strict=True)]
@@ -832,15 +820,14 @@ def markdown(result: dict[str, Any]) -> str:
             f"{s['max_activation_bytes_estimate'] / 2**20:.1f} MiB; adapter + grads + Adam {s['adapter_state_bytes'] / 2**20:.1f} MiB",
             f"- bar: {s['bar']}",
             "",
-            "| pairs | served | win rate | CLPD | share | answer kept | untouched win | untouched share | untouched unchanged | last guard decision |",
-            "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for h in result["history"]:
-            verdict = guard_verdict(h)
-            lines.append(
-                f"| {h['pairs']} | {h['served_version']} | {h['trained']['win_rate']:.3f} | {h['trained']['clpd']:+.2f} "
-                f"| {h['trained']['share']:.2f} | {h['trained']['answer_kept']:.2f} | {h['untouched']['win_rate']:.3f} | {h['untouched']['share']:.2f} "
-                f"| {h['untouched']['greedy_unchanged']} | {verdict} |")
+        lines += markdown_table(
+            ["pairs", "served", "win rate", "CLPD", "share", "answer kept", "untouched win", "untouched share",
+             "untouched unchanged", "last guard decision"],
+            [[h["pairs"], h["served_version"], f"{h['trained']['win_rate']:.3f}", f"{h['trained']['clpd']:+.2f}",
+              f"{h['trained']['share']:.2f}", f"{h['trained']['answer_kept']:.2f}",
+              f"{h['untouched']['win_rate']:.3f}", f"{h['untouched']['share']:.2f}",
+              h["untouched"]["greedy_unchanged"], guard_verdict(h)] for h in result["history"]])
         lines += ["", "Greedy answers of the trained user at the end:", ""]
         lines += [f"- {json.dumps(t)}" for t in result["history"][-1]["examples"]]
     else:

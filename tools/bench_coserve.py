@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import sys
@@ -49,9 +48,18 @@ from edge_runtime.sched.registry import POLICIES  # noqa: E402
 from edge_runtime.train import AdapterTrainer, DPOSettings, PreferenceRecord  # noqa: E402
 from edge_runtime.train.logprobs import ReferenceCache  # noqa: E402
 from edge_runtime.train.optim import OptimizerSettings  # noqa: E402
+from tools.report import (  # noqa: E402
+    RESULTS,
+    markdown_table,
+    nearest_rank,
+    platform_line,
+    pyplot,
+    save_figure,
+    write_json,
+    write_markdown,
+)
 
 TRACES = ROOT / "tools" / "traces"
-RESULTS = ROOT / "tools" / "results"
 USERS = ("alice", "bob")
 ORDER = ["mace", "token-level", "apt", "fifo", "continuous", "periodic", "fcfs"]
 LORA = LoraSettings()
@@ -355,13 +363,6 @@ def run_policy(policy: str, load: float, rate: float, trace: dict[str, Any], ctx
 # -- metrics ------------------------------------------------------------------------------------
 
 
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(math.ceil(q * len(ordered))) - 1)]
-
-
 def summarise(run: RunResult, unloaded: Unloaded, ttft_factor: float) -> dict[str, Any]:
     ttft, ok, ttft_ok = [], 0, 0
     for r in run.requests:
@@ -380,16 +381,16 @@ def summarise(run: RunResult, unloaded: Unloaded, ttft_factor: float) -> dict[st
         "policy": run.policy, "load": run.load, "retrain_rate": run.retrain_rate, "requests": n,
         "slo_attainment": ok / n if n else None,
         "ttft_slo_attainment": ttft_ok / n if n else None,
-        "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
-        "tbt_p50_s": pct(run.tbt_gaps_s, 0.5), "tbt_p99_s": pct(run.tbt_gaps_s, 0.99),
+        "ttft_p50_s": nearest_rank(ttft, 0.5), "ttft_p99_s": nearest_rank(ttft, 0.99),
+        "tbt_p50_s": nearest_rank(run.tbt_gaps_s, 0.5), "tbt_p99_s": nearest_rank(run.tbt_gaps_s, 0.99),
         "tokens_per_s": tokens / run.duration_s,
         "pairs_offered": run.pairs_offered, "pairs_done": len(run.pairs),
         "ft_pairs_per_s": len(run.pairs) / run.duration_s,
-        "ft_pair_latency_p50_s": pct(pair_latency, 0.5),
+        "ft_pair_latency_p50_s": nearest_rank(pair_latency, 0.5),
         "ft_pairs": [{k: round(v, 3) if isinstance(v, float) else v for k, v in p.items()} for p in run.pairs],
         "iterations": run.iterations,
         "sched_overhead_mean_ms": 1000 * statistics.mean(run.overhead_s) if run.overhead_s else None,
-        "sched_overhead_p99_ms": 1000 * (pct(run.overhead_s, 0.99) or 0.0),
+        "sched_overhead_p99_ms": 1000 * (nearest_rank(run.overhead_s, 0.99) or 0.0),
         "max_queued": max(run.queued, default=0),
         "preemptions": run.preemptions, "peak_kv_blocks": run.peak_kv_blocks, "kv_blocks_total": run.kv_blocks_total,
         "kv_prune_turned_on": run.kv_prune_turned_on, "ft_stages_run": run.ft_stages_run,
@@ -527,7 +528,7 @@ def memory_pressure(args: argparse.Namespace) -> dict[str, Any]:
         row["ft_stages_by_common_end"] = sum(it["stages"] for it in run.trace if it["t"] + it["wall_s"] <= common_end)
     out = {
         "scenario": "memory-pressure",
-        "machine": f"{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        "machine": f"{platform_line()}, torch {torch.__version__}, "
                    f"{args.threads} torch thread(s)",
         "model": ctx["name"], "dtype": str(ctx["model"].dtype).removeprefix("torch."),
         "policy": args.pressure_policy, "streams": len(trace["requests"]), "max_tokens": args.pressure_tokens,
@@ -538,8 +539,7 @@ def memory_pressure(args: argparse.Namespace) -> dict[str, Any]:
     }
     out["bar"] = pressure_bar(rows)
     prefix = Path(args.out)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{prefix}.json").write_text(json.dumps(out, indent=1, default=float))
+    write_json(f"{prefix}.json", out, default=float)
     write_pressure_report(out, Path(f"{prefix}.md"))
     print("\n".join(out["bar"]), flush=True)
     print(f"wrote {prefix}.json and {prefix}.md")
@@ -578,19 +578,19 @@ def write_pressure_report(out: dict[str, Any], path_md: Path) -> None:
         f"{out['prune_capacity']} positions per KV head. SLO: TTFT <= {out['ttft_factor']:g}x the prompt's "
         f"unloaded prefill and mean TBT <= {out['unloaded']['slo_tbt_s'] * 1000:.0f} ms. A run ends when every "
         "stream is answered.", "",
-        "| pruning | SLO % | TTFT p50/p99 s | TBT p50/p99 ms | preemptions | turned on | peak KV blocks | "
-        "FT pairs (stages) by the shortest run's end | FT pairs (stages) in all | run s | tok/s |",
-        "|---|---:|---|---|---:|---:|---:|---|---|---:|---:|",
     ]
-    for r in out["runs"]:
-        lines.append(f"| {r['pruning']} | {fmt(r['slo_attainment'], 100, 0)} | {fmt(r['ttft_p50_s'])}/{fmt(r['ttft_p99_s'])} | "
-                     f"{fmt(r['tbt_p50_s'], 1000, 0)}/{fmt(r['tbt_p99_s'], 1000, 0)} | {r['preemptions']} | "
-                     f"{r['kv_prune_turned_on']} | {r['peak_kv_blocks']}/{r['kv_blocks_total']} | "
-                     f"{r['ft_pairs_by_common_end']} ({r['ft_stages_by_common_end']}) | "
-                     f"{r['pairs_done']}/{r['pairs_offered']} ({r['ft_stages_run']}) | "
-                     f"{r['duration_s']:.0f} | {fmt(r['tokens_per_s'], 1, 1)} |")
+    lines += markdown_table(
+        ["pruning", "SLO %", "TTFT p50/p99 s", "TBT p50/p99 ms", "preemptions", "turned on", "peak KV blocks",
+         "FT pairs (stages) by the shortest run's end", "FT pairs (stages) in all", "run s", "tok/s"],
+        [[r["pruning"], fmt(r["slo_attainment"], 100, 0), f"{fmt(r['ttft_p50_s'])}/{fmt(r['ttft_p99_s'])}",
+          f"{fmt(r['tbt_p50_s'], 1000, 0)}/{fmt(r['tbt_p99_s'], 1000, 0)}", r["preemptions"],
+          r["kv_prune_turned_on"], f"{r['peak_kv_blocks']}/{r['kv_blocks_total']}",
+          f"{r['ft_pairs_by_common_end']} ({r['ft_stages_by_common_end']})",
+          f"{r['pairs_done']}/{r['pairs_offered']} ({r['ft_stages_run']})", f"{r['duration_s']:.0f}",
+          fmt(r["tokens_per_s"], 1, 1)] for r in out["runs"]],
+        align="lrllrrrllrr")
     lines += ["", "## Bar", ""] + [f"- {line}" for line in out["bar"]] + [""]
-    path_md.write_text("\n".join(lines))
+    write_markdown(path_md, lines)
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -615,24 +615,23 @@ def write_report(out: dict[str, Any], path_md: Path) -> None:
         f"{out['other_processes_cores_max']:.2f} during a run.", "",
     ]
     for title, rows in (("Load sweep", out["load_sweep"]), ("Retrain-rate sweep", out["retrain_sweep"])):
-        lines += [f"## {title}", "",
-                  "| policy | load | retrain | SLO % | TTFT-SLO % | TTFT p50/p99 s | TBT p50/p99 ms | tok/s | "
-                  "FT pairs/s (done/offered) | alignment gain | sched ms mean/p99 |",
-                  "|---|---:|---:|---:|---:|---|---|---:|---|---:|---|"]
-        for r in rows:
-            lines.append(
-                f"| {r['policy']} | {r['load']:g} | {r['retrain_rate']:g} | {fmt(r['slo_attainment'], 100, 0)} | "
-                f"{fmt(r['ttft_slo_attainment'], 100, 0)} | {fmt(r['ttft_p50_s'])}/{fmt(r['ttft_p99_s'])} | "
-                f"{fmt(r['tbt_p50_s'], 1000, 0)}/{fmt(r['tbt_p99_s'], 1000, 0)} | {fmt(r['tokens_per_s'], 1, 1)} | "
-                f"{fmt(r['ft_pairs_per_s'], 1, 3)} ({r['pairs_done']}/{r['pairs_offered']}) | "
-                f"{fmt(r.get('alignment', {}).get('alignment_gain_over_time'), 1, 3)} | "
-                f"{fmt(r['sched_overhead_mean_ms'], 1, 2)}/{fmt(r['sched_overhead_p99_ms'], 1, 2)} |")
+        lines += [f"## {title}", ""]
+        lines += markdown_table(
+            ["policy", "load", "retrain", "SLO %", "TTFT-SLO %", "TTFT p50/p99 s", "TBT p50/p99 ms", "tok/s",
+             "FT pairs/s (done/offered)", "alignment gain", "sched ms mean/p99"],
+            [[r["policy"], f"{r['load']:g}", f"{r['retrain_rate']:g}", fmt(r["slo_attainment"], 100, 0),
+              fmt(r["ttft_slo_attainment"], 100, 0), f"{fmt(r['ttft_p50_s'])}/{fmt(r['ttft_p99_s'])}",
+              f"{fmt(r['tbt_p50_s'], 1000, 0)}/{fmt(r['tbt_p99_s'], 1000, 0)}", fmt(r["tokens_per_s"], 1, 1),
+              f"{fmt(r['ft_pairs_per_s'], 1, 3)} ({r['pairs_done']}/{r['pairs_offered']})",
+              fmt(r.get("alignment", {}).get("alignment_gain_over_time"), 1, 3),
+              f"{fmt(r['sched_overhead_mean_ms'], 1, 2)}/{fmt(r['sched_overhead_p99_ms'], 1, 2)}"] for r in rows],
+            align="lrrrrllrlrl")
         lines.append("")
     bar = out["bar"]
     lines += ["## Bar", ""] + [f"- {line}" for line in bar["lines"]] + [""]
     lines += ["## Scheduler overhead with 64 queued tasks (`tools/bench_scheduler.py`)", "",
               out.get("scheduler_overhead_note", "(run tools/bench_scheduler.py)"), ""]
-    path_md.write_text("\n".join(lines))
+    write_markdown(path_md, lines)
 
 
 def evaluate_bar(out: dict[str, Any]) -> dict[str, Any]:
@@ -665,11 +664,7 @@ def evaluate_bar(out: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(out: dict[str, Any], runs_alignment: dict[str, Any], prefix: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     files = []
     rows = out["load_sweep"]
     policies = [p for p in ORDER if any(r["policy"] == p for r in rows)]
@@ -684,9 +679,7 @@ def plot(out: dict[str, Any], runs_alignment: dict[str, Any], prefix: Path) -> l
     ax.set_ylim(0, 105)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(f"{prefix}_slo_vs_load.png", dpi=120)
-    files.append(f"{prefix.name}_slo_vs_load.png")
+    files.append(save_figure(fig, f"{prefix}_slo_vs_load.png"))
 
     focus = out["bar"].get("load") or loads[len(loads) // 2]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
@@ -696,9 +689,7 @@ def plot(out: dict[str, Any], runs_alignment: dict[str, Any], prefix: Path) -> l
         ax.set_title(label, fontsize=9)
         ax.tick_params(axis="x", rotation=45, labelsize=8)
     fig.suptitle(f"latency breakdown at load {focus:g}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(f"{prefix}_latency_breakdown.png", dpi=120)
-    files.append(f"{prefix.name}_latency_breakdown.png")
+    files.append(save_figure(fig, f"{prefix}_latency_breakdown.png"))
 
     rrows = out["retrain_sweep"]
     rates = sorted({r["retrain_rate"] for r in rrows})
@@ -713,9 +704,7 @@ def plot(out: dict[str, Any], runs_alignment: dict[str, Any], prefix: Path) -> l
         ax.set_xlabel("retrain rate")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(f"{prefix}_throughput_vs_retrain.png", dpi=120)
-    files.append(f"{prefix.name}_throughput_vs_retrain.png")
+    files.append(save_figure(fig, f"{prefix}_throughput_vs_retrain.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     base = out["alignment_base"]["dpo_loss"]
@@ -728,10 +717,7 @@ def plot(out: dict[str, Any], runs_alignment: dict[str, Any], prefix: Path) -> l
     ax.set_title(f"alignment over time at load {focus:g}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(f"{prefix}_alignment.png", dpi=120)
-    files.append(f"{prefix.name}_alignment.png")
-    plt.close("all")
+    files.append(save_figure(fig, f"{prefix}_alignment.png"))
     return files
 
 
@@ -889,7 +875,7 @@ def main(argv: list[str] | None = None) -> None:
         return rows
 
     out: dict[str, Any] = {
-        "machine": f"{platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        "machine": f"{platform_line()}, torch {torch.__version__}, "
                    f"{args.threads} torch thread(s)",
         "model": ctx["name"], "dtype": str(ctx["model"].dtype).removeprefix("torch."),
         "window_s": args.window, "drain_s": args.drain, "ttft_factor": args.ttft_factor, "tbt_factor": args.tbt_factor,
@@ -913,7 +899,7 @@ def main(argv: list[str] | None = None) -> None:
     prefix.parent.mkdir(parents=True, exist_ok=True)
     alignment_by = {(r["policy"], r["load"]): r.get("alignment", {}) for r in out["load_sweep"]}
     out["plots"] = plot(out, alignment_by, prefix)
-    Path(f"{prefix}.json").write_text(json.dumps(out, indent=1, default=float))
+    write_json(f"{prefix}.json", out, default=float)
     write_report(out, Path(f"{prefix}.md"))
     print("\n".join(out["bar"]["lines"]))
     print(f"wrote {prefix}.json, {prefix}.md and {len(out['plots'])} plots")

@@ -34,6 +34,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tools.report import cpu_name, percentile, pyplot, save_figure, write_json  # noqa: E402
+
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Explain how a bicycle works to a ten-year-old, step by step.",
@@ -51,15 +53,6 @@ BAR_READY_S = 15.0
 
 
 # -- pure helpers (tested) -------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..1) of unsorted values; None when there are none."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -292,11 +285,7 @@ def render_markdown(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     levels = list(result["levels"])
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     width = 0.38
@@ -311,8 +300,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.legend()
     axes[1].set_yscale("log")
     fig.suptitle(f"maced vs llama-server, OpenAI API, {result['meta']['machine']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,8 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                        "ttft_p99": ratio(lv["maced"]["ttft_p99_ms"], lv["llama"]["ttft_p99_ms"])}
         result_levels[c] = lv
     ready = {n: s.ready_s for n, s in servers.items()}
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = cpu_name(platform.processor())
     result = {
         "meta": {"command": " ".join(["python tools/bench_e2e.py", *(argv if argv is not None else sys.argv[1:])]),
                  "machine": f"{cpu}, {os.cpu_count()} CPUs, {platform.machine()}",
@@ -433,8 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         "ready_s": ready, "peak_rss_mib": rss, "levels": result_levels, "rounds": rounds,
         "bar": evaluate_bar(result_levels, ready),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_e2e.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out / "bench_e2e.json", result)
     (args.out / "bench_e2e.md").write_text(render_markdown(result))
     if result_levels:
         plot(result, args.out / "bench_e2e.png")

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from edge_runtime import Engine, SamplingParams  # noqa: E402
 from edge_runtime.chat import encode_prompt  # noqa: E402
 from edge_runtime.model.source import resolve_model  # noqa: E402
+from tools.report import RESULTS, cpu_name, pyplot, save_figure, write_json  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TOPICS = ["the sea", "a mountain", "a robot", "the moon", "a library", "a bakery", "a river", "winter",
           "a violin", "a garden", "a train", "the desert", "a lighthouse", "a volcano", "a forest", "a city"]
 
@@ -141,14 +141,7 @@ def bench_dtype(model_dir: Path, dtype_name: str, tokens: int, streams: int) -> 
 
 
 def machine() -> dict:
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": gpu,
             "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine()}
@@ -176,10 +169,7 @@ def write_table(result: dict, path: Path, streams: int) -> None:
 
 def plot(result: dict, path: Path, streams: int) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return
     runs = result["runs"]
@@ -197,8 +187,7 @@ def plot(result: dict, path: Path, streams: int) -> None:
     where = result["machine"].get("gpu") or f"{result['machine']['cores']} CPU cores"
     ax.set_title(f"Decode throughput, {result['model']}, {where}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 # -- backends comparison (ONNX Runtime, onnxruntime-genai, llama.cpp) ---------------------------
@@ -441,8 +430,7 @@ def run_backends(args: argparse.Namespace) -> None:
                                            gguf, threads)
     result["ratios"] = ratios(result["runs"], streams)
     out = Path(args.out if args.out != str(RESULTS / "bench_engine.json") else RESULTS / "bench_engine_backends.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(out, result)
     write_backends_table(result, out.with_suffix(".md"))
     plot_backends(result, out.with_suffix(".png"))
     print(out.with_suffix(".md").read_text())
@@ -506,10 +494,7 @@ def write_backends_table(result: dict, path: Path) -> None:
 
 def plot_backends(result: dict, path: Path) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return
     streams = result["streams"]
@@ -525,8 +510,7 @@ def plot_backends(result: dict, path: Path) -> None:
         ax.set_xlabel("decode tokens/s")
         ax.set_title(title)
     fig.suptitle(f"{result['model']}: our engine (blue) vs reference runtimes (grey), {result['threads']} thread(s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -557,8 +541,7 @@ def main() -> None:
         result["runs"].append(bench_dtype(Path(resolved.path), dtype, args.tokens, args.streams))
         print(json.dumps(result["runs"][-1], indent=1), flush=True)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(out, result)
     write_table(result, out.with_suffix(".md"), args.streams)
     plot(result, out.with_suffix(".png"), args.streams)
     print(out.with_suffix(".md").read_text())

@@ -49,9 +49,7 @@ from edge_runtime.chat import encode_prompt  # noqa: E402
 from edge_runtime.kv.cache import bytes_per_block  # noqa: E402
 from edge_runtime.kv.pruning import HeadPruning, PruningSettings  # noqa: E402
 from edge_runtime.memory import MemoryKind  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "tools" / "results"
+from tools.report import RESULTS, ROOT, load_average, pyplot, save_figure, write_json  # noqa: E402
 
 
 def prompts(long: bool = False) -> list[list[dict[str, str]]]:
@@ -251,7 +249,7 @@ def main() -> None:
     args = ap.parse_args()
     budgets = [float(b) for b in args.budgets.split(",")]
     methods = args.methods.split(",")
-    load_start = [round(x, 2) for x in os.getloadavg()]
+    load_start = load_average()
     began = time.time()
 
     engine = Engine.load(num_threads=args.threads, kv_cache_bytes=2 << 30, kv_cache_max_bytes=2 << 30,
@@ -287,12 +285,11 @@ def main() -> None:
         "prompt_tokens": [len(p) for p in prompt_ids], "sinks": args.sinks, "mace_window": args.window,
         "mace_tau": args.tau, "threads": torch.get_num_threads(), "machine": platform.machine(),
         "cpus": os.cpu_count(), "load_average": {"start": load_start,
-                                                 "end": [round(x, 2) for x in os.getloadavg()]},
+                                                 "end": load_average()},
         "batch_decode_ms_median": round(statistics.median(quality[0]["tbt_ms"]), 1),
         "tbt_tokens": args.tbt_tokens, "wall_s": round(time.time() - began, 1), "rows": rows, "tbt": tbt_rows,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_json(RESULTS / f"{args.out}.json", result)
     (RESULTS / f"{args.out}.md").write_text(markdown(result))
     plot(result, RESULTS / f"{args.out}.png")
 
@@ -376,11 +373,7 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     unpruned = next(row for row in r["rows"] if row["method"] == "unpruned")
     for method in sorted({row["method"] for row in r["rows"]} - {"unpruned"}):
@@ -400,8 +393,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{r['model']}: {r['tokens']} generated tokens x {len(r['prompt_tokens'])} prompts")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,7 @@ from edge_runtime import Engine, SamplingParams  # noqa: E402
 from edge_runtime.constraints import Constraint, unpack_masks  # noqa: E402
 from edge_runtime.engine import _greedy_tokens  # noqa: E402
 from edge_runtime.sampling import mask_rows  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from tools.report import RESULTS, cpu_name, load_average, write_json  # noqa: E402
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "person": {"type": "object", "properties": {
@@ -380,17 +379,16 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS / "bench_structured.json"))
     args = ap.parse_args()
     out = Path(args.out)
-    load_start = os.getloadavg()
+    load_start = load_average()
     engine = Engine.load(args.model, kv_cache_bytes=512 << 20, num_threads=args.threads)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "")
+    cpu = cpu_name()
     result: dict[str, Any] = {
         "model": engine.model_name, "dtype": str(engine.model.dtype).removeprefix("torch."),
         "max_tokens": args.max_tokens, "tokens": args.tokens, "repeats": args.repeats,
         "machine": {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "python": platform.python_version(), "torch": torch.__version__,
                     "llguidance": _version("llguidance"), "xgrammar": _version("xgrammar")},
-        "loadavg_start": [round(x, 2) for x in load_start]}
+        "loadavg_start": load_start}
     if not args.skip_validity:
         print("validity ...", flush=True)
         result["validity"] = validity(engine, args.max_tokens)
@@ -402,9 +400,8 @@ def main() -> None:
             result["max_tokens"] = earlier["max_tokens"]
     print("overhead ...", flush=True)
     result["overhead"] = overhead(engine, [int(s) for s in args.streams.split(",")], args.tokens, args.repeats)
-    result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    result["loadavg_end"] = load_average()
+    write_json(out, result)
     if "validity" in result:
         write_markdown(result, out.with_suffix(".md"))
         print(out.with_suffix(".md").read_text())
