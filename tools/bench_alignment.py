@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -62,7 +61,15 @@ from edge_runtime.train.guard import RegressionGuard, publish_guarded  # noqa: E
 from edge_runtime.train.kto import UnpairedMetrics  # noqa: E402
 from edge_runtime.train.optim import OptimizerSettings  # noqa: E402
 from edge_runtime.train.unpaired import UnpairedRecord  # noqa: E402
-from tools.report import RESULTS, load_average, markdown_table, pyplot, save_figure, write_json  # noqa: E402
+from tools.report import (  # noqa: E402
+    RESULTS,
+    load_average,
+    markdown_table,
+    peak_rss_mb,
+    pyplot,
+    save_figure,
+    write_json,
+)
 
 # Short-answer questions (with BRIEF appended, ~90% of sampled answers end within 32 tokens), so
 # a sign-off is visible. Items are split between training, held-out pairs and greedy evaluation.
@@ -250,10 +257,6 @@ def backend_record(engine: Engine) -> dict[str, Any]:
 
 def metrics_dict(m: AlignmentMetrics) -> dict[str, float]:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in m.as_dict().items()}
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def online(args: argparse.Namespace) -> dict[str, Any]:

@@ -32,7 +32,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,11 +49,13 @@ from edge_runtime.train.logprobs import ReferenceCache  # noqa: E402
 from edge_runtime.train.optim import OptimizerSettings  # noqa: E402
 from tools.report import (  # noqa: E402
     RESULTS,
+    OtherCPU,
     markdown_table,
     nearest_rank,
     platform_line,
     pyplot,
     save_figure,
+    wait_until_quiet,
     write_json,
     write_markdown,
 )
@@ -100,44 +101,6 @@ def record_trace(path: Path, requests: int = 600, seed: int = 7) -> dict[str, An
 
 
 # -- measurements on an idle engine --------------------------------------------------------------
-
-
-class OtherCPU:
-    """CPU time other processes used since `start()`, in cores (all CPU time minus this
-    process's): the part of the machine this benchmark did not have."""
-
-    def __init__(self) -> None:
-        self.start()
-
-    def start(self) -> None:
-        self._t, self._all, self._own = time.monotonic(), self._all_cpu(), self._own_cpu()
-
-    @staticmethod
-    def _all_cpu() -> float:
-        t = psutil.cpu_times()
-        return t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
-
-    @staticmethod
-    def _own_cpu() -> float:
-        t = psutil.Process().cpu_times()
-        return t.user + t.system
-
-    def cores(self) -> float:
-        elapsed = max(1e-6, time.monotonic() - self._t)
-        return max(0.0, (self._all_cpu() - self._all) - (self._own_cpu() - self._own)) / elapsed
-
-
-def wait_until_quiet(limit_s: float, threshold_cores: float = 0.2) -> float:
-    """Wait (up to `limit_s`) for a 2-second window in which other processes use less than
-    `threshold_cores`, so the unloaded figures that define "load" describe this machine rather
-    than whatever else ran; returns the other processes' share in the last window."""
-    deadline = time.monotonic() + limit_s
-    while True:
-        probe = OtherCPU()
-        time.sleep(2.0)
-        others = probe.cores()
-        if others < threshold_cores or time.monotonic() >= deadline:
-            return others
 
 
 @dataclass

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from edge_runtime import Engine, SamplingParams  # noqa: E402
 from edge_runtime.chat import encode_prompt  # noqa: E402
 from edge_runtime.model.source import resolve_model  # noqa: E402
-from tools.report import RESULTS, cpu_name, pyplot, save_figure, write_json  # noqa: E402
+from tools.report import RESULTS, cpu_name, peak_rss_mb, pyplot, save_figure, write_json  # noqa: E402
 
 TOPICS = ["the sea", "a mountain", "a robot", "the moon", "a library", "a bakery", "a river", "winter",
           "a violin", "a garden", "a train", "the desert", "a lighthouse", "a volcano", "a forest", "a city"]
@@ -133,7 +132,7 @@ def bench_dtype(model_dir: Path, dtype_name: str, tokens: int, streams: int) -> 
         "prefix_hit_cached_tokens": hit_cached,
         "cold_cached_tokens": cold_cached,
         "ttft_hit_over_cold": round(hit_s / cold_s, 3),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
         "device": str(engine.model.device),
         "peak_gpu_mb": (round(torch.cuda.max_memory_allocated() / 2**20, 1)
                         if engine.model.device.type == "cuda" else None),

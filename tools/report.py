@@ -1,8 +1,9 @@
 """What every benchmark in tools/ writes beside its own figures: percentiles, the machine and its
-load (a shared machine slows every figure, so each result file says how loaded it was), and the
-result files themselves (JSON, markdown tables, PNG plots) under tools/results/.
+load (a shared machine slows every figure, so each result file says how loaded it was, and how
+much CPU other processes took), and the result files themselves (JSON, markdown tables, PNG
+plots) under tools/results/.
 
-Standard library only at import; matplotlib is imported when a plot is drawn.
+Standard library and psutil at import; matplotlib is imported when a plot is drawn.
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ import json
 import math
 import os
 import platform
+import resource
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "tools" / "results"
@@ -57,6 +62,49 @@ def cpu_name(fallback: str = "") -> str:
     except OSError:
         return fallback
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), fallback)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MiB (Linux's ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class OtherCPU:
+    """CPU time other processes used since `start()`, in cores (all CPU time minus this
+    process's): the part of the machine this benchmark did not have."""
+
+    def __init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        self._t, self._all, self._own = time.monotonic(), self._all_cpu(), self._own_cpu()
+
+    @staticmethod
+    def _all_cpu() -> float:
+        t = psutil.cpu_times()
+        return t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+    @staticmethod
+    def _own_cpu() -> float:
+        t = psutil.Process().cpu_times()
+        return t.user + t.system
+
+    def cores(self) -> float:
+        elapsed = max(1e-6, time.monotonic() - self._t)
+        return max(0.0, (self._all_cpu() - self._all) - (self._own_cpu() - self._own)) / elapsed
+
+
+def wait_until_quiet(limit_s: float, threshold_cores: float = 0.2) -> float:
+    """Wait (up to `limit_s`) for a 2-second window in which other processes use less than
+    `threshold_cores`, so the unloaded figures that define "load" describe this machine rather
+    than whatever else ran; returns the other processes' share in the last window."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        probe = OtherCPU()
+        time.sleep(2.0)
+        others = probe.cores()
+        if others < threshold_cores or time.monotonic() >= deadline:
+            return others
 
 
 def platform_line() -> str:
