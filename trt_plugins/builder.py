@@ -7,8 +7,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from edge_runtime import durable
 from edge_runtime.backends.shape_profiles import StepLimits, input_shapes
-from trt_plugins.engine_cache import engine_key, engine_path, gpu_name, write_atomically
+from trt_plugins.engine_cache import engine_key, engine_path, gpu_name
 
 log = logging.getLogger(__name__)
 
@@ -63,5 +64,6 @@ def build_engine(onnx_path: str | Path, limits: StepLimits, cache_dir: str | Pat
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise RuntimeError(f"TensorRT failed to build an engine from {onnx_path}; see its log above")
-    write_atomically(path, bytes(serialized))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    durable.write_bytes(path, bytes(serialized))
     return path

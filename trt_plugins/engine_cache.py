@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from edge_runtime import durable
 from edge_runtime.backends.shape_profiles import StepLimits
 
 
@@ -30,7 +29,3 @@ def engine_key(onnx_path: str | Path, trt_version: str, gpu: str, limits: StepLi
 def engine_path(cache_dir: str | Path, key: str) -> Path:
     return Path(cache_dir) / "trt" / f"{key}.engine"
 
-
-def write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    durable.write_bytes(path, data)
