@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.admission import AdmissionConfig
-from daemon.endpoints import default_ipc_path, ipc_endpoint, is_loopback, parse_tcp
+from daemon.wire.endpoints import default_ipc_path, ipc_endpoint, is_loopback, parse_tcp
 from edge_runtime.config import EngineConfig
 from edge_runtime.feedback.config import FeedbackStoreConfig
 from edge_runtime.paths import state_dir as runtime_state_dir
@@ -62,7 +62,7 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class HttpSettings:
-    """The OpenAI-compatible HTTP gateway (daemon/gateway.py, docs/gateway.md)."""
+    """The OpenAI-compatible HTTP gateway (daemon/fronts/http/, docs/gateway.md)."""
 
     bind: str = "127.0.0.1:8000"  # HOST:PORT ("[::1]:8000" for IPv6); "" = no HTTP endpoint
     api_keys: str = ""  # comma-separated bearer keys; any non-loopback bind requires keys

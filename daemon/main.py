@@ -126,7 +126,7 @@ async def run(config: DaemonConfig, reload_config: Any = None) -> int:
     """The daemon's whole life; returns the exit status."""
     import zmq.asyncio
 
-    from daemon.server import Server
+    from daemon.fronts.zmq_server import Server
     from daemon.service import Service
 
     loop = asyncio.get_running_loop()
@@ -144,7 +144,7 @@ async def run(config: DaemonConfig, reload_config: Any = None) -> int:
         return 1
     gateway = None
     if config.http_address is not None:
-        from daemon.gateway import HttpGateway
+        from daemon.fronts.http import HttpGateway
 
         gateway = HttpGateway(config, service)
         try:

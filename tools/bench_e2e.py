@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             s.start(args.ready_timeout_s)
             print(f"{s.name} ready in {s.ready_s} s", flush=True)
         try:
-            from daemon.client import Client
+            from daemon.sdk import Client
 
             with Client(f"ipc://{work / 'maced.sock'}", timeout_s=10) as c:
                 info = c.status()["model"]

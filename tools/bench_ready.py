@@ -29,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from daemon.client import Client, ClientError  # noqa: E402
+from daemon.sdk import Client, ClientError  # noqa: E402
 
 PHASES = {
     "ready_s": r"ready in ([\d.]+) s",

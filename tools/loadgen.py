@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from daemon.client import AsyncClient, Client, ClientError  # noqa: E402
+from daemon.sdk import AsyncClient, Client, ClientError  # noqa: E402
 
 PROMPT = "Write one sentence about the sea."
 

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import pytest
 
-from daemon.client import Client, ClientError
+from daemon.sdk import Client, ClientError
 
 REPO = Path(__file__).resolve().parents[2]
 # The torch backend and the cost calibration before serving: daemon tests test the daemon, and

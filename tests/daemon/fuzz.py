@@ -21,8 +21,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from daemon.client import Client
-from daemon.protocol import (
+from daemon.sdk import Client
+from daemon.wire import (
     ERROR_CODES,
     MAX_N,
     MAX_STOP_CHARS,

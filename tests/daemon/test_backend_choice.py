@@ -26,7 +26,7 @@ def test_the_daemon_defaults_to_the_auto_backend() -> None:
 
 
 def macectl(endpoint: str, *args: str) -> str:
-    run = subprocess.run([sys.executable, "-m", "daemon.cli", "--endpoint", endpoint, "status", *args],
+    run = subprocess.run([sys.executable, "-m", "daemon.sdk.cli", "--endpoint", endpoint, "status", *args],
                          cwd=REPO, capture_output=True, text=True, timeout=60, env=os.environ.copy())
     assert run.returncode == 0, run.stderr
     return run.stdout

@@ -13,7 +13,7 @@ from tests.daemon.conftest import REPO, DaemonProcess
 
 def macectl(endpoint: str, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "MACE_ENDPOINT": endpoint, "COLUMNS": "160"}
-    return subprocess.run([sys.executable, "-m", "daemon.cli", *args], cwd=REPO, env=env, input=stdin,
+    return subprocess.run([sys.executable, "-m", "daemon.sdk.cli", *args], cwd=REPO, env=env, input=stdin,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import zmq
 
-from daemon.client import AsyncClient, Client, RemoteError
+from daemon.sdk import AsyncClient, Client, RemoteError
 from tests.daemon.conftest import REPO, DaemonProcess
 
 
@@ -211,6 +211,6 @@ def test_client_reports_an_absent_daemon_quickly(tmp_path) -> None:
 
 
 def test_importing_the_sdk_does_not_import_torch() -> None:
-    code = ("import sys, daemon.client; heavy = [m for m in ('torch', 'transformers', 'edge_runtime') "
+    code = ("import sys, daemon.sdk; heavy = [m for m in ('torch', 'transformers', 'edge_runtime') "
             "if m in sys.modules]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from daemon.client import Client, RemoteError
+from daemon.sdk import Client, RemoteError
 from edge_runtime.feedback import FeedbackStore
 from tests.daemon.conftest import REPO
 
@@ -22,7 +22,7 @@ USERS = [f"user{i}" for i in range(4)]
 
 
 def macectl_status(endpoint: str) -> dict:
-    run = subprocess.run([sys.executable, "-m", "daemon.cli", "--endpoint", endpoint, "status", "--json"],
+    run = subprocess.run([sys.executable, "-m", "daemon.sdk.cli", "--endpoint", endpoint, "status", "--json"],
                          cwd=REPO, capture_output=True, text=True, timeout=60, env=os.environ.copy())
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout)

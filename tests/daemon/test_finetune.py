@@ -7,7 +7,7 @@ import os
 import stat
 from pathlib import Path
 
-from daemon.client import Client
+from daemon.sdk import Client
 from tests.daemon.conftest import wait_for
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.client import AsyncClient, RemoteError
+from daemon.sdk import AsyncClient, RemoteError
 from edge_runtime.lora import LoraSettings, LoraWeights
 from edge_runtime.lora.adapter import write_adapter
 from edge_runtime.model.config import ModelConfig

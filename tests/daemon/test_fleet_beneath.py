@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from daemon.config import FineTuneSettings
-from daemon.training import EngineFineTuner
+from daemon.finetune.engine_tuner import EngineFineTuner
 from edge_runtime.config import EngineConfig
 from edge_runtime.engine import Engine
 from edge_runtime.lora import LoraSettings, LoraWeights

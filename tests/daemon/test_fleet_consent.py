@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from daemon.client import RemoteError
+from daemon.sdk import RemoteError
 from tests.daemon.conftest import DaemonProcess
 from tests.daemon.test_cli import macectl
 

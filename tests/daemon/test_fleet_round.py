@@ -19,7 +19,7 @@ import pytest
 import torch
 import zmq
 
-from daemon.client import Client, RemoteError, tensors_to_wire
+from daemon.sdk import Client, RemoteError, tensors_to_wire
 from edge_runtime.lora import LoraSettings, LoraWeights
 from edge_runtime.lora.adapter import to_state_dict
 from edge_runtime.model.config import ModelConfig
@@ -304,7 +304,7 @@ def test_a_user_withdrawing_fleet_consent_during_a_round_stops_its_update_from_l
         start_daemon: Callable, tiny_model: Path) -> None:
     import asyncio
 
-    from daemon.client import AsyncClient
+    from daemon.sdk import AsyncClient
 
     d = start_daemon(extra_args=FLEET_ON)
     given = global_adapter(ModelConfig.from_dir(tiny_model))
@@ -346,8 +346,8 @@ def test_lone_thumbs_train_the_fleet_adapter_with_kto_beside_the_pairs(start_dae
 
 
 def test_a_privacy_record_that_cannot_be_read_stops_rounds_instead_of_starting_over(tmp_path: Path) -> None:
-    from daemon.fleet_round import PrivacyRecord
-    from daemon.protocol import ProtocolError
+    from daemon.fleet.device.rounds import PrivacyRecord
+    from daemon.wire import ProtocolError
 
     record = PrivacyRecord(tmp_path / "fleet" / "privacy.json")
     record.add(1, 0.1, 1.1)

@@ -17,7 +17,7 @@ import time
 
 import zmq
 
-from daemon.client import Client
+from daemon.sdk import Client
 from tests.daemon.fuzz import run_fuzz
 
 FRAMES = 2_400

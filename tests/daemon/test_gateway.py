@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.client import Client
+from daemon.sdk import Client
 from tests.daemon.conftest import REPO, DaemonProcess, free_tcp_port, wait_for
 
 openai = pytest.importorskip("openai")

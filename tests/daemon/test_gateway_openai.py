@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
-from daemon.client import Client, RemoteError
+from daemon.sdk import Client, RemoteError
 from tests.daemon.test_cli import macectl
 from tests.daemon.test_gateway import Gateway, start_gateway
 

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 import zmq
 
-from daemon.client import RemoteError
+from daemon.sdk import RemoteError
 from tests.daemon.conftest import DaemonProcess, free_tcp_port
 
 PROMPT = "Tell me a story about a lighthouse"

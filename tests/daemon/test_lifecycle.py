@@ -13,7 +13,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from daemon.client import Client, ClientError, RemoteError
+from daemon.sdk import Client, ClientError, RemoteError
 from edge_runtime.feedback import FeedbackStore
 from tests.daemon.conftest import free_tcp_port
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.protocol import (
+from daemon.wire import (
     ERROR_CODES,
     OPS,
     FleetRoundArgs,
@@ -253,7 +253,7 @@ def test_a_msgpack_timestamp_anywhere_is_a_bad_message(where: str) -> None:
 
 
 def test_a_req_client_with_a_malformed_body_keeps_its_delimiter_in_the_reply_envelope() -> None:
-    from daemon.protocol import reply_envelope
+    from daemon.wire import reply_envelope
 
     for frames in ([b"id", b"", b"a", b"b"], [b"id", b"", b"", b"a"], [b"id", b"", b"a", b"b", b"c"]):
         assert code_of(split_envelope, frames) == "bad_message"

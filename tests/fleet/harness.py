@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from daemon.fleet_deploy import (
+from daemon.fleet.offdevice.deploy import (
     Addresses,
     flower_env,
     make_node_key,
@@ -23,7 +23,7 @@ from daemon.fleet_deploy import (
     supernode_command,
     write_connection,
 )
-from daemon.fleet_signing import write_keypair
+from daemon.fleet.offdevice.signing import write_keypair
 
 
 def free_port() -> int:

@@ -1,5 +1,5 @@
 """The aggregator's rounds and the device's ClientApp together, in one process: a grid that hands
-each message to `daemon.fleet_client`'s handlers, whose daemon is a scripted stand-in (the real
+each message to `daemon.fleet.offdevice.client_app`'s handlers, whose daemon is a scripted stand-in (the real
 daemons are tests/fleet/test_simulated_fleet.py's). Checks the aggregation rules, the held-out
 gate, the signed publish, and that a train reply is tensors and numbers only."""
 
@@ -16,9 +16,14 @@ from flwr.app import Context, Message, RecordDict
 from flwr.common.serde import recorddict_to_proto
 from safetensors.numpy import load_file
 
-from daemon import fleet_client
-from daemon.fleet_server import FleetRunSettings, initial_adapter, not_worse, run_rounds
-from daemon.fleet_signing import PublishRefused, sign_publish, write_keypair
+from daemon.fleet.offdevice import client_app as fleet_client
+from daemon.fleet.offdevice.server_app import (
+    FleetRunSettings,
+    initial_adapter,
+    not_worse,
+    run_rounds,
+)
+from daemon.fleet.offdevice.signing import PublishRefused, sign_publish, write_keypair
 
 
 class ScriptedDaemon:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.fleet_deploy import (
+from daemon.fleet.offdevice.deploy import (
     Addresses,
     FleetSetupError,
     make_tls,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.client import Client
+from daemon.sdk import Client
 from tests.daemon.conftest import DaemonProcess
 from tests.fleet.harness import LoopbackFleet
 

@@ -128,9 +128,9 @@ def test_kto_staged_gradients_with_the_fleet_beneath_equal_full_autograd(tiny4, 
 def test_a_fleet_rounds_staged_gradients_on_the_fleet_adapter_equal_full_autograd(tiny4, tiny4_tokenizer, pairs,
                                                                                   window, group):
     """In a federated round the fleet adapter is the trainable one (nothing beneath it, the base
-    as reference), built as `daemon.fleet_round.round_trainer` builds it."""
-    from daemon.fleet_round import round_trainer
-    from daemon.protocol import FleetRoundConfig
+    as reference), built as `daemon.fleet.device.rounds.round_trainer` builds it."""
+    from daemon.fleet.device.rounds import round_trainer
+    from daemon.wire import FleetRoundConfig
 
     given = _fleet(tiny4.cfg)
     trainer = round_trainer(tiny4, tiny4_tokenizer, given, FleetRoundConfig(beta=0.1, lr=1e-3), examples=3)

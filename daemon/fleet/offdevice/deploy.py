@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-APP_DIR = Path(__file__).resolve().parent / "fleet_app"
+APP_DIR = Path(__file__).resolve().parent / "app"
 CONNECTION = "fleet"  # the SuperLink connection's name in the aggregator's FLWR_HOME/config.toml
 
 
@@ -58,7 +58,7 @@ def flower_env(flwr_home: Path | None = None) -> dict[str, str]:
     the app's components) import the same code as the process that launched them."""
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    package_root = str(Path(__file__).resolve().parents[1])
+    package_root = str(Path(__file__).resolve().parents[3])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     if flwr_home is not None:
         env["FLWR_HOME"] = str(flwr_home)

@@ -20,8 +20,8 @@ import zmq
 import zmq.asyncio
 
 from daemon.config import DaemonConfig
-from daemon.endpoints import prepare_ipc_dir
-from daemon.protocol import (
+from daemon.service import GenerateCall, Service
+from daemon.wire import (
     TENSOR_OPS,
     ProtocolError,
     Request,
@@ -36,7 +36,7 @@ from daemon.protocol import (
     split_envelope,
     token_message,
 )
-from daemon.service import GenerateCall, Service
+from daemon.wire.endpoints import prepare_ipc_dir
 from edge_runtime.errors import AdmissionRejected, MaceError
 
 log = logging.getLogger(__name__)

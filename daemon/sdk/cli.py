@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from daemon.client import Client, ClientError, DaemonUnavailable, RemoteError
+from daemon.sdk import Client, ClientError, DaemonUnavailable, RemoteError
 
 EXIT_OK, EXIT_REMOTE, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daemon.config import FleetSettings
-from daemon.protocol import (
+from daemon.wire import (
     FleetEvaluateArgs,
     FleetLoraConfig,
     FleetRoundArgs,
@@ -36,7 +36,7 @@ from daemon.protocol import (
     ProtocolError,
     WireTensor,
 )
-from daemon.wire_tensors import tensors_to_wire
+from daemon.wire.tensors import tensors_to_wire
 from edge_runtime.feedback.pairs import is_heldout
 from edge_runtime.lora.config import AdapterError
 from edge_runtime.lora.registry import FLEET

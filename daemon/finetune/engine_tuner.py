@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from daemon.config import FineTuneSettings
 from daemon.engine_thread import EngineThread
 from daemon.privacy import LogPseudonyms
-from daemon.protocol import ProtocolError
+from daemon.wire import ProtocolError
 from edge_runtime.errors import MaceError
 
 if TYPE_CHECKING:

@@ -22,8 +22,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, FedTrimmedAvg, Strategy
 
-from daemon.fleet_client import STATUS_CODES, WEIGHT
-from daemon.fleet_signing import sign_publish
+from daemon.fleet.offdevice.client_app import STATUS_CODES, WEIGHT
+from daemon.fleet.offdevice.signing import sign_publish
 
 log = logging.getLogger("mace.fleet.server")
 

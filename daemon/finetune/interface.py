@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Protocol
 
-from daemon.protocol import ProtocolError
+from daemon.wire import ProtocolError
 
 if TYPE_CHECKING:
     from edge_runtime.feedback import FeedbackStore

@@ -10,7 +10,7 @@ import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from daemon.protocol import ProtocolError
+from daemon.wire import ProtocolError
 from edge_runtime.lora.adapter import load_adapter
 from edge_runtime.lora.config import AdapterError
 from edge_runtime.lora.registry import FLEET

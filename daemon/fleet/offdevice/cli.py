@@ -1,14 +1,14 @@
-#!/usr/bin/env python3
-"""The fleet's Flower processes from one command line (docs/fleet.md).
+"""`mace-fleet`: the fleet's Flower processes from one command line (docs/fleet.md). Runs beside
+`maced` (a device's SuperNode) or on the aggregator, never inside `maced`.
 
 Aggregator:
-  fleet_server.py init DIR --host fleet.example.org     CA, SuperLink certificate, signing key
-  fleet_server.py superlink DIR                         the SuperLink (TLS, SuperNode auth on)
-  fleet_server.py register DIR DEVICE_KEY.pub           admit a device's SuperNode
-  fleet_server.py run DIR --model PATH [--rounds 3 ...] one federated run (the ServerApp)
+  mace-fleet init DIR --host fleet.example.org     CA, SuperLink certificate, signing key
+  mace-fleet superlink DIR                         the SuperLink (TLS, SuperNode auth on)
+  mace-fleet register DIR DEVICE_KEY.pub           admit a device's SuperNode
+  mace-fleet run DIR --model PATH [--rounds 3 ...] one federated run (the ServerApp)
 Device:
-  fleet_server.py node-key DIR                          the device's node key pair (send the .pub)
-  fleet_server.py join --superlink HOST:9092 --ca ca.crt --node-key KEY --aggregator-key aggregator.pub
+  mace-fleet node-key DIR                          the device's node key pair (send the .pub)
+  mace-fleet join --superlink HOST:9092 --ca ca.crt --node-key KEY --aggregator-key aggregator.pub
                                                         the device's SuperNode (exec), TLS + auth
 """
 
@@ -19,9 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from daemon.fleet_deploy import (  # noqa: E402
+from daemon.fleet.offdevice.deploy import (
     Addresses,
     FleetSetupError,
     TlsFiles,
@@ -34,7 +32,7 @@ from daemon.fleet_deploy import (  # noqa: E402
     supernode_command,
     write_connection,
 )
-from daemon.fleet_signing import write_keypair  # noqa: E402
+from daemon.fleet.offdevice.signing import write_keypair
 
 
 def tls_files(folder: Path) -> TlsFiles:
@@ -74,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("dir", type=Path)
     run.add_argument("--model", required=True, help="the model folder the devices serve (for the shapes)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="a run-config value (daemon/fleet_app/pyproject.toml), e.g. rounds=5 strategy=trimmed-mean")
+                     help="a run-config value (daemon/fleet/offdevice/app/pyproject.toml), e.g. rounds=5 strategy=trimmed-mean")
     key = sub.add_parser("node-key", help="a device's SuperNode key pair")
     key.add_argument("dir", type=Path)
     join = sub.add_parser("join", help="run this device's SuperNode")
@@ -132,4 +130,4 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except FleetSetupError as exc:
-        sys.exit(f"fleet_server: {exc}")
+        sys.exit(f"mace-fleet: {exc}")

@@ -19,8 +19,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from daemon.client import Client
-from daemon.fleet_signing import PublishRefused, verify_publish
+from daemon.fleet.offdevice.signing import PublishRefused, verify_publish
+from daemon.sdk import Client
 
 # Node config keys (flower-supernode --node-config); docs/fleet.md "Joining a device".
 ENDPOINT = "maced-endpoint"  # the daemon's ZeroMQ endpoint; default: its usual ipc socket

@@ -1,0 +1,118 @@
+"""The HTTP gateway's request bodies as pydantic models: their shape only (types, OpenAI's names);
+the values are checked by `daemon.wire`, as for the SDK. What each field does is the handlers'.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Body(BaseModel):
+    # Fields other servers add are ignored; OpenAI fields we cannot honour are refused by name.
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Part(_Body):
+    type: str
+    text: str | None = None
+
+
+class _Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[_Part] | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class _StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class Sampling(_Body):
+    model: str
+    max_tokens: int | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None  # -1: a fresh random seed (llama.cpp's clients send it)
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    user: str | None = None  # any string up to 256 characters (protocol.internal_user)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Extensions (send them with the client's extra_body).
+    top_k: int | None = None
+    ignore_eos: bool | None = None
+    adapter: str | int | None = None  # "latest" (default with `user`), "base", or a version
+    record: bool | None = None  # store the interaction for feedback (default: when `user` consented)
+
+    def unsupported(self) -> list[str]:
+        """Known OpenAI parameters set to something this daemon cannot do."""
+        return []
+
+
+class ChatRequest(Sampling):
+    messages: list[_Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # accepted: a forced call is one call; auto may give several
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's prefill switches: by default a final assistant message is continued (as llama.cpp's
+    # server does); continue_final_message=false or add_generation_prompt=true close it instead.
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
+
+    def unsupported(self) -> list[str]:
+        # The legacy function-calling fields: `tools` and `tool_choice` replace them.
+        return [n for n in ("functions", "function_call") if getattr(self, n) not in (None, [], "none")]
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    response_format: dict[str, Any] | None = None  # extension: as for chat
+
+    def unsupported(self) -> list[str]:
+        bad = ["suffix"] if self.suffix else []
+        if self.best_of not in (None, 1) and self.best_of != (self.n or 1):
+            bad.append("best_of")
+        return bad
+
+
+class EmbeddingRequest(_Body):
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class FeedbackRequest(_Body):
+    model_config = ConfigDict(extra="forbid")
+    id: str  # the completion id (= the daemon's interaction id)
+    user: str
+    kind: str  # choice, thumbs, rating or edit
+    chosen: int | None = None
+    candidate: int | None = None
+    up: bool | None = None
+    stars: int | None = None
+    text: str | None = None
+
+
+class ConsentRequest(_Body):
+    granted: bool | None = None  # absent (and no `fleet`): grant, as before `fleet` existed
+    fleet: bool | None = None
+
