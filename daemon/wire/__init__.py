@@ -15,7 +15,7 @@ from daemon.wire.args import (
     RollbackArgs,
     UserArgs,
 )
-from daemon.wire.errors import ERROR_CODES, ProtocolError
+from daemon.wire.errors import ERROR_CODES, ERRORS, HTTP_STATUS, ErrorCode, ProtocolError
 from daemon.wire.fields import MAX_EMBED_INPUTS, MAX_ID_CHARS, internal_user, request_id_of
 from daemon.wire.fleet import (
     FleetEvaluateArgs,
@@ -52,10 +52,10 @@ from daemon.wire.ops import IDEMPOTENT_OPS, OPS, TENSOR_OPS, Request, parse_requ
 from daemon.wire.tensors import tensors_from_wire, tensors_to_wire
 
 __all__ = [
-    "ERROR_CODES", "IDEMPOTENT_OPS", "MAX_EMBED_INPUTS", "MAX_ID_CHARS", "MAX_LOGIT_BIAS", "MAX_LOGPROBS",
+    "ERROR_CODES", "ERRORS", "HTTP_STATUS", "IDEMPOTENT_OPS", "MAX_EMBED_INPUTS", "MAX_ID_CHARS", "MAX_LOGIT_BIAS", "MAX_LOGPROBS",
     "MAX_N", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "MAX_STOP_TOKEN_IDS", "MAX_TOKENS_CAP", "OPS",
     "PROTOCOL_VERSION", "SUPPORTED_VERSIONS", "TENSOR_OPS", "AdaptersListArgs", "CancelArgs", "ConsentArgs",
-    "EmbedArgs", "FeedbackArgs", "FleetEvaluateArgs", "FleetLoraConfig", "FleetPublishArgs",
+    "EmbedArgs", "ErrorCode", "FeedbackArgs", "FleetEvaluateArgs", "FleetLoraConfig", "FleetPublishArgs",
     "FleetRollbackArgs", "FleetRoundArgs", "FleetRoundConfig", "GenerateArgs", "NoArgs", "ProtocolError",
     "Request", "RollbackArgs", "UserArgs", "WireTensor", "decode", "encode", "error_from", "error_message",
     "internal_user", "parse_request", "reply_envelope", "request_id_of", "result_message", "split_envelope",

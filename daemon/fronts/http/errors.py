@@ -1,5 +1,6 @@
-"""The HTTP gateway's error replies: OpenAI's error shape, each daemon error code's HTTP status and
-OpenAI error `type`, and the field named as the client sent it.
+"""The HTTP gateway's error replies: OpenAI's error shape, the OpenAI error `type` of each HTTP
+status (the status of each code is the daemon's one table, daemon/wire/errors.py), and the field
+named as the client sent it.
 """
 
 from __future__ import annotations
@@ -11,21 +12,11 @@ from typing import Any
 from starlette.responses import Response
 
 from daemon.fronts.http.replies import json_response
-from daemon.wire import ProtocolError
+from daemon.wire import HTTP_STATUS, ProtocolError
 from edge_runtime.errors import MaceError
 
 log = logging.getLogger("daemon.fronts.http")
 
-# Daemon error code -> HTTP status. The body carries the code itself in `error.code`.
-STATUS = {
-    "bad_request": 400, "bad_message": 400, "unsupported_version": 400, "unknown_op": 400,
-    "too_large": 413, "duplicate_id": 409, "busy": 429, "admission_rejected": 429,
-    "not_ready": 503, "shutting_down": 503, "store_unavailable": 503, "model_unavailable": 503,
-    "cancelled": 499, "timeout": 504, "unknown_request": 404, "unknown_user": 404,
-    "adapter_unavailable": 404, "model_not_found": 404, "not_found": 404, "consent_required": 403,
-    "duplicate_feedback": 409, "duplicate_request": 409, "not_supported": 501, "internal": 500,
-    "invalid_api_key": 401, "method_not_allowed": 405,
-}
 # HTTP status -> OpenAI's error `type`.
 ERROR_TYPE = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -50,7 +41,7 @@ class GatewayError(Exception):
 
     @property
     def status(self) -> int:
-        return STATUS.get(self.code, 500)
+        return HTTP_STATUS.get(self.code, 500)
 
     @classmethod
     def from_exc(cls, exc: BaseException) -> GatewayError:
