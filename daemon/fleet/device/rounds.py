@@ -19,7 +19,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +36,7 @@ from daemon.wire import (
     WireTensor,
 )
 from daemon.wire.tensors import tensors_to_wire
+from edge_runtime import durable
 from edge_runtime.feedback.pairs import is_heldout
 from edge_runtime.lora.config import AdapterError
 from edge_runtime.lora.registry import FLEET
@@ -217,12 +217,7 @@ class PrivacyRecord:
         rounds = [*self.rounds, {"round": round_number, "clip": clip, "noise_multiplier": noise_multiplier,
                                  "time": time.time()}]
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump({"rounds": rounds}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        durable.write_json(self.path, {"rounds": rounds})
         self.rounds = rounds
 
 
