@@ -57,8 +57,9 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
 
 
 def _q5_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
-    # d f16, qh u32, 16 bytes of low nibbles; w = d * (q - 16)
-    return _nibbles(raw[..., 6:]) | _fifth_bits(raw[..., 2:6]), _f16(raw[..., :2]), None, 16, 8
+    # d f16, qh u32, 16 bytes of low nibbles; w = d * (q - 16), kept as signed q - 16
+    q = _nibbles(raw[..., 6:]) | _fifth_bits(raw[..., 2:6])
+    return (q.astype(np.int8) - np.int8(16)), _f16(raw[..., :2]), None, 0, 8
 
 
 def _q5_1(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
@@ -67,8 +68,8 @@ def _q5_1(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, i
 
 
 def _q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
-    # d f16, 32 int8; stored as q + 128 (the sign bit flipped), w = d * (q - 128)
-    return raw[..., 2:] ^ np.uint8(0x80), _f16(raw[..., :2]), None, 128, 8
+    # d f16, 32 int8; w = d * q
+    return np.ascontiguousarray(raw[..., 2:]).view(np.int8), _f16(raw[..., :2]), None, 0, 8
 
 
 def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -113,10 +114,10 @@ def _q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, i
     qh = raw[..., 128:192].reshape(*raw.shape[:-1], 2, 1, 32)
     low = np.concatenate((ql & 0x0F, ql >> 4), axis=-1)  # [..., 2, 128]
     high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03  # [..., 2, 4, 32]
-    levels = low | (high.reshape(*raw.shape[:-1], 2, 128) << 4)
+    levels = (low | (high.reshape(*raw.shape[:-1], 2, 128) << 4)).astype(np.int8) - np.int8(32)  # q - 32
     scales = raw[..., 192:208].view(np.int8).astype(np.float32) * _f16(raw[..., 208:210])[..., None]
     rows = raw.shape[0]
-    return levels.reshape(rows, -1, 16), scales.reshape(rows, -1), None, 32, 8
+    return levels.reshape(rows, -1, 16), scales.reshape(rows, -1), None, 0, 8
 
 
 def _flat_sub(x: np.ndarray) -> np.ndarray:
@@ -124,7 +125,7 @@ def _flat_sub(x: np.ndarray) -> np.ndarray:
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-# type name -> (elements per block, bytes per block, converter of raw blocks [rows, blocks, bytes])
+# Levels come back uint8, or int8 where signed (zero 0). Type name -> (elements per block, bytes per block, converter of raw blocks [rows, blocks, bytes])
 _Converter = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, "np.ndarray | None", int, int]]
 BLOCK_TYPES: dict[str, tuple[int, int, _Converter]] = {
     "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q5_0": (32, 22, _q5_0), "Q5_1": (32, 24, _q5_1),
@@ -163,7 +164,7 @@ def read_blocks(tensor: Any) -> Blocks:
     scales = torch.from_numpy(np.ascontiguousarray(np.concatenate([p[1] for p in parts]), dtype=np.float32))
     offsets = None if parts[0][2] is None else torch.from_numpy(
         np.ascontiguousarray(np.concatenate([p[2] for p in parts]), dtype=np.float32))
-    return Blocks(levels.to(torch.uint8), scales, offsets, zero, bits)
+    return Blocks(levels, scales, offsets, zero, bits)
 
 
 def read_float(tensor: Any) -> Tensor:
@@ -193,17 +194,20 @@ def head_order(rows: int, heads: int) -> Tensor:
 
 
 class GgufBlockReader:
-    """A GGUF file's tensors by name, each read on request (the file stays memory-mapped)."""
+    """A GGUF file's tensors by name, each read on request (the file stays memory-mapped).
+    `tensors`: those of a header already parsed (`gguf_config.read_header`: parsing a file's
+    metadata takes seconds where its vocabulary is large)."""
 
-    def __init__(self, path: str | Path) -> None:
-        from gguf import GGUFReader
-
-        try:
-            self.reader = GGUFReader(str(path))
-        except (ValueError, OSError) as exc:
-            raise ModelNotAvailable(f"{path} is not a readable GGUF file: {exc}") from exc
+    def __init__(self, path: str | Path, tensors: dict[str, Any] | None = None) -> None:
         self.path = Path(path)
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        if tensors is None:
+            from gguf import GGUFReader
+
+            try:
+                tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+            except (ValueError, OSError) as exc:
+                raise ModelNotAvailable(f"{path} is not a readable GGUF file: {exc}") from exc
+        self.tensors = tensors
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors

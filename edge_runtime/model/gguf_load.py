@@ -78,7 +78,7 @@ def load_llama_gguf(
     cfg = ModelConfig.from_hf(config if config is not None else hf_config(path, header))
     if cfg.fused_projections or cfg.norm_after_sublayer or cfg.qk_norm is not None:
         raise ModelNotAvailable(f"{path.name}: a llama GGUF with settings of another family ({cfg.model_type})")
-    reader = GgufBlockReader(path)
+    reader = GgufBlockReader(path, header.tensors)
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions=None)
     used: set[str] = set()

@@ -73,6 +73,7 @@ def test_every_block_type_dequantizes_as_gguf_does(tmp_path, kind, edges):
     # 4-bit types stay packed two levels to a byte; the rest take a byte per level.
     assert blocks.bits == (4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 8)
     assert blocks.block == (16 if kind == "Q6_K" else 32)
+    assert (blocks.levels.dtype == torch.int8) == (kind in ("Q5_0", "Q6_K", "Q8_0"))
 
 
 def test_row_chunks_join_exactly(tmp_path, monkeypatch):
