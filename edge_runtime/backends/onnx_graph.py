@@ -32,6 +32,7 @@ from edge_runtime.backends.quantize import (
 )
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.llama import LlamaModel
+from edge_runtime.model.qweights import QuantWeight
 
 GRAPH_VERSION = 11  # bump when the graph's inputs, outputs or numerics change (part of the cache key)
 OPSET = 21  # block-wise DequantizeLinear (INT4 weight-only) needs 21
@@ -181,7 +182,9 @@ class _Graph:
         return self._consts[key]
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
+def _np(t: torch.Tensor | QuantWeight) -> np.ndarray:
+    if isinstance(t, QuantWeight):  # a GGUF's blocks (gguf_load): de-quantised a weight at a time
+        return t.dequantize().cpu().numpy()
     return t.detach().to(torch.float32).cpu().numpy()
 
 

@@ -67,11 +67,13 @@ def load_llama_gguf(
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
     config: Any = None,
+    header: gguf_config.GgufHeader | None = None,
 ) -> LlamaModel:
     """The model of a llama-architecture GGUF with its quantised tensors kept as blocks (float
-    tensors, norms and any F16/F32 matrix, become parameters in `dtype`)."""
+    tensors, norms and any F16/F32 matrix, become parameters in `dtype`). `header`: the file's,
+    when already read."""
     path = Path(path)
-    header = gguf_config.read_header(path)
+    header = header or gguf_config.read_header(path)
     if not reads(header):
         raise ModelNotAvailable(f"{path.name} is a {header.architecture!r} GGUF; blocks are read from "
                                 f"{', '.join(ARCHITECTURES)} files only")

@@ -156,6 +156,11 @@ class QuantWeight(nn.Module):
                        zero, bits) for i, (zero, bits) in enumerate(self._meta)]
 
     @property
+    def formats(self) -> list[tuple[int, int]]:
+        """(zero, bits) of each part, in order: what, besides the tensors, a cache must keep."""
+        return list(self._meta)
+
+    @property
     def shape(self) -> torch.Size:
         parts = self.parts
         return torch.Size((sum(p.n for p in parts), parts[0].k))

