@@ -183,6 +183,26 @@ def read_float(tensor: Any) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(values.reshape(shape)))
 
 
+def release_pages(tensor: Any) -> None:
+    """Drop the pages of `tensor`'s bytes from this process's mapping once they are read: a
+    mapped file's touched pages count as resident until unmapped, so reading a whole GGUF would
+    otherwise add the file's size to the peak. (The kernel keeps them in its page cache.)"""
+    import mmap
+
+    base = tensor.data
+    while base is not None and not hasattr(base, "_mmap"):
+        base = getattr(base, "base", None)
+    mapping = getattr(base, "_mmap", None)
+    if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = int(tensor.data_offset) - int(getattr(base, "offset", 0))
+    lo = start - start % mmap.PAGESIZE
+    hi = start + int(tensor.n_bytes)
+    hi = min(len(mapping), hi + (-hi % mmap.PAGESIZE))
+    if hi > lo:
+        mapping.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
 def head_order(rows: int, heads: int) -> Tensor:
     """The row order that undoes llama.cpp's converter on a q or k projection of `heads` heads:
     it stores each head's rotary pairs interleaved (rows i, i + d/2 of HF order next to each
@@ -227,7 +247,9 @@ class GgufBlockReader:
     def blocks(self, name: str, heads: int | None = None) -> Blocks:
         """Tensor `name` as Blocks; `heads`: a q/k projection of that many heads, put back in HF
         row order (`head_order`)."""
-        out = read_blocks(self._tensor(name))
+        tensor = self._tensor(name)
+        out = read_blocks(tensor)
+        release_pages(tensor)
         return out if heads is None else out.rows(head_order(out.n, heads))
 
     def float(self, name: str, heads: int | None = None) -> Tensor:

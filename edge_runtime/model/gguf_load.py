@@ -137,7 +137,8 @@ def load_llama_gguf(
             _put(layer, "down_bias", take(t["down"] + ".bias"), dtype, device)
     unused = sorted(set(reader.tensors) - used)
     if unused:
-        raise ModelNotAvailable(f"{path.name} holds tensors this forward does not use: {', '.join(unused[:4])}")
+        raise ModelNotAvailable(f"{path.name} does not map onto the {cfg.model_type} forward: "
+                                f"tensors it would skip: {', '.join(unused[:4])}")
     left = [name for name, p in model.named_parameters() if p.is_meta]
     if left:
         raise ModelNotAvailable(f"{path.name} lacks weights the model needs, e.g. {left[:3]}")
