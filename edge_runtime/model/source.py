@@ -20,8 +20,7 @@ from pathlib import Path
 
 from edge_runtime import paths
 from edge_runtime.errors import ModelNotAvailable
-from edge_runtime.model import gguf_config, gguf_load
-from edge_runtime.model.block_cache import write_block_cache
+from edge_runtime.model import gguf_config
 from edge_runtime.model.convert import convert_gguf
 from edge_runtime.model.download import (
     DEFAULT_MEMBER,
@@ -264,6 +263,8 @@ def _convert_into_cache(
     try:
         header = _keeps_blocks(gguf_path, name)
         if header is not None:
+            from edge_runtime.model.block_cache import write_block_cache  # torch: only when used
+
             write_block_cache(gguf_path, tmp, header)
         else:
             convert_gguf(gguf_path, tmp, progress=progress)
@@ -304,6 +305,8 @@ def _keeps_blocks(gguf_path: Path, name: str) -> gguf_config.GgufHeader | None:
         raise ModelNotAvailable(f"${BLOCKS_ENV} = {setting!r}: use auto, all or off")
     if setting == "off" or (setting == "auto" and name == DEFAULT_NAME):
         return None
+    from edge_runtime.model import gguf_load
+
     header = gguf_config.read_header(gguf_path)
     return header if gguf_load.reads(header) else None
 
