@@ -1,6 +1,6 @@
 """The model cache of a GGUF kept as its quantised blocks: config.json, generation_config.json,
-the tokenizer files and `model.blocks.safetensors` (uint8/int8 levels, float32 scales and
-offsets, float norms; which weights are blocks, and their formats, in its metadata), written a
+the tokenizer files and `model.blocks.safetensors` (levels, scales, offsets and their steps as
+`Blocks` holds them, float norms; which weights are blocks, and their formats, in its metadata), written a
 tensor at a time from the model `gguf_load` builds. What is cached is what is served: no float
 copy of a quantised weight exists on disk or in memory.
 """
@@ -20,12 +20,12 @@ from edge_runtime.errors import ModelNotAvailable
 from edge_runtime.model import gguf_config, gguf_load
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.llama import LlamaModel, rotary_tables
-from edge_runtime.model.qweights import Blocks, QuantWeight
+from edge_runtime.model.qweights import TENSOR_FIELDS, Blocks, QuantWeight
 
 logger = logging.getLogger(__name__)
 
 BLOCKS_FILE = "model.blocks.safetensors"
-FORMAT = "mace-blocks-1"
+FORMAT = "mace-blocks-2"  # 2: factored K-quant scales, float16 scales
 _DTYPES = {torch.uint8: "U8", torch.int8: "I8", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 # GGUF special-token ids (llama.cpp's `tokenizer.ggml.*`) and the tokenizer's attribute names.
 _SPECIAL_TOKENS = (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"),
@@ -117,9 +117,9 @@ def load_block_cache(
         for module_name, formats in json.loads(meta["quant"]).items():
             parts = []
             for i, (zero, bits) in enumerate(formats):
-                offsets = f"{module_name}.offsets_{i}"
-                parts.append(Blocks(get(f"{module_name}.levels_{i}"), get(f"{module_name}.scales_{i}"),
-                                    get(offsets) if offsets in names else None, zero, bits))
+                keys = {field: f"{module_name}.{field}_{i}" for field in TENSOR_FIELDS}
+                parts.append(Blocks(**{field: get(key) if key in names else None for field, key in keys.items()},
+                                    zero=zero, bits=bits))
             parent, attr = _parent(model, module_name)
             delattr(parent, attr)
             setattr(parent, attr, QuantWeight(parts).to(device))

@@ -18,15 +18,15 @@ import torch
 from torch import Tensor
 
 from edge_runtime.errors import ModelNotAvailable
-from edge_runtime.model.qweights import Blocks
+from edge_runtime.model.qweights import TENSOR_FIELDS, Blocks
 
 QK_K = 256  # elements of a K-quant super-block
 ROW_CHUNK = 4096  # rows converted at once: bounds the unpacked temporaries of a large table
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
-    """Two bytes per entry (last axis) read as float16 and widened to float32 (exact)."""
-    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+    """Two bytes per entry (last axis) read as float16 (kept so: de-quantisation widens exactly)."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0]
 
 
 def _nibbles(raw: np.ndarray) -> np.ndarray:
@@ -40,14 +40,20 @@ def _pack(levels: np.ndarray) -> np.ndarray:
     return levels[..., 0::2] | (levels[..., 1::2] << 4)
 
 
-def _q4_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
+# Each converter takes raw blocks [rows, blocks, bytes] and returns `Blocks`' fields as numpy
+# arrays (levels uint8, or int8 where signed with zero 0) plus "zero" and "bits".
+Fields = dict[str, Any]
+
+
+def _q4_0(raw: np.ndarray) -> Fields:
     # d f16, 16 bytes of levels; w = d * (q - 8)
-    return _pack(_nibbles(raw[..., 2:])), _f16(raw[..., :2]), None, 8, 4
+    return {"levels": _pack(_nibbles(raw[..., 2:])), "scales": _f16(raw[..., :2]), "zero": 8, "bits": 4}
 
 
-def _q4_1(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
+def _q4_1(raw: np.ndarray) -> Fields:
     # d f16, m f16, 16 bytes of levels; w = d * q + m
-    return _pack(_nibbles(raw[..., 4:])), _f16(raw[..., :2]), _f16(raw[..., 2:4]), 0, 4
+    return {"levels": _pack(_nibbles(raw[..., 4:])), "scales": _f16(raw[..., :2]), "offsets": _f16(raw[..., 2:4]),
+            "zero": 0, "bits": 4}
 
 
 def _fifth_bits(qh: np.ndarray) -> np.ndarray:
@@ -56,20 +62,22 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
     return bits << 4
 
 
-def _q5_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
+def _q5_0(raw: np.ndarray) -> Fields:
     # d f16, qh u32, 16 bytes of low nibbles; w = d * (q - 16), kept as signed q - 16
     q = _nibbles(raw[..., 6:]) | _fifth_bits(raw[..., 2:6])
-    return (q.astype(np.int8) - np.int8(16)), _f16(raw[..., :2]), None, 0, 8
+    return {"levels": q.astype(np.int8) - np.int8(16), "scales": _f16(raw[..., :2]), "zero": 0, "bits": 8}
 
 
-def _q5_1(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
+def _q5_1(raw: np.ndarray) -> Fields:
     # d f16, m f16, qh u32, 16 bytes of low nibbles; w = d * q + m
-    return _nibbles(raw[..., 8:]) | _fifth_bits(raw[..., 4:8]), _f16(raw[..., :2]), _f16(raw[..., 2:4]), 0, 8
+    return {"levels": _nibbles(raw[..., 8:]) | _fifth_bits(raw[..., 4:8]), "scales": _f16(raw[..., :2]),
+            "offsets": _f16(raw[..., 2:4]), "zero": 0, "bits": 8}
 
 
-def _q8_0(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
+def _q8_0(raw: np.ndarray) -> Fields:
     # d f16, 32 int8; w = d * q
-    return np.ascontiguousarray(raw[..., 2:]).view(np.int8), _f16(raw[..., :2]), None, 0, 8
+    return {"levels": np.ascontiguousarray(raw[..., 2:]).view(np.int8), "scales": _f16(raw[..., :2]),
+            "zero": 0, "bits": 8}
 
 
 def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -79,7 +87,7 @@ def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     lo_s, lo_m, mix = raw[..., 0:4], raw[..., 4:8], raw[..., 8:12]
     scales = np.concatenate((lo_s & 0x3F, (mix & 0x0F) | ((lo_s >> 6) << 4)), axis=-1)
     mins = np.concatenate((lo_m & 0x3F, (mix >> 4) | ((lo_m >> 6) << 4)), axis=-1)
-    return scales.astype(np.float32), mins.astype(np.float32)
+    return scales, mins
 
 
 def _k_runs(qs: np.ndarray) -> np.ndarray:
@@ -89,24 +97,26 @@ def _k_runs(qs: np.ndarray) -> np.ndarray:
     return np.stack((runs & 0x0F, runs >> 4), axis=-2).reshape(*qs.shape[:-1], 8, 32)
 
 
-def _q4_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
+def _k_fields(raw: np.ndarray, levels: np.ndarray, bits: int) -> Fields:
+    """Q4_K/Q5_K: per 32, scale d * sc and offset -dmin * m, kept factored (d, -dmin per
+    super-block in float16; sc, m per sub-block in a byte)."""
+    sc, mn = _k_scales(raw[..., 4:16])
+    return {"levels": _flat_sub(levels), "scales": _f16(raw[..., :2]), "scale_steps": _flat_sub(sc),
+            "offsets": -_f16(raw[..., 2:4]), "offset_steps": _flat_sub(mn), "zero": 0, "bits": bits}
+
+
+def _q4_k(raw: np.ndarray) -> Fields:
     # d f16, dmin f16, 12 bytes of scales/mins, 128 bytes of levels; w = d*sc * q - dmin*m per 32
-    d, dmin = _f16(raw[..., :2])[..., None], _f16(raw[..., 2:4])[..., None]
-    sc, mn = _k_scales(raw[..., 4:16])
-    levels = _pack(_k_runs(raw[..., 16:]))
-    return _flat_sub(levels), _flat_sub(d * sc), _flat_sub(-(dmin * mn)), 0, 4
+    return _k_fields(raw, _pack(_k_runs(raw[..., 16:])), 4)
 
 
-def _q5_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
+def _q5_k(raw: np.ndarray) -> Fields:
     # as Q4_K, with 32 bytes of fifth bits: bit s of byte j is element j of sub-block s
-    d, dmin = _f16(raw[..., :2])[..., None], _f16(raw[..., 2:4])[..., None]
-    sc, mn = _k_scales(raw[..., 4:16])
     high = np.unpackbits(raw[..., 16:48][..., None], axis=-1, bitorder="little")  # [..., 32, 8]
-    levels = _k_runs(raw[..., 48:]) | (np.swapaxes(high, -1, -2) << 4)
-    return _flat_sub(levels), _flat_sub(d * sc), _flat_sub(-(dmin * mn)), 0, 8
+    return _k_fields(raw, _k_runs(raw[..., 48:]) | (np.swapaxes(high, -1, -2) << 4), 8)
 
 
-def _q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, int]:
+def _q6_k(raw: np.ndarray) -> Fields:
     # 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d f16; w = d*sc * (q - 32) per 16.
     # Each half of 128 elements: 64 low-nibble bytes (elements 0-63 low, 64-127 high nibbles)
     # and 32 high-bit bytes (bits 2i..2i+1 of byte j for element 32i + j).
@@ -115,9 +125,10 @@ def _q6_k(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, i
     low = np.concatenate((ql & 0x0F, ql >> 4), axis=-1)  # [..., 2, 128]
     high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03  # [..., 2, 4, 32]
     levels = (low | (high.reshape(*raw.shape[:-1], 2, 128) << 4)).astype(np.int8) - np.int8(32)  # q - 32
-    scales = raw[..., 192:208].view(np.int8).astype(np.float32) * _f16(raw[..., 208:210])[..., None]
     rows = raw.shape[0]
-    return levels.reshape(rows, -1, 16), scales.reshape(rows, -1), None, 0, 8
+    return {"levels": levels.reshape(rows, -1, 16), "scales": _f16(raw[..., 208:210]),
+            "scale_steps": np.ascontiguousarray(raw[..., 192:208]).view(np.int8).reshape(rows, -1),
+            "zero": 0, "bits": 8}
 
 
 def _flat_sub(x: np.ndarray) -> np.ndarray:
@@ -125,9 +136,8 @@ def _flat_sub(x: np.ndarray) -> np.ndarray:
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-# Levels come back uint8, or int8 where signed (zero 0). Type name -> (elements per block, bytes per block, converter of raw blocks [rows, blocks, bytes])
-_Converter = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, "np.ndarray | None", int, int]]
-BLOCK_TYPES: dict[str, tuple[int, int, _Converter]] = {
+# Type name -> (elements per block, bytes per block, converter).
+BLOCK_TYPES: dict[str, tuple[int, int, Callable[[np.ndarray], Fields]]] = {
     "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q5_0": (32, 22, _q5_0), "Q5_1": (32, 24, _q5_1),
     "Q8_0": (32, 34, _q8_0), "Q4_K": (QK_K, 144, _q4_k), "Q5_K": (QK_K, 176, _q5_k), "Q6_K": (QK_K, 210, _q6_k),
 }
@@ -156,15 +166,10 @@ def read_blocks(tensor: Any) -> Blocks:
     n, k = shape
     elems, size, convert = BLOCK_TYPES[kind]
     raw = np.asarray(tensor.data).reshape(n, k // elems, size)
-    parts: list[tuple[np.ndarray, ...]] = []
-    for lo in range(0, n, ROW_CHUNK):
-        levels, scales, offsets, zero, bits = convert(raw[lo:lo + ROW_CHUNK])
-        parts.append((levels, scales, offsets))
-    levels = torch.from_numpy(np.ascontiguousarray(np.concatenate([p[0] for p in parts])))
-    scales = torch.from_numpy(np.ascontiguousarray(np.concatenate([p[1] for p in parts]), dtype=np.float32))
-    offsets = None if parts[0][2] is None else torch.from_numpy(
-        np.ascontiguousarray(np.concatenate([p[2] for p in parts]), dtype=np.float32))
-    return Blocks(levels, scales, offsets, zero, bits)
+    chunks = [convert(raw[lo:lo + ROW_CHUNK]) for lo in range(0, n, ROW_CHUNK)]
+    fields = {name: torch.from_numpy(np.ascontiguousarray(np.concatenate([c[name] for c in chunks])))
+              if name in chunks[0] else None for name in TENSOR_FIELDS}
+    return Blocks(**fields, zero=chunks[0]["zero"], bits=chunks[0]["bits"])
 
 
 def read_float(tensor: Any) -> Tensor:

@@ -24,13 +24,19 @@ class Blocks:
     for signed levels (zero 0: Q8_0, Q6_K and Q5_0 keep `q - zero` in a signed byte, which saves
     de-quantisation a pass), or uint8 [n, k / block, block / 2] for 4 bits, two to a byte with
     the even element in the low nibble (`MatMulNBits`' packing, so a graph can take them as they
-    are). `scales`, `offsets`: float32 [n, k / block]; `offsets` None = none (symmetric formats)."""
+    are). `scales`, `offsets`: float16 or float32 [n, k / block]; `offsets` None = none
+    (symmetric formats). Factored (K-quants): with `scale_steps` (uint8 or int8 [n, k / block]),
+    `scales` is [n, k / block / group], one per group of blocks, and block j's scale is
+    `scales[j // group] * scale_steps[j]` (llama.cpp's d * sc, exact in float32); the same for
+    `offsets` with `offset_steps`. That keeps a Q4_K block in 4.6 bits a weight instead of 6."""
 
     levels: Tensor
     scales: Tensor
     offsets: Tensor | None
     zero: int
     bits: int
+    scale_steps: Tensor | None = None
+    offset_steps: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -39,10 +45,20 @@ class Blocks:
         if not (self.levels.dtype == torch.uint8 or signed) or self.levels.dim() != 3:
             raise ValueError(f"levels must be uint8 (or, 8-bit with zero 0, int8) [n, blocks, bytes], got "
                              f"{self.levels.dtype} {tuple(self.levels.shape)} of {self.bits} bits, zero {self.zero}")
-        if tuple(self.scales.shape) != tuple(self.levels.shape[:2]):
-            raise ValueError(f"scales {tuple(self.scales.shape)} do not match levels {tuple(self.levels.shape)}")
-        if self.offsets is not None and tuple(self.offsets.shape) != tuple(self.scales.shape):
-            raise ValueError(f"offsets {tuple(self.offsets.shape)} do not match scales {tuple(self.scales.shape)}")
+        for name, base, steps in (("scales", self.scales, self.scale_steps),
+                                  ("offsets", self.offsets, self.offset_steps)):
+            if base is None:
+                if steps is not None:
+                    raise ValueError(f"{name} steps without {name}")
+                continue
+            shape = tuple(self.levels.shape[:2])
+            if steps is not None:
+                if tuple(steps.shape) != shape or base.dim() != 2 or base.shape[0] != shape[0] \
+                        or base.shape[1] == 0 or shape[1] % base.shape[1]:
+                    raise ValueError(f"{name} {tuple(base.shape)} x steps {tuple(steps.shape)} do not match "
+                                     f"levels {tuple(self.levels.shape)}")
+            elif tuple(base.shape) != shape:
+                raise ValueError(f"{name} {tuple(base.shape)} do not match levels {tuple(self.levels.shape)}")
 
     @property
     def n(self) -> int:
@@ -60,13 +76,31 @@ class Blocks:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def fields(self) -> dict[str, Tensor | None]:
+        """The tensors by name (None where absent), in the order caches store them."""
+        return {name: getattr(self, name) for name in TENSOR_FIELDS}
+
     def tensors(self) -> list[Tensor]:
-        return [self.levels, self.scales] + ([] if self.offsets is None else [self.offsets])
+        return [t for t in self.fields().values() if t is not None]
+
+    def _layout(self) -> tuple:
+        return (self.bits, self.block, self.zero, self.k) + tuple(
+            None if t is None else (t.dtype, t.shape[1]) for t in self.fields().values())
 
     def same_format(self, other: Blocks) -> bool:
         """Whether `other` can be stored in the same tensors (concatenated along N)."""
-        return (self.bits, self.block, self.zero, self.offsets is None, self.k, self.levels.dtype) == \
-            (other.bits, other.block, other.zero, other.offsets is None, other.k, other.levels.dtype)
+        return self._layout() == other._layout()
+
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> Blocks:
+        """The same blocks with `fn` applied to every tensor (all indexed by row)."""
+        return Blocks(**{name: None if t is None else fn(t) for name, t in self.fields().items()},
+                      zero=self.zero, bits=self.bits)
+
+    def scale_per_block(self) -> Tensor:
+        return _per_block(self.scales, self.scale_steps)
+
+    def offset_per_block(self) -> Tensor | None:
+        return None if self.offsets is None else _per_block(self.offsets, self.offset_steps)
 
     def unpacked(self) -> Tensor:
         """The integer levels, [n, k / block, block] (uint8, or int8 for signed ones)."""
@@ -90,25 +124,23 @@ class Blocks:
             q = self.levels.to(torch.float32)
         if self.zero:
             q.sub_(float(self.zero))
-        q.mul_(self.scales.unsqueeze(-1))
-        if self.offsets is not None:
-            q.add_(self.offsets.unsqueeze(-1))
+        q.mul_(self.scale_per_block().unsqueeze(-1))
+        offsets = self.offset_per_block()
+        if offsets is not None:
+            q.add_(offsets.unsqueeze(-1))
         w = q.view(n, self.k)
         return w if dtype == torch.float32 else w.to(dtype)
 
     def rows(self, index: Tensor) -> Blocks:
         """Rows `index` of these blocks (a row permutation, or an embedding's gather)."""
-        return Blocks(self.levels[index], self.scales[index],
-                      None if self.offsets is None else self.offsets[index], self.zero, self.bits)
+        return self._map(lambda t: t[index])
 
     def slice(self, lo: int, hi: int) -> Blocks:
         """Rows lo..hi-1 (views, no copy)."""
-        return Blocks(self.levels[lo:hi], self.scales[lo:hi],
-                      None if self.offsets is None else self.offsets[lo:hi], self.zero, self.bits)
+        return self._map(lambda t: t[lo:hi])
 
     def to(self, device: torch.device | str) -> Blocks:
-        return Blocks(self.levels.to(device), self.scales.to(device),
-                      None if self.offsets is None else self.offsets.to(device), self.zero, self.bits)
+        return self._map(lambda t: t.to(device))
 
     @staticmethod
     def cat(parts: Sequence[Blocks]) -> Blocks:
@@ -116,12 +148,20 @@ class Blocks:
         first = parts[0]
         if not all(first.same_format(p) for p in parts):
             raise ValueError("only blocks of one format concatenate into one Blocks")
-        offsets = None if first.offsets is None else torch.cat([p.offsets for p in parts])
-        return Blocks(torch.cat([p.levels for p in parts]), torch.cat([p.scales for p in parts]), offsets,
-                      first.zero, first.bits)
+        fields = {name: None if t is None else torch.cat([p.fields()[name] for p in parts])
+                  for name, t in first.fields().items()}
+        return Blocks(**fields, zero=first.zero, bits=first.bits)
 
 
-_FIELDS = ("levels", "scales", "offsets")
+def _per_block(base: Tensor, steps: Tensor | None) -> Tensor:
+    """float32 [n, blocks] from a per-block tensor, or a per-group one times per-block steps."""
+    if steps is None:
+        return base.float()
+    group = steps.shape[1] // base.shape[1]
+    return base.float().repeat_interleave(group, dim=1).mul_(steps.float())
+
+
+TENSOR_FIELDS = ("levels", "scales", "offsets", "scale_steps", "offset_steps")
 # Most float elements one de-quantised piece of a weight holds at once (64 MiB in float32): a
 # large table (an LM head of 128k rows) is read in row chunks instead of whole.
 CHUNK_ELEMENTS = 1 << 24
@@ -147,13 +187,13 @@ class QuantWeight(nn.Module):
             raise ValueError(f"parts of one weight must share K, got {sorted(ks)}")
         self._meta = [(p.zero, p.bits) for p in merged]
         for i, part in enumerate(merged):
-            for name in _FIELDS:
-                self.register_buffer(f"{name}_{i}", getattr(part, name))
+            for name, tensor in part.fields().items():
+                self.register_buffer(f"{name}_{i}", tensor)
 
     @property
     def parts(self) -> list[Blocks]:
-        return [Blocks(getattr(self, f"levels_{i}"), getattr(self, f"scales_{i}"), getattr(self, f"offsets_{i}"),
-                       zero, bits) for i, (zero, bits) in enumerate(self._meta)]
+        return [Blocks(**{name: getattr(self, f"{name}_{i}") for name in TENSOR_FIELDS}, zero=zero, bits=bits)
+                for i, (zero, bits) in enumerate(self._meta)]
 
     @property
     def formats(self) -> list[tuple[int, int]]:
