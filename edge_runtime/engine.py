@@ -103,7 +103,7 @@ class Engine:
         self.backend, self.backend_choice = choose_backend(config, model, self.cache, self.adapters,
                                                            self.pool, prompts)
         self.kv_pruning = PruningSettings.from_config(config)
-        if self.kv_pruning is not None and (self.backend.name != "torch" or any(w is not None for w in cfg.layer_windows)
+        if self.kv_pruning is not None and (not self.backend.reads_pruned_kv or any(w is not None for w in cfg.layer_windows)
                                             or cfg.attn_softcap is not None):
             raise ValueError("KV pruning runs on the torch backend, for models without sliding windows or attention "
                              "soft-capping, so far (docs/kv.md); set kv_prune_policy='off'")
@@ -227,12 +227,12 @@ class Engine:
         forward = (self.costs.inference_bytes(self.config.max_batched_tokens, False)
                    + self.config.max_num_seqs * self.costs.logits_bytes_per_row)
         return (_weights_bytes(self.model) + self.cache.nbytes + self.adapters.cache.capacity_bytes
-                + forward + self.config.finetune_memory_bytes + getattr(self.backend, "reserved_bytes", 0))
+                + forward + self.config.finetune_memory_bytes + self.backend.reserved_bytes)
 
     def _note_backend_memory(self) -> None:
         """What the backend holds beside the model and the paged cache (an ONNX Runtime graph's
         own weights, its dense KV rows) is weight-like: the ledger counts it, nothing sheds it."""
-        self.ledger.set(MemoryKind.WEIGHTS, "backend", getattr(self.backend, "held_bytes", 0))
+        self.ledger.set(MemoryKind.WEIGHTS, "backend", self.backend.held_bytes)
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -555,8 +555,8 @@ class Engine:
         (or recomputed after a preemption, every position whole again) also tries at its first
         decode step and every `block_size` steps after (a try that frees nothing costs a few ms).
         Any sequence with a pruning state, whether the engine's settings gave it one or not. Only
-        the torch backend reads a compacted layout."""
-        if self.backend.name != "torch":
+        a backend that `reads_pruned_kv` reads a compacted layout."""
+        if not self.backend.reads_pruned_kv:
             return
         layers, kv_heads = self.model.cfg.num_layers, self.model.cfg.num_kv_heads
         for seq in self.scheduler.running:
