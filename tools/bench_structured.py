@@ -41,8 +41,8 @@ import jsonschema  # noqa: E402
 import torch  # noqa: E402
 
 from edge_runtime import Engine, SamplingParams  # noqa: E402
+from edge_runtime.commit import greedy_tokens as _greedy_tokens  # noqa: E402
 from edge_runtime.constraints import Constraint, unpack_masks  # noqa: E402
-from edge_runtime.engine import _greedy_tokens  # noqa: E402
 from edge_runtime.sampling import mask_rows  # noqa: E402
 from tools.report import RESULTS, cpu_name, load_average, write_json  # noqa: E402
 

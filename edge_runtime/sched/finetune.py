@@ -37,6 +37,12 @@ class FineTuneWork(Protocol):
     def abandon(self) -> None: ...
 
 
+def must_finish(job: FineTuneJob) -> bool:
+    """A job whose backward has begun (gradients partly in the adapter's leaves) cannot give
+    its activations back and restart; it must run to its optimizer stage."""
+    return not job.work.done and not getattr(job.work, "can_abandon", True)
+
+
 # Kinds that need the adapter exclusively: between a task's forward and its optimizer stage the
 # autograd graph references the LoRA leaves (see AdapterTrainer.claim). The others ("score",
 # "reference": no-grad log-probs) run beside another job of the same adapter.
@@ -214,6 +220,10 @@ class FineTuneQueue:
         job.forget_costs()  # held-state-dependent estimates are stale now
         self._release(job)
         return held
+
+    def holds_adapter(self, job: FineTuneJob) -> bool:
+        """Whether `job` holds its trainer's adapter (between its forward and optimizer stages)."""
+        return self.owners.get(id(job.work.trainer)) is job
 
     def _release(self, job: FineTuneJob) -> None:
         key = id(job.work.trainer)
