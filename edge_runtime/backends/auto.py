@@ -17,7 +17,7 @@ import torch
 
 from edge_runtime.backends.base import Backend
 from edge_runtime.sched.batch import Batch, ScheduledSeq
-from edge_runtime.sched.cost_model import _ProbeSeq
+from edge_runtime.sched.probe import ProbeSeq
 
 if TYPE_CHECKING:
     from edge_runtime.config import EngineConfig
@@ -194,7 +194,7 @@ def prefill_rows(backend: Backend, pool: BlockPool, prompts: list[list[int]]) ->
         raise RuntimeError(f"the KV cache has {pool.num_free} free blocks; the self-check needs {needed}")
     tables = [[pool.allocate() for _ in range(-(-len(p) // size))] for p in prompts]
     try:
-        items = [ScheduledSeq(_ProbeSeq(list(p), 0, t), len(p)) for p, t in zip(prompts, tables, strict=True)]  # type: ignore[arg-type]
+        items = [ScheduledSeq(ProbeSeq(list(p), 0, t), len(p)) for p, t in zip(prompts, tables, strict=True)]  # type: ignore[arg-type]
         return backend.execute(Batch(items, [])).float().cpu()
     finally:
         for block in (b for t in tables for b in t):
@@ -209,7 +209,7 @@ def greedy(backend: Backend, pool: BlockPool, prompt: list[int], tokens: int) ->
     if blocks > pool.num_free:
         raise RuntimeError(f"the KV cache has {pool.num_free} free blocks; the self-check needs {blocks}")
     table = [pool.allocate() for _ in range(blocks)]
-    seq = _ProbeSeq(list(prompt), 0, table)
+    seq = ProbeSeq(list(prompt), 0, table)
     out: list[int] = []
     first: torch.Tensor | None = None
     try:

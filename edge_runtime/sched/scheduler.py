@@ -21,9 +21,10 @@ from edge_runtime.sched.bins import Bin
 from edge_runtime.sched.cost_model import CostModel
 from edge_runtime.sched.finetune import FineTuneJob, FineTuneQueue, must_finish
 from edge_runtime.sched.kv_relief import PruneUnderPressure
-from edge_runtime.sched.policy import Policy, Task, TaskKind
+from edge_runtime.sched.policy import Policy
 from edge_runtime.sched.prefix import cache_salt, match_prefix, register_full_blocks
 from edge_runtime.sched.slo import headroom_budget, slo_budgets
+from edge_runtime.sched.task import Task, TaskKind
 from edge_runtime.sequence import SeqStatus, Sequence
 
 __all__ = ["Batch", "ScheduledSeq", "ScheduledStages", "Scheduler"]
