@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from collections.abc import Callable, Iterator
-from collections.abc import Sequence as Sequence_
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +105,7 @@ def add_candidates(request: Request, matcher: Any, seq_ids: Iterator[int],
         request.seqs.append(seq)
 
 
-def encode_embedding_inputs(inputs: Sequence_[str | list[int]], tokenizer: Tokenizer, max_context: int) -> list[list[int]]:
+def encode_embedding_inputs(inputs: Seq[str | list[int]], tokenizer: Tokenizer, max_context: int) -> list[list[int]]:
     """Token ids of each text or token-id list to embed; `BadRequest` for an empty input, too
     many inputs, or one longer than the engine's context."""
     from edge_runtime.embeddings import MAX_INPUTS

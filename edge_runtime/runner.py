@@ -15,6 +15,7 @@ import torch
 from edge_runtime.backends.base import Backend
 from edge_runtime.errors import EngineBroken
 from edge_runtime.kv.block_pool import BlockPool
+from edge_runtime.model.tokenizer import IncrementalDecoder
 from edge_runtime.outputs import RequestOutput
 from edge_runtime.sampling import SamplingParams
 from edge_runtime.sched.batch import Batch, ScheduledSeq
@@ -39,7 +40,7 @@ class Forward:
 
 class ForwardRunner:
     def __init__(self, backend: Backend, costs: CostModel, pool: BlockPool, vocab_size: int,
-                 new_decoder: Callable[[], object], clock: Callable[[], float]) -> None:
+                 new_decoder: Callable[[], IncrementalDecoder], clock: Callable[[], float]) -> None:
         self.backend = backend
         self.costs = costs
         self.pool = pool
