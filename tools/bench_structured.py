@@ -187,7 +187,7 @@ def replay_llguidance(engine: Engine, sequences: list[list[int]], schema: dict[s
 
 def replay_engine_path(engine: Engine, sequences: list[list[int]], schema: dict[str, Any]) -> float:
     """Seconds per step for everything a mask adds to a decode step in the engine's own code
-    (`Engine._apply_grammars` and the argmax of `_commit_tokens`): the streams' packed masks,
+    (`TokenCommitter.apply_grammars` and the argmax of `_commit_tokens`): the streams' packed masks,
     unpacked together, a float32 copy of the batch's logits with each row's disallowed tokens at
     -inf, the batch's argmax over it, and the grammars advanced (all of it counted: the engine's
     batched argmax of the unmasked path runs either way). Independent of the model's forward, so

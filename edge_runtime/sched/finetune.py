@@ -22,7 +22,7 @@ class StageLike(Protocol):
 
 
 class FineTuneWork(Protocol):
-    """What a staged fine-tune task offers (`edge_runtime.train.staged.DPOFineTuneTask` does)."""
+    """What a staged fine-tune task offers (`edge_runtime.train.staged.FineTuneTask` does)."""
 
     trainer: Any  # jobs of one trainer hold its adapter one at a time (forward..optimizer)
     done: bool
