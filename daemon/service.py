@@ -29,7 +29,7 @@ from daemon.principals import OPERATOR_LOCAL, Identities, Principal, forbidden, 
 from daemon.privacy import LogPseudonyms
 from daemon.sdnotify import Notifier, Watchdog
 from daemon.status_report import status_report, telemetry_readings
-from daemon.user_ops import UserOps
+from daemon.user_ops import UserOps, own_names
 from daemon.wire import (
     EmbedArgs,
     FleetEvaluateArgs,
@@ -307,7 +307,8 @@ class Service:
         plain = args.user
         if plain is not None:  # from here on the user is the stored id of the caller's app's user
             args = replace(args, user=self.users.stored(call.principal, None, plain))
-        adapter, label = self.fine_tuner.resolve_adapter(args.user, args.adapter if args.user else "base")
+        with own_names(args.user or "", plain or ""):  # errors name the user as the app does
+            adapter, label = self.fine_tuner.resolve_adapter(args.user, args.adapter if args.user else "base")
         self.ops_in_flight += 1
         self.gate.enter(call)
         timer = None
@@ -316,7 +317,8 @@ class Service:
         try:
             await self.gate.admit(self.admission, call, self.config.server.admission_wait_s,
                                   self.config.admission_config.retry_after_s)
-            result = await self._run_generation(args, prompt, params, adapter, label, call)
+            with own_names(args.user or "", plain or ""):
+                result = await self._run_generation(args, prompt, params, adapter, label, call)
             if plain is not None and isinstance(result["adapter"], str):  # "<stored>@3" as the app knows it
                 result["adapter"] = result["adapter"].replace(str(args.user), plain, 1)
             return result

@@ -45,7 +45,7 @@ class UserOps:
         stored = self.stored(who, None, args.user)
         service.ops_in_flight += 1
         try:
-            with _own_names(stored, args.user):
+            with own_names(stored, args.user):
                 ack = await astore.record_feedback(stored, args.interaction_id, feedback_from_dict(args.feedback))
         finally:
             service.ops_in_flight -= 1
@@ -58,7 +58,7 @@ class UserOps:
         store = self.service._store()
         stored = self.stored(who, args.app, args.user)
         changed = False
-        with _own_names(stored, args.user):
+        with own_names(stored, args.user):
             if args.granted is not None:
                 changed = await store.set_consent(stored, args.granted)
             if args.fleet is not None:
@@ -68,14 +68,14 @@ class UserOps:
 
     async def export(self, args: UserArgs, who: Principal) -> dict[str, Any]:
         stored = self.stored(who, args.app, args.user)
-        with _own_names(stored, args.user):
+        with own_names(stored, args.user):
             data = await self.service._store().export_user(stored)
         return {"user": args.user, "data": _renamed(data, stored, args.user)}
 
     async def forget(self, args: UserArgs, who: Principal) -> dict[str, Any]:
         store = self.service._store()
         stored = self.stored(who, args.app, args.user)
-        with _own_names(stored, args.user):
+        with own_names(stored, args.user):
             # The engine stops serving the user's adapters before their files go.
             removed = await self.service.fine_tuner.forget(stored)
             report = await store.forget(stored, adapters_removed=removed)
@@ -105,7 +105,7 @@ class UserOps:
     async def adapters_rollback(self, args: RollbackArgs, who: Principal) -> dict[str, Any]:
         self.service._require("serving")
         stored = self.stored(who, args.app, args.user)
-        with _own_names(stored, args.user):
+        with own_names(stored, args.user):
             result = await self.service.fine_tuner.rollback(stored, args.version)
         return {**result, "user": args.user} if "user" in result else result
 
@@ -122,14 +122,14 @@ def _renamed(value: Any, stored: str, user: str) -> Any:
 
 
 @contextlib.contextmanager
-def _own_names(stored: str, user: str) -> Iterator[None]:
+def own_names(stored: str, user: str) -> Iterator[None]:
     """Errors raised inside name the user as the app knows them, not as stored."""
     try:
         yield
     except ProtocolError as exc:
         if stored != user and stored in exc.message:
             raise ProtocolError(exc.code, exc.message.replace(stored, user), param=exc.param,
-                                retry_after_s=exc.retry_after_s) from None
+                                retry_after_s=exc.retry_after_s, details=exc.details) from None
         raise
     except MaceError as exc:
         if stored != user and stored in str(exc):

@@ -6,6 +6,7 @@ operator reaches any app's users, and nothing names another app's users.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import urllib.error
 import urllib.request
@@ -28,6 +29,7 @@ from tests.daemon.conftest import DaemonProcess, free_tcp_port, tiny_model  # no
 KEYS = {"a": "app-a-key-0123456789abcdef", "b": "app-b-key-0123456789abcdef",
         "default": "default-key-0123456789abcd", "operator": "operator-key-0123456789ab"}
 SECRET = "my PIN is 4321"
+UIDS = {"a": 65533, "b": 65534}  # ipc peers known by uid (another uid in the socket's reach: the default app)
 
 
 class Daemon:
@@ -53,7 +55,7 @@ class Daemon:
             f'curve_authorized_keys = "{authorized}"\n'
             f'[http]\napi_keys = "{KEYS["default"]}"\n[finetune]\nenabled = false\n'
             + "".join(f'[[apps]]\nname = "{n}"\napi_keys = ["{KEYS[n]}"]\n'
-                      f'curve_keys = ["{self.curve[n][0].decode()}"]\n' for n in ("a", "b"))
+                      f'curve_keys = ["{self.curve[n][0].decode()}"]\nuids = [{UIDS[n]}]\n' for n in ("a", "b"))
             + f'[operator]\napi_keys = ["{KEYS["operator"]}"]\n')
         state = root / "state"
         _adapter(state / "adapters" / "a~alice" / "v1", ModelConfig.from_dir(model))
@@ -131,7 +133,8 @@ def test_over_zeromq_app_b_cannot_reach_app_a_s_alice(daemon: Daemon) -> None:
         b.forget("alice")
         assert b.adapters() == [] and b.adapters("alice") == []
         assert _code(lambda: b.rollback("alice", 0)).code in ("adapter_unavailable", "not_supported")
-        assert _code(lambda: b.generate("hello", max_tokens=4, user="alice", adapter=1)).code == "adapter_unavailable"
+        unavailable = _code(lambda: b.generate("hello", max_tokens=4, user="alice", adapter=1))
+        assert unavailable.code == "adapter_unavailable" and "~" not in unavailable.message
         # Naming A outright is refused, saying who lacks what.
         refused = _code(lambda: b.request("users.export", {"user": "alice", "app": "a"}))
         assert refused.code == "forbidden" and "app 'b'" in refused.message and "alice" not in refused.message
@@ -201,3 +204,46 @@ def test_metrics_and_status_name_no_user(daemon: Daemon) -> None:
     assert 'mace_adapter_active_users{app="a"} 1.0' in text and "alice" not in text
     with daemon.app("b") as b:
         assert "alice" not in json.dumps(b.status())
+
+
+def _as_uid(daemon: Daemon, uid: int, op: str, fields: dict[str, Any]) -> tuple[str, str]:
+    """(error code or "ok", message) of one request sent over ipc by a process running as `uid`:
+    a forked child (the interpreter lives where other uids cannot run it) with its own context."""
+    os.chmod(daemon.process.run_dir, 0o755)  # the test's stand-in for the socket's group
+    os.chmod(daemon.process.socket, 0o666)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            with Client(daemon.process.endpoint, timeout_s=30.0, retries=0, context=zmq.Context()) as c:
+                c.request(op, fields)
+            answer = ["ok", ""]
+        except RemoteError as exc:
+            answer = [exc.code, exc.message]
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            answer = ["child_failed", repr(exc)]
+        os.write(write, json.dumps(answer).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        text = pipe.read()
+    os.waitpid(pid, 0)
+    code, message = json.loads(text)
+    return code, message
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as other uids")
+def test_an_ipc_peer_is_known_by_its_uid(daemon: Daemon) -> None:
+    with daemon.app("a") as a:
+        a.consent("gina")
+        a.generate(SECRET, max_tokens=4, user="gina")
+    assert _as_uid(daemon, UIDS["a"], "users.export", {"user": "gina"})[0] == "ok"
+    assert _as_uid(daemon, UIDS["b"], "users.export", {"user": "gina"})[0] == "unknown_user"
+    code, message = _as_uid(daemon, UIDS["b"], "fleet.rollback", {})
+    assert code == "forbidden" and message == "app 'b' (uid 65534) lacks the right to roll back the fleet adapter"
+    # Any other uid that can open the socket is the default app: today's keyless use.
+    assert _as_uid(daemon, 65532, "users.export", {"user": "dora"})[0] == "ok"
+    assert _as_uid(daemon, 65532, "users.export", {"user": "gina", "app": "a"})[0] == "forbidden"
