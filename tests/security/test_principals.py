@@ -247,3 +247,22 @@ def test_an_ipc_peer_is_known_by_its_uid(daemon: Daemon) -> None:
     # Any other uid that can open the socket is the default app: today's keyless use.
     assert _as_uid(daemon, 65532, "users.export", {"user": "dora"})[0] == "ok"
     assert _as_uid(daemon, 65532, "users.export", {"user": "gina", "app": "a"})[0] == "forbidden"
+
+
+def test_the_official_openai_client_works_with_an_app_key_and_reaches_only_its_users(daemon: Daemon) -> None:
+    openai = pytest.importorskip("openai")
+    a = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key=KEYS["a"], max_retries=0, timeout=60)
+    b = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key=KEYS["b"], max_retries=0, timeout=60)
+    a.post("/users/hana/consent", body={}, cast_to=object)
+    streamed = a.chat.completions.create(model="default", messages=[{"role": "user", "content": SECRET}],
+                                         max_tokens=4, user="hana", stream=True)
+    assert [c for c in streamed]
+    done = a.chat.completions.create(model="default", messages=[{"role": "user", "content": SECRET}],
+                                     max_tokens=4, user="hana")
+    assert done.model_extra["mace"]["recorded"] is True
+    assert SECRET in json.dumps(a.get("/users/hana/export", cast_to=object))
+    with pytest.raises(openai.NotFoundError):
+        b.get("/users/hana/export", cast_to=object)
+    with pytest.raises(openai.PermissionDeniedError) as info:
+        b.get("/users/hana/export?app=a", cast_to=object)
+    assert "lacks the right" in str(info.value) and "hana" not in str(info.value)
