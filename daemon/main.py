@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from daemon.config import ConfigError, DaemonConfig, load_config, reload_changes
+from daemon.principals import load_identities
 from daemon.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from edge_runtime.paths import make_private
 
@@ -235,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         flags = flags_from(args)
         config = load_config(args.config, os.environ, flags)
+        load_identities(config)  # a bad [[apps]] / [operator] table stops the start here
     except ConfigError as exc:
         print(f"maced: {exc}", file=sys.stderr)
         return 2
@@ -254,7 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ["MACE_STATE_DIR"] = str(config.state_dir)
 
     def reload_config() -> DaemonConfig:
-        return load_config(args.config, environ, flags)
+        new = load_config(args.config, environ, flags)
+        load_identities(new)
+        return new
 
     try:
         code = asyncio.run(run(config, reload_config))

@@ -103,7 +103,7 @@ class HttpGateway:
         self._task: asyncio.Task[None] | None = None
 
     def summary(self) -> dict[str, Any]:
-        return {"endpoint": self.endpoint, "auth": bool(self.gateway.config.http_api_keys),
+        return {"endpoint": self.endpoint, "auth": bool(self.gateway.service.identities.api_keys),
                 **self.gateway.summary()}
 
     def bind(self) -> str:
