@@ -33,6 +33,7 @@ DAEMON_FLAGS = ["--set", "fleet.enabled=true", "--set", "finetune.enabled=false"
                 # The mechanics with a handful of devices: one fleet user each and noise 0.01, below
                 # the device's default terms (docs/fleet.md), which are lowered here.
                 "--set", "fleet.min_noise_multiplier=0.01", "--set", "fleet.min_users=1",
+                "--set", "fleet.min_examples=1", "--set", "fleet.min_heldout_pairs=1",
                 "--set", "fleet.epsilon_budget=inf", "--set", "fleet.evaluate_per_hour=1000"]
 RUN = {"rounds": 2, "min-devices": 4, "strategy": "fedavg", "rank": 4, "alpha": 8.0,
        "targets": "q_proj,v_proj", "steps": 8, "lr": 0.01, "clip": 5.0, "noise-multiplier": 0.01,
