@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.admission import AdmissionConfig
+from daemon.fleet.device.terms import DeviceTerms
 from daemon.wire.endpoints import default_ipc_path, ipc_endpoint, is_loopback, parse_tcp
 from edge_runtime.config import EngineConfig
 from edge_runtime.feedback.config import FeedbackStoreConfig
@@ -117,7 +118,7 @@ _SECTIONS: dict[str, tuple[type, ...]] = {
     "feedback": (FeedbackSettings, FeedbackStoreConfig),
     "admission": (AdmissionSettings, AdmissionConfig),
     "finetune": (FineTuneSettings,),
-    "fleet": (FleetSettings,),
+    "fleet": (FleetSettings, DeviceTerms),
 }
 # Changing these at run time cannot break a request in flight; the rest need a restart.
 RELOADABLE = frozenset({
@@ -256,6 +257,7 @@ class DaemonConfig:
         self.admission: AdmissionSettings = self._build("admission", AdmissionSettings)
         self.finetune: FineTuneSettings = self._build("finetune", FineTuneSettings)
         self.fleet: FleetSettings = self._build("fleet", FleetSettings)
+        self.fleet_terms: DeviceTerms = self._build("fleet", DeviceTerms)  # floors, budgets (issue #29)
         try:
             self.feedback_store: FeedbackStoreConfig = self._build("feedback", FeedbackStoreConfig)
             self.admission_config: AdmissionConfig = self._build("admission", AdmissionConfig)
@@ -385,6 +387,8 @@ class DaemonConfig:
             raise ConfigError("finetune.pairs_per_version must be >= 1 and finetune.idle_s >= 0")
         if not 0 < self.fleet.delta < 1 or not 0 <= self.fleet.heldout_fraction <= 0.95:
             raise ConfigError("fleet.delta must be in (0, 1) and fleet.heldout_fraction in [0, 0.95]")
+        if (problem := self.fleet_terms.problem()) is not None:
+            raise ConfigError(problem)
         if self.fleet.max_message_bytes < s.max_message_bytes:
             raise ConfigError("fleet.max_message_bytes must be at least server.max_message_bytes")
         if s.drain_timeout_s < 0 or s.admission_wait_s < 0:

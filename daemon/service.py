@@ -87,6 +87,7 @@ class Service:
         self.engine: EngineThread | None = None
         self.fleet_serving: int | None = None  # the fleet version new requests get (status)
         self.fleet_rounds: FleetRounds | None = None  # once the engine serves
+        self.fleet_operator: fleet.FleetOperator | None = None  # who may publish / roll back, from where
         self.model_name = ""
         self.tool_style = "hermes"  # how the served model writes tool calls (edge_runtime.chat)
         self.store: FeedbackStore | None = None
@@ -134,7 +135,8 @@ class Service:
         newest_fleet = await self.engine.call(lambda e: e.adapters.newest(FLEET))
         self.fleet_serving = None if newest_fleet is None else newest_fleet.version
         self.fleet_rounds = FleetRounds(self.engine, self.store, lambda: self.config.fleet, self.config.state_dir,
-                                        self._shedding_finetune)
+                                        self._shedding_finetune, lambda: self.config.fleet_terms)
+        self.fleet_operator = fleet.FleetOperator(self.config.state_dir, self.config.fleet_terms.publish_dir)
         if not self._custom_tuner:
             tuner = EngineFineTuner(self.engine, self.store, self.config.finetune,
                                     pseudonyms=LogPseudonyms.from_state_dir(self.config.state_dir))
@@ -428,8 +430,8 @@ class Service:
     async def fleet_publish(self, args: FleetPublishArgs, who: Principal) -> dict[str, Any]:
         self._operator(who, "publish fleet adapters")
         self._require("serving")
-        assert self.engine is not None
-        result = await fleet.publish(self.engine, args.path)
+        assert self.engine is not None and self.fleet_operator is not None
+        result = await fleet.publish(self.engine, args, self.fleet_operator)
         self.fleet_serving = result["serving"]
         log.info("fleet adapter version %d published from %s", result["version"], args.path)
         return result
@@ -437,8 +439,8 @@ class Service:
     async def fleet_rollback(self, args: FleetRollbackArgs, who: Principal) -> dict[str, Any]:
         self._operator(who, "roll back the fleet adapter")
         self._require("serving")
-        assert self.engine is not None
-        result = await fleet.rollback(self.engine, args.version)
+        assert self.engine is not None and self.fleet_operator is not None
+        result = await fleet.rollback(self.engine, args, self.fleet_operator)
         self.fleet_serving = result["serving"]
         log.info("fleet adapter rolled back: retired %s, serving %s", result["retired"], result["serving"])
         return result
@@ -446,7 +448,7 @@ class Service:
     async def fleet_status(self, args: NoArgs, who: Principal) -> dict[str, Any]:
         self._require("serving")
         assert self.engine is not None
-        result = await fleet.status(self.engine)
+        result = await fleet.status(self.engine, self.fleet_rounds if self.config.fleet.enabled else None)
         self.fleet_serving = result["serving"]
         return result
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from daemon.sdk import Client, ClientError, DaemonUnavailable, RemoteError
@@ -108,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     fs = flsub.add_parser("status", help="the version served and every version that can be")
     for parser in (fp, fr, fs):
         parser.add_argument("--json", action="store_true")
+    for parser in (fp, fr):
+        parser.add_argument("--operator-key", metavar="FILE", default=os.environ.get("MACE_OPERATOR_KEY_FILE"),
+                            help="the daemon's <state>/fleet/operator.key (publish and rollback are the "
+                                 "operator's; default $MACE_OPERATOR_KEY_FILE)")
 
     t = sub.add_parser("top", help="live view of status")
     t.add_argument("--interval", type=float, default=1.0)
@@ -303,12 +309,13 @@ def cmd_adapters(client: Client, args: argparse.Namespace) -> int:
 
 
 def cmd_fleet(client: Client, args: argparse.Namespace) -> int:
+    key = Path(args.operator_key).read_text().strip() if getattr(args, "operator_key", None) else None
     if args.fleet_command == "publish":
-        reply = client.fleet_publish(args.dir)
+        reply = client.fleet_publish(args.dir, key)
         line = (f"fleet adapter version {reply['version']} published (rank {reply['rank']}, "
                 f"{', '.join(reply['target_modules'])}); new requests get it")
     elif args.fleet_command == "rollback":
-        reply = client.fleet_rollback(args.to)
+        reply = client.fleet_rollback(args.to, key)
         serving = reply["serving"]
         line = (f"retired fleet version(s) {', '.join(map(str, reply['retired'])) or 'none'}; "
                 + ("no fleet adapter is served" if serving is None else f"serving fleet version {serving}"))
@@ -333,8 +340,9 @@ def _fleet_rounds(fleet: dict[str, Any] | None) -> str:
     if not fleet or not fleet.get("enabled"):
         return "off"
     running = ", one running" if fleet.get("round_in_flight") else ""
-    return (f"on: {fleet.get('rounds_sent', 0)} update(s) sent{running}; epsilon {_num(fleet.get('epsilon'), '', 3)} "
-            f"at delta {fleet.get('delta')}")
+    budget = f" of budget {_num(fleet['epsilon_budget'], '', 3)}" if "epsilon_budget" in fleet else ""
+    return (f"on: {fleet.get('rounds_sent', 0)} update(s) sent{running}; epsilon {_num(fleet.get('epsilon'), '', 3)}"
+            f"{budget} at delta {fleet.get('delta')}")
 
 
 def cmd_top(client: Client, args: argparse.Namespace) -> int:

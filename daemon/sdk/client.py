@@ -214,14 +214,18 @@ class Client:
     def rollback(self, user: str, version: int, app: str | None = None) -> dict[str, Any]:
         return self.call(ops.rollback(user, version, app))
 
-    def fleet_publish(self, path: str) -> dict[str, Any]:
-        """Publish the PEFT adapter folder at `path` (on the daemon's machine; made absolute here)
-        as the fleet adapter's next version."""
-        return self.call(ops.fleet_publish(path))
+    def fleet_publish(self, path: str, operator_key: str | None = None, *, run_id: str | None = None,
+                      round: int | None = None) -> dict[str, Any]:
+        """Publish the PEFT adapter folder at `path` (on the daemon's machine, inside its
+        fleet.publish_dir; made absolute here) as the fleet adapter's next version. The
+        operator's: `operator_key` is the daemon's `<state>/fleet/operator.key`. With an
+        aggregator's `run_id` and `round`, a round at or below that run's last published one is
+        refused (a replay)."""
+        return self.call(ops.fleet_publish(path, operator_key, run_id=run_id, round=round))
 
-    def fleet_rollback(self, version: int | None = None) -> dict[str, Any]:
-        """Retire the newest fleet version, or every one newer than `version` (0: none)."""
-        return self.call(ops.fleet_rollback(version))
+    def fleet_rollback(self, version: int | None = None, operator_key: str | None = None) -> dict[str, Any]:
+        """Retire the newest fleet version, or every one newer than `version` (0: none); the operator's."""
+        return self.call(ops.fleet_rollback(version, operator_key))
 
     def fleet_status(self) -> dict[str, Any]:
         return self.call(ops.fleet_status())

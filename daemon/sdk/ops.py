@@ -103,14 +103,21 @@ def rollback(user: str, version: int, app: str | None = None) -> Call:
     return Call("adapters.rollback", {"user": user, "version": version, **_app(app)})
 
 
-def fleet_publish(path: str) -> Call:
+def fleet_publish(path: str, operator_key: str | None = None, *, run_id: str | None = None,
+                  round: int | None = None) -> Call:
     # The daemon reads the folder on its own machine; a relative path would be read from its
     # working folder, not the caller's.
-    return Call("fleet.publish", {"path": os.path.abspath(path)})
+    fields: dict[str, Any] = {"path": os.path.abspath(path)}
+    extra = {"operator_key": operator_key, "run_id": run_id, "round": round}
+    fields.update({k: v for k, v in extra.items() if v is not None})
+    return Call("fleet.publish", fields)
 
 
-def fleet_rollback(version: int | None) -> Call:
-    return Call("fleet.rollback", {} if version is None else {"version": version})
+def fleet_rollback(version: int | None, operator_key: str | None = None) -> Call:
+    fields: dict[str, Any] = {} if version is None else {"version": version}
+    if operator_key is not None:
+        fields["operator_key"] = operator_key
+    return Call("fleet.rollback", fields)
 
 
 def fleet_status() -> Call:

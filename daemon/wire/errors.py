@@ -47,8 +47,10 @@ ERRORS: tuple[ErrorCode, ...] = (
     ErrorCode("insufficient_memory", 503, "the memory budget cannot hold what serving the model needs at all "
               "(weights, the smallest KV cache, one iteration's activations)"),
     ErrorCode("not_supported", 501, "this daemon build cannot do that (e.g. fine-tuning not available)"),
-    ErrorCode("internal", 500, "a bug in the daemon; the request failed, the daemon keeps serving"),
+    ErrorCode("privacy_refused", 403, "the device's own fleet terms refuse the round or evaluation: a floor "
+              "(noise, clip, examples, users) or its epsilon or evaluate budget; the message names which"),
     ErrorCode("forbidden", 403, "the principal lacks the right for this operation"),
+    ErrorCode("internal", 500, "a bug in the daemon; the request failed, the daemon keeps serving"),
     ErrorCode("model_not_found", 404, "the request names a model this daemon does not serve", zmq=False),
     ErrorCode("not_found", 404, "no such HTTP route", zmq=False),
     ErrorCode("invalid_api_key", 401, "missing or wrong `Authorization: Bearer` key", zmq=False),

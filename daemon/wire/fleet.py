@@ -16,22 +16,28 @@ from daemon.wire.fields import ABSOLUTE_PATH, Fields
 @dataclass(frozen=True)
 class FleetPublishArgs:
     path: str  # an absolute path, on the daemon's machine, of a PEFT LoRA adapter folder
+    operator_key: str | None = None  # publishing is the operator's (docs/fleet.md)
+    run_id: str | None = None  # the aggregator's run and round it signed: a replay is refused
+    round: int | None = None
 
 
 @dataclass(frozen=True)
 class FleetRollbackArgs:
     version: int | None = None  # serve this version again (0: no fleet adapter); None: drop the newest
+    operator_key: str | None = None
 
 
 def fleet_publish(f: Fields) -> FleetPublishArgs:
     path = f.text("path", max_chars=4096, required=True, pattern=ABSOLUTE_PATH,
                   what="the absolute path of a PEFT LoRA adapter folder on the daemon's machine")
     assert path is not None
-    return FleetPublishArgs(path)
+    run_id = f.text("run_id", max_chars=128)
+    round_number = f.integer("round", lo=0, hi=2**31 - 1, required=run_id is not None)
+    return FleetPublishArgs(path, f.text("operator_key", max_chars=256), run_id, round_number)
 
 
 def fleet_rollback(f: Fields) -> FleetRollbackArgs:
-    return FleetRollbackArgs(f.integer("version", lo=0, hi=2**31 - 1))
+    return FleetRollbackArgs(f.integer("version", lo=0, hi=2**31 - 1), f.text("operator_key", max_chars=256))
 
 
 # Adapter tensors on the wire: name -> {"dtype": "float32", "shape": [..], "data": raw

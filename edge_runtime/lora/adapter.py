@@ -77,7 +77,8 @@ def save_snapshot(target: Path, weights: LoraWeights, base_model: str = "") -> P
 
 
 def load_adapter(directory: Path, cfg: ModelConfig | None = None) -> LoraWeights:
-    """Read a PEFT LoRA adapter directory (ours or any PEFT user's) and check it fits `cfg`."""
+    """Read a PEFT LoRA adapter directory (ours or any PEFT user's) and check it: rank and alpha
+    within limits, values finite, and (given `cfg`) shapes that fit the model."""
     directory = Path(directory)
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not config_path.is_file() or not weights_path.is_file():
@@ -87,9 +88,12 @@ def load_adapter(directory: Path, cfg: ModelConfig | None = None) -> LoraWeights
         state = load_file(str(weights_path))
     except Exception as exc:  # safetensors raises its own SafetensorError, not an OSError
         raise AdapterError(f"cannot read adapter in {directory}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise AdapterError(f"{directory / CONFIG_FILE} is not a JSON object")
     weights = from_state_dict(state, LoraSettings.from_peft_config(config))
     if cfg is not None:
         weights.check_shapes(cfg)
+    weights.check_values()
     return weights
 
 

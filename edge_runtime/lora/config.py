@@ -15,6 +15,13 @@ from edge_runtime.model.llama import ATTN_TARGETS, FUSED_TARGETS, MLP_TARGETS
 
 # Phi-3's fused modules are targets of their own: PEFT adapters on transformers' Phi3 name them.
 ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS + tuple(FUSED_TARGETS)
+# What an adapter read from outside (a PEFT folder, a user's snapshot, the fleet's wire tensors)
+# may say (docs/fleet.md "What every adapter load refuses"): PEFT's own ranks stay far below 256
+# on edge models, and alpha past 4 * MAX_RANK only scales B up (alpha = Infinity made every
+# answer empty, issue #29). A served fleet + user pair is rank-concatenated past MAX_RANK: that
+# composition is built here, never read, so it is not held to these.
+MAX_RANK = 256
+MAX_ALPHA = 4.0 * MAX_RANK
 
 
 class AdapterError(MaceError):
@@ -67,6 +74,13 @@ class LoraSettings:
             else:
                 targets.append(target)
         return replace(self, target_modules=tuple(dict.fromkeys(targets)))
+
+    def check_limits(self) -> None:
+        """Raise AdapterError unless rank is in [1, MAX_RANK] and alpha in (0, MAX_ALPHA]."""
+        if not 1 <= self.rank <= MAX_RANK:
+            raise AdapterError(f"LoRA rank {self.rank} is outside [1, {MAX_RANK}]")
+        if not (math.isfinite(self.alpha) and 0 < self.alpha <= MAX_ALPHA):
+            raise AdapterError(f"lora_alpha {self.alpha!r} is outside (0, {MAX_ALPHA:g}]")
 
     @property
     def scale(self) -> float:
@@ -123,10 +137,19 @@ class LoraSettings:
         # PEFT expands "all-linear" into module paths ("model.layers.0.mlp.down_proj"); the last
         # component is the projection, and the weights file says which layers have one.
         targets = tuple(dict.fromkeys(str(t).rsplit(".", 1)[-1] for t in targets))
-        return cls(
-            rank=int(config["r"]),
-            alpha=float(config.get("lora_alpha", config["r"])),
+        rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise AdapterError(f"adapter_config.json has a missing or malformed field: r must be an integer, "
+                               f"got {rank!r}")
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+            raise AdapterError(f"adapter_config.json has a missing or malformed field: lora_alpha must be a "
+                               f"number, got {alpha!r}")
+        settings = cls(
+            rank=rank,
+            alpha=float(alpha),
             dropout=float(config.get("lora_dropout", 0.0) or 0.0),
             target_modules=tuple(targets),
             use_rslora=bool(config.get("use_rslora", False)),
         )
+        settings.check_limits()
+        return settings

@@ -244,7 +244,7 @@ class AdapterRegistry:
     def publish(self, user: str, weights: LoraWeights, **info: Any) -> AdapterRef:
         """Write `weights` as the user's next version (atomic snapshot) and make it the newest."""
         _validate_owner(user)
-        weights.check_shapes(self.model_cfg)
+        weights.validate(self.model_cfg)  # nothing changes unless the adapter can be served
         with self._lock:
             ref = AdapterRef(user, self._highest.get(user, 0) + 1)
             while ref in self._forgotten:  # numbering restarted after an erasure: skip live pins

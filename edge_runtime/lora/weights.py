@@ -86,6 +86,22 @@ class LoraWeights:
         if set(self.a) != set(self.b):
             raise AdapterError("adapter has lora_A without lora_B (or the reverse) for some projection")
 
+    def check_values(self) -> None:
+        """Raise AdapterError if any tensor holds NaN or an infinity (it would poison every row
+        the adapter serves)."""
+        for key in self.keys():
+            for which, tensor in (("lora_A", self.a[key]), ("lora_B", self.b.get(key))):
+                if tensor is not None and not bool(torch.isfinite(tensor).all()):
+                    raise AdapterError(f"adapter weights for layer {key[0]} {key[1]} {which} hold values that "
+                                       "are not finite (NaN or infinity)")
+
+    def validate(self, cfg: ModelConfig) -> None:
+        """Everything an adapter read from outside must pass before it is served: rank and alpha
+        within limits, shapes fit `cfg`, every value finite. AdapterError names the first failure."""
+        self.settings.check_limits()
+        self.check_shapes(cfg)
+        self.check_values()
+
     def keys(self) -> list[Key]:
         return sorted(self.a)
 

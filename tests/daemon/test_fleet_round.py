@@ -28,7 +28,12 @@ from tests.daemon.conftest import wait_for
 from tests.daemon.test_cli import macectl
 
 FLEET_ON = ["--set", "fleet.enabled=true", "--set", "finetune.enabled=false",
-            "--set", "feedback.heldout_fraction=0.0"]
+            "--set", "feedback.heldout_fraction=0.0",
+            # These tests measure the mechanics (noise 0, large clips, one user): the device's
+            # terms are lowered to nothing here; tests/security/test_fleet_terms.py holds them.
+            "--set", "fleet.min_noise_multiplier=0", "--set", "fleet.max_clip=1e6",
+            "--set", "fleet.min_examples=1", "--set", "fleet.min_users=1", "--set", "fleet.epsilon_budget=inf",
+            "--set", "fleet.min_heldout_pairs=1", "--set", "fleet.evaluate_per_hour=1000"]
 LORA = {"r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 CONFIG = {"steps": 3, "lr": 0.02, "beta": 0.1, "clip": 1e3, "noise_multiplier": 0.0, "seed": 1,
           "max_pairs": 64, "heldout_fraction": 0.0}

@@ -34,6 +34,7 @@ class ScriptedDaemon:
         self.examples, self.direction, self.status = examples, direction, status
         self.score = score or (lambda adapter: 0.5)
         self.published: list[dict[str, np.ndarray]] = []
+        self.publish_calls: list[tuple[str | None, int | None]] = []
         self.rounds = 0
 
     def __enter__(self) -> ScriptedDaemon:
@@ -62,7 +63,9 @@ class ScriptedDaemon:
         win = float(self.score(adapter))
         return {"num_examples": 4, "metrics": {"heldout_win_rate": win, "heldout_margin": win - 0.5}}
 
-    def fleet_publish(self, folder: str) -> dict:
+    def fleet_publish(self, folder: str, operator_key: str | None = None, *, run_id: str | None = None,
+                      round: int | None = None) -> dict:
+        self.publish_calls.append((run_id, round))
         path = Path(folder)
         assert json.loads((path / "adapter_config.json").read_text())["peft_type"] == "LORA"
         self.published.append(load_file(str(path / "adapter_model.safetensors")))
@@ -188,8 +191,13 @@ def test_a_train_reply_holds_delta_tensors_and_numbers_only(
         assert b"French" not in recorddict_to_proto(content).SerializeToString()
 
 
-def publish_message(arrays: dict[str, np.ndarray], signature: bytes | None) -> Message:
-    content = fleet_client.ConfigRecord({"server-round": 3, "lora.peft-config": "{}"})
+PEFT = {"peft_type": "LORA", "r": 2, "lora_alpha": 4.0, "target_modules": ["q_proj"]}
+
+
+def publish_message(arrays: dict[str, np.ndarray], signature: bytes | None, run_id: str = "run-a",
+                    config: dict | None = None) -> Message:
+    content = fleet_client.ConfigRecord({"server-round": 3, "run-id": run_id,
+                                         "lora.peft-config": json.dumps(config or PEFT)})
     if signature is not None:
         content["signature"] = signature
     record = RecordDict({"arrays": fleet_client.ArrayRecord({k: fleet_client.Array(v) for k, v in arrays.items()}),
@@ -206,15 +214,26 @@ def test_a_device_publishes_only_what_its_aggregator_signed(tmp_path: Path, keys
     daemon = ScriptedDaemon(0, 0.0)
     fleet_client_daemon[0] = daemon
     ctx = lambda config: Context(run_id=1, node_id=1, node_config=config, state=RecordDict(), run_config={})  # noqa: E731
-    cases = [({}, sign_publish(private, 3, arrays), arrays, "no aggregator-key"),
-             ({"aggregator-key": str(public)}, None, arrays, "no signature"),
-             ({"aggregator-key": str(public)}, sign_publish(stranger, 3, arrays), arrays, "does not match"),
-             ({"aggregator-key": str(public)}, sign_publish(private, 2, arrays), arrays, "does not match"),
-             ({"aggregator-key": str(public)}, sign_publish(private, 3, arrays), tampered, "does not match")]
-    for node_config, signature, sent, reason in cases:
+    ok = {"aggregator-key": str(public)}
+    cases = [({}, sign_publish(private, "run-a", 3, PEFT, arrays), arrays, "no aggregator-key", {}),
+             (ok, None, arrays, "no signature", {}),
+             (ok, sign_publish(stranger, "run-a", 3, PEFT, arrays), arrays, "does not match", {}),
+             (ok, sign_publish(private, "run-a", 2, PEFT, arrays), arrays, "does not match", {}),
+             (ok, sign_publish(private, "run-b", 3, PEFT, arrays), arrays, "does not match", {}),
+             (ok, sign_publish(private, "run-a", 3, PEFT, arrays), tampered, "does not match", {}),
+             # The config is signed too: swapped after signing (lora_alpha = Infinity), refused.
+             (ok, sign_publish(private, "run-a", 3, PEFT, arrays), arrays, "not plain JSON",
+              {"config": {**PEFT, "lora_alpha": float("inf")}}),
+             (ok, sign_publish(private, "run-a", 3, PEFT, arrays), arrays, "does not match",
+              {"config": {**PEFT, "lora_alpha": 1e38}}),
+             # A signature of the first format (no run id, no config) is refused.
+             (ok, sign_publish(private, "", 3, PEFT, arrays), arrays, "no run id", {"run_id": ""})]
+    for node_config, signature, sent, reason, change in cases:
         with pytest.raises(PublishRefused, match=reason):
-            fleet_client.publish(publish_message(sent, signature), ctx(node_config))
+            fleet_client.publish(publish_message(sent, signature, **change), ctx(node_config))
     assert daemon.published == []
+    fleet_client.publish(publish_message(arrays, sign_publish(private, "run-a", 3, PEFT, arrays)), ctx(ok))
+    assert daemon.publish_calls == [("run-a", 3)]  # the daemon refuses a replay of run-a's round 3
 
 
 def test_run_config_is_read_and_a_new_run_goes_on_from_the_last_published_adapter(

@@ -29,7 +29,12 @@ pytestmark = pytest.mark.slow
 SHARED = "The"  # one token of the tiny tokenizer: a preference the tiny model can learn in a round
 PRIVATE = {"d0": "Hello there, from the first device", "d1": "Paris is where the second device is"}
 DAEMON_FLAGS = ["--set", "fleet.enabled=true", "--set", "finetune.enabled=false",
-                "--set", "feedback.heldout_fraction=0.0"]
+                "--set", "feedback.heldout_fraction=0.0",
+                # The mechanics with a handful of devices: one fleet user each and noise 0.01, below
+                # the device's default terms (docs/fleet.md), which are lowered here.
+                "--set", "fleet.min_noise_multiplier=0.01", "--set", "fleet.min_users=1",
+                "--set", "fleet.min_examples=1", "--set", "fleet.min_heldout_pairs=1",
+                "--set", "fleet.epsilon_budget=inf", "--set", "fleet.evaluate_per_hour=1000"]
 RUN = {"rounds": 2, "min-devices": 4, "strategy": "fedavg", "rank": 4, "alpha": 8.0,
        "targets": "q_proj,v_proj", "steps": 8, "lr": 0.01, "clip": 5.0, "noise-multiplier": 0.01,
        "heldout-fraction": 0.25, "max-pairs": 64, "seed": 3, "timeout-s": 600.0}
@@ -97,7 +102,8 @@ def test_a_fleet_learns_the_shared_preference_without_sharing_feedback(
     try:
         fleet.start_superlink()
         for name, d in devices.items():
-            fleet.join(name, {"maced-endpoint": d.endpoint})
+            # The staging dir inside the daemon's publish folder; its operator key beside it.
+            fleet.join(name, {"maced-endpoint": d.endpoint, "staging-dir": str(d.state_dir / "fleet-staging")})
         for name in devices:
             fleet.wait_joined(name)
         run_fleet(fleet, tmp_path, tiny_model_dir, **strategy)

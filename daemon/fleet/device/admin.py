@@ -1,7 +1,9 @@
 """The daemon's admin side of the shared fleet adapter (issue #20): publish a version from a PEFT
 folder on the device, roll back, list. The folder is read and checked against the served model off
 the engine thread; the versioned registry work (`Engine.publish_fleet` / `rollback_fleet`) runs on
-it. Knows nothing of consent or federated rounds.
+it. An aggregator's publish names its run and round, and each is served at most once (replays are
+refused, `PublishedRounds`). Knows nothing of consent or federated rounds; who may publish is
+`operator.py`'s.
 """
 
 from __future__ import annotations
@@ -10,22 +12,38 @@ import asyncio
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from daemon.wire import ProtocolError
+from daemon.fleet.device.operator import FleetOperator
+from daemon.wire import FleetPublishArgs, FleetRollbackArgs, ProtocolError
 from edge_runtime.lora.adapter import load_adapter
 from edge_runtime.lora.config import AdapterError
 from edge_runtime.lora.registry import FLEET
 
 if TYPE_CHECKING:
     from daemon.engine_thread import EngineThread
+    from daemon.fleet.device.rounds import FleetRounds
     from edge_runtime.engine import Engine
     from edge_runtime.lora.weights import LoraWeights
     from edge_runtime.model.config import ModelConfig
 
 
-async def publish(engine: EngineThread, folder: str) -> dict[str, Any]:
-    """Make the adapter in `folder` the fleet's next version, beneath every user's adapter for new
-    requests (running ones finish on the version they started with)."""
-    path = Path(folder)
+async def publish(engine: EngineThread, args: FleetPublishArgs, operator: FleetOperator) -> dict[str, Any]:
+    """Make the adapter in `args.path` the fleet's next version, beneath every user's adapter for
+    new requests (running ones finish on the version they started with). The operator's only,
+    from the publish folder only; with an aggregator's run id and round, refused unless that round
+    is newer than the run's last published one."""
+    operator.require(args.operator_key, "fleet.publish")
+    path = operator.publish_path(args.path)
+    if args.run_id is None or args.round is None:
+        return await _publish(engine, path)
+    rounds = operator.published
+    async with rounds.lock:
+        rounds.check(args.run_id, args.round)
+        result = await _publish(engine, path)
+        await asyncio.to_thread(rounds.record, args.run_id, args.round)
+        return result
+
+
+async def _publish(engine: EngineThread, path: Path) -> dict[str, Any]:
     cfg = await engine.call(lambda e: e.adapters.model_cfg)
     weights = await asyncio.to_thread(read_fleet_adapter, path, cfg)
     ref = await engine.call(lambda e: e.publish_fleet(weights, source=str(path)))
@@ -48,8 +66,11 @@ def read_fleet_adapter(path: Path, cfg: ModelConfig) -> LoraWeights:
                             f"{exc})", param="path") from None
 
 
-async def rollback(engine: EngineThread, version: int | None) -> dict[str, Any]:
-    """Retire the fleet's newest version, or every version newer than `version` (0: none)."""
+async def rollback(engine: EngineThread, args: FleetRollbackArgs, operator: FleetOperator) -> dict[str, Any]:
+    """Retire the fleet's newest version, or every version newer than `args.version` (0: none);
+    the operator's only."""
+    operator.require(args.operator_key, "fleet.rollback")
+    version = args.version
     def roll(e: Engine) -> dict[str, Any]:
         before = e.adapters.versions(FLEET)
         now = e.rollback_fleet(version, reason="fleet rollback requested through the API")
@@ -62,8 +83,9 @@ async def rollback(engine: EngineThread, version: int | None) -> dict[str, Any]:
         raise ProtocolError("adapter_unavailable", str(exc), param="version") from None
 
 
-async def status(engine: EngineThread) -> dict[str, Any]:
-    """The fleet version new requests get (None: none) and every version that can be served."""
+async def status(engine: EngineThread, rounds: FleetRounds | None = None) -> dict[str, Any]:
+    """The fleet version new requests get (None: none) and every version that can be served; with
+    `rounds` (fleet rounds on), this device's privacy spent, its budgets and floors."""
     def listing(e: Engine) -> dict[str, Any]:
         registry = e.adapters
         newest = registry.newest(FLEET)
@@ -74,4 +96,7 @@ async def status(engine: EngineThread) -> dict[str, Any]:
                     for v in registry.versions(FLEET)]
         return {"serving": None if newest is None else newest.version, "versions": versions}
 
-    return await engine.call(listing)
+    result = await engine.call(listing)
+    if rounds is not None:
+        result["rounds"] = rounds.status()
+    return result

@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import math
 import random
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daemon.config import FleetSettings
+from daemon.fleet.device.terms import DeviceTerms, FleetTerms, PrivacyRecord
 from daemon.wire import (
     FleetEvaluateArgs,
     FleetLoraConfig,
@@ -36,11 +35,9 @@ from daemon.wire import (
     WireTensor,
 )
 from daemon.wire.tensors import tensors_to_wire
-from edge_runtime import durable
 from edge_runtime.feedback.pairs import is_heldout
 from edge_runtime.lora.config import AdapterError
 from edge_runtime.lora.registry import FLEET
-from edge_runtime.train.dp import gaussian_rounds_epsilon
 
 if TYPE_CHECKING:
     import torch
@@ -103,12 +100,10 @@ def weights_from_wire(tensors: dict[str, WireTensor], lora: FleetLoraConfig, cfg
         state = {name: torch.frombuffer(bytearray(t.data), dtype=torch.float32).reshape(t.shape)
                  for name, t in tensors.items()}
         weights = from_state_dict(state, settings)
-        weights.check_shapes(cfg)
+        weights.validate(cfg)
     except AdapterError as exc:
         raise ProtocolError("bad_request", f"the adapter does not fit this device's model: {exc}",
                             param="adapter") from None
-    if not all(bool(torch.isfinite(t).all()) for t in weights.parameters()):
-        raise ProtocolError("bad_request", "the adapter holds values that are not finite", param="adapter")
     return weights
 
 
@@ -184,43 +179,6 @@ class HeldoutScorer:
         return heldout_metrics(rows)
 
 
-# -- privacy accounting ----------------------------------------------------------------------
-
-
-class PrivacyRecord:
-    """The noise multipliers of every round this device sent an update in, in
-    `<state>/fleet/privacy.json` (written atomically before the update leaves), so a restart
-    does not reset epsilon. A record that cannot be read stops rounds rather than start over."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.rounds: list[dict[str, Any]] = []
-        self.error: str | None = None
-        if path.exists():
-            try:
-                data = json.loads(path.read_text())
-                self.rounds = [dict(r) for r in data["rounds"]]
-                [float(r["noise_multiplier"]) for r in self.rounds]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                self.error = f"the fleet privacy record {path} cannot be read ({exc}); move it aside only if " \
-                             "no update of this device left it"
-
-    def epsilon(self, delta: float) -> float:
-        """Spent so far at `delta`; unknown (infinite) while the record cannot be read."""
-        if self.error is not None:
-            return math.inf
-        return gaussian_rounds_epsilon([float(r["noise_multiplier"]) for r in self.rounds], delta)
-
-    def add(self, round_number: int, clip: float, noise_multiplier: float) -> None:
-        if self.error is not None:
-            raise ProtocolError("internal", self.error)
-        rounds = [*self.rounds, {"round": round_number, "clip": clip, "noise_multiplier": noise_multiplier,
-                                 "time": time.time()}]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        durable.write_json(self.path, {"rounds": rounds})
-        self.rounds = rounds
-
-
 # -- rounds ----------------------------------------------------------------------------------
 
 
@@ -228,12 +186,14 @@ class FleetRounds:
     """One round at a time; `shedding()` says whether admission sheds fine-tuning now."""
 
     def __init__(self, engine: EngineThread, store: FeedbackStore | None, settings: Callable[[], FleetSettings],
-                 state_dir: Path, shedding: Callable[[], str | None]) -> None:
+                 state_dir: Path, shedding: Callable[[], str | None],
+                 terms: Callable[[], DeviceTerms] = DeviceTerms) -> None:
         self.engine = engine
         self.store = store
         self.settings = settings
         self.shedding = shedding
         self.privacy = PrivacyRecord(state_dir / "fleet" / "privacy.json")
+        self.terms = FleetTerms(self.privacy, terms, lambda: settings().delta)
         self._lock = asyncio.Lock()
         self.rounds_answered: dict[str, int] = {}
 
@@ -241,7 +201,7 @@ class FleetRounds:
         delta = self.settings().delta
         return {"enabled": self.settings().enabled, "round_in_flight": self._lock.locked(),
                 "rounds_sent": len(self.privacy.rounds), "epsilon": self.privacy.epsilon(delta), "delta": delta,
-                "answers": dict(self.rounds_answered)}
+                "answers": dict(self.rounds_answered), **self.terms.status()}
 
     def _privacy(self, config: FleetRoundConfig) -> dict[str, Any]:
         delta = self.settings().delta
@@ -270,6 +230,7 @@ class FleetRounds:
     async def run(self, args: FleetRoundArgs) -> dict[str, Any]:
         if not self.settings().enabled:
             return self._answer(args, DISABLED)
+        self.terms.check_round(args.config)
         if self._lock.locked():
             raise ProtocolError("busy", "a fleet round is already running on this device", retry_after_s=5.0)
         async with self._lock:
@@ -277,15 +238,16 @@ class FleetRounds:
 
     async def _run(self, args: FleetRoundArgs) -> dict[str, Any]:
         config = args.config
-        if self.privacy.error is not None:
-            raise ProtocolError("internal", self.privacy.error)
+        self.terms.check_round(config)  # again under the lock: the round before may have spent the budget
         if (why := self.shedding()) is not None:
             log.info("fleet round %d shed before it started: %s", args.round, why)
             return self._answer(args, SHED)
         given = await self._weights(args.adapter, args.lora_config)
         material = await self._material(config.heldout_fraction, config.max_pairs, config.seed)
         counts = {"users": material.users, "heldout_pairs": len(material.heldout)}
-        if not material.train:
+        terms = self.terms.settings()
+        if not material.train or len(material.train) < terms.min_examples or material.users < terms.min_users:
+            # Too few examples or users to hide one among them: nothing is trained or sent.
             return self._answer(args, NO_MATERIAL, counts)
         outcome = await self._train(args, given, material)
         if outcome is None:
@@ -416,12 +378,14 @@ class FleetRounds:
         settings = self.settings()
         if not settings.enabled:
             return {"status": DISABLED, "num_examples": 0, "metrics": {}}
+        self.terms.check_evaluate(args.max_pairs)
         fraction = settings.heldout_fraction if args.heldout_fraction is None else args.heldout_fraction
         weights = await self._weights(args.adapter, args.lora_config)
         material = await self._material(fraction, args.max_pairs or 1_000_000, 0)
-        if not material.heldout:
+        if len(material.heldout) < self.terms.settings().min_heldout_pairs:
             return {"status": NO_MATERIAL, "num_examples": 0, "metrics": {}}
         metrics = await HeldoutScorer(self.engine, material.heldout).metrics(weights)
+        await asyncio.to_thread(self.terms.evaluated)
         return {"status": "evaluated", "num_examples": len(material.heldout),
                 "metrics": {"heldout_win_rate": metrics["win_rate"], "heldout_margin": metrics["margin"]}}
 

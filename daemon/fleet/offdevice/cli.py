@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     join.add_argument("--clientappio", default="127.0.0.1:9094")
     join.add_argument("--staging-dir", default="", help="where a published adapter is written for maced "
                       "to read (a folder both can reach; default: the temp dir)")
+    join.add_argument("--operator-key", type=Path, help="the daemon's <state>/fleet/operator.key (fleet.publish "
+                      "is the operator's; default: <staging-dir>/../fleet/operator.key)")
     join.add_argument("--dev-insecure", action="store_true",
                       help="development only: no TLS, no node key, unsigned publishes accepted")
     args = p.parse_args(argv)
@@ -117,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.staging_dir:
             Path(args.staging_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
             node_config["staging-dir"] = args.staging_dir
+        if args.operator_key:
+            node_config["operator-key"] = str(args.operator_key)
         if args.aggregator_key:
             node_config["aggregator-key"] = str(args.aggregator_key)
         elif args.dev_insecure:

@@ -26,6 +26,9 @@ from daemon.sdk import Client
 ENDPOINT = "maced-endpoint"  # the daemon's ZeroMQ endpoint; default: its usual ipc socket
 AGGREGATOR_KEY = "aggregator-key"  # the aggregator's Ed25519 public key: publishes must carry its signature
 STAGING_DIR = "staging-dir"  # where a published adapter is written before `fleet.publish` reads it
+# The daemon's operator key (publishing is the operator's); default: <staging-dir>/../fleet/operator.key,
+# i.e. the daemon's own when the staging dir is its <state>/fleet-staging (the unit's layout).
+OPERATOR_KEY = "operator-key"
 DEV_UNSIGNED = "dev-accept-unsigned"  # development only: publish without a signature check
 ROUND_TIMEOUT = "round-timeout-s"  # how long to wait for the daemon's round (default 1800 s)
 
@@ -109,21 +112,40 @@ def publish(msg: Message, context: Context) -> Message:
     arrays = tensors(msg.content["arrays"])
     config = msg.content["config"]
     node = context.node_config
+    server_round, run_id = int(config["server-round"]), str(config.get("run-id", ""))
+    peft_config = json.loads(str(config["lora.peft-config"]))
     if node.get(DEV_UNSIGNED) is not True:
         key = node.get(AGGREGATOR_KEY)
         if not key:
             raise PublishRefused(f"no {AGGREGATOR_KEY} in this SuperNode's node config: a device "
                                  "publishes only an adapter its aggregator signed (docs/fleet.md)")
-        verify_publish(Path(str(key)), int(config["server-round"]), arrays, config.get("signature", b""))
+        if not run_id:
+            raise PublishRefused("the publish instruction names no run id: a signature of the first format "
+                                 "(round and tensors only) is refused")
+        verify_publish(Path(str(key)), run_id, server_round, peft_config, arrays, config.get("signature", b""))
     staging = node.get(STAGING_DIR) or None
     with tempfile.TemporaryDirectory(prefix="fleet-publish-", dir=staging) as folder:
-        write_peft_folder(Path(folder), arrays, json.loads(str(config["lora.peft-config"])))
+        write_peft_folder(Path(folder), arrays, peft_config)
         with daemon_client(node) as daemon:
-            published = daemon.fleet_publish(folder)
+            # The daemon refuses a round of this run at or below its last published one (a replay).
+            published = daemon.fleet_publish(folder, operator_key(node), run_id=run_id or None,
+                                             round=server_round if run_id else None)
     print(f"fleet round {config['server-round']}: published as fleet version {published['version']}",
           flush=True)
     return Message(RecordDict({"metrics": MetricRecord({"version": int(published["version"])})}),
                    reply_to=msg)
+
+
+def operator_key(node_config: Mapping[str, Any]) -> str | None:
+    """The daemon's operator key, read from the node config's file (or the default beside the
+    staging dir); None when there is none to read (the daemon then refuses the publish)."""
+    named = node_config.get(OPERATOR_KEY)
+    staging = node_config.get(STAGING_DIR)
+    path = Path(str(named)) if named else Path(str(staging)).parent / "fleet" / "operator.key" if staging else None
+    try:
+        return None if path is None else path.read_text().strip()
+    except OSError:
+        return None
 
 
 def write_peft_folder(folder: Path, arrays: Mapping[str, np.ndarray], peft_config: Mapping[str, Any]) -> None:

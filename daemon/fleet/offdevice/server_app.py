@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg, FedTrimmedAvg, Strategy
 
 from daemon.fleet.offdevice.client_app import STATUS_CODES, WEIGHT
-from daemon.fleet.offdevice.signing import sign_publish
+from daemon.fleet.offdevice.signing import canonical_config, sign_publish
 
 log = logging.getLogger("mace.fleet.server")
 
@@ -55,6 +56,9 @@ class FleetRunSettings:
     max_pairs: int = 64
     heldout_fraction: float = 0.25
     signing_key: str = ""  # the aggregator's Ed25519 private key (PEM): publishes are signed with it
+    # Signed into every publish with the round: a device publishes each round of a run once.
+    # "" = Flower's run id of this run.
+    run_id: str = ""
     round_log: str = ""  # a JSON line per round is appended here
     # The aggregator's own state: the last published adapter and round number, so a new run (or
     # a restarted aggregator) goes on from there instead of from a fresh adapter.
@@ -228,9 +232,11 @@ def not_worse(candidate: Mapping[str, float] | None, current: Mapping[str, float
 def publish_on_devices(grid: Grid, settings: FleetRunSettings, server_round: int,
                        tensors: Mapping[str, np.ndarray], peft_config: Mapping[str, Any]) -> int:
     """Ask every connected device to serve `tensors`; returns how many did."""
-    config = ConfigRecord({"server-round": server_round, "lora.peft-config": json.dumps(peft_config)})
+    config = ConfigRecord({"server-round": server_round, "run-id": settings.run_id,
+                           "lora.peft-config": canonical_config(peft_config)})
     if settings.signing_key:
-        config["signature"] = sign_publish(Path(settings.signing_key), server_round, tensors)
+        config["signature"] = sign_publish(Path(settings.signing_key), settings.run_id, server_round, peft_config,
+                                           tensors)
     content = RecordDict({"arrays": arrays_of(tensors), "config": config})
     messages = [Message(content=content, message_type="query.publish", dst_node_id=node)
                 for node in grid.get_node_ids()]
@@ -244,6 +250,8 @@ def publish_on_devices(grid: Grid, settings: FleetRunSettings, server_round: int
 
 def run_rounds(grid: Grid, settings: FleetRunSettings) -> list[RoundRecord]:
     """The federated loop: train, aggregate, evaluate candidate against current, gate, publish."""
+    if not settings.run_id:  # called without Flower's run (tests): any id unique to this run
+        settings = replace(settings, run_id=uuid.uuid4().hex)
     strategy = make_strategy(settings)
     current, peft_config = initial_adapter(settings)
     first = 1
@@ -297,5 +305,6 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run_rounds(grid, FleetRunSettings.from_run_config(context.run_config))
+    settings = FleetRunSettings.from_run_config(context.run_config)
+    run_rounds(grid, settings if settings.run_id else replace(settings, run_id=str(context.run_id)))
 

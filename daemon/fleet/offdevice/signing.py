@@ -1,13 +1,17 @@
 """The aggregator's signature on a fleet adapter it asks devices to publish (docs/fleet.md): Ed25519
-over the round and every tensor, so a device serves only what its own aggregator's key signed,
-whatever carried the message. Knows keys and bytes, not Flower or the daemon.
+over the run id, the round, the canonical PEFT config and every tensor, so a device serves only what
+its own aggregator's key signed, whatever carried the message. Signatures of the first format
+(round and tensors only) are refused: they left the config (lora_alpha) open to anyone on the path.
+Knows keys and bytes, not Flower or the daemon.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from cryptography.exceptions import InvalidSignature
@@ -19,9 +23,27 @@ class PublishRefused(Exception):
     """A publish instruction the device will not act on; the message says why."""
 
 
-def adapter_digest(server_round: int, arrays: Mapping[str, np.ndarray]) -> bytes:
-    """SHA-256 over the round, then each tensor's name, dtype, shape and bytes in name order."""
-    h = hashlib.sha256(f"mace-fleet-publish round={server_round}\n".encode())
+# The format tag opens the signed bytes: a signature over another format never verifies.
+FORMAT = "mace-fleet-publish/2"
+
+
+def canonical_config(peft_config: Mapping[str, Any]) -> str:
+    """The PEFT `adapter_config.json` as signed: sorted keys, no whitespace, plain JSON (NaN and
+    infinities are not JSON; a config holding one cannot be signed or verified)."""
+    try:
+        return json.dumps(peft_config, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except ValueError as exc:
+        raise PublishRefused(f"the adapter config is not plain JSON ({exc}): refused") from None
+
+
+def adapter_digest(run_id: str, server_round: int, peft_config: Mapping[str, Any],
+                   arrays: Mapping[str, np.ndarray]) -> bytes:
+    """SHA-256 over the format, run id, round and canonical config (each on its own length-
+    prefixed line), then each tensor's name, dtype, shape and bytes in name order."""
+    h = hashlib.sha256()
+    for part in (FORMAT, run_id, str(server_round), canonical_config(peft_config)):
+        data = part.encode()
+        h.update(f"{len(data)}:".encode() + data + b"\n")
     for name in sorted(arrays):
         value = np.ascontiguousarray(arrays[name], dtype=np.float32)
         h.update(f"{name} float32 {list(value.shape)}\n".encode())
@@ -39,16 +61,18 @@ def write_keypair(private_path: Path, public_path: Path) -> None:
                                                           serialization.PublicFormat.OpenSSH))
 
 
-def sign_publish(private_key: Path, server_round: int, arrays: Mapping[str, np.ndarray]) -> bytes:
+def sign_publish(private_key: Path, run_id: str, server_round: int, peft_config: Mapping[str, Any],
+                 arrays: Mapping[str, np.ndarray]) -> bytes:
     key = serialization.load_pem_private_key(private_key.read_bytes(), password=None)
     if not isinstance(key, Ed25519PrivateKey):
         raise ValueError(f"{private_key} is not an Ed25519 private key")
-    return key.sign(adapter_digest(server_round, arrays))
+    return key.sign(adapter_digest(run_id, server_round, peft_config, arrays))
 
 
-def verify_publish(public_key: Path, server_round: int, arrays: Mapping[str, np.ndarray],
-                   signature: bytes) -> None:
-    """Return if `signature` is the aggregator's over exactly these tensors; else PublishRefused."""
+def verify_publish(public_key: Path, run_id: str, server_round: int, peft_config: Mapping[str, Any],
+                   arrays: Mapping[str, np.ndarray], signature: bytes) -> None:
+    """Return if `signature` is the aggregator's over exactly this run, round, config and these
+    tensors; else PublishRefused."""
     try:
         key = serialization.load_ssh_public_key(public_key.read_bytes())
     except (OSError, ValueError) as exc:
@@ -58,7 +82,8 @@ def verify_publish(public_key: Path, server_round: int, arrays: Mapping[str, np.
     if not signature:
         raise PublishRefused("the publish instruction carries no signature: not from this fleet's aggregator")
     try:
-        key.verify(bytes(signature), adapter_digest(server_round, arrays))
+        key.verify(bytes(signature), adapter_digest(run_id, server_round, peft_config, arrays))
     except InvalidSignature:
         raise PublishRefused("the publish instruction's signature does not match the aggregator's key "
-                             "and these tensors: refused, nothing published") from None
+                             f"and this run, round, config and tensors ({FORMAT}; signatures of an older "
+                             "format are refused): refused, nothing published") from None
