@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.admission import AdmissionConfig
+from daemon.limits import LimitSettings
 from daemon.wire.endpoints import default_ipc_path, ipc_endpoint, is_loopback, parse_tcp
 from edge_runtime.config import EngineConfig
 from edge_runtime.feedback.config import FeedbackStoreConfig
@@ -71,6 +72,7 @@ class HttpSettings:
     # "https://app.example.com"; pages served from loopback (localhost, 127.0.0.1, [::1], any
     # port) always are. "*" allows any origin: only with API keys.
     cors_origins: str = ""
+    allowed_hosts: str = ""  # Host names a loopback bind answers besides localhost/127.0.0.1/[::1]
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ _SECTIONS: dict[str, tuple[type, ...]] = {
     "admission": (AdmissionSettings, AdmissionConfig),
     "finetune": (FineTuneSettings,),
     "fleet": (FleetSettings,),
+    "limits": (LimitSettings,),
 }
 # Changing these at run time cannot break a request in flight; the rest need a restart.
 RELOADABLE = frozenset({
@@ -259,6 +262,7 @@ class DaemonConfig:
         try:
             self.feedback_store: FeedbackStoreConfig = self._build("feedback", FeedbackStoreConfig)
             self.admission_config: AdmissionConfig = self._build("admission", AdmissionConfig)
+            self.limits: LimitSettings = self._build("limits", LimitSettings)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.http_api_keys: frozenset[str] = self._read_api_keys()

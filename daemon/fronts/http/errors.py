@@ -21,7 +21,7 @@ log = logging.getLogger("daemon.fronts.http")
 ERROR_TYPE = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
     404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
-    413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled_error",
+    413: "invalid_request_error", 415: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled_error",
     500: "server_error", 501: "not_supported_error", 503: "service_unavailable_error",
     504: "timeout_error",
 }
