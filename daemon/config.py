@@ -49,6 +49,7 @@ class DaemonSettings:
 class ServerSettings:
     ipc: str = "auto"  # socket path; "auto" = <runtime dir>/maced.sock; "" = no ipc endpoint
     tcp: str = ""  # e.g. tcp://127.0.0.1:5555; "" = no TCP endpoint
+    tcp_without_curve: bool = False  # a loopback tcp endpoint without CURVE: only with this opt-in
     ipc_mode: str = "0660"  # socket file mode: owner and group may connect
     curve_secret_key: str = ""  # zmq certificate file with the server's secret key
     curve_authorized_keys: str = ""  # folder of clients' public-key certificates

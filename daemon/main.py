@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from daemon.config import ConfigError, DaemonConfig, load_config, reload_changes
+from daemon.privacy import StartRefused, check_start
 from daemon.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from edge_runtime.paths import make_private
 
@@ -242,6 +243,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(config.render())
         return 0
     setup_logging(config)
+    try:
+        check_start(config)
+    except StartRefused as exc:
+        print(f"maced: {exc}", file=sys.stderr)
+        return 2
     try:
         tightened = make_private(config.state_dir)
     except OSError as exc:
