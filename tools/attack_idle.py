@@ -15,6 +15,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import selectors
 import shutil
 import socket
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if status != 200:
                 failures.append(f"/health answered {status}")
             elapsed, status = timed_http(port, "POST", "/v1/completions",
-                                         {"model": "x", "prompt": "hello", "max_tokens": 4})
+                                         {"model": "default", "prompt": "hello", "max_tokens": 4})
             completion.append(elapsed)
             if status != 200:
                 failures.append(f"/v1/completions answered {status}")
@@ -176,6 +178,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         context.term()
     alive = proc.poll() is None if proc is not None else Path(f"/proc/{pid}").exists()
     grown = log_path.stat().st_size - log_before
+    with log_path.open("rb") as f:
+        f.seek(log_before)
+        new_lines = f.read().decode(errors="replace").splitlines()
+    # The log's growth by kind of line (digits folded), so a flood names itself.
+    kinds = Counter(re.sub(r"\d+", "N", line.split(" ", 2)[-1])[:160] for line in new_lines)
     if proc is not None:
         proc.terminate()
         proc.wait(30)
@@ -188,6 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "daemon_alive": alive, "health_max_s": round(max(health), 4), "completion_max_s": round(max(completion), 4),
         "zmq_health_max_s": round(max(zmq_health), 4), "client_requests": len(health) * 3,
         "client_failures": failures[:20], "client_failure_count": len(failures), "log_growth_bytes": grown,
+        "log_lines": len(new_lines), "log_top_lines": kinds.most_common(5),
         "passed": alive and not failures and worst < 1.0 and grown < 1 << 20,
         "machine": {"cpu": cpu_name(), "loadavg": load_average(), "tiny_model": proc is not None},
     }
@@ -210,7 +218,7 @@ def main() -> None:
         raise SystemExit("bounded: at most 5,000 connections, 1,000 sockets and 600 s")
     result = run(args)
     write_json(f"{args.out}.json", result)
-    rows = [[k, v] for k, v in result.items() if k not in ("client_failures", "machine")]
+    rows = [[k, v] for k, v in result.items() if k not in ("client_failures", "machine", "log_top_lines")]
     write_markdown(f"{args.out}.md", ["# Idle-socket attack (tools/attack_idle.py)", "",
                                       *markdown_table(["measure", "value"], rows), "",
                                       f"Machine: {result['machine']}", ""])

@@ -10,7 +10,6 @@ import asyncio
 import errno
 import logging
 import time
-from collections import Counter
 from typing import Any
 
 import h11
@@ -33,29 +32,31 @@ class ConnectionBook:
         self.per_peer = per_peer
         self.read_timeout_s = read_timeout_s
         self.open: dict[GuardedH11, str] = {}  # insertion order = age
-        self.peers: Counter[str] = Counter()
+        self.peers: dict[str, dict[GuardedH11, None]] = {}  # each peer's, oldest first
         self.evicted = 0
         self.timed_out = 0
 
     def admit(self, conn: GuardedH11, peer: str) -> None:
-        if self.peers[peer] >= self.per_peer:
-            self._evict(peer)
+        mine = self.peers.setdefault(peer, {})
+        if len(mine) >= self.per_peer:
+            self._evict(mine)
         if len(self.open) >= self.cap:
-            self._evict(None)
+            self._evict(self.open)
         self.open[conn] = peer
-        self.peers[peer] += 1
+        mine[conn] = None
 
     def forget(self, conn: GuardedH11) -> None:
         peer = self.open.pop(conn, None)
         if peer is not None:
-            self.peers[peer] -= 1
-            if self.peers[peer] <= 0:
+            mine = self.peers[peer]
+            mine.pop(conn, None)
+            if not mine:
                 del self.peers[peer]
 
-    def _evict(self, peer: str | None) -> None:
-        mine = [c for c, p in self.open.items() if peer is None or p == peer]
-        # Waiting for a request first; a connection busy with a response only if nothing waits.
-        victim = next((c for c in mine if c.waiting_for_request()), None) or (mine[0] if mine else None)
+    def _evict(self, among: dict[GuardedH11, Any]) -> None:
+        # Oldest first, and almost always the first one: a connection whose request is being
+        # answered only if none waits for its request. Bounded scan: the cap's connections at most.
+        victim = next((c for c in among if c.waiting_for_request()), None) or next(iter(among), None)
         if victim is not None:
             self.evicted += 1
             self.forget(victim)
@@ -93,7 +94,9 @@ class GuardedH11(H11Protocol):
             self._disarm()  # the whole request is in (or the connection is done)
 
     def waiting_for_request(self) -> bool:
-        return self.cycle is None or self.cycle.response_complete
+        """No whole request in yet (nothing sent, headers cut off, or a body still coming): what
+        an idle or half-sent socket looks like. A request being answered is not waiting."""
+        return self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
 
     def drop(self) -> None:
         self._disarm()
@@ -111,7 +114,7 @@ class GuardedH11(H11Protocol):
 
     def _too_slow(self) -> None:
         self._deadline = None
-        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # still no whole request
+        if self.waiting_for_request():
             self.book.timed_out += 1
             self.book.forget(self)
             self.drop()

@@ -9,6 +9,7 @@ import logging
 import math
 from typing import Any
 
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from daemon.fronts.http.replies import json_response
@@ -47,6 +48,8 @@ class GatewayError(Exception):
     def from_exc(cls, exc: BaseException) -> GatewayError:
         if isinstance(exc, GatewayError):
             return exc
+        if isinstance(exc, ClientDisconnect):  # the peer left (or was dropped) mid-body: nothing to log
+            return cls("cancelled", "the client disconnected before its request was read")
         if isinstance(exc, ProtocolError):
             return cls(exc.code, exc.message, param=exc.param, retry_after_s=exc.retry_after_s,
                        details=exc.details)
