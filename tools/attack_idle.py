@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -30,7 +31,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools.report import cpu_name, load_average, markdown_table, write_json, write_markdown  # noqa: E402
+from tools.report import (  # noqa: E402
+    cpu_name,
+    load_average,
+    markdown_table,
+    percentile,
+    write_json,
+    write_markdown,
+)
 
 LOOPBACK = "127.0.0.1"
 HALF_SENT = (b"GET /health HTTP/1.1\r\nHo",  # headers cut off
@@ -74,10 +82,66 @@ class Attackers:
             self.open -= 1
             self.dropped += 1
 
+    def run(self, until: float, burst: int, reopen_per_s: float) -> None:
+        """Open `count` (`burst` every 10 ms), then re-open what the daemon drops at
+        `reopen_per_s` at most, until `until`."""
+        while self.opened < self.count and time.monotonic() < until:
+            self.reap()
+            self.fill(burst)
+            time.sleep(0.01)
+        last, credit = time.monotonic(), 0.0
+        while time.monotonic() < until:
+            self.reap()
+            now = time.monotonic()
+            credit = min(float(burst), credit + (now - last) * reopen_per_s)
+            last = now
+            self.fill(int(credit))
+            credit -= int(credit)
+            time.sleep(0.02)
+
     def close(self) -> None:
         for key in list(self.selector.get_map().values()):
             key.fileobj.close()  # type: ignore[union-attr]
         self.selector.close()
+
+
+class Timings:
+    """The well-formed client's latencies: /health and a 4-token completion over HTTP, health over
+    ZeroMQ, one of each per round."""
+
+    def __init__(self) -> None:
+        self.health: list[float] = []
+        self.completion: list[float] = []
+        self.zmq_health: list[float] = []
+
+    def round(self, port: int, client: Any, failures: list[str]) -> None:
+        elapsed, status = timed_http(port, "GET", "/health")
+        self.health.append(elapsed)
+        if status != 200:
+            failures.append(f"/health answered {status}")
+        elapsed, status = timed_http(port, "POST", "/v1/completions",
+                                     {"model": "default", "prompt": "hello", "max_tokens": 4})
+        self.completion.append(elapsed)
+        if status != 200:
+            failures.append(f"/v1/completions answered {status}")
+        start = time.monotonic()
+        try:
+            client.health(timeout_s=5)
+        except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+            failures.append(f"ZeroMQ health: {exc}")
+        self.zmq_health.append(time.monotonic() - start)
+
+    def worst(self) -> float:
+        return max(self.health + self.completion + self.zmq_health, default=0.0)
+
+    def summary(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, values in (("health", self.health), ("completion", self.completion),
+                             ("zmq_health", self.zmq_health)):
+            out[f"{name}_max_s"] = round(max(values, default=0.0), 4)
+            out[f"{name}_p50_s"] = round(percentile(values, 0.5) or 0.0, 4)
+            out[f"{name}_p99_s"] = round(percentile(values, 0.99) or 0.0, 4)
+        return out
 
 
 def timed_http(port: int, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[float, int]:
@@ -136,10 +200,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     context = zmq.Context()
     zmq_sockets = []
     attackers = Attackers(port, args.connections)
-    health: list[float] = []
-    completion: list[float] = []
-    zmq_health: list[float] = []
     failures: list[str] = []
+    baseline = Timings()
+    timings = Timings()
     try:
         for i in range(args.zmq_sockets):
             s = context.socket(zmq.DEALER)
@@ -149,27 +212,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 s.send_multipart([b"\xc1"])  # not msgpack: answered bad_message, the socket stays
             zmq_sockets.append(s)
         client = Client(endpoint, timeout_s=5, connect_timeout_s=5, retries=0)
+        for _ in range(5):  # warm: the first generations compile and allocate, attack or not
+            timed_http(port, "POST", "/v1/completions", {"model": "default", "prompt": "hello", "max_tokens": 4})
+        # The same client alone first: on a shared machine, its latencies without the attack
+        # are the yardstick for those with it.
+        until = time.monotonic() + args.baseline_s
+        while time.monotonic() < until:
+            baseline.round(port, client, [])
+            time.sleep(args.every_s)
         end = time.monotonic() + args.duration_s
+        # The attack runs beside the client, not between its requests: the client's latency
+        # is the daemon's under a steady flood, not the wait behind the tool's own burst.
+        attack = threading.Thread(target=attackers.run, args=(end, args.open_per_round, args.reopen_per_s),
+                                  daemon=True)
+        attack.start()
         while time.monotonic() < end:
-            attackers.reap()
-            attackers.fill(args.open_per_round)
-            elapsed, status = timed_http(port, "GET", "/health")
-            health.append(elapsed)
-            if status != 200:
-                failures.append(f"/health answered {status}")
-            elapsed, status = timed_http(port, "POST", "/v1/completions",
-                                         {"model": "default", "prompt": "hello", "max_tokens": 4})
-            completion.append(elapsed)
-            if status != 200:
-                failures.append(f"/v1/completions answered {status}")
-            start = time.monotonic()
-            try:
-                client.health(timeout_s=5)
-            except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
-                failures.append(f"ZeroMQ health: {exc}")
-            zmq_health.append(time.monotonic() - start)
+            timings.round(port, client, failures)
             time.sleep(args.every_s)
         client.close()
+        attack.join(10)
     finally:
         held = attackers.open
         attackers.close()
@@ -187,13 +248,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         proc.terminate()
         proc.wait(30)
         shutil.rmtree(root, ignore_errors=True)
-    worst = max(health + completion + zmq_health)
+    worst = timings.worst()
     return {
         "connections_target": args.connections, "connections_opened": attackers.opened,
         "connections_held_at_end": held, "connections_dropped_by_daemon": attackers.dropped,
-        "connect_refused": attackers.refused, "zmq_sockets": args.zmq_sockets, "duration_s": args.duration_s,
-        "daemon_alive": alive, "health_max_s": round(max(health), 4), "completion_max_s": round(max(completion), 4),
-        "zmq_health_max_s": round(max(zmq_health), 4), "client_requests": len(health) * 3,
+        "connect_refused": attackers.refused, "reopen_per_s": args.reopen_per_s, "zmq_sockets": args.zmq_sockets, "duration_s": args.duration_s,
+        "daemon_alive": alive, **timings.summary(), "client_requests": 3 * len(timings.health),
+        "baseline_without_attack": {**baseline.summary(), "duration_s": args.baseline_s},
         "client_failures": failures[:20], "client_failure_count": len(failures), "log_growth_bytes": grown,
         "log_lines": len(new_lines), "log_top_lines": kinds.most_common(5),
         "passed": alive and not failures and worst < 1.0 and grown < 1 << 20,
@@ -206,7 +267,11 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=2000)
     parser.add_argument("--zmq-sockets", type=int, default=200)
     parser.add_argument("--duration-s", type=float, default=30.0)
-    parser.add_argument("--open-per-round", type=int, default=400, help="new connections per client round")
+    parser.add_argument("--baseline-s", type=float, default=15.0, help="the client alone first, as a yardstick")
+    parser.add_argument("--open-per-round", type=int, default=100,
+                        help="connections opened per attack round (a round every 10 ms at most)")
+    parser.add_argument("--reopen-per-s", type=float, default=200.0,
+                        help="once all are open, dropped ones re-opened at this rate at most")
     parser.add_argument("--every-s", type=float, default=0.1, help="pause between the client's rounds")
     parser.add_argument("--http-port", type=int, help="attack a running maced (else start one, tiny model)")
     parser.add_argument("--endpoint", default="", help="its ZeroMQ endpoint (ipc:// or tcp://127.0.0.1)")
@@ -218,7 +283,9 @@ def main() -> None:
         raise SystemExit("bounded: at most 5,000 connections, 1,000 sockets and 600 s")
     result = run(args)
     write_json(f"{args.out}.json", result)
-    rows = [[k, v] for k, v in result.items() if k not in ("client_failures", "machine", "log_top_lines")]
+    rows = [[k, v] for k, v in result.items()
+            if k not in ("client_failures", "machine", "log_top_lines", "baseline_without_attack")]
+    rows += [[f"baseline_without_attack.{k}", v] for k, v in result["baseline_without_attack"].items()]
     write_markdown(f"{args.out}.md", ["# Idle-socket attack (tools/attack_idle.py)", "",
                                       *markdown_table(["measure", "value"], rows), "",
                                       f"Machine: {result['machine']}", ""])

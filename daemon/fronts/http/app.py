@@ -27,6 +27,11 @@ from daemon.limits import http_connection_cap
 from daemon.service import Service
 from daemon.wire.endpoints import is_loopback
 
+LISTEN_BACKLOG = 2048  # connections the kernel queues before maced accepts them
+# Connections accepted per wake-up of the event loop: between two batches the loop reads the
+# requests of those already accepted, so a flood of new sockets cannot push a working client's
+# connection to the front of the eviction queue before its request is read.
+ACCEPT_BATCH = 64
 # Pages served from this machine (any port) may call the gateway from a browser.
 LOOPBACK_ORIGIN = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?"
 
@@ -104,6 +109,13 @@ class _Uvicorn(uvicorn.Server):
     def install_signal_handlers(self) -> None:  # the same hook in uvicorn < 0.29
         return None
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # asyncio took the small `backlog` for both its accepts per wake-up and listen(); the
+        # kernel's queue gets the large one back, the accept batches stay small.
+        for sock in sockets or ():
+            sock.listen(LISTEN_BACKLOG)
+
 
 class HttpGateway:
     """Binds the HTTP socket up front (errors surface before the model loads), then serves the
@@ -137,7 +149,7 @@ class HttpGateway:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(sockaddr)
-            sock.listen(2048)
+            sock.listen(LISTEN_BACKLOG)
         except OSError:
             sock.close()
             raise
@@ -158,7 +170,8 @@ class HttpGateway:
             self.app, http=functools.partial(GuardedH11, book=self.book), ws="none", lifespan="off",
             log_config=None, log_level="warning", access_log=False, server_header=False,
             proxy_headers=False, timeout_graceful_shutdown=2, timeout_keep_alive=limits.http_keep_alive_s,
-            limit_concurrency=cap + 1, h11_max_incomplete_event_size=limits.http_max_header_bytes)
+            limit_concurrency=cap + 1, h11_max_incomplete_event_size=limits.http_max_header_bytes,
+            backlog=ACCEPT_BATCH)
         self._accept_errors = AcceptErrorFilter(asyncio.get_running_loop(), limits.accept_error_log_interval_s)
         self._accept_errors.install()
         self._server = _Uvicorn(config)
