@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from daemon.metrics import DaemonMetrics
+from daemon.principals import DEFAULT_APP, Principal
 from daemon.wire import GenerateArgs, ProtocolError
 from edge_runtime.chat import ChatPrompt, parse_calls
 from edge_runtime.constraints import Constraint
@@ -26,6 +27,7 @@ def logprob_record(lp: Any) -> dict[str, Any]:
 # (candidate index, new text, last token id, extra: `logprobs` of the piece's tokens and
 # `tool_calls` completed in it, or None)
 TokenCallback = Callable[[int, str, "int | None", "dict[str, Any] | None"], None]
+IN_PROCESS = Principal("app", DEFAULT_APP, "in-process")  # the front named no one: the default app
 # Reasons a generate can end early, as (error code, message for the client).
 ABORTS = {
     "cancelled": ("cancelled", "the request was cancelled by its client"),
@@ -39,10 +41,12 @@ class GenerateCall:
     """One generate in flight: the front (ZeroMQ server or HTTP gateway) holds it to cancel it;
     the engine thread completes it. `api` names the front in the daemon's metrics."""
 
-    def __init__(self, on_token: TokenCallback | None = None, api: str = "zmq", client: Any = None) -> None:
+    def __init__(self, on_token: TokenCallback | None = None, api: str = "zmq", client: Any = None,
+                 principal: Principal = IN_PROCESS) -> None:
         self.on_token = on_token
         self.api = api
         self.client = client  # who sent it (a connection or an API key): admission's fairness unit
+        self.principal = principal  # whose users `user` names (docs/security.md)
         self.done: asyncio.Future[tuple[RequestOutput | None, str | None, BaseException | None]] = (
             asyncio.get_running_loop().create_future())
         self.engine_id: str | None = None

@@ -120,8 +120,7 @@ _SECTIONS: dict[str, tuple[type, ...]] = {
     "feedback": (FeedbackSettings, FeedbackStoreConfig),
     "admission": (AdmissionSettings, AdmissionConfig),
     "finetune": (FineTuneSettings,),
-    "fleet": (FleetSettings,),
-    "limits": (LimitSettings,),
+    "fleet": (FleetSettings,), "limits": (LimitSettings,),
 }
 # Changing these at run time cannot break a request in flight; the rest need a restart.
 RELOADABLE = frozenset({
@@ -481,6 +480,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     flat: dict[str, Any] = {}
     for section, table in data.items():
+        if section in ("apps", "operator"):
+            continue  # who may connect as what: daemon/principals.py reads these tables
         if section not in _SECTIONS or not isinstance(table, dict):
             raise ConfigError(f"{path}: unknown section [{section}]; known: {', '.join(_SECTIONS)}")
         for key, value in table.items():

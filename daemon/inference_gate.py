@@ -31,7 +31,7 @@ class InferenceGate:
             raise ProtocolError("bad_request", f"max_tokens {args.max_tokens} exceeds this daemon's ceiling of "
                                 f"{limits.max_tokens_ceiling} (limits.max_tokens_ceiling)", param="max_tokens")
         check_sequences(args.n, limits)
-        key = quota_key(call.client)
+        key = quota_key(call.client, call.principal)
         if self.sequences[key] + args.n > limits.max_sequences_per_client:
             raise ProtocolError("busy", f"this client has {self.sequences[key]} sequences in flight; at most "
                                 f"{limits.max_sequences_per_client} (limits.max_sequences_per_client) are "
@@ -39,7 +39,7 @@ class InferenceGate:
 
     def enter(self, call: GenerateCall, n: int = 1) -> None:
         self.generating[call.client] += 1
-        key = quota_key(call.client)
+        key = quota_key(call.client, call.principal)
         self.sequences[key] += n
         self._held[id(call)] = (key, n)
 

@@ -91,11 +91,13 @@ def http_connection_cap(limits: LimitSettings, nofile: int | None = None) -> int
     return limits.http_max_connections
 
 
-def quota_key(client: Any) -> Any:
+def quota_key(client: Any, principal: Any = None) -> Any:
     """The unit a client's sequence quota is counted under: what identifies a client that it
-    cannot multiply by opening sockets. HTTP: its API key digest (or its host when keyless);
-    ZeroMQ: the endpoint it came in on (every socket of the same endpoint shares it until
-    principals name the peer). The principals' identity replaces this one place."""
+    cannot multiply by opening sockets or connections. The principal as the front identified it
+    (daemon.principals: its kind, app and how: peer uid, CURVE key, API key); without one, the
+    API key digest (or host) of an HTTP client, or the endpoint a ZeroMQ client came in on."""
+    if principal is not None and getattr(principal, "via", ""):
+        return ("principal", principal.kind, principal.app, principal.via)
     if isinstance(client, tuple) and client and client[0] == "http":
         _, digest, host = client
         return ("http", digest or host)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from daemon.config import ConfigError, DaemonConfig, load_config, reload_changes
+from daemon.principals import load_identities
 from daemon.privacy import StartRefused, check_start
 from daemon.sdnotify import Notifier, Watchdog, watchdog_interval_s
 from edge_runtime.paths import make_private
@@ -241,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         flags = flags_from(args)
         config = load_config(args.config, os.environ, flags)
+        load_identities(config)  # a bad [[apps]] / [operator] table stops the start here
     except ConfigError as exc:
         print(f"maced: {exc}", file=sys.stderr)
         return 2
@@ -265,7 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ["MACE_STATE_DIR"] = str(config.state_dir)
 
     def reload_config() -> DaemonConfig:
-        return load_config(args.config, environ, flags)
+        new = load_config(args.config, environ, flags)
+        load_identities(new)
+        return new
 
     try:
         code = asyncio.run(run(config, reload_config))

@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from daemon.principals import split_stored
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds. TTFT spans a warm decode on a GPU (ms) to a long cold prefill on a busy CPU (s).
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -222,11 +224,18 @@ class _StatusCollector(Collector):
                      adapters.get("versions_served"))
         yield _gauge("mace_adapters_cached", "Adapter versions in the engine's adapter cache",
                      adapters.get("cached"))
-        active = GaugeMetricFamily("mace_adapter_active_version", "Newest adapter version served "
-                                   "per user", labels=["user"])
+        # A count per app, never a user id: a scrape must not list who uses the device
+        # (docs/security.md); the caller's listing holds only what its principal may see.
+        active = GaugeMetricFamily("mace_adapter_active_users", "Users served an adapter version "
+                                   "(of the scraping app, or per app for the operator)", labels=["app"])
+        per_app: dict[str, int] = {}
+        viewer = (s.get("principal") or {}).get("app")  # an app's listing holds plain ids
         for entry in self.adapters:
             if entry.get("active"):
-                active.add_metric([str(entry["user"])], float(entry["version"]))
+                app = viewer or split_stored(str(entry["user"]))[0]
+                per_app[app] = per_app.get(app, 0) + 1
+        for app, count in sorted(per_app.items()):
+            active.add_metric([app], float(count))
         yield active
 
 

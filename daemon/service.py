@@ -11,7 +11,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import replace
 from typing import Any
 
 from daemon import VERSION
@@ -25,14 +25,13 @@ from daemon.fleet.device import admin as fleet
 from daemon.fleet.device.rounds import FleetRounds
 from daemon.inference_gate import InferenceGate
 from daemon.metrics import DaemonMetrics
+from daemon.principals import OPERATOR_LOCAL, Identities, Principal, forbidden, load_identities
 from daemon.privacy import LogPseudonyms
 from daemon.sdnotify import Notifier, Watchdog
 from daemon.status_report import status_report, telemetry_readings
+from daemon.user_ops import UserOps, own_names
 from daemon.wire import (
-    AdaptersListArgs,
-    ConsentArgs,
     EmbedArgs,
-    FeedbackArgs,
     FleetEvaluateArgs,
     FleetPublishArgs,
     FleetRollbackArgs,
@@ -40,13 +39,11 @@ from daemon.wire import (
     GenerateArgs,
     NoArgs,
     ProtocolError,
-    RollbackArgs,
-    UserArgs,
 )
 from edge_runtime.chat import CallStreamer, tool_style
 from edge_runtime.engine import Engine
 from edge_runtime.errors import MaceError
-from edge_runtime.feedback import AsyncFeedbackStore, FeedbackStore, feedback_from_dict
+from edge_runtime.feedback import AsyncFeedbackStore, FeedbackStore
 from edge_runtime.lora.registry import FLEET
 from edge_runtime.outputs import RequestOutput
 from edge_runtime.telemetry import (
@@ -78,6 +75,8 @@ class Service:
         fine_tuner: FineTuner | None = None,
     ) -> None:
         self.config = config
+        self.identities: Identities = load_identities(config)
+        self.users = UserOps(self)
         self._engine_loader = engine_loader or (lambda: load_engine(config))
         self.notifier = notifier or Notifier({})
         self.watchdog = watchdog or Watchdog(self.notifier, None)
@@ -196,6 +195,7 @@ class Service:
     def reload(self, config: DaemonConfig) -> None:
         """Apply the settings that are safe to change at run time (see config.RELOADABLE)."""
         self.config = config
+        self.identities = load_identities(config)  # checked already by main's reload
         if hasattr(self.fine_tuner, "settings"):
             self.fine_tuner.settings = config.finetune  # type: ignore[attr-defined]
         if self.admission is not None:
@@ -304,7 +304,11 @@ class Service:
         self._require("serving")
         prompt, params = engine_request(args, self.config.engine.max_prompt_chars,
                                         self.config.server.default_max_tokens)
-        adapter, label = self.fine_tuner.resolve_adapter(args.user, args.adapter if args.user else "base")
+        plain = args.user
+        if plain is not None:  # from here on the user is the stored id of the caller's app's user
+            args = replace(args, user=self.users.stored(call.principal, None, plain))
+        with own_names(args.user or "", plain or ""):  # errors name the user as the app does
+            adapter, label = self.fine_tuner.resolve_adapter(args.user, args.adapter if args.user else "base")
         self.gate.check(call, args, self.config.limits)
         self.ops_in_flight += 1
         self.gate.enter(call, args.n)
@@ -314,7 +318,11 @@ class Service:
         try:
             await self.gate.admit(self.admission, call, self.config.server.admission_wait_s,
                                   self.config.admission_config.retry_after_s)
-            return await self._run_generation(args, prompt, params, adapter, label, call)
+            with own_names(args.user or "", plain or ""):
+                result = await self._run_generation(args, prompt, params, adapter, label, call)
+            if plain is not None and isinstance(result["adapter"], str):  # "<stored>@3" as the app knows it
+                result["adapter"] = result["adapter"].replace(str(args.user), plain, 1)
+            return result
         finally:
             if timer is not None:
                 timer.cancel()
@@ -403,19 +411,6 @@ class Service:
         self.counters["embed"] += 1
         return {"model": self.model_name, "embeddings": vectors, "usage": {"prompt_tokens": tokens}}
 
-    async def feedback(self, args: FeedbackArgs) -> dict[str, Any]:
-        astore = self._store()
-        feedback = feedback_from_dict(args.feedback)
-        self.ops_in_flight += 1
-        try:
-            ack = await astore.record_feedback(args.user, args.interaction_id, feedback)
-        finally:
-            self.ops_in_flight -= 1
-        self.counters["feedback"] += 1
-        self.fine_tuner.on_feedback(args.user, ack.pair_ids)
-        return {"feedback_id": ack.feedback_id, "pair_ids": list(ack.pair_ids),
-                "unpaired_ids": list(ack.unpaired_ids), "durable": True}
-
     def _store(self) -> AsyncFeedbackStore:
         self._require("serving", "draining", "loading")
         if self.astore is None:
@@ -424,38 +419,15 @@ class Service:
             raise ProtocolError("not_supported", "the feedback store is disabled in this daemon's config")
         return self.astore
 
-    async def users_consent(self, args: ConsentArgs) -> dict[str, Any]:
-        store = self._store()
-        changed = False
-        if args.granted is not None:
-            changed = await store.set_consent(args.user, args.granted)
-        if args.fleet is not None:
-            changed = await store.set_fleet_consent(args.user, args.fleet) or changed
-        state = await store.consent_state(args.user)
-        return {"user": args.user, "granted": state.granted, "fleet": state.fleet, "changed": changed}
+    # Fleet adapter admin ops (ZeroMQ only; the operator's alone, docs/security.md).
 
-    async def users_export(self, args: UserArgs) -> dict[str, Any]:
-        data = await self._store().export_user(args.user)
-        return {"user": args.user, "data": data}
+    @staticmethod
+    def _operator(who: Principal, right: str) -> None:
+        if not who.is_operator:
+            raise forbidden(who, right)
 
-    async def users_forget(self, args: UserArgs) -> dict[str, Any]:
-        store = self._store()
-        # The engine stops serving the user's adapters before their files go.
-        removed = await self.fine_tuner.forget(args.user)
-        report = await store.forget(args.user, adapters_removed=removed)
-        return {"user": args.user, "erased": asdict(report)}
-
-    async def adapters_list(self, args: AdaptersListArgs) -> dict[str, Any]:
-        return {"adapters": await self.fine_tuner.adapters(args.user), "trainer": self.fine_tuner.name}
-
-    async def adapters_rollback(self, args: RollbackArgs) -> dict[str, Any]:
-        self._require("serving")
-        return await self.fine_tuner.rollback(args.user, args.version)
-
-    # Fleet adapter admin ops (ZeroMQ only: anyone who may connect may call them, as
-    # adapters.rollback; the HTTP gateway has no admin role, so it does not offer them).
-
-    async def fleet_publish(self, args: FleetPublishArgs) -> dict[str, Any]:
+    async def fleet_publish(self, args: FleetPublishArgs, who: Principal) -> dict[str, Any]:
+        self._operator(who, "publish fleet adapters")
         self._require("serving")
         assert self.engine is not None
         result = await fleet.publish(self.engine, args.path)
@@ -463,7 +435,8 @@ class Service:
         log.info("fleet adapter version %d published from %s", result["version"], args.path)
         return result
 
-    async def fleet_rollback(self, args: FleetRollbackArgs) -> dict[str, Any]:
+    async def fleet_rollback(self, args: FleetRollbackArgs, who: Principal) -> dict[str, Any]:
+        self._operator(who, "roll back the fleet adapter")
         self._require("serving")
         assert self.engine is not None
         result = await fleet.rollback(self.engine, args.version)
@@ -471,7 +444,7 @@ class Service:
         log.info("fleet adapter rolled back: retired %s, serving %s", result["retired"], result["serving"])
         return result
 
-    async def fleet_status(self, args: NoArgs) -> dict[str, Any]:
+    async def fleet_status(self, args: NoArgs, who: Principal) -> dict[str, Any]:
         self._require("serving")
         assert self.engine is not None
         result = await fleet.status(self.engine)
@@ -481,12 +454,14 @@ class Service:
     # A round of the federated fleet (ZeroMQ only, like the other fleet ops): the Flower client
     # on this device calls them; nothing in their replies is feedback text.
 
-    async def fleet_round(self, args: FleetRoundArgs) -> dict[str, Any]:
+    async def fleet_round(self, args: FleetRoundArgs, who: Principal) -> dict[str, Any]:
+        self._operator(who, "run fleet rounds")
         self._require("serving")
         assert self.fleet_rounds is not None
         return await self.fleet_rounds.run(args)
 
-    async def fleet_evaluate(self, args: FleetEvaluateArgs) -> dict[str, Any]:
+    async def fleet_evaluate(self, args: FleetEvaluateArgs, who: Principal) -> dict[str, Any]:
+        self._operator(who, "evaluate fleet adapters")
         self._require("serving")
         assert self.fleet_rounds is not None
         return await self.fleet_rounds.evaluate(args)
@@ -496,5 +471,6 @@ class Service:
                 "uptime_s": round(time.monotonic() - self.started_at, 3),
                 "admission": self.admission.state.value if self.admission else "off"}
 
-    async def status(self) -> dict[str, Any]:
-        return await status_report(self)
+    async def status(self, who: Principal = OPERATOR_LOCAL) -> dict[str, Any]:
+        """The whole report for the operator; an app's leaves out every user but its own."""
+        return await status_report(self, who)

@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from daemon import VERSION
+from daemon.principals import Principal, split_stored
 from daemon.wire import PROTOCOL_VERSION
 from edge_runtime.errors import MaceError
 from edge_runtime.telemetry import (
@@ -30,10 +31,11 @@ from edge_runtime.telemetry.config import TelemetryConfig
 
 log = logging.getLogger("daemon.service")
 
-async def status_report(service: Any) -> dict[str, Any]:
+async def status_report(service: Any, who: Principal) -> dict[str, Any]:
     """The `status` op's reply: the daemon, model, engine, latency, queues, memory, telemetry,
     admission, feedback store, fine-tuning, adapters and fleet, as they stand now. `service` is
-    the daemon.service.Service (not imported here: it imports this module)."""
+    the daemon.service.Service (not imported here: it imports this module). An app's report
+    names only its own users (counts stay device-wide: they name no one)."""
     out: dict[str, Any] = {
         "daemon": {"version": VERSION, "protocol": PROTOCOL_VERSION, "pid": os.getpid(),
                    "state": service.state, "uptime_s": round(time.monotonic() - service.started_at, 3),
@@ -73,7 +75,19 @@ async def status_report(service: Any) -> dict[str, Any]:
                        "fleet_serving": service.fleet_serving}
     if service.fleet_rounds is not None:
         out["fleet"] = service.fleet_rounds.status()
+    out["principal"] = {"kind": who.kind, "app": None if who.is_operator else who.app}
+    if not who.is_operator:
+        _app_view(finetune, who.app)
     return out
+
+
+def _app_view(finetune: dict[str, Any], app: str) -> None:
+    """Fine-tuning's status as an app may see it: its own users' work in progress, by their
+    plain ids; the guard's last decision (whose reason names a user) left out."""
+    current = finetune.get("current") or {}
+    own = {split_stored(u)[1]: rows for u, rows in current.items() if split_stored(u)[0] == app}
+    finetune["current"] = own or None
+    finetune.pop("last_guard", None)
 
 def _memory(service: Any, stats: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
     # Until the runtime's MemoryLedger lands, the ledger is what the daemon can account for.

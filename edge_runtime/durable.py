@@ -120,3 +120,27 @@ def publish_directory(target: str | Path, fill: Callable[[Path], None], temp_pre
         raise
     fsync_dir(parent)
     return target
+
+
+def fsync_tree(directory: str | Path) -> None:
+    """fsync every file under `directory` and each folder of it (before a rename publishes it)."""
+    for folder, _, files in os.walk(directory):
+        for name in files:
+            fsync_file(Path(folder) / name)
+        fsync_dir(folder)
+
+
+def replace_directory(new: str | Path, target: str | Path) -> None:
+    """Put the complete folder `new` (already fsynced) in the place of `target`, which may exist:
+    the old one is renamed aside, the new one renamed in, the parent fsynced, then the old one
+    removed. A crash between the two renames leaves the old copy under a hidden name beside it
+    (callers that own the parent sweep those)."""
+    new, target = Path(new), Path(target)
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.rename(target, old)
+    os.rename(new, target)
+    fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

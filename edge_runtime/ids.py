@@ -1,7 +1,8 @@
 """Validation of identifiers that cross the API boundary (user ids, request ids).
 
 User ids name on-disk adapter folders (`<state>/adapters/<user_id>/`), so they must be safe path
-components: 1-64 characters of letters, digits, '_', '-', '.', '@', not starting with '.'.
+components: 1-64 characters of letters, digits, '_', '-', '.', '@', not starting with '.'; a
+user of an app other than the daemon's default one is stored as `<app>~<user>` (docs/security.md).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import re
 
 from edge_runtime.errors import BadRequest
 
-_USER_ID = re.compile(r"^[A-Za-z0-9_@-][A-Za-z0-9_.@-]{0,63}$")
+_USER_ID = re.compile(r"^(?:[a-z0-9][a-z0-9_-]{0,31}~)?[A-Za-z0-9_@-][A-Za-z0-9_.@-]{0,63}$")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:@-]{1,128}$")
 
 

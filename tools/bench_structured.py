@@ -41,8 +41,8 @@ import jsonschema  # noqa: E402
 import torch  # noqa: E402
 
 from edge_runtime import Engine, SamplingParams  # noqa: E402
+from edge_runtime.commit import greedy_tokens as _greedy_tokens  # noqa: E402
 from edge_runtime.constraints import Constraint, unpack_masks  # noqa: E402
-from edge_runtime.engine import _greedy_tokens  # noqa: E402
 from edge_runtime.sampling import mask_rows  # noqa: E402
 from tools.report import RESULTS, cpu_name, load_average, write_json  # noqa: E402
 
@@ -187,7 +187,7 @@ def replay_llguidance(engine: Engine, sequences: list[list[int]], schema: dict[s
 
 def replay_engine_path(engine: Engine, sequences: list[list[int]], schema: dict[str, Any]) -> float:
     """Seconds per step for everything a mask adds to a decode step in the engine's own code
-    (`Engine._apply_grammars` and the argmax of `_commit_tokens`): the streams' packed masks,
+    (`TokenCommitter.apply_grammars` and the argmax of `_commit_tokens`): the streams' packed masks,
     unpacked together, a float32 copy of the batch's logits with each row's disallowed tokens at
     -inf, the batch's argmax over it, and the grammars advanced (all of it counted: the engine's
     batched argmax of the unmasked path runs either way). Independent of the model's forward, so

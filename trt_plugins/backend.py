@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from edge_runtime.backends.base import Backend
 from edge_runtime.backends.lora_stack import LoraStackCache
 from edge_runtime.backends.onnx_export import default_cache_dir, export_step, model_hash
 from edge_runtime.backends.onnx_spec import TORCH_KV_DTYPES, GraphSpec, weight_format
@@ -27,8 +28,9 @@ from edge_runtime.model.llama import LlamaModel, LoraApplier
 from trt_plugins.builder import TensorRTUnavailable, build_engine, require_tensorrt
 
 
-class TensorRTBackend:
+class TensorRTBackend(Backend):
     name = "tensorrt"
+    runs_onnx_weights = True
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from daemon.config import DaemonConfig
+from daemon.principals import DEFAULT_APP, Principal, peer_uid
 from daemon.service import GenerateCall, Service
 from daemon.wire import (
     TENSOR_OPS,
@@ -52,6 +53,7 @@ class Listener:
     endpoint: str
     socket: zmq.asyncio.Socket
     ipc_path: str | None = None
+    curve: bool = False
 
 
 @dataclass(eq=False)
@@ -61,6 +63,7 @@ class InFlight:
     client: ClientKey
     envelope: list[bytes]
     request: Request
+    principal: Principal
     call: GenerateCall | None = None
     final_sent: bool = False
     task: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -97,7 +100,7 @@ class Server:
             sock = self._socket(curve=cfg.curve_enabled)
             sock.bind(cfg.server.tcp)
             endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            self.listeners.append(Listener(endpoint, sock))
+            self.listeners.append(Listener(endpoint, sock, curve=cfg.curve_enabled))
         return [listener.endpoint for listener in self.listeners]
 
     def _socket(self, curve: bool) -> zmq.asyncio.Socket:
@@ -229,10 +232,24 @@ class Server:
             self._reject(client, envelope, request.id, ProtocolError(
                 "shutting_down", "the daemon is shutting down and admits no new work"))
             return
-        item = InFlight(client, envelope, request)
+        item = InFlight(client, envelope, request, self._principal(self.listeners[index], parts[-1]))
         self.inflight[key] = item
         self.per_client[client] += 1
         item.task = asyncio.create_task(self._run(item), name=f"{request.op}:{request.id}")
+
+    def _principal(self, listener: Listener, frame: zmq.Frame) -> Principal:
+        """Who sent a message, from what libzmq knows of its connection (never from the
+        message): an ipc peer's uid (SO_PEERCRED), a CURVE client's public key (the ZAP
+        handler's User-Id); a TCP client without CURVE is the default app."""
+        identities = self.service.identities
+        if listener.ipc_path is not None:
+            uid = peer_uid(_metadata(frame, "Peer-Address"))
+            if uid is None:  # libzmq built without SO_PEERCRED: no one is the operator
+                return Principal("app", DEFAULT_APP, "ipc peer of unknown uid")
+            return identities.for_uid(uid)
+        if listener.curve:
+            return identities.for_curve_key(_metadata(frame, "User-Id"))
+        return Principal("app", DEFAULT_APP, "TCP without CURVE")
 
     def _reject(self, client: ClientKey, envelope: list[bytes], request_id: Any, exc: ProtocolError) -> None:
         self.errors[exc.code] += 1
@@ -273,7 +290,7 @@ class Server:
                 def on_token(index: int, text: str, token_id: int | None, extra: dict | None = None) -> None:
                     if not item.final_sent:
                         self._send(item.client, item.envelope, token_message(request.id, index, text, token_id, extra))
-            item.call = GenerateCall(on_token, client=item.client)
+            item.call = GenerateCall(on_token, client=item.client, principal=item.principal)
             return await service.generate(args, item.call)
         if op == "cancel":
             target = self.inflight.get((item.client, args.target))
@@ -282,21 +299,23 @@ class Server:
             service.cancel(target.call, "cancelled")
             return {"cancelled": True, "target": args.target}
         if op == "status":
-            status = await service.status()
+            status = await service.status(item.principal)
             status["daemon"]["endpoints"] = [listener.endpoint for listener in self.listeners]
             status["server"] = self.summary()
             return status
         if op == "health":
             return service.health()
+        if op == "embed":
+            return await service.embed(args)
+        users = service.users
         handlers = {
-            "feedback": service.feedback, "users.consent": service.users_consent,
-            "users.export": service.users_export, "users.forget": service.users_forget,
-            "adapters.list": service.adapters_list, "adapters.rollback": service.adapters_rollback,
-            "embed": service.embed, "fleet.publish": service.fleet_publish,
+            "feedback": users.feedback, "users.consent": users.consent, "users.export": users.export,
+            "users.forget": users.forget, "adapters.list": users.adapters_list,
+            "adapters.rollback": users.adapters_rollback, "fleet.publish": service.fleet_publish,
             "fleet.rollback": service.fleet_rollback, "fleet.status": service.fleet_status,
             "fleet.round": service.fleet_round, "fleet.evaluate": service.fleet_evaluate,
         }
-        return await handlers[op](args)
+        return await handlers[op](args, item.principal)
 
     def summary(self) -> dict[str, Any]:
         return {"requests_in_flight": len(self.inflight), "clients": len(self.per_client),
@@ -349,6 +368,15 @@ class Server:
         for item in items:
             if item.call is not None:
                 self.service.cancel(item.call, "client_gone")
+
+
+def _metadata(frame: zmq.Frame, name: str) -> str:
+    """A connection property libzmq attached to a received frame, or "" when it has none."""
+    try:
+        value = frame.get(name)
+    except zmq.ZMQError:
+        return ""
+    return value if isinstance(value, str) else ""
 
 
 def _load_server_keys(path: str) -> tuple[bytes, bytes]:

@@ -194,11 +194,13 @@ class AsyncClient:
     async def health(self, timeout_s: float | None = None) -> dict[str, Any]:
         return await self.call(ops.health(timeout_s))
 
-    async def adapters(self, user: str | None = None) -> list[dict[str, Any]]:
-        return await self.call(ops.adapters(user))
+    async def adapters(self, user: str | None = None, app: str | None = None) -> list[dict[str, Any]]:
+        """Adapter versions of `user` (None: all of the caller's users); `app`: the operator's
+        view of another app's users (docs/security.md)."""
+        return await self.call(ops.adapters(user, app))
 
-    async def rollback(self, user: str, version: int) -> dict[str, Any]:
-        return await self.call(ops.rollback(user, version))
+    async def rollback(self, user: str, version: int, app: str | None = None) -> dict[str, Any]:
+        return await self.call(ops.rollback(user, version, app))
 
     async def fleet_publish(self, path: str) -> dict[str, Any]:
         """Publish the PEFT adapter folder at `path` (on the daemon's machine; made absolute here)
@@ -224,16 +226,17 @@ class AsyncClient:
         """Held-out win rate and margin of a candidate fleet adapter on this device's pairs."""
         return await self.call(ops.fleet_evaluate(adapter, lora_config, config, timeout_s))
 
-    async def consent(self, user: str, granted: bool | None = True, fleet: bool | None = None) -> dict[str, Any]:
+    async def consent(self, user: str, granted: bool | None = True, fleet: bool | None = None,
+                      app: str | None = None) -> dict[str, Any]:
         """Set consent to feedback collection and/or to fleet training (None: leave it); the reply
         holds both as they now stand."""
-        return await self.call(ops.consent(user, granted, fleet))
+        return await self.call(ops.consent(user, granted, fleet, app))
 
-    async def export(self, user: str) -> dict[str, Any]:
-        return await self.call(ops.export(user))
+    async def export(self, user: str, app: str | None = None) -> dict[str, Any]:
+        return await self.call(ops.export(user, app))
 
-    async def forget(self, user: str) -> dict[str, Any]:
-        return await self.call(ops.forget(user))
+    async def forget(self, user: str, app: str | None = None) -> dict[str, Any]:
+        return await self.call(ops.forget(user, app))
 
 
 class AsyncTokenStream:

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     fg.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     for parser in (c, fg):
         parser.add_argument("--json", action="store_true")
+    for parser in (c, e, fg):
+        parser.add_argument("--app", help="the app whose user this is (the operator's right; default: "
+                            "the default app)")
 
     a = sub.add_parser("adapters", help="list adapter versions (default), or roll a user back")
     asub = a.add_subparsers(dest="adapters_command")
@@ -93,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("user")
     ar.add_argument("version", type=int)
     ar.add_argument("--json", action="store_true")
+    for parser in (al, ar):
+        parser.add_argument("--app", help="the app whose users these are (the operator's right)")
 
     fl = sub.add_parser("fleet", help="the shared fleet adapter beneath every user's: publish, roll back, status")
     flsub = fl.add_subparsers(dest="fleet_command", required=True)
@@ -228,9 +233,10 @@ def cmd_feedback(client: Client, args: argparse.Namespace) -> int:
 def cmd_users(client: Client, args: argparse.Namespace) -> int:
     if args.users_command == "consent":
         if args.withdraw_fleet:
-            reply = client.consent(args.user, granted=None, fleet=False)
+            reply = client.consent(args.user, granted=None, fleet=False, app=args.app)
         else:
-            reply = client.consent(args.user, granted=not args.withdraw, fleet=True if args.fleet else None)
+            reply = client.consent(args.user, granted=not args.withdraw, fleet=True if args.fleet else None,
+                                   app=args.app)
         if args.json:
             _print_json(reply)
         else:
@@ -240,7 +246,7 @@ def cmd_users(client: Client, args: argparse.Namespace) -> int:
                   f"fleet consent {fleet}")
         return EXIT_OK
     if args.users_command == "export":
-        data = client.export(args.user)
+        data = client.export(args.user, app=args.app)
         text = json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n"
         if args.output:
             import os
@@ -260,7 +266,7 @@ def cmd_users(client: Client, args: argparse.Namespace) -> int:
         if answer.strip() != args.user:
             print("not erased", file=sys.stderr)
             return EXIT_USAGE
-    report = client.forget(args.user)
+    report = client.forget(args.user, app=args.app)
     if args.json:
         _print_json(report)
     else:
@@ -272,7 +278,7 @@ def cmd_users(client: Client, args: argparse.Namespace) -> int:
 
 def cmd_adapters(client: Client, args: argparse.Namespace) -> int:
     if args.adapters_command == "rollback":
-        reply = client.rollback(args.user, args.version)
+        reply = client.rollback(args.user, args.version, app=args.app)
         if args.json:
             _print_json(reply)
         else:
@@ -280,7 +286,7 @@ def cmd_adapters(client: Client, args: argparse.Namespace) -> int:
         return EXIT_OK
     user = getattr(args, "user", None)  # absent when `macectl adapters` has no subcommand
     as_json = getattr(args, "json", False)
-    adapters = client.adapters(user)
+    adapters = client.adapters(user, app=getattr(args, "app", None))
     if as_json:
         _print_json(adapters)
         return EXIT_OK

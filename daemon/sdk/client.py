@@ -206,11 +206,13 @@ class Client:
     def health(self, timeout_s: float | None = None) -> dict[str, Any]:
         return self.call(ops.health(timeout_s))
 
-    def adapters(self, user: str | None = None) -> list[dict[str, Any]]:
-        return self.call(ops.adapters(user))
+    def adapters(self, user: str | None = None, app: str | None = None) -> list[dict[str, Any]]:
+        """Adapter versions of `user` (None: all of the caller's users); `app`: the operator's
+        view of another app's users (docs/security.md)."""
+        return self.call(ops.adapters(user, app))
 
-    def rollback(self, user: str, version: int) -> dict[str, Any]:
-        return self.call(ops.rollback(user, version))
+    def rollback(self, user: str, version: int, app: str | None = None) -> dict[str, Any]:
+        return self.call(ops.rollback(user, version, app))
 
     def fleet_publish(self, path: str) -> dict[str, Any]:
         """Publish the PEFT adapter folder at `path` (on the daemon's machine; made absolute here)
@@ -236,16 +238,17 @@ class Client:
         """Held-out win rate and margin of a candidate fleet adapter on this device's pairs."""
         return self.call(ops.fleet_evaluate(adapter, lora_config, config, timeout_s))
 
-    def consent(self, user: str, granted: bool | None = True, fleet: bool | None = None) -> dict[str, Any]:
+    def consent(self, user: str, granted: bool | None = True, fleet: bool | None = None,
+                app: str | None = None) -> dict[str, Any]:
         """Set consent to feedback collection and/or to fleet training (None: leave it); the reply
         holds both as they now stand."""
-        return self.call(ops.consent(user, granted, fleet))
+        return self.call(ops.consent(user, granted, fleet, app))
 
-    def export(self, user: str) -> dict[str, Any]:
-        return self.call(ops.export(user))
+    def export(self, user: str, app: str | None = None) -> dict[str, Any]:
+        return self.call(ops.export(user, app))
 
-    def forget(self, user: str) -> dict[str, Any]:
-        return self.call(ops.forget(user))
+    def forget(self, user: str, app: str | None = None) -> dict[str, Any]:
+        return self.call(ops.forget(user, app))
 
 
 class TokenStream:

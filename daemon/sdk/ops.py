@@ -90,12 +90,17 @@ def health(timeout_s: float | None) -> Call:
     return Call("health", {}, timeout_s=timeout_s)
 
 
-def adapters(user: str | None) -> Call:
-    return Call("adapters.list", {"user": user} if user else {}, _key("adapters"))
+def _app(app: str | None) -> dict[str, str]:
+    """Another app's user, named by the operator (docs/security.md); absent for one's own."""
+    return {} if app is None else {"app": app}
 
 
-def rollback(user: str, version: int) -> Call:
-    return Call("adapters.rollback", {"user": user, "version": version})
+def adapters(user: str | None, app: str | None = None) -> Call:
+    return Call("adapters.list", {**({"user": user} if user else {}), **_app(app)}, _key("adapters"))
+
+
+def rollback(user: str, version: int, app: str | None = None) -> Call:
+    return Call("adapters.rollback", {"user": user, "version": version, **_app(app)})
 
 
 def fleet_publish(path: str) -> Call:
@@ -130,18 +135,18 @@ def fleet_evaluate(adapter: dict[str, Any], lora_config: dict[str, Any], config:
     return Call("fleet.evaluate", fields, timeout_s=timeout_s)
 
 
-def consent(user: str, granted: bool | None, fleet: bool | None) -> Call:
+def consent(user: str, granted: bool | None, fleet: bool | None, app: str | None = None) -> Call:
     # Only the consents being set, so old daemons (no `fleet`) keep answering calls without it.
     values = {k: v for k, v in (("granted", granted), ("fleet", fleet)) if v is not None}
-    return Call("users.consent", {"user": user, **values})
+    return Call("users.consent", {"user": user, **values, **_app(app)})
 
 
-def export(user: str) -> Call:
-    return Call("users.export", {"user": user}, _key("data"))
+def export(user: str, app: str | None = None) -> Call:
+    return Call("users.export", {"user": user, **_app(app)}, _key("data"))
 
 
-def forget(user: str) -> Call:
-    return Call("users.forget", {"user": user}, _key("erased"))
+def forget(user: str, app: str | None = None) -> Call:
+    return Call("users.forget", {"user": user, **_app(app)}, _key("erased"))
 
 
 # Every operation method of `Client` and `AsyncClient` (tests/daemon/test_sdk_parity.py checks both

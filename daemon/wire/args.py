@@ -5,6 +5,7 @@ Pure standard library.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,13 @@ from daemon.wire.fields import (
     is_token,
     request_id_of,
 )
+
+# The app whose user an operator's request names (docs/security.md); an app may name only itself.
+APP_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
+
+
+def _app(f: Fields) -> str | None:
+    return f.text("app", max_chars=32, pattern=APP_NAME, what="an app's name from the daemon's [[apps]]")
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,7 @@ class NoArgs:
 @dataclass(frozen=True)
 class UserArgs:
     user: str
+    app: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,21 +95,24 @@ class ConsentArgs:
     user: str
     granted: bool | None  # consent to feedback collection; None: leave as it is
     fleet: bool | None = None  # consent to training the shared fleet adapter; None: leave as it is
+    app: str | None = None
 
 
 @dataclass(frozen=True)
 class AdaptersListArgs:
     user: str | None = None
+    app: str | None = None
 
 
 @dataclass(frozen=True)
 class RollbackArgs:
     user: str
     version: int
+    app: str | None = None
 
 
 def user_args(f: Fields) -> UserArgs:
-    return UserArgs(f.user() or "")
+    return UserArgs(f.user() or "", _app(f))
 
 
 def consent_args(f: Fields) -> ConsentArgs:
@@ -111,13 +123,13 @@ def consent_args(f: Fields) -> ConsentArgs:
     if granted is False and fleet is True:
         raise f._fail("fleet", "false or absent when withdrawing consent to feedback collection "
                       "(fleet consent needs it)")
-    return ConsentArgs(user, granted, fleet)
+    return ConsentArgs(user, granted, fleet, _app(f))
 
 
 def adapters_list_args(f: Fields) -> AdaptersListArgs:
-    return AdaptersListArgs(f.user(required=False))
+    return AdaptersListArgs(f.user(required=False), _app(f))
 
 
 def rollback_args(f: Fields) -> RollbackArgs:
-    return RollbackArgs(f.user() or "", f.integer("version", lo=0, hi=2**31 - 1, required=True) or 0)
+    return RollbackArgs(f.user() or "", f.integer("version", lo=0, hi=2**31 - 1, required=True) or 0, _app(f))
 

@@ -48,6 +48,7 @@ ERRORS: tuple[ErrorCode, ...] = (
               "(weights, the smallest KV cache, one iteration's activations)"),
     ErrorCode("not_supported", 501, "this daemon build cannot do that (e.g. fine-tuning not available)"),
     ErrorCode("internal", 500, "a bug in the daemon; the request failed, the daemon keeps serving"),
+    ErrorCode("forbidden", 403, "the principal lacks the right for this operation"),
     ErrorCode("model_not_found", 404, "the request names a model this daemon does not serve", zmq=False),
     ErrorCode("not_found", 404, "no such HTTP route", zmq=False),
     ErrorCode("invalid_api_key", 401, "missing or wrong `Authorization: Bearer` key", zmq=False),

@@ -4,7 +4,9 @@ engines from the same graph, `trt_plugins`). `make_backend` picks one from the e
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from edge_runtime.backends.base import Backend
 
 if TYPE_CHECKING:
     from edge_runtime.config import EngineConfig
@@ -12,10 +14,12 @@ if TYPE_CHECKING:
     from edge_runtime.lora.registry import AdapterRegistry
     from edge_runtime.model.llama import LlamaModel
 
+__all__ = ["BACKENDS", "Backend", "make_backend"]
+
 BACKENDS = ("torch", "onnxruntime", "tensorrt", "auto")
 
 
-def make_backend(config: EngineConfig, model: LlamaModel, cache: KVCache, adapters: AdapterRegistry | None) -> Any:
+def make_backend(config: EngineConfig, model: LlamaModel, cache: KVCache, adapters: AdapterRegistry | None) -> Backend:
     """The backend `config.backend` names, built over the engine's model, KV cache and adapters
     ("auto" is resolved by `auto.choose_backend`, which calls this with a concrete name)."""
     name = config.backend

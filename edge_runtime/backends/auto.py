@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from edge_runtime.backends.base import Backend
 from edge_runtime.sched.batch import Batch, ScheduledSeq
-from edge_runtime.sched.cost_model import _ProbeSeq
+from edge_runtime.sched.probe import ProbeSeq
 
 if TYPE_CHECKING:
     from edge_runtime.config import EngineConfig
@@ -105,7 +106,7 @@ def first_candidate(device: torch.device) -> str:
 
 
 def choose_backend(config: EngineConfig, model: Any, cache: Any, adapters: Any, pool: BlockPool,
-                   prompts: list[list[int]]) -> tuple[Any, BackendChoice]:
+                   prompts: list[list[int]]) -> tuple[Backend, BackendChoice]:
     """Build the configured backend; for "auto", the first candidate that builds and passes the
     self-check on `prompts` (token ids), else torch. Returns (backend, why)."""
     from edge_runtime.backends import make_backend
@@ -120,7 +121,7 @@ def choose_backend(config: EngineConfig, model: Any, cache: Any, adapters: Any, 
         why_format = f"{quantization} as configured"
     if config.backend != "auto":
         backend = make_backend(config.replace(onnx_quantization=quantization), model, cache, adapters)
-        used = quantization if backend.name != "torch" else "none"
+        used = quantization if backend.runs_onnx_weights else "none"
         return backend, BackendChoice(config.backend, backend.name, used, "set explicitly")
     reference = TorchBackend(model, cache, adapters)
     tried = []
@@ -146,7 +147,7 @@ def choose_backend(config: EngineConfig, model: Any, cache: Any, adapters: Any, 
     return reference, BackendChoice("auto", "torch", "none", reason)
 
 
-def self_check(backend: Any, reference: Any, pool: BlockPool, prompts: list[list[int]],
+def self_check(backend: Backend, reference: Backend, pool: BlockPool, prompts: list[list[int]],
                quantization: str, tokens: int = SELF_CHECK_TOKENS) -> SelfCheck:
     """Greedy-decode `tokens` tokens of each prompt through `backend` (a prefill, then decode
     steps: the paths serving takes) and compare with the reference's greedy choice after each
@@ -185,7 +186,7 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def prefill_rows(backend: Any, pool: BlockPool, prompts: list[list[int]]) -> torch.Tensor:
+def prefill_rows(backend: Backend, pool: BlockPool, prompts: list[list[int]]) -> torch.Tensor:
     """Last-position logits of each prompt, all prefilled in one batch."""
     size = pool.block_size
     needed = sum(-(-len(p) // size) for p in prompts)
@@ -193,14 +194,14 @@ def prefill_rows(backend: Any, pool: BlockPool, prompts: list[list[int]]) -> tor
         raise RuntimeError(f"the KV cache has {pool.num_free} free blocks; the self-check needs {needed}")
     tables = [[pool.allocate() for _ in range(-(-len(p) // size))] for p in prompts]
     try:
-        items = [ScheduledSeq(_ProbeSeq(list(p), 0, t), len(p)) for p, t in zip(prompts, tables, strict=True)]  # type: ignore[arg-type]
+        items = [ScheduledSeq(ProbeSeq(list(p), 0, t), len(p)) for p, t in zip(prompts, tables, strict=True)]  # type: ignore[arg-type]
         return backend.execute(Batch(items, [])).float().cpu()
     finally:
         for block in (b for t in tables for b in t):
             pool.release(block)
 
 
-def greedy(backend: Any, pool: BlockPool, prompt: list[int], tokens: int) -> tuple[list[int], torch.Tensor]:
+def greedy(backend: Backend, pool: BlockPool, prompt: list[int], tokens: int) -> tuple[list[int], torch.Tensor]:
     """`tokens` greedy tokens after `prompt` (prefill, then one decode step each) and the first
     step's logits, through `backend.execute` on probe sequences."""
     size = pool.block_size
@@ -208,7 +209,7 @@ def greedy(backend: Any, pool: BlockPool, prompt: list[int], tokens: int) -> tup
     if blocks > pool.num_free:
         raise RuntimeError(f"the KV cache has {pool.num_free} free blocks; the self-check needs {blocks}")
     table = [pool.allocate() for _ in range(blocks)]
-    seq = _ProbeSeq(list(prompt), 0, table)
+    seq = ProbeSeq(list(prompt), 0, table)
     out: list[int] = []
     first: torch.Tensor | None = None
     try:

@@ -23,6 +23,7 @@ from edge_runtime.backends.onnx_graph import build_step_graph
 from edge_runtime.backends.onnx_spec import GRAPH_VERSION, OPSET, GraphSpec, with_gqa_window
 from edge_runtime.durable import TargetExists, publish_directory
 from edge_runtime.model.llama import LlamaModel
+from edge_runtime.model.qweights import QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,12 @@ def model_hash(model: LlamaModel) -> str:
             h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
             # numpy has no bfloat16: hash the raw bytes through a same-width integer view.
             h.update(t.view(torch.int16).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes())
+        for name, module in model.named_modules():  # weights kept as a GGUF's blocks (gguf_load)
+            if isinstance(module, QuantWeight):
+                for part, (zero, bits) in zip(module.parts, module.formats, strict=True):
+                    h.update(f"{name}:{zero}:{bits}".encode())
+                    for t in part.tensors():
+                        h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 

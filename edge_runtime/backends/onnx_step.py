@@ -24,6 +24,7 @@ from edge_runtime.backends.onnx_spec import (
 )
 from edge_runtime.backends.quantize import NBitsWeight, OffsetNBitsWeight, pack_q4_offsets
 from edge_runtime.model.llama import LlamaModel
+from edge_runtime.model.qweights import QuantWeight
 
 
 class GraphBuilder:
@@ -59,7 +60,9 @@ class GraphBuilder:
         return self._consts[key]
 
 
-def as_numpy(t: torch.Tensor) -> np.ndarray:
+def as_numpy(t: torch.Tensor | QuantWeight) -> np.ndarray:
+    if isinstance(t, QuantWeight):  # a GGUF's blocks (gguf_load): de-quantised a weight at a time
+        return t.dequantize().cpu().numpy()
     return t.detach().to(torch.float32).cpu().numpy()
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from edge_runtime.backends.base import Backend
 from edge_runtime.backends.dense_kv import DenseKV
 from edge_runtime.backends.lora_stack import LoraStackCache
 from edge_runtime.backends.onnx_export import export_step, model_hash
@@ -53,8 +54,9 @@ if TYPE_CHECKING:
     from edge_runtime.sched.scheduler import Batch
 
 
-class OnnxRuntimeBackend:
+class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
+    runs_onnx_weights = True
 
     def __init__(
         self,

@@ -2,13 +2,14 @@
 
 Turns the scheduler's batch into flat token tensors and a paged-attention context, and returns
 the logits of the rows that sample a token. Other backends (ONNX Runtime, TensorRT) implement
-the same `execute`.
+the same `Backend` protocol.
 """
 
 from __future__ import annotations
 
 import torch
 
+from edge_runtime.backends.base import Backend
 from edge_runtime.kv.cache import KVCache
 from edge_runtime.kv.paged_attention import PagedContext, SeqAttention
 from edge_runtime.lora.batched import applier_for
@@ -17,8 +18,9 @@ from edge_runtime.model.llama import LlamaModel, LoraApplier
 from edge_runtime.sched.scheduler import Batch
 
 
-class TorchBackend:
+class TorchBackend(Backend):
     name = "torch"
+    reads_pruned_kv = True  # PagedContext reads each sequence's pruning state and compacted layout
 
     def __init__(self, model: LlamaModel, cache: KVCache, adapters: AdapterRegistry | None = None) -> None:
         self.model = model

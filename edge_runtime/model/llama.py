@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from edge_runtime.model import family
 from edge_runtime.model.config import ModelConfig
+from edge_runtime.model.qweights import QuantWeight, quant_linear
 
 # LoRA target names, as PEFT and Hugging Face name the projections.
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -268,7 +269,14 @@ class DecoderLayer(nn.Module):
         return out if m == 1.0 else out * m
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor | QuantWeight, bias: Tensor | None = None) -> Tensor:
+    """`_float_linear`, over a weight de-quantised for this call where it is kept quantised."""
+    if isinstance(weight, QuantWeight):
+        return quant_linear(x, weight, bias, _float_linear)
+    return _float_linear(x, weight, bias)
+
+
+def _float_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear that computes every row the same way whatever the batch size.
 
     oneDNN takes a matrix-vector path for a single row whose rounding differs from its
@@ -289,7 +297,10 @@ def _add(base: Tensor, delta: Tensor | None) -> Tensor:
 
 
 class LlamaModel(nn.Module):
-    """Embeddings, decoder layers, final norm and LM head of a llama-family model."""
+    """Embeddings, decoder layers, final norm and LM head of a llama-family model. Any of the
+    projections, the embedding table and the head may be a `QuantWeight` instead of a float
+    parameter (a GGUF's blocks kept as they are: `edge_runtime.model.gguf_load`); the forward
+    then de-quantises each one where it is used."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -307,17 +318,25 @@ class LlamaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.norm.dtype  # never quantised, unlike the embedding table
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.device
 
-    def lm_head_weight(self) -> Tensor:
+    @property
+    def quantized(self) -> bool:
+        """Whether any weight is kept as quantised blocks."""
+        return any(isinstance(m, QuantWeight) for m in self.modules())
+
+    def lm_head_weight(self) -> Tensor | QuantWeight:
         return self.embed if self.lm_head is None else self.lm_head
 
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
-        x = F.embedding(input_ids, self.embed)
+        if isinstance(self.embed, QuantWeight):
+            x = self.embed.embedding(input_ids, self.dtype)
+        else:
+            x = F.embedding(input_ids, self.embed)
         m = self.cfg.embedding_multiplier  # Granite's, Gemma's sqrt(hidden); 1 elsewhere
         if m == 1.0:
             return x

@@ -157,7 +157,7 @@ _GGUF_ARCH = {"mistral": "llama", "gemma3_text": "gemma3"}
 
 def make_tiny_gguf(
     model_dir: Path, gguf_path: Path, *, quantize: bool = True, extra_tensors: dict | None = None,
-    extra_metadata: dict[str, str | int | float] | None = None,
+    extra_metadata: dict[str, str | int | float] | None = None, block_types: dict[str, str] | None = None,
 ) -> Path:
     """Write the model in `model_dir` (from `make_tiny_model_dir`) as a GGUF file of its family,
     with the metadata llama.cpp's converter writes for it: llama (and Mistral, written as llama
@@ -172,7 +172,9 @@ def make_tiny_gguf(
     Gemma's too (what the converter writes for a Gemma 3 folder without a tokenizer.model, as the
     tiny one is; real Gemma files carry a sentencepiece vocabulary).
     `extra_tensors` (GGUF name -> array) and `extra_metadata` (key -> string, uint32 or float32): more to
-    write, for tests of what a loader refuses.
+    write, for tests of what a loader refuses. `block_types`: GGUF tensor name, or its part after
+    `blk.N.`, -> llama.cpp type for that matrix instead of Q8_0; K-quants (gguf-py cannot quantise
+    them) get random well-formed blocks of a small scale (`random_k_blocks`), not the model's weights.
     """
     import json
     import math
@@ -259,9 +261,14 @@ def make_tiny_gguf(
             raise ValueError(f"no GGUF name for tensor {hf_name}")
         if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             array = array + 1  # Gemma's RMSNorm scales by (1 + w); llama.cpp's by the stored weight
-        if quantize and array.ndim == 2 and array.shape[1] % 32 == 0:
-            data = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        kind = (block_types or {}).get(name, (block_types or {}).get(name.split(".", 2)[-1], "Q8_0"))
+        if kind.endswith("_K") and array.ndim == 2:
+            rows, k = array.shape
+            writer.add_tensor(name, random_k_blocks(kind, rows, k, np.random.default_rng(len(name) + rows)),
+                              raw_dtype=gguf.GGMLQuantizationType[kind])
+        elif quantize and array.ndim == 2 and array.shape[1] % 32 == 0:
+            data = gguf.quants.quantize(array, gguf.GGMLQuantizationType[kind])
+            writer.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType[kind])
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -269,6 +276,29 @@ def make_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return gguf_path
+
+
+def random_k_blocks(kind: str, rows: int, k: int, rng):
+    """Raw blocks [rows, bytes] of K-quant type `kind` (Q4_K, Q5_K, Q6_K): random levels, 6-bit
+    scales and minimums, float16 super-block scales drawn so weights stay near 0.02."""
+    import numpy as np
+
+    from edge_runtime.model.gguf_blocks import BLOCK_TYPES
+
+    elems, size, _ = BLOCK_TYPES[kind]
+    raw = rng.integers(0, 256, (rows, k // elems, size), dtype=np.uint8)
+
+    def f16(offset: int, scale: float) -> None:
+        values = (rng.uniform(0.5, 1.0, raw.shape[:2]) * scale).astype(np.float16)
+        raw[..., offset:offset + 2] = values[..., None].view(np.uint8)
+
+    if kind == "Q6_K":
+        raw[..., 192:208] = rng.integers(-40, 40, raw.shape[:2] + (16,)).astype(np.int8).view(np.uint8)
+        f16(208, 2e-5)
+    else:  # d, then dmin: a sub-block spans about d*sc*15 from -dmin*m
+        f16(0, 4e-5 if kind == "Q4_K" else 2e-5)
+        f16(2, 2e-5 if kind == "Q4_K" else 1e-5)
+    return raw.reshape(rows, -1)
 
 
 def _gemma_metadata(writer, config: dict, head_dim: int) -> None:

@@ -1,7 +1,8 @@
 """Loads Hugging Face safetensors checkpoints into our fused llama layout.
 
 Knows the Hugging Face parameter names and nothing about serving; conversions from GGUF happen
-earlier (`edge_runtime.model.source`), so this reads only safetensors.
+earlier (`edge_runtime.model.source`), so this reads only safetensors (a block cache's through
+`block_cache`).
 """
 
 from __future__ import annotations
@@ -38,8 +39,13 @@ def load_llama(
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
 ) -> LlamaModel:
-    """Build our model from a Hugging Face directory and fill every parameter, or fail clearly."""
+    """Build our model from a Hugging Face directory and fill every parameter, or fail clearly.
+    A block cache (a GGUF kept quantised: `block_cache`) loads as its blocks."""
     path = Path(path)
+    from edge_runtime.model import block_cache
+
+    if block_cache.is_block_cache(path):
+        return block_cache.load_block_cache(path, dtype, device, max_positions)
     cfg = ModelConfig.from_dir(path)
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions=None)

@@ -7,7 +7,8 @@ stage-granular fine-tuning; nothing else of those systems.
 from __future__ import annotations
 
 from edge_runtime.sched.bins import Bin
-from edge_runtime.sched.policy import Policy, Task, TaskKind
+from edge_runtime.sched.policy import Policy
+from edge_runtime.sched.task import Task, TaskKind
 
 
 def _fcfs_key(task: Task) -> tuple[int, float]:

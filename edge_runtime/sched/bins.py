@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from edge_runtime.sched.cost_model import CostModel
-from edge_runtime.sched.policy import Task, TaskKind
+from edge_runtime.sched.task import Task, TaskKind
 from edge_runtime.sequence import SeqStatus
 
 

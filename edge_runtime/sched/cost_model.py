@@ -1,8 +1,8 @@
 """Latency and memory of the work an iteration can hold, on this machine and model: a forward's
 cost is linear in new tokens, attended (query, key) pairs and LM-head rows; fine-tune stages are
-priced by their own estimates (`edge_runtime.train.costs`). Both are measured at start-up (cached
-per model shape + device + dtype + backend) and corrected online by moving averages of
-observed / predicted time.
+priced by their own estimates (`edge_runtime.train.costs`). Both are measured at start-up (the
+forward's shapes timed by probe.py, fitted here; cached per model shape + device + dtype +
+backend) and corrected online by moving averages of observed / predicted time.
 """
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ import torch
 from edge_runtime import durable
 from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.model.config import ModelConfig
-from edge_runtime.sched.batch import Batch, ScheduledSeq
+from edge_runtime.sched.batch import Batch
+from edge_runtime.sched.probe import (
+    SHAPES,
+    ShapeInterrupted,
+    attended_pairs,
+    measure_forward,
+    measure_shape,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +58,6 @@ class ForwardCoefficients:
                                           + 3 * cfg.hidden_size * cfg.intermediate_size)
         per_pair = 4 * cfg.num_layers * cfg.q_size
         return cls(2e-3, per_token / flops, per_pair / flops, 2 * cfg.hidden_size * cfg.vocab_size / flops)
-
-
-def attended_pairs(context: int, new: int) -> int:
-    """(query, key) pairs of `new` causal queries after `context` cached tokens."""
-    return new * context + new * (new + 1) // 2
 
 
 @dataclass
@@ -166,92 +168,6 @@ def activation_sizes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
 
 
 # -- calibration ------------------------------------------------------------------------------
-
-
-@dataclass
-class _ProbeRequest:
-    adapter: Any = None
-    adapter_key: str = ""
-    served: Any = None
-    cache_salt: str = ""
-
-
-@dataclass
-class _ProbeSeq:
-    """Just enough of a `Sequence` for a backend to run a synthetic batch."""
-
-    token_ids: list[int]
-    num_computed: int
-    block_table: list[int]
-    request: _ProbeRequest = field(default_factory=_ProbeRequest)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-# (sequences, cached context per sequence, new tokens per sequence): decode batches of several
-# widths and depths, prefill chunks, and one mixed batch, so every coefficient is pinned down.
-SHAPES: tuple[tuple[tuple[int, int, int], ...], ...] = (
-    ((1, 16, 1),), ((1, 256, 1),), ((4, 64, 1),), ((8, 128, 1),), ((16, 32, 1),), ((16, 256, 1),),
-    ((1, 0, 16),), ((1, 0, 64),), ((1, 0, 192),), ((1, 128, 64),),
-    ((1, 0, 64), (8, 128, 1)),
-)
-
-
-def measure_forward(execute: Callable[[Batch], Any], pool: BlockPool, vocab: int, repeats: int = 3,
-                    seed: int = 0) -> list[tuple[int, int, int, float]]:
-    """Time each shape through the real backend (writing scratch K/V into free blocks, returned
-    afterwards). Returns rows of (tokens, attended pairs, logit rows, seconds); shapes that do not
-    fit the pool are skipped."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = [measure_shape(execute, pool, vocab, shape, repeats, gen) for shape in SHAPES]
-    return [row for row in rows if row is not None]
-
-
-class ShapeInterrupted(Exception):
-    """A background shape gave way to work that arrived between its forwards."""
-
-
-def measure_shape(execute: Callable[[Batch], Any], pool: BlockPool, vocab: int,
-                  shape: tuple[tuple[int, int, int], ...], repeats: int,
-                  gen: torch.Generator,
-                  interrupted: Callable[[], bool] = lambda: False) -> tuple[int, int, int, float] | None:
-    """One shape of `measure_forward`: (tokens, attended pairs, logit rows, seconds), or None
-    when it does not fit the pool's free blocks. `interrupted` is asked between forwards; when
-    it says yes the shape stops there (ShapeInterrupted, its blocks returned)."""
-    size = pool.block_size
-    blocks_needed = sum(n * -(-(ctx + new) // size) for n, ctx, new in shape)
-    if blocks_needed > pool.num_free:
-        return None
-    taken: list[int] = []
-    items = []
-    for n, ctx, new in shape:
-        for _ in range(n):
-            table = [pool.allocate() for _ in range(-(-(ctx + new) // size))]
-            taken += table
-            ids = torch.randint(0, vocab, (ctx + new,), generator=gen).tolist()
-            items.append(ScheduledSeq(_ProbeSeq(ids, ctx, table), new))  # type: ignore[arg-type]
-    batch = Batch(items, [])
-    try:
-        execute(batch)  # warm-up: allocator growth, kernel choice
-        times = []
-        for _ in range(repeats):
-            if interrupted():
-                raise ShapeInterrupted
-            t0 = time.perf_counter()
-            execute(batch)
-            times.append(time.perf_counter() - t0)
-    finally:
-        for block in taken:
-            pool.release(block)
-    tokens = sum(n * new for n, _, new in shape)
-    attended = sum(n * attended_pairs(ctx, new) for n, ctx, new in shape)
-    logit_rows = sum(n for n, _, _ in shape)
-    # The fastest of a few runs: on a machine shared with other work, slower runs measure
-    # the others; the online correction adds today's contention back.
-    return tokens, attended, logit_rows, min(times)
-
 
 # The quick calibration before serving: one shape per coefficient (the fixed cost of a small
 # decode, attended pairs and LM-head rows of a wider, deeper decode, new tokens of two

@@ -22,7 +22,7 @@ class StageLike(Protocol):
 
 
 class FineTuneWork(Protocol):
-    """What a staged fine-tune task offers (`edge_runtime.train.staged.DPOFineTuneTask` does)."""
+    """What a staged fine-tune task offers (`edge_runtime.train.staged.FineTuneTask` does)."""
 
     trainer: Any  # jobs of one trainer hold its adapter one at a time (forward..optimizer)
     done: bool
@@ -35,6 +35,12 @@ class FineTuneWork(Protocol):
     def run_next(self) -> StageLike: ...
 
     def abandon(self) -> None: ...
+
+
+def must_finish(job: FineTuneJob) -> bool:
+    """A job whose backward has begun (gradients partly in the adapter's leaves) cannot give
+    its activations back and restart; it must run to its optimizer stage."""
+    return not job.work.done and not getattr(job.work, "can_abandon", True)
 
 
 # Kinds that need the adapter exclusively: between a task's forward and its optimizer stage the
@@ -214,6 +220,10 @@ class FineTuneQueue:
         job.forget_costs()  # held-state-dependent estimates are stale now
         self._release(job)
         return held
+
+    def holds_adapter(self, job: FineTuneJob) -> bool:
+        """Whether `job` holds its trainer's adapter (between its forward and optimizer stages)."""
+        return self.owners.get(id(job.work.trainer)) is job
 
     def _release(self, job: FineTuneJob) -> None:
         key = id(job.work.trainer)

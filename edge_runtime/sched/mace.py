@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 
 from edge_runtime.sched.bins import Bin
-from edge_runtime.sched.policy import Policy, Task, TaskKind
+from edge_runtime.sched.policy import Policy
+from edge_runtime.sched.task import Task, TaskKind
 
 
 class MacePolicy(Policy):

@@ -8,41 +8,12 @@ Policies see costs and ages, never model code.
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from edge_runtime.sched.bins import Bin
+from edge_runtime.sched.task import Task, TaskKind
 from edge_runtime.sequence import Sequence
-
-if TYPE_CHECKING:
-    from edge_runtime.sched.bins import Bin
-    from edge_runtime.sched.finetune import FineTuneJob
-
-
-class TaskKind(enum.Enum):
-    DECODE = "decode"
-    PREFILL = "prefill"
-    FINETUNE = "finetune"
-
-
-@dataclass(eq=False, slots=True)
-class Task:
-    kind: TaskKind
-    arrival: float  # when the owning request (or preference pair) arrived: FIFO order
-    enqueued: float  # when it last made progress or arrived: the waiting time that ages it
-    seq: Sequence | None = None
-    job: FineTuneJob | None = None
-    remaining: int = 1  # tokens still to feed (inference) or stages still to run (fine-tune)
-    context: int = 0  # tokens already in the KV cache (inference)
-
-    @property
-    def is_inference(self) -> bool:
-        return self.kind is not TaskKind.FINETUNE
-
-    @property
-    def remaining_tokens(self) -> int:
-        return self.remaining if self.is_inference else 0
 
 
 class Policy(ABC):

@@ -6,6 +6,7 @@ tokens, prefix-cache blocks, re-queue times). Sheds memory for the ledger when a
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 import weakref
@@ -13,23 +14,20 @@ from collections import deque
 from typing import Any
 
 from edge_runtime.errors import AdmissionRejected
-from edge_runtime.kv.block_pool import BlockPool, block_hash
+from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.memory import MemoryKind, MemoryLedger
 from edge_runtime.sched.batch import Batch, ScheduledSeq, ScheduledStages
 from edge_runtime.sched.bins import Bin
 from edge_runtime.sched.cost_model import CostModel
-from edge_runtime.sched.finetune import FineTuneJob, FineTuneQueue
+from edge_runtime.sched.finetune import FineTuneJob, FineTuneQueue, must_finish
 from edge_runtime.sched.kv_relief import PruneUnderPressure
-from edge_runtime.sched.policy import Policy, Task, TaskKind
+from edge_runtime.sched.policy import Policy
+from edge_runtime.sched.prefix import cache_salt, match_prefix, register_full_blocks
+from edge_runtime.sched.slo import headroom_budget, slo_budgets
+from edge_runtime.sched.task import Task, TaskKind
 from edge_runtime.sequence import SeqStatus, Sequence
 
 __all__ = ["Batch", "ScheduledSeq", "ScheduledStages", "Scheduler"]
-
-
-def must_finish(job: FineTuneJob) -> bool:
-    """A job whose backward has begun (gradients partly in the adapter's leaves) cannot give
-    its activations back and restart; it must run to its optimizer stage."""
-    return not job.work.done and not getattr(job.work, "can_abandon", True)
 
 
 class Scheduler:
@@ -177,30 +175,6 @@ class Scheduler:
             seq.preemptions += 1  # its prompt's cache hits were counted already
             self.num_rope_recomputes += 1
             self.waiting.appendleft(seq)
-
-    def _salt(self, seq: Sequence) -> str:
-        """What separates prefix-cache blocks of the same tokens with different keys/values: the
-        adapter version, and which LongRoPE factors the sequence is computed with."""
-        salt = seq.request.cache_salt
-        if self.rope_switch is not None and seq.num_tokens > self.rope_switch:
-            salt += "#rope-long"
-        return salt
-
-    def _match_prefix(self, seq: Sequence) -> None:
-        """Reuse cached full blocks of this sequence's tokens (never its last token: that one
-        must run through the model to produce logits)."""
-        size = self.pool.block_size
-        salt = self._salt(seq)
-        parent = None
-        for i in range((seq.num_tokens - 1) // size):
-            h = block_hash(parent, seq.token_ids[i * size : (i + 1) * size], salt)
-            block = self.pool.match(h)
-            if block is None:
-                break
-            seq.block_table.append(block)
-            seq.block_hashes.append(h)
-            seq.num_computed += size
-            parent = h
 
     def _ready(self, seq: Sequence) -> bool:
         # Sibling candidates wait for candidate 0's prompt so they reuse its cached blocks
@@ -421,47 +395,34 @@ class Scheduler:
         return batch
 
     def headroom_budget(self, now: float, base: float) -> float:
-        """This iteration's latency budget grown by the TBT headroom every stream has built up.
+        """This iteration's latency budget grown by the TBT headroom the streams have built up
+        (edge_runtime.sched.slo.headroom_budget), between `base` and `max_latency_budget_s`."""
+        return headroom_budget(itertools.chain(self.running, self.waiting), now, base, self.max_latency_budget_s,
+                               self.slo_tbt_s, self.headroom_margin, self._next_forward_s, self.costs)
 
-        The TBT SLO bounds a stream's *mean* time between tokens. A stream whose first token came
-        at t_first and that holds k tokens gets its (k+1)-th from this iteration's forward and its
-        next one at now + L + F (L: this iteration, forward and stages; F: the next forward). Its
-        mean gap stays within the SLO, with a safety margin m, as long as
-            L <= t_first + (k + 1) * m * SLO - now - F.
-        Holding that for every prefix keeps the mean within the SLO wherever the stream stops
-        (EOS at any token). A stream that gets no token this iteration counts k instead of k + 1;
-        one with no token yet needs its first gap alone to meet the SLO: L <= m * SLO plus its
-        own remaining prefill (which this iteration's forward holds before that gap starts). The
-        budget is the smallest such bound, at least `base` (the fixed share of the SLO) and at
-        most `max_latency_budget_s` (so a prompt arriving mid-iteration still meets its TTFT
-        SLO). Streams decoding fast (a small batch on an idle machine) thus bank headroom that
-        fine-tune stages too long for the fixed budget can spend."""
-        cap = self.max_latency_budget_s
-        if not (cap > base and math.isfinite(base) and math.isfinite(self.slo_tbt_s)):
-            return base
-        slo = self.headroom_margin * self.slo_tbt_s
-        step = self._next_forward_s
-        bound = cap
-        for seqs in (self.running, self.waiting):
-            for seq in seqs:
-                k = seq.num_generated
-                if k >= seq.params.max_tokens:
-                    continue
-                metrics = seq.request.metrics
-                first = None if metrics is None else metrics.first_token_time
-                if k == 0 or first is None:
-                    # Its first gap starts when its prefill forward ends: this iteration may
-                    # hold that prefill (not part of the gap) plus m * SLO of other work.
-                    left = seq.num_tokens - seq.num_computed
-                    allowance = slo + self.costs.inference_s(seq.num_computed, left, True)
-                else:
-                    gets = 1 if seq.status is SeqStatus.RUNNING and not seq.in_prefill else 0
-                    allowance = first + (k + gets) * slo - now - step
-                if allowance < bound:
-                    bound = allowance
-                    if bound <= base:
-                        return base
-        return bound
+    def set_slo(self, slo_tbt_s: float, budget_fraction: float, max_fraction: float) -> None:
+        """A new TBT SLO and the latency budgets derived from it (edge_runtime.sched.slo)."""
+        self.slo_tbt_s = slo_tbt_s
+        self.latency_budget_s, self.max_latency_budget_s = slo_budgets(slo_tbt_s, budget_fraction, max_fraction)
+        self.iteration_budget_s = self.latency_budget_s
+
+    def stats(self) -> dict[str, Any]:
+        """The scheduler's part of `Engine.stats()`."""
+        return {
+            "policy": self.policy.name,
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "preemptions": self.num_preemptions,
+            "rope_recomputes": self.num_rope_recomputes,
+            # sequences kv_prune_when = "pressure" turned pruning on for
+            "kv_prune_turned_on": self.kv_relief.turned_on if self.kv_relief else 0,
+            "scheduler_overhead_ms": round(self.overhead_s * 1000, 4),
+            "slo_tbt_ms": round(self.slo_tbt_s * 1000, 3),
+            "iteration_budget_ms": _ms(self.latency_budget_s),
+            # what the last iteration packed to (grows with the streams' TBT headroom under mace)
+            "last_iteration_budget_ms": _ms(self.iteration_budget_s),
+            "policy_params": self.policy.params,
+        }
 
     def _admit(self, bin: Bin) -> list[ScheduledSeq]:
         """Allocate blocks for the packed inference work (prefix-cache hits first)."""
@@ -471,7 +432,7 @@ class Scheduler:
             assert seq is not None
             fresh = seq.status is SeqStatus.WAITING
             if fresh and not seq.block_table:
-                self._match_prefix(seq)
+                match_prefix(seq, self.pool, cache_salt(seq, self.rope_switch))
                 metrics = seq.request.metrics
                 if metrics is not None and seq.index == 0 and seq.preemptions == 0:
                     metrics.cached_prompt_tokens = seq.num_computed
@@ -498,24 +459,12 @@ class Scheduler:
     def commit_inference(self, batch: Batch, now: float) -> None:
         """After the forward: advance computed counts, register newly full blocks in the prefix
         cache, note when each stream got its token (its decode task's re-queue time)."""
-        size = self.pool.block_size
         for item in batch.items:
             seq = item.seq
             seq.num_computed += item.num_tokens
             if item.samples:
                 self._last_token[seq.seq_id] = now
-            full = seq.num_computed // size
-            if seq.kv_pruning is not None:
-                # Its decode blocks get compacted (edge_runtime.kv.compaction): only its prompt's
-                # blocks keep the prefix's keys and values.
-                full = min(full, seq.num_prompt // size)
-            salt = self._salt(seq)
-            while len(seq.block_hashes) < full:
-                i = len(seq.block_hashes)
-                parent = seq.block_hashes[-1] if seq.block_hashes else None
-                h = block_hash(parent, seq.token_ids[i * size : (i + 1) * size], salt)
-                self.pool.register(seq.block_table[i], h)
-                seq.block_hashes.append(h)
+            register_full_blocks(seq, self.pool, cache_salt(seq, self.rope_switch))
 
     def commit_finetune(self, batch: Batch) -> None:
         """After the fine-tune stages: release the iteration's memory reservation and record
@@ -523,3 +472,7 @@ class Scheduler:
         self.ledger.release_reservation()
         for scheduled in batch.finetune:
             self.ledger.set(MemoryKind.ACTIVATIONS, scheduled.job.job_id, scheduled.job.work.held_bytes)
+
+
+def _ms(seconds: float) -> float | None:
+    return round(seconds * 1000, 3) if math.isfinite(seconds) else None

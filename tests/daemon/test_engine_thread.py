@@ -172,7 +172,7 @@ def test_a_request_the_engine_fails_alone_gets_one_error_reply_and_the_others_fi
     from edge_runtime.sampling import SamplingParams
 
     def load():
-        import edge_runtime.engine as engine_module
+        import edge_runtime.commit as engine_module
 
         engine = loader(tiny_model)()
         real = engine_module.sample_next

@@ -16,6 +16,7 @@ import zmq.asyncio
 from daemon.config import load_config
 from daemon.fronts.http.handlers import Gateway
 from daemon.fronts.zmq_server import Server
+from daemon.principals import Identities
 from daemon.sdk import AsyncClient, RemoteError
 from daemon.wire import ERROR_CODES, ERRORS, HTTP_STATUS
 from edge_runtime.errors import MaceError
@@ -68,12 +69,14 @@ class _RaisingService:
     """Enough of daemon.service.Service for the ZeroMQ server: every op raises what it is given."""
 
     state = "serving"
+    identities = Identities()
 
     def __init__(self) -> None:
         self.raise_next: BaseException | None = None
+        self.users = self  # the user-data ops (daemon.user_ops.UserOps) raise alike
 
     def __getattr__(self, op: str) -> object:
-        async def run(args: object) -> dict:
+        async def run(args: object, principal: object = None) -> dict:
             assert self.raise_next is not None
             raise self.raise_next
 

@@ -207,7 +207,7 @@ def test_a_trained_user_gets_their_adapter_on_the_next_call(gw: Gateway) -> None
         client.post("/feedback", cast_to=object,
                     body={"id": completion.id, "user": "ivy", "kind": "choice", "chosen": 1})
     # pairs_per_version=2: the idle trainer publishes version 1 of ivy's adapter.
-    wait_for(lambda: gw.metrics().get(("mace_adapter_active_version", (("user", "ivy"),))), 120)
+    wait_for(lambda: any(a["active"] for a in client.get("/users/ivy/adapters", cast_to=object)["data"]), 120)
     served = client.chat.completions.with_raw_response.create(
         model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=3, user="ivy")
     label = served.parse().model_extra["mace"]["adapter"]

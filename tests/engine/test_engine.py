@@ -187,7 +187,7 @@ def test_batched_greedy_pick_matches_per_row_argmax() -> None:
     row by row, ties included (the first maximal index), and steps aside for other dtypes."""
     import torch
 
-    from edge_runtime.engine import _greedy_tokens
+    from edge_runtime.commit import greedy_tokens as _greedy_tokens
     from edge_runtime.sampling import sample_next
 
     logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))

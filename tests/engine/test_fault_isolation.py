@@ -57,7 +57,7 @@ def assert_failed_alone(engine: Engine, outputs: dict, ids: list[str], bad: str,
 
 
 def test_a_request_whose_sampling_raises_fails_alone(tiny_model_dir: Path, alone, monkeypatch) -> None:
-    import edge_runtime.engine as engine_module
+    import edge_runtime.commit as engine_module
 
     real = engine_module.sample_next
 

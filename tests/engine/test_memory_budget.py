@@ -22,7 +22,8 @@ def test_budget_below_the_weights_is_refused_at_load_with_the_numbers(tiny_model
 
 def test_budget_that_fits_the_needs_builds_and_serves(tiny_model_dir: Path) -> None:
     from edge_runtime import SamplingParams
-    from edge_runtime.engine import _weights_bytes, memory_needs
+    from edge_runtime.sizing import memory_needs
+    from edge_runtime.sizing import weights_bytes as _weights_bytes
 
     probe = Engine.load(tiny_model_dir, dtype="float32", kv_cache_bytes=1 << 20, cost_profile="off")
     needs = memory_needs(probe.config, probe.model.cfg, probe.model.dtype, _weights_bytes(probe.model))

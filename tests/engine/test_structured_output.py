@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from edge_runtime import SamplingParams
+from edge_runtime.commit import greedy_tokens as _greedy_tokens
 from edge_runtime.constraints import Constraint, unpack_masks
-from edge_runtime.engine import _greedy_tokens
 from edge_runtime.errors import BadRequest
 from edge_runtime.sampling import mask_rows, shape_logits
 from tests.engine.helpers import make_engine

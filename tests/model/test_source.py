@@ -33,6 +33,14 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_gguf(model_dir, root / "tiny.Q8_0.gguf")
 
 
+@pytest.fixture(autouse=True)
+def converting_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny GGUF here is llama, which is cached as blocks by default; these tests are about the
+    converting path (the default model's, and every other architecture's): test_block_cache.py
+    covers the blocks."""
+    monkeypatch.setenv(source.BLOCKS_ENV, "off")
+
+
 @pytest.fixture
 def offline_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """pip with no index and no config files: a download must fail fast, as on an air-gapped box."""

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from edge_runtime.errors import AdmissionRejected
 from edge_runtime.memory import MemoryKind
 from edge_runtime.sched.mace import MacePolicy
-from edge_runtime.sched.policy import FCFSPolicy, TaskKind
+from edge_runtime.sched.policy import FCFSPolicy
 from edge_runtime.sched.registry import POLICIES, make_policy
+from edge_runtime.sched.task import TaskKind
 from tests.sched.sim import KV_BLOCK_BYTES, WEIGHTS_BYTES, FakeTrainer, Sim
 
 FLOOR = WEIGHTS_BYTES + 2 * FakeTrainer.persistent_bytes  # weights + both trainers' optimizer state

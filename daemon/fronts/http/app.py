@@ -135,7 +135,7 @@ class HttpGateway:
         self._accept_errors: AcceptErrorFilter | None = None
 
     def summary(self) -> dict[str, Any]:
-        return {"endpoint": self.endpoint, "auth": bool(self.gateway.config.http_api_keys),
+        return {"endpoint": self.endpoint, "auth": bool(self.gateway.service.identities.api_keys),
                 **self.gateway.summary(), **(self.book.summary() if self.book else {})}
 
     def bind(self) -> str:

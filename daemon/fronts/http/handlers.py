@@ -14,7 +14,6 @@ import asyncio
 import base64
 import contextlib
 import hashlib
-import hmac
 import json
 import logging
 import re
@@ -48,8 +47,9 @@ from daemon.fronts.http.replies import (
 )
 from daemon.inference_gate import check_sequences
 from daemon.metrics import CONTENT_TYPE
+from daemon.principals import DEFAULT_APP, Principal
 from daemon.service import GenerateCall, Service
-from daemon.wire import GenerateArgs, ProtocolError, parse_request
+from daemon.wire import AdaptersListArgs, GenerateArgs, ProtocolError, parse_request
 
 log = logging.getLogger(__name__)
 
@@ -101,19 +101,21 @@ class Gateway:
         return self._error(GatewayError("not_found", f"no route {request.method} {request.url.path}; "
                                         "see docs/gateway.md"))
 
-    def _authorize(self, request: Request) -> None:
-        keys = self.config.http_api_keys
-        if not keys:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        token = token.strip()
-        # Compare against every key, each in constant time, so timing reveals nothing.
-        ok = False
-        for key in keys:
-            ok |= hmac.compare_digest(token.encode(), key.encode())
-        if scheme.lower() != "bearer" or not ok:
-            raise GatewayError("invalid_api_key", "missing or invalid API key: send "
-                               "'Authorization: Bearer KEY' with a key from http.api_keys")
+    def _authorize(self, request: Request) -> Principal:
+        """The request's principal, from its API key (docs/security.md); kept on the request.
+        With no key configured anywhere, every caller is the default app."""
+        identities = self.service.identities
+        if not identities.api_keys:
+            who = Principal("app", DEFAULT_APP, "HTTP without API keys")
+        else:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            found = identities.for_api_key(token.strip())
+            if scheme.lower() != "bearer" or found is None:
+                raise GatewayError("invalid_api_key", "missing or invalid API key: send "
+                                   "'Authorization: Bearer KEY' with a key from http.api_keys or [[apps]]")
+            who = found
+        request.state.principal = who
+        return who
 
     async def _read(self, request: Request, model: type[BaseModel]) -> Any:
         self._authorize(request)
@@ -152,11 +154,13 @@ class Gateway:
 
     async def metrics(self, request: Request) -> Response:
         self._authorize(request)
-        status = await self.service.status()
+        who = self._authorize(request)
+        status = await self.service.status(who)
         adapters: list[dict[str, Any]] = []
         if self.service.state == "serving":
             with contextlib.suppress(Exception):  # a view: never fail the scrape over it
-                adapters = await asyncio.wait_for(self.service.fine_tuner.adapters(None), 2.0)
+                listing = await asyncio.wait_for(self.service.users.adapters_list(AdaptersListArgs(), who), 2.0)
+                adapters = listing["adapters"]
         return Response(self.service.metrics.render(status, adapters), media_type=CONTENT_TYPE)
 
     # -- models ---------------------------------------------------------------------------------
@@ -308,7 +312,8 @@ class Gateway:
                 raise as_sent(GatewayError.from_exc(exc), names) from None
         self.in_flight += len(all_args)
         try:
-            calls = [GenerateCall(None, api="http", client=_http_client(request)) for _ in all_args]
+            calls = [GenerateCall(None, api="http", client=_http_client(request),
+                                  principal=request.state.principal) for _ in all_args]
             work = asyncio.gather(*(self.service.generate(a, c) for a, c in zip(all_args, calls, strict=True)))
             results = await self._until_done_or_gone(request, calls, work)
         except Exception as exc:  # the engine's refusals (a schema that does not compile) name fields too
@@ -340,7 +345,8 @@ class Gateway:
         n = all_args[0].n
         calls, tasks = [], []
         for p, args in enumerate(all_args):
-            call = GenerateCall(feed.sink(p * n), api="http", client=_http_client(request))
+            call = GenerateCall(feed.sink(p * n), api="http", client=_http_client(request),
+                                principal=request.state.principal)
             self.in_flight += 1
             task = asyncio.ensure_future(self.service.generate(args, call))
             task.add_done_callback(self._generation_ended)
@@ -407,33 +413,36 @@ class Gateway:
         fields = body.model_dump(exclude={"id", "user"}, exclude_none=True)
         args = parse_request({"v": 1, "id": "http", "op": "feedback", "user": body.user,
                               "interaction_id": body.id, "feedback": fields}).args
-        ack = await self.service.feedback(args)
+        ack = await self.service.users.feedback(args, request.state.principal)
         return json_response({"object": "feedback", "id": ack["feedback_id"], "completion_id": body.id,
                       "user": body.user, "pair_ids": ack["pair_ids"], "unpaired_ids": ack["unpaired_ids"],
                       "durable": ack["durable"]})
 
     def _user_args(self, request: Request, op: str, **extra: Any) -> Any:
+        """The op's arguments; `?app=NAME` names another app's user (the operator's right)."""
+        app = request.query_params.get("app")
         return parse_request({"v": 1, "id": "http", "op": op, "user": request.path_params["user"],
-                              **extra}).args
+                              **({"app": app} if app is not None else {}), **extra}).args
 
     async def consent(self, request: Request) -> Response:
         body: ConsentRequest = await self._read(request, ConsentRequest)
         granted = True if body.granted is None and body.fleet is None else body.granted
         fields = {k: v for k, v in (("granted", granted), ("fleet", body.fleet)) if v is not None}
-        return json_response(await self.service.users_consent(self._user_args(request, "users.consent", **fields)))
+        args = self._user_args(request, "users.consent", **fields)
+        return json_response(await self.service.users.consent(args, request.state.principal))
 
     async def export(self, request: Request) -> Response:
-        self._authorize(request)
-        return json_response(await self.service.users_export(self._user_args(request, "users.export")))
+        who = self._authorize(request)
+        return json_response(await self.service.users.export(self._user_args(request, "users.export"), who))
 
     async def forget(self, request: Request) -> Response:
-        self._authorize(request)
-        return json_response(await self.service.users_forget(self._user_args(request, "users.forget")))
+        who = self._authorize(request)
+        return json_response(await self.service.users.forget(self._user_args(request, "users.forget"), who))
 
     async def adapters(self, request: Request) -> Response:
-        self._authorize(request)
+        who = self._authorize(request)
         args = self._user_args(request, "adapters.list")
-        return json_response({"object": "list", "data": (await self.service.adapters_list(args))["adapters"]})
+        return json_response({"object": "list", "data": (await self.service.users.adapters_list(args, who))["adapters"]})
 
 
 async def _disconnected(request: Request) -> None:

@@ -1,0 +1,176 @@
+"""The commit step of an iteration: from the forward's logits to each sequence's next token
+(grammar masks, logit shaping, sampling, logprobs), then stop checks and streaming. A request
+whose token cannot be committed fails alone. Owns no request lifecycle: it asks the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from edge_runtime.constraints import GrammarCompiler, unpack_masks
+from edge_runtime.outputs import RequestOutput, TokenEvent, TokenLogprob
+from edge_runtime.sampling import (
+    SamplingError,
+    choose,
+    mask_rows,
+    sample_next,
+    shape_logits,
+    token_logprobs,
+)
+from edge_runtime.sched.scheduler import Scheduler
+from edge_runtime.sequence import Request, SeqStatus, Sequence
+
+EndRequest = Callable[[Request, str, float], RequestOutput]
+FailRequest = Callable[[Request, str], RequestOutput]
+
+
+class TokenCommitter:
+    def __init__(self, grammars: GrammarCompiler, eos_ids: set[int] | frozenset[int], vocab_size: int,
+                 max_context: int, scheduler: Scheduler, requests: dict[str, Request],
+                 end_request: EndRequest, fail_request: FailRequest, clock: Callable[[], float]) -> None:
+        self.grammars = grammars
+        self.eos_ids = eos_ids
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.scheduler = scheduler
+        self.requests = requests  # the engine's requests in flight (shared, not copied)
+        self.end_request = end_request
+        self.fail_request = fail_request
+        self.clock = clock
+        self.tokens_generated = 0
+
+    def commit(self, seqs: list[Sequence], logits: torch.Tensor | None) -> list[RequestOutput]:
+        """Each sampling sequence's next token from its row of `logits` (None: the forward ran
+        nothing); the outputs of the requests that finished."""
+        if logits is None:
+            return []
+        done: list[RequestOutput] = []
+        now = self.clock()
+        logits = self.apply_grammars(seqs, logits)
+        greedy = greedy_tokens(logits) if any(seq.params.greedy for seq in seqs) else None
+        for row, seq in enumerate(seqs):
+            if seq.status is SeqStatus.FINISHED:
+                continue  # its request failed on an earlier row of this step
+            try:
+                output = self.commit_token(seq, logits[row], greedy[row] if greedy is not None else None, now)
+            except Exception as exc:  # sampling, stop check, detokenising, the callback: this request's
+                output = self.fail_request(seq.request, f"{type(exc).__name__}: {exc}")
+            if output is not None:
+                done.append(output)
+        return done
+
+    def apply_grammars(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """The step's logits with every constrained row's disallowed tokens at -inf (a float32
+        copy; `logits` itself when no row is constrained), the masks computed together; a
+        request whose grammar fails here fails alone."""
+        rows = [row for row, s in enumerate(seqs) if s.matcher is not None and s.status is not SeqStatus.FINISHED]
+        if not rows:
+            return logits
+        try:
+            packed = self.grammars.masks([seqs[row].matcher for row in rows])
+        except Exception as exc:
+            for row in rows:
+                if seqs[row].request.request_id in self.requests:
+                    self.fail_request(seqs[row].request, f"the grammar's mask failed: {type(exc).__name__}: {exc}")
+            return logits
+        return mask_rows(logits, rows, unpack_masks(packed, self.vocab_size))
+
+    def commit_token(self, seq: Sequence, logits: torch.Tensor, greedy: int | None,
+                     now: float) -> RequestOutput | None:
+        """Shape the row (its grammar's mask already applied), choose, stream and stop-check one
+        sequence's new token; its request's output when this token finished the request."""
+        params = seq.params
+        row = logits
+        if params.shapes_logits:
+            row = shape_logits(logits, params, seq.counts)
+            token = choose(row, params, seq.generator)
+        elif params.greedy and greedy is not None:
+            token = greedy
+        else:
+            token = sample_next(logits, params, seq.generator)
+        logprob = self.logprob(row, token, params.logprobs) if params.logprobs is not None else None
+        grammar_done = False
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):
+                raise SamplingError(f"the grammar refused token {token}: {seq.matcher.get_error()}")
+            grammar_done = seq.matcher.is_stopped()
+        if params.presence_penalty or params.frequency_penalty:
+            seq.counts[token] = seq.counts.get(token, 0) + 1
+        seq.token_ids.append(token)
+        self.tokens_generated += 1
+        metrics = seq.request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.generated_tokens += 1
+        reason = None
+        eos = token in self.eos_ids and (not params.ignore_eos or seq.matcher is not None)
+        if eos or token in params.stop_token_ids:
+            reason = "stop"
+            logprob = None  # the stop token makes no text
+        else:
+            seq.text += seq.decoder.step(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            if params.stop:
+                cut = find_stop(seq.text, params.stop, seq.emitted)
+                if cut is not None:
+                    seq.text = seq.text[:cut]
+                    reason = "stop"
+            if reason is None and grammar_done:
+                reason = "stop"  # the grammar is complete and can take nothing more
+        if reason is None and (seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_context):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        else:
+            self.scheduler.token_appended(seq)  # LongRoPE: past the switch, the sequence is recomputed
+        emit(seq, releasable(seq, reason is not None), token, finished=reason is not None, logprob=logprob)
+        request = seq.request
+        if reason is not None and request.finished and request.request_id in self.requests:
+            return self.end_request(request, reason, now)
+        return None
+
+    def logprob(self, row: torch.Tensor, token: int, k: int) -> TokenLogprob:
+        chosen, top = token_logprobs(row, token, k)
+        spell = self.grammars.token_bytes
+        return TokenLogprob(token, chosen, spell(token), [(t, lp, spell(t)) for t, lp in top])
+
+
+def releasable(seq: Sequence, finished: bool) -> str:
+    """Text that can be streamed now: all of it at the end, otherwise all but a tail that
+    could still turn out to be the start of a stop string."""
+    hold = 0 if finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
+    upto = max(seq.emitted, len(seq.text) - hold)
+    piece = seq.text[seq.emitted : upto]
+    seq.emitted = upto
+    return piece
+
+
+def emit(seq: Sequence, text: str, token: int | None, finished: bool, logprob: TokenLogprob | None = None) -> None:
+    """Hand one event of `seq` to its request's callback, if it has one."""
+    callback = seq.request.on_token
+    if callback is not None:
+        callback(TokenEvent(seq.request.request_id, seq.index, token, text, finished,
+                            seq.finish_reason if finished else None, logprob))
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int] | None:
+    """Every row's argmax in one call (the first maximal index, like `torch.argmax`), or None
+    where numpy cannot read the logits in place. NumPy's float32 argmax is vectorised: ~15x
+    torch's on one thread, ~0.9 ms a step at 16 rows of a 49k vocabulary."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 or logits.requires_grad:
+        return None
+    return logits.numpy().argmax(axis=1).tolist()
+
+
+def find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
+    """Earliest index where a stop string starts, searching only text not yet streamed (plus
+    the overlap a stop string could straddle)."""
+    best = None
+    for stop in stops:
+        idx = text.find(stop, max(0, emitted - len(stop) + 1))
+        if idx != -1 and (best is None or idx < best):
+            best = idx
+    return best

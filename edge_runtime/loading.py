@@ -1,0 +1,66 @@
+"""Loading a model for the engine: find it (a folder or the model source), pick the device and
+the dtype the backend will run, refuse a configured memory budget before reading gigabytes of
+weights, and load the weights and the tokenizer. Builds no engine state.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from edge_runtime.backends.auto import first_candidate
+from edge_runtime.config import EngineConfig
+from edge_runtime.device import pick_device, pick_dtype
+from edge_runtime.model.config import ModelConfig
+from edge_runtime.model.llama import LlamaModel
+from edge_runtime.model.tokenizer import Tokenizer
+from edge_runtime.model.weights import load_llama
+from edge_runtime.sizing import check_memory_budget, weights_bytes
+
+log = logging.getLogger(__name__)
+
+
+def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer, str]:
+    """The model `config.model` names (None = the default), its tokenizer and its name."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    path, name = resolve(config.model)
+    device = engine_device(config)
+    dtype_name = config.dtype
+    if dtype_name == "auto" and config.backend == "auto" and device.type == "cpu" \
+            and first_candidate(device) != "torch":
+        dtype_name = "float32"  # ONNX Runtime's CPU kernels and the dense KV rows are float32
+    dtype = pick_dtype(dtype_name, device)
+    if config.memory_budget_bytes:  # refuse before reading gigabytes of weights
+        cfg = ModelConfig.from_dir(path)
+        with torch.device("meta"):
+            shell = LlamaModel(cfg)
+        check_memory_budget(config, cfg, dtype, weights_bytes(shell, dtype))
+    return load_llama(path, dtype=dtype, device=device), Tokenizer(path), name
+
+
+def engine_device(config: EngineConfig) -> torch.device:
+    """Where the weights and the KV cache live. `device = "auto"` means CUDA when torch sees a
+    GPU, except for the onnxruntime backend on a build without a GPU provider: its graphs run on
+    the CPU and read the cache there, so the engine stays on the CPU too."""
+    device = pick_device(config.device)
+    if device.type == "cuda" and config.device == "auto" and config.backend == "onnxruntime":
+        from edge_runtime.backends.ort_session import onnxruntime_has_gpu
+
+        if not onnxruntime_has_gpu():
+            log.warning("this onnxruntime build has no GPU provider: the onnxruntime backend runs on "
+                        "the CPU (install onnxruntime-gpu to run it on the GPU)")
+            return torch.device("cpu")
+    return device
+
+
+def resolve(spec: str | None) -> tuple[Path, str]:
+    """A model folder and its name, from a path or a name the model source knows."""
+    if spec is not None and Path(spec).is_dir():
+        return Path(spec), Path(spec).name
+    from edge_runtime.model.source import resolve_model
+
+    resolved = resolve_model(spec)
+    return Path(resolved.path), resolved.name

@@ -1,0 +1,294 @@
+"""Linear weights kept as quantised blocks and de-quantised on use: the one copy of a model's
+matrices that serving and training both read.
+
+A weight [N, K] (nn.Linear layout) is one or more `Blocks` stacked along N. Each `Blocks` has
+one format: per row, blocks of `block` elements along K, each `scale * (level - zero)`, plus a
+float `offset` per block where the format has one. That holds llama.cpp's Q4_0, Q4_1, Q4_K
+(4-bit levels), Q5_K (5-bit levels in bytes), Q6_K and Q8_0 (8-bit levels) exactly: every product
+of a level and a scale is exact in float32, so the one rounding left is the offset's add, the
+same as llama.cpp's own de-quantisation (tests compare bit for bit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True, eq=False)
+class Blocks:
+    """Rows of one block format. `levels`: [n, k / block, block] bytes for 8 bits, uint8, or int8
+    for signed levels (zero 0: Q8_0, Q6_K and Q5_0 keep `q - zero` in a signed byte, which saves
+    de-quantisation a pass), or uint8 [n, k / block, block / 2] for 4 bits, two to a byte with
+    the even element in the low nibble (`MatMulNBits`' packing, so a graph can take them as they
+    are). `scales`, `offsets`: float16 or float32 [n, k / block]; `offsets` None = none
+    (symmetric formats). Factored (K-quants): with `scale_steps` (uint8 or int8 [n, k / block]),
+    `scales` is [n, k / block / group], one per group of blocks, and block j's scale is
+    `scales[j // group] * scale_steps[j]` (llama.cpp's d * sc, exact in float32); the same for
+    `offsets` with `offset_steps`. That keeps a Q4_K block in 4.6 bits a weight instead of 6."""
+
+    levels: Tensor
+    scales: Tensor
+    offsets: Tensor | None
+    zero: int
+    bits: int
+    scale_steps: Tensor | None = None
+    offset_steps: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"levels of {self.bits} bits: only 4 (packed) and 8 are stored")
+        signed = self.levels.dtype == torch.int8 and self.bits == 8 and self.zero == 0
+        if not (self.levels.dtype == torch.uint8 or signed) or self.levels.dim() != 3:
+            raise ValueError(f"levels must be uint8 (or, 8-bit with zero 0, int8) [n, blocks, bytes], got "
+                             f"{self.levels.dtype} {tuple(self.levels.shape)} of {self.bits} bits, zero {self.zero}")
+        for name, base, steps in (("scales", self.scales, self.scale_steps),
+                                  ("offsets", self.offsets, self.offset_steps)):
+            if base is None:
+                if steps is not None:
+                    raise ValueError(f"{name} steps without {name}")
+                continue
+            shape = tuple(self.levels.shape[:2])
+            if steps is not None:
+                if tuple(steps.shape) != shape or base.dim() != 2 or base.shape[0] != shape[0] \
+                        or base.shape[1] == 0 or shape[1] % base.shape[1]:
+                    raise ValueError(f"{name} {tuple(base.shape)} x steps {tuple(steps.shape)} do not match "
+                                     f"levels {tuple(self.levels.shape)}")
+            elif tuple(base.shape) != shape:
+                raise ValueError(f"{name} {tuple(base.shape)} do not match levels {tuple(self.levels.shape)}")
+
+    @property
+    def n(self) -> int:
+        return self.levels.shape[0]
+
+    @property
+    def block(self) -> int:
+        return self.levels.shape[2] * (2 if self.bits == 4 else 1)
+
+    @property
+    def k(self) -> int:
+        return self.levels.shape[1] * self.block
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def fields(self) -> dict[str, Tensor | None]:
+        """The tensors by name (None where absent), in the order caches store them."""
+        return {name: getattr(self, name) for name in TENSOR_FIELDS}
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in self.fields().values() if t is not None]
+
+    def _layout(self) -> tuple:
+        return (self.bits, self.block, self.zero, self.k) + tuple(
+            None if t is None else (t.dtype, t.shape[1]) for t in self.fields().values())
+
+    def same_format(self, other: Blocks) -> bool:
+        """Whether `other` can be stored in the same tensors (concatenated along N)."""
+        return self._layout() == other._layout()
+
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> Blocks:
+        """The same blocks with `fn` applied to every tensor (all indexed by row)."""
+        return Blocks(**{name: None if t is None else fn(t) for name, t in self.fields().items()},
+                      zero=self.zero, bits=self.bits)
+
+    def scale_per_block(self) -> Tensor:
+        return _per_block(self.scales, self.scale_steps)
+
+    def offset_per_block(self) -> Tensor | None:
+        return None if self.offsets is None else _per_block(self.offsets, self.offset_steps)
+
+    def unpacked(self) -> Tensor:
+        """The integer levels, [n, k / block, block] (uint8, or int8 for signed ones)."""
+        if self.bits == 8:
+            return self.levels
+        packed = self.levels
+        return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:2], -1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The float weight [n, k], computed in float32 (exact as above) and cast to `dtype`.
+        Written in place into one float buffer (4x faster than a chain of new tensors here).
+        (`scale * q - scale * zero` would save the subtraction's pass and give the same numbers,
+        but +0 where llama.cpp has -0.)"""
+        n, blocks, width = self.levels.shape
+        if self.bits == 4:
+            q = torch.empty(n, blocks, width, 2, dtype=torch.float32, device=self.levels.device)
+            q[..., 0] = self.levels & 0x0F
+            q[..., 1] = self.levels >> 4
+            q = q.view(n, blocks, 2 * width)
+        else:
+            q = self.levels.to(torch.float32)
+        if self.zero:
+            q.sub_(float(self.zero))
+        q.mul_(self.scale_per_block().unsqueeze(-1))
+        offsets = self.offset_per_block()
+        if offsets is not None:
+            q.add_(offsets.unsqueeze(-1))
+        w = q.view(n, self.k)
+        return w if dtype == torch.float32 else w.to(dtype)
+
+    def rows(self, index: Tensor) -> Blocks:
+        """Rows `index` of these blocks (a row permutation, or an embedding's gather)."""
+        return self._map(lambda t: t[index])
+
+    def slice(self, lo: int, hi: int) -> Blocks:
+        """Rows lo..hi-1 (views, no copy)."""
+        return self._map(lambda t: t[lo:hi])
+
+    def to(self, device: torch.device | str) -> Blocks:
+        return self._map(lambda t: t.to(device))
+
+    @staticmethod
+    def cat(parts: Sequence[Blocks]) -> Blocks:
+        """Parts of one format stacked along N, in one set of tensors."""
+        first = parts[0]
+        if not all(first.same_format(p) for p in parts):
+            raise ValueError("only blocks of one format concatenate into one Blocks")
+        fields = {name: None if t is None else torch.cat([p.fields()[name] for p in parts])
+                  for name, t in first.fields().items()}
+        return Blocks(**fields, zero=first.zero, bits=first.bits)
+
+
+def _per_block(base: Tensor, steps: Tensor | None) -> Tensor:
+    """float32 [n, blocks] from a per-block tensor, or a per-group one times per-block steps."""
+    if steps is None:
+        return base.float()
+    group = steps.shape[1] // base.shape[1]
+    return base.float().repeat_interleave(group, dim=1).mul_(steps.float())
+
+
+TENSOR_FIELDS = ("levels", "scales", "offsets", "scale_steps", "offset_steps")
+# Most float elements one de-quantised piece of a weight holds at once (64 MiB in float32): a
+# large table (an LM head of 128k rows) is read in row chunks instead of whole.
+CHUNK_ELEMENTS = 1 << 24
+
+
+class QuantWeight(nn.Module):
+    """A weight [N, K] as `Blocks` stacked along N (q|k|v of a layer may mix formats: Q4_K_M
+    files keep some `attn_v` in Q6_K). Its tensors are buffers, so `.to()`, `state_dict()` and
+    the engine's byte count see them; it has no parameters (base weights are frozen)."""
+
+    def __init__(self, parts: Sequence[Blocks]) -> None:
+        super().__init__()
+        if not parts:
+            raise ValueError("a quantised weight needs at least one part")
+        merged: list[Blocks] = []
+        for part in parts:  # adjacent parts of one format share tensors: fewer, larger kernels
+            if merged and merged[-1].same_format(part):
+                merged[-1] = Blocks.cat([merged[-1], part])
+            else:
+                merged.append(part)
+        ks = {p.k for p in merged}
+        if len(ks) != 1:
+            raise ValueError(f"parts of one weight must share K, got {sorted(ks)}")
+        self._meta = [(p.zero, p.bits) for p in merged]
+        for i, part in enumerate(merged):
+            for name, tensor in part.fields().items():
+                self.register_buffer(f"{name}_{i}", tensor)
+
+    @property
+    def parts(self) -> list[Blocks]:
+        return [Blocks(**{name: getattr(self, f"{name}_{i}") for name in TENSOR_FIELDS}, zero=zero, bits=bits)
+                for i, (zero, bits) in enumerate(self._meta)]
+
+    @property
+    def formats(self) -> list[tuple[int, int]]:
+        """(zero, bits) of each part, in order: what, besides the tensors, a cache must keep."""
+        return list(self._meta)
+
+    @property
+    def shape(self) -> torch.Size:
+        parts = self.parts
+        return torch.Size((sum(p.n for p in parts), parts[0].k))
+
+    @property
+    def device(self) -> torch.device:
+        return self.scales_0.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        parts = self.parts
+        if len(parts) == 1:
+            return parts[0].dequantize(dtype)
+        return torch.cat([p.dequantize(dtype) for p in parts])
+
+    def row_chunks(self) -> Iterator[tuple[int, Blocks]]:
+        """(first row, rows) pieces of at most CHUNK_ELEMENTS elements, in order (views)."""
+        start = 0
+        for part in self.parts:
+            step = max(1, CHUNK_ELEMENTS // part.k)
+            for lo in range(0, part.n, step):
+                yield start + lo, part.slice(lo, min(part.n, lo + step))
+            start += part.n
+
+    def embedding(self, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Rows `ids` (any shape) de-quantised: an embedding table read one token at a time."""
+        flat = ids.reshape(-1)
+        out = torch.empty(flat.numel(), self.shape[1], dtype=dtype, device=flat.device)
+        start = 0
+        for part in self.parts:
+            inside = (flat >= start) & (flat < start + part.n)
+            where = inside.nonzero().squeeze(-1)
+            if where.numel():
+                out[where] = part.rows(flat[where] - start).dequantize(dtype)
+            start += part.n
+        return out.reshape(*ids.shape, -1)
+
+    @staticmethod
+    def cat(weights: Sequence[QuantWeight]) -> QuantWeight:
+        return QuantWeight([p for w in weights for p in w.parts])
+
+    def extra_repr(self) -> str:
+        kinds = ", ".join(f"{p.n} rows {p.bits}-bit/{p.block}{'+offset' if p.offsets is not None else ''}"
+                          for p in self.parts)
+        return f"[{self.shape[0]}, {self.shape[1]}]: {kinds}"
+
+
+def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    return torch.nn.functional.linear(x, w, b)
+
+
+LinearOp = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
+
+
+class _QuantLinear(torch.autograd.Function):
+    """x @ W^T + b with W de-quantised in the forward and once more in the backward, a chunk of
+    rows at a time, so autograd keeps no float copy of W between them (it saves nothing: W is
+    frozen, so the gradient w.r.t. x needs only W, and none w.r.t. W is taken)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: QuantWeight, bias: Tensor | None, op: LinearOp) -> Tensor:  # noqa: ANN001
+        ctx.weight = weight
+        ctx.has_bias = bias is not None
+        return _forward(x, weight, bias, op)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None, None]:  # noqa: ANN001
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            for lo, part in ctx.weight.row_chunks():
+                step = grad[..., lo:lo + part.n].matmul(part.dequantize(grad.dtype))
+                grad_x = step if grad_x is None else grad_x.add_(step)
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, None, grad_b, None
+
+
+def _forward(x: Tensor, weight: QuantWeight, bias: Tensor | None, op: LinearOp) -> Tensor:
+    outs = [op(x, part.dequantize(x.dtype), None if bias is None else bias[lo:lo + part.n])
+            for lo, part in weight.row_chunks()]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def quant_linear(x: Tensor, weight: QuantWeight, bias: Tensor | None = None, op: LinearOp = _linear) -> Tensor:
+    """`op(x, W, bias)` (F.linear by default) over a quantised weight, de-quantised for this call
+    only, CHUNK_ELEMENTS of it at a time."""
+    if not torch.is_grad_enabled() or not (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return _forward(x, weight, bias, op)
+    return _QuantLinear.apply(x, weight, bias, op)

@@ -1,0 +1,50 @@
+"""A sequence's prefix-cache blocks: which cached full blocks of its tokens it can reuse when
+admitted, and which of its newly full blocks it registers after a forward. Hashes and the pool's
+match/register only; the scheduler decides when.
+"""
+
+from __future__ import annotations
+
+from edge_runtime.kv.block_pool import BlockPool, block_hash
+from edge_runtime.sequence import Sequence
+
+
+def cache_salt(seq: Sequence, rope_switch: int | None) -> str:
+    """What separates prefix-cache blocks of the same tokens with different keys/values: the
+    adapter version, and which LongRoPE factors the sequence is computed with."""
+    salt = seq.request.cache_salt
+    if rope_switch is not None and seq.num_tokens > rope_switch:
+        salt += "#rope-long"
+    return salt
+
+
+def match_prefix(seq: Sequence, pool: BlockPool, salt: str) -> None:
+    """Reuse cached full blocks of this sequence's tokens (never its last token: that one
+    must run through the model to produce logits)."""
+    size = pool.block_size
+    parent = None
+    for i in range((seq.num_tokens - 1) // size):
+        h = block_hash(parent, seq.token_ids[i * size : (i + 1) * size], salt)
+        block = pool.match(h)
+        if block is None:
+            break
+        seq.block_table.append(block)
+        seq.block_hashes.append(h)
+        seq.num_computed += size
+        parent = h
+
+
+def register_full_blocks(seq: Sequence, pool: BlockPool, salt: str) -> None:
+    """Register the sequence's computed full blocks not yet in the prefix cache."""
+    size = pool.block_size
+    full = seq.num_computed // size
+    if seq.kv_pruning is not None:
+        # Its decode blocks get compacted (edge_runtime.kv.compaction): only its prompt's
+        # blocks keep the prefix's keys and values.
+        full = min(full, seq.num_prompt // size)
+    while len(seq.block_hashes) < full:
+        i = len(seq.block_hashes)
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        h = block_hash(parent, seq.token_ids[i * size : (i + 1) * size], salt)
+        pool.register(seq.block_table[i], h)
+        seq.block_hashes.append(h)

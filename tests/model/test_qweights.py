@@ -1,0 +1,92 @@
+"""QuantWeight on its own: parts of several formats stacked along N, row gathers (embeddings),
+row chunks, byte counts, refusals, and the linear's forward and backward against float autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edge_runtime.model import qweights
+from edge_runtime.model.qweights import Blocks, QuantWeight, quant_linear
+
+
+def _blocks(n: int, k: int, bits: int, block: int, zero: int = 0, offsets: bool = True, signed: bool = False,
+            seed: int = 0) -> Blocks:
+    gen = torch.Generator().manual_seed(seed)
+    width = block // 2 if bits == 4 else block
+    if signed:
+        levels = torch.randint(-128, 128, (n, k // block, width), generator=gen).to(torch.int8)
+    else:
+        levels = torch.randint(0, 256, (n, k // block, width), generator=gen).to(torch.uint8)
+    scales = torch.rand(n, k // block, generator=gen) * 0.01
+    return Blocks(levels, scales, torch.randn(n, k // block, generator=gen) * 0.01 if offsets else None, zero, bits)
+
+
+def _mixed() -> QuantWeight:
+    return QuantWeight([_blocks(5, 64, 4, 32), _blocks(3, 64, 4, 32, seed=1), _blocks(4, 64, 8, 16, offsets=False,
+                        signed=True, seed=2), _blocks(2, 64, 4, 32, zero=8, offsets=False, seed=3)])
+
+
+def test_parts_of_one_format_merge_and_the_rest_stack():
+    w = _mixed()
+    assert [p.n for p in w.parts] == [8, 4, 2] and w.shape == (14, 64)
+    assert w.formats == [(0, 4), (0, 8), (8, 4)]
+    dense = w.dequantize()
+    assert torch.equal(dense, torch.cat([p.dequantize() for p in w.parts]))
+    assert torch.equal(QuantWeight.cat([QuantWeight(w.parts[:1]), QuantWeight(w.parts[1:])]).dequantize(), dense)
+    assert w.nbytes == sum(t.numel() * t.element_size() for p in w.parts for t in p.tensors())
+    assert w.nbytes < dense.numel() * 4 / 3
+
+
+def test_levels_de_quantise_as_written():
+    b = _blocks(2, 32, 4, 32, zero=8, offsets=True)
+    q = torch.stack((b.levels & 15, b.levels >> 4), dim=-1).reshape(2, 1, 32).float()  # even element low
+    want = ((q - 8) * b.scales[..., None] + b.offsets[..., None]).reshape(2, 32)
+    assert torch.equal(b.dequantize(), want)
+    assert b.dequantize(torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_embedding_gathers_rows_across_parts():
+    w = _mixed()
+    ids = torch.tensor([[13, 0, 7], [8, 12, 5]])
+    assert torch.equal(w.embedding(ids), w.dequantize()[ids])
+
+
+def test_row_chunks_cover_every_row_once(monkeypatch):
+    monkeypatch.setattr(qweights, "CHUNK_ELEMENTS", 64 * 3)
+    w = _mixed()
+    chunks = list(w.row_chunks())
+    assert [lo for lo, _ in chunks] == [0, 3, 6, 8, 11, 12]
+    assert torch.equal(torch.cat([c.dequantize() for _, c in chunks]), w.dequantize())
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 64 * 5])
+def test_linear_forward_and_backward_equal_float_autograd(monkeypatch, chunk):
+    monkeypatch.setattr(qweights, "CHUNK_ELEMENTS", chunk)
+    w = _mixed()
+    dense = w.dequantize()
+    x = torch.randn(6, 64, requires_grad=True)
+    bias = torch.randn(14, requires_grad=True)
+    y = quant_linear(x, w, bias)
+    x2, bias2 = x.detach().clone().requires_grad_(True), bias.detach().clone().requires_grad_(True)
+    want = torch.nn.functional.linear(x2, dense, bias2)
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-7)
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    want.backward(grad)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(bias.grad, bias2.grad, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # no graph: the float weight is gone with the call
+        assert not quant_linear(x, w).requires_grad
+
+
+def test_malformed_blocks_are_refused():
+    levels = torch.zeros(2, 1, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="bits"):
+        Blocks(levels, torch.zeros(2, 1), None, 0, 5)
+    with pytest.raises(ValueError, match="scales"):
+        Blocks(levels, torch.zeros(2, 2), None, 0, 4)
+    with pytest.raises(ValueError, match="int8"):
+        Blocks(levels.to(torch.int8), torch.zeros(2, 1), None, 0, 4)  # signed levels are 8-bit only
+    with pytest.raises(ValueError, match="share K"):
+        QuantWeight([_blocks(2, 64, 4, 32), _blocks(2, 32, 4, 32)])
