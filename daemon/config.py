@@ -17,6 +17,7 @@ from typing import Any
 
 from daemon.admission import AdmissionConfig
 from daemon.fleet.device.terms import DeviceTerms
+from daemon.limits import LimitSettings
 from daemon.wire.endpoints import default_ipc_path, ipc_endpoint, is_loopback, parse_tcp
 from edge_runtime.config import EngineConfig
 from edge_runtime.feedback.config import FeedbackStoreConfig
@@ -49,6 +50,7 @@ class DaemonSettings:
 class ServerSettings:
     ipc: str = "auto"  # socket path; "auto" = <runtime dir>/maced.sock; "" = no ipc endpoint
     tcp: str = ""  # e.g. tcp://127.0.0.1:5555; "" = no TCP endpoint
+    tcp_without_curve: bool = False  # a loopback tcp endpoint without CURVE: only with this opt-in
     ipc_mode: str = "0660"  # socket file mode: owner and group may connect
     curve_secret_key: str = ""  # zmq certificate file with the server's secret key
     curve_authorized_keys: str = ""  # folder of clients' public-key certificates
@@ -72,6 +74,7 @@ class HttpSettings:
     # "https://app.example.com"; pages served from loopback (localhost, 127.0.0.1, [::1], any
     # port) always are. "*" allows any origin: only with API keys.
     cors_origins: str = ""
+    allowed_hosts: str = ""  # Host names a loopback bind answers besides localhost/127.0.0.1/[::1]
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ _SECTIONS: dict[str, tuple[type, ...]] = {
     "feedback": (FeedbackSettings, FeedbackStoreConfig),
     "admission": (AdmissionSettings, AdmissionConfig),
     "finetune": (FineTuneSettings,),
-    "fleet": (FleetSettings, DeviceTerms),
+    "fleet": (FleetSettings, DeviceTerms), "limits": (LimitSettings,),
 }
 # Changing these at run time cannot break a request in flight; the rest need a restart.
 RELOADABLE = frozenset({
@@ -261,6 +264,7 @@ class DaemonConfig:
         try:
             self.feedback_store: FeedbackStoreConfig = self._build("feedback", FeedbackStoreConfig)
             self.admission_config: AdmissionConfig = self._build("admission", AdmissionConfig)
+            self.limits: LimitSettings = self._build("limits", LimitSettings)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.http_api_keys: frozenset[str] = self._read_api_keys()

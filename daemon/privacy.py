@@ -1,4 +1,5 @@
 """What the daemon writes about people outside the feedback store: user ids never reach its log.
+At start, secret files other users could read and unauthenticated TCP are refused (check_start).
 
 A log line names a user by a keyed pseudonym, HMAC-SHA256 of the id under a random key kept in
 the state directory (0600). The same user has the same pseudonym across restarts, so an operator
@@ -12,6 +13,7 @@ import hmac
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 KEY_BYTES = 32
 
@@ -58,3 +60,36 @@ class LogPseudonyms:
     def scrub(self, text: object, user: str) -> str:
         """`text` (an error message) with the user's id replaced by their pseudonym."""
         return str(text).replace(user, self.tag(user)) if user else str(text)
+
+
+# -- secrets on disk and endpoints others can reach ----------------------------------------------
+
+
+class StartRefused(RuntimeError):
+    """A setting that would expose the daemon's secrets or endpoints to other local users."""
+
+
+def check_secret_file(path: Path, setting: str) -> None:
+    """Refuse a secret readable or writable by other users (the group may read: the service user
+    often reads /etc/mace-edge through its group)."""
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return  # a missing file is the loader's error, with its own message
+    if mode & 0o006:
+        raise StartRefused(f"{setting} {path} has mode {mode:04o}: other users can read or change it; "
+                           f"run `chmod 600 {path}` (or 640 with the service's group)")
+
+
+def check_start(config: Any) -> None:
+    """What maced refuses at start besides the configuration's own checks: secret files others
+    can read, and a loopback TCP endpoint without CURVE unless server.tcp_without_curve says so
+    (any local user could connect to it, unlike the 0660 ipc socket)."""
+    if config.server.curve_secret_key:
+        check_secret_file(Path(config.server.curve_secret_key).expanduser(), "server.curve_secret_key")
+    if config.http.api_key_file:
+        check_secret_file(Path(config.http.api_key_file).expanduser(), "http.api_key_file")
+    if config.server.tcp and not config.curve_enabled and not config.server.tcp_without_curve:
+        raise StartRefused(f"server.tcp {config.server.tcp} without CURVE lets every local user (and every "
+                           "container sharing the network) act as an app; set server.curve_secret_key and "
+                           "server.curve_authorized_keys, or opt in with server.tcp_without_curve = true")

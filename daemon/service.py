@@ -311,8 +311,9 @@ class Service:
             args = replace(args, user=self.users.stored(call.principal, None, plain))
         with own_names(args.user or "", plain or ""):  # errors name the user as the app does
             adapter, label = self.fine_tuner.resolve_adapter(args.user, args.adapter if args.user else "base")
+        self.gate.check(call, args, self.config.limits)
         self.ops_in_flight += 1
-        self.gate.enter(call)
+        self.gate.enter(call, args.n)
         timer = None
         if args.timeout_s is not None:  # counted from arrival: admission waits count too
             timer = asyncio.get_running_loop().call_later(args.timeout_s, self.cancel, call, "timeout")

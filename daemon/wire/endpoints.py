@@ -40,9 +40,30 @@ def default_client_endpoint() -> str:
         return explicit
     own = default_ipc_path()
     for path in (own, SYSTEM_IPC_PATH):
-        if path.exists():
+        if path.exists() and (path != own or own_socket(path)):
             return ipc_endpoint(path)
+    if own.exists():
+        raise UntrustedSocket(f"{own} is not owned by this user (or its folder is writable by others): "
+                              f"it may be another user's trap; remove it or set ${ENDPOINT_ENV}")
     return ipc_endpoint(own)
+
+
+class UntrustedSocket(ValueError):
+    """The default socket in a shared temporary folder belongs to someone else."""
+
+
+def own_socket(path: Path) -> bool:
+    """Whether a socket in a shared temporary folder is this user's: the folder and the socket
+    are owned by us and no one else may write the folder. Anyone can create /tmp/mace-edge-<uid>
+    first and listen there for another user's prompts; such a socket is not used."""
+    if Path(tempfile.gettempdir()) not in path.parents:
+        return True  # $RUNTIME_DIRECTORY / $XDG_RUNTIME_DIR are private to the user already
+    try:
+        folder, sock = path.parent.stat(), path.stat()
+    except OSError:
+        return False
+    uid = os.getuid()
+    return folder.st_uid == uid and sock.st_uid == uid and not folder.st_mode & 0o022
 
 
 def parse_tcp(endpoint: str) -> tuple[str, int]:

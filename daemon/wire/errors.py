@@ -55,6 +55,12 @@ ERRORS: tuple[ErrorCode, ...] = (
     ErrorCode("not_found", 404, "no such HTTP route", zmq=False),
     ErrorCode("invalid_api_key", 401, "missing or wrong `Authorization: Bearer` key", zmq=False),
     ErrorCode("method_not_allowed", 405, "the HTTP route does not take that method", zmq=False),
+    ErrorCode("host_not_allowed", 421, "the request's Host is not one a loopback gateway answers (DNS "
+              "rebinding); see http.allowed_hosts", zmq=False),
+    ErrorCode("unsupported_media_type", 415, "a state-changing request whose body is not "
+              "application/json", zmq=False),
+    ErrorCode("cross_site", 403, "a state-changing request from a web page whose origin is not allowed "
+              "(http.cors_origins)", zmq=False),
 )
 BY_CODE = {e.code: e for e in ERRORS}
 # The codes a ZeroMQ reply may carry (docs/protocol.md), with their meaning.

@@ -140,7 +140,7 @@ def test_admission_rejects_under_memory_pressure_on_a_loopback_tcp_endpoint(star
     # A reserve larger than any machine's memory: headroom is negative, admission says reject.
     port = free_tcp_port()
     d = start_daemon(env={"MACE_TELEMETRY_MEMORY_RESERVE_MB": "100000000"},
-                     extra_args=["--tcp", f"tcp://127.0.0.1:{port}"])
+                     extra_args=["--tcp", f"tcp://127.0.0.1:{port}", "--set", "server.tcp_without_curve=true"])
     with Client(f"tcp://127.0.0.1:{port}", timeout_s=10) as c:
         deadline = time.monotonic() + 10
         while c.health()["admission"] != "reject" and time.monotonic() < deadline:
@@ -159,6 +159,7 @@ def test_curve_tcp_admits_only_authorized_clients(start_daemon, tmp_path: Path) 
     keys.mkdir()
     authorized.mkdir()
     _, server_secret = zmq.auth.create_certificates(str(keys), "server")
+    Path(server_secret).chmod(0o600)  # maced refuses a secret others can read
     client_public, client_secret = zmq.auth.create_certificates(str(keys), "client")
     Path(client_public).rename(authorized / "client.key")
     port = free_tcp_port()
@@ -182,6 +183,7 @@ def test_a_missing_curve_authorized_keys_folder_refuses_to_start(start_daemon, t
     keys = tmp_path / "keys"
     keys.mkdir()
     _, server_secret = zmq.auth.create_certificates(str(keys), "server")
+    Path(server_secret).chmod(0o600)  # maced refuses a secret others can read
     d = start_daemon(extra_args=["--tcp", f"tcp://0.0.0.0:{free_tcp_port()}",
                                  "--set", f"server.curve_secret_key={server_secret}",
                                  "--set", f"server.curve_authorized_keys={tmp_path / 'no-such-folder'}"],

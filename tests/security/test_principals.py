@@ -42,6 +42,7 @@ class Daemon:
         certs.mkdir(parents=True)
         authorized.mkdir()
         zmq.auth.create_certificates(certs, "server")
+        (certs / "server.key_secret").chmod(0o600)  # maced refuses a secret others can read
         self.server_public, _ = zmq.auth.load_certificate(certs / "server.key")
         self.curve: dict[str, tuple[bytes, bytes]] = {}
         for name in ("a", "b"):

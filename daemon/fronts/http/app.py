@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,9 +20,18 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from daemon.config import DaemonConfig
+from daemon.fronts.http.connections import AcceptErrorFilter, ConnectionBook, GuardedH11
+from daemon.fronts.http.guard import LOOPBACK_NAMES, BrowserGuard, origin_rule
 from daemon.fronts.http.handlers import Gateway
+from daemon.limits import http_connection_cap
 from daemon.service import Service
+from daemon.wire.endpoints import is_loopback
 
+LISTEN_BACKLOG = 2048  # connections the kernel queues before maced accepts them
+# Connections accepted per wake-up of the event loop: between two batches the loop reads the
+# requests of those already accepted, so a flood of new sockets cannot push a working client's
+# connection to the front of the eviction queue before its request is read.
+ACCEPT_BATCH = 64
 # Pages served from this machine (any port) may call the gateway from a browser.
 LOOPBACK_ORIGIN = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d{1,5})?"
 
@@ -62,12 +72,24 @@ def build_app(gateway: Gateway) -> Starlette:
         ("/v1/users/{user:app_user}", gateway.forget, "DELETE"),
     ]
     origins = [o.strip() for o in gateway.service.config.http.cors_origins.split(",") if o.strip()]
+
+    def allowed_hosts() -> frozenset[str] | None:
+        config = gateway.config  # read per request: SIGHUP may swap it
+        extra = frozenset(h.strip().lower().strip("[]") for h in config.http.allowed_hosts.split(",") if h.strip())
+        address = config.http_address
+        if address is not None and is_loopback(address[0]):
+            return LOOPBACK_NAMES | extra
+        return extra or None  # beyond loopback, API keys guard the data; names only if listed
+
     return Starlette(
         routes=[Route(path, gateway.answering_errors(fn), methods=[method]) for path, fn, method in routes],
         exception_handlers={HTTPException: gateway.on_http_error},
         # Browser apps: preflights are answered before routing and without a key (browsers
         # send none on them); the real request still needs one.
-        middleware=[Middleware(CORSMiddleware, allow_origins=origins, allow_origin_regex=LOOPBACK_ORIGIN,
+        # The browser guard first: a rebound Host or a cross-site write is refused before CORS.
+        middleware=[Middleware(BrowserGuard, allowed_hosts=allowed_hosts,
+                               origin_allowed=origin_rule(origins, LOOPBACK_ORIGIN)),
+                    Middleware(CORSMiddleware, allow_origins=origins, allow_origin_regex=LOOPBACK_ORIGIN,
                                allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                                allow_headers=["Authorization", "Content-Type", "OpenAI-Organization",
                                               "OpenAI-Project", "X-Stainless-Lang", "X-Stainless-Package-Version",
@@ -87,6 +109,13 @@ class _Uvicorn(uvicorn.Server):
     def install_signal_handlers(self) -> None:  # the same hook in uvicorn < 0.29
         return None
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # asyncio took the small `backlog` for both its accepts per wake-up and listen(); the
+        # kernel's queue gets the large one back, the accept batches stay small.
+        for sock in sockets or ():
+            sock.listen(LISTEN_BACKLOG)
+
 
 class HttpGateway:
     """Binds the HTTP socket up front (errors surface before the model loads), then serves the
@@ -101,22 +130,26 @@ class HttpGateway:
         self.endpoint = ""
         self._server: _Uvicorn | None = None
         self._task: asyncio.Task[None] | None = None
+        self.book: ConnectionBook | None = None
+        self.cap = 0
+        self._accept_errors: AcceptErrorFilter | None = None
 
     def summary(self) -> dict[str, Any]:
         return {"endpoint": self.endpoint, "auth": bool(self.gateway.service.identities.api_keys),
-                **self.gateway.summary()}
+                **self.gateway.summary(), **(self.book.summary() if self.book else {})}
 
     def bind(self) -> str:
         address = self.config.http_address
         assert address is not None
         host, port = address
+        self.cap = http_connection_cap(self.config.limits)  # before the socket: a LimitError stops the start
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, sockaddr = infos[0]
         sock = socket.socket(family, kind, proto)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(sockaddr)
-            sock.listen(2048)
+            sock.listen(LISTEN_BACKLOG)
         except OSError:
             sock.close()
             raise
@@ -128,10 +161,19 @@ class HttpGateway:
 
     def start(self) -> None:
         assert self.socket is not None
+        limits = self.config.limits
+        cap = self.cap
+        self.book = ConnectionBook(cap, limits.http_max_connections_per_peer, limits.http_request_read_timeout_s)
+        # The book keeps connections at or under `cap` (evicting idle ones); uvicorn's own limit
+        # answers 503 only when that many requests run at once.
         config = uvicorn.Config(
-            self.app, http="h11", ws="none", lifespan="off", log_config=None,
-            log_level="warning", access_log=False, server_header=False, proxy_headers=False,
-            timeout_graceful_shutdown=2, timeout_keep_alive=5)
+            self.app, http=functools.partial(GuardedH11, book=self.book), ws="none", lifespan="off",
+            log_config=None, log_level="warning", access_log=False, server_header=False,
+            proxy_headers=False, timeout_graceful_shutdown=2, timeout_keep_alive=limits.http_keep_alive_s,
+            limit_concurrency=cap + 1, h11_max_incomplete_event_size=limits.http_max_header_bytes,
+            backlog=ACCEPT_BATCH)
+        self._accept_errors = AcceptErrorFilter(asyncio.get_running_loop(), limits.accept_error_log_interval_s)
+        self._accept_errors.install()
         self._server = _Uvicorn(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[self.socket]), name="http")
 
@@ -149,3 +191,5 @@ class HttpGateway:
             self._task.cancel()
         with contextlib.suppress(BaseException):
             await self._task
+        if self._accept_errors is not None:
+            self._accept_errors.remove()

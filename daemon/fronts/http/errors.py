@@ -9,6 +9,7 @@ import logging
 import math
 from typing import Any
 
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from daemon.fronts.http.replies import json_response
@@ -21,7 +22,7 @@ log = logging.getLogger("daemon.fronts.http")
 ERROR_TYPE = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
     404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
-    413: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled_error",
+    413: "invalid_request_error", 415: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error", 499: "cancelled_error",
     500: "server_error", 501: "not_supported_error", 503: "service_unavailable_error",
     504: "timeout_error",
 }
@@ -47,6 +48,8 @@ class GatewayError(Exception):
     def from_exc(cls, exc: BaseException) -> GatewayError:
         if isinstance(exc, GatewayError):
             return exc
+        if isinstance(exc, ClientDisconnect):  # the peer left (or was dropped) mid-body: nothing to log
+            return cls("cancelled", "the client disconnected before its request was read")
         if isinstance(exc, ProtocolError):
             return cls(exc.code, exc.message, param=exc.param, retry_after_s=exc.retry_after_s,
                        details=exc.details)

@@ -45,6 +45,7 @@ from daemon.fronts.http.replies import (
     json_response,
     sse,
 )
+from daemon.inference_gate import check_sequences
 from daemon.metrics import CONTENT_TYPE
 from daemon.principals import DEFAULT_APP, Principal
 from daemon.service import GenerateCall, Service
@@ -294,6 +295,7 @@ class Gateway:
                   "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
                   "logit_bias": body.logit_bias}
         all_args: list[GenerateArgs] = [self._parse({**common, **extra}, names) for extra in prompts]
+        check_sequences(sum(a.n for a in all_args), self.config.limits)  # before any is queued
         limit = self.config.server.max_inflight
         if self.in_flight + len(all_args) > limit:
             raise GatewayError("busy", f"too many HTTP generations in flight (at most {limit}); retry "
