@@ -61,9 +61,6 @@ class Answers:
     ids: list[list[int]]
     logits: list[Tensor]  # [len(ids[i]), vocab] per prompt, float32 on the CPU
 
-    def texts(self, tokenizer: Tokenizer) -> list[str]:
-        return [tokenizer.decode(ids) for ids in self.ids]
-
 
 @torch.no_grad()
 def greedy_answers(model: LlamaModel, prompts: Sequence[Sequence[int]], lora: LoraApplier | None,
@@ -149,29 +146,35 @@ class DegenerationMetrics:
 def degeneration_metrics(model: LlamaModel, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
                          candidate: LoraApplier | None, reference: LoraApplier | None,
                          max_new_tokens: int = 24, skip_tokens: int = 2,
-                         reference_answers: Answers | None = None) -> tuple[DegenerationMetrics, Answers]:
-    """Greedy answers of the candidate and of the reference (or `reference_answers`, computed
-    before for these prompts: the reference is frozen) on `prompts`; the KL on the candidate's
-    answers; distinct-1/2 and word repeats of both. Returns the reference's answers for reuse."""
+                         reference_answers: Sequence[Sequence[int]] | None = None,
+                         ) -> tuple[DegenerationMetrics, list[list[int]]]:
+    """Greedy answers of the candidate and of the reference (or `reference_answers`, its answers
+    to these prompts computed before: the reference is frozen) on `prompts`; the KL on the
+    candidate's answers; distinct-1/2 and word repeats of both. Returns the reference's answers
+    for reuse. One prompt at a time, so at most one answer's logits are held."""
     start = time.monotonic()
     stop = tokenizer.eos_ids
-    mine = greedy_answers(model, prompts, candidate, max_new_tokens, stop)
-    base = reference_answers or greedy_answers(model, prompts, reference, max_new_tokens, stop)
+    mine: list[list[int]] = []
     kls = []
-    for prompt, ids, logits in zip(prompts, mine.ids, mine.logits, strict=True):
+    for prompt in prompts:
+        answer = greedy_answers(model, [prompt], candidate, max_new_tokens, stop)
+        ids, logits = answer.ids[0], answer.logits[0]
+        mine.append(ids)
         if len(ids) > skip_tokens:
             ref_logits = answer_logits(model, prompt, ids, reference)
             kls.append(token_kl(logits[skip_tokens:], ref_logits[skip_tokens:]))
+    base = ([list(a) for a in reference_answers] if reference_answers is not None
+            else greedy_answers(model, prompts, reference, max_new_tokens, stop).ids)
     kl = torch.cat(kls) if kls else torch.zeros(0, dtype=torch.float64)
     # Distinct-n over token ids as Li et al. count generated tokens ("indeed indeed" and "ssss"
     # both repeat); a word's repeats over lower-cased words ("Indeed, indeed" is one word twice).
-    mine_words = [words(t) for t in mine.texts(tokenizer)]
-    base_words = [words(t) for t in base.texts(tokenizer)]
+    mine_words = [words(tokenizer.decode(ids)) for ids in mine]
+    base_words = [words(tokenizer.decode(ids)) for ids in base]
     metrics = DegenerationMetrics(
         prompts=len(prompts), new_tokens=max_new_tokens,
         kl_per_token=float(kl.mean()) if kl.numel() else 0.0, kl_tokens=int(kl.numel()),
-        distinct_1=distinct_n(mine.ids, 1), distinct_2=distinct_n(mine.ids, 2),
-        base_distinct_1=distinct_n(base.ids, 1), base_distinct_2=distinct_n(base.ids, 2),
+        distinct_1=distinct_n(mine, 1), distinct_2=distinct_n(mine, 2),
+        base_distinct_1=distinct_n(base, 1), base_distinct_2=distinct_n(base, 2),
         max_word_repeats=max_word_repeats(mine_words), base_max_word_repeats=max_word_repeats(base_words),
         seconds=time.monotonic() - start,
     )

@@ -156,9 +156,17 @@ def publish_guarded(
         prompts = _heldout_prompts(trainer, heldout if pairs else (), heldout_unpaired if unpaired else (),
                                    guard.degeneration_prompts)
         if prompts:
-            degeneration, _ = degeneration_metrics(
+            # The reference is frozen: its answers are computed once per prompt, fleet and length.
+            keys = [(trainer.fleet_key, guard.degeneration_tokens, p) for p in prompts]
+            known = [trainer.reference_answers.get(k) for k in keys]
+            degeneration, base = degeneration_metrics(
                 trainer.model, trainer.tokenizer, prompts, trainer.policy(candidate), trainer.policy(None),
-                guard.degeneration_tokens, guard.kl_skip_tokens)
+                guard.degeneration_tokens, guard.kl_skip_tokens,
+                reference_answers=None if any(a is None for a in known) else known)
+            if len(trainer.reference_answers) > 16 * guard.degeneration_prompts:
+                trainer.reference_answers.clear()  # the held-out prompts changed many times over
+            for key, answer in zip(keys, base, strict=True):
+                trainer.reference_answers[key] = tuple(answer)
         decision = guard.check(before, after, u_before, u_after, degeneration)
     if decision.accepted:
         metrics: dict[str, Any] = {} if decision.after is None else {"heldout": decision.after.as_dict()}

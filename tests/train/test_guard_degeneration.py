@@ -110,3 +110,15 @@ def test_adapter_overtrained_on_one_word_is_refused_and_a_mild_one_published(tin
     assert d.distinct_2 < 0.5 * d.base_distinct_2 and d.kl_per_token > 0.01
     assert "greedy answers repeat: distinct-2" in decision.reason and "KL from the base" in decision.reason
     assert registry.events("hard")[-1]["degeneration"]["distinct_2"] == d.distinct_2
+
+
+def test_the_reference_answers_are_computed_once_per_prompt(tiny4, tiny4_tokenizer, pairs):
+    torch.set_num_threads(1)
+    trainer = _fleet_trainer(tiny4, tiny4_tokenizer, lr=1e-3)
+    registry = AdapterRegistry(None, tiny4.cfg)
+    first, _ = publish_guarded(registry, trainer, "ann", pairs[:2], RegressionGuard(degeneration_prompts=2))
+    assert len(trainer.reference_answers) == 2
+    cached = dict(trainer.reference_answers)
+    second, _ = publish_guarded(registry, trainer, "ann", pairs[:2], RegressionGuard(degeneration_prompts=2))
+    assert trainer.reference_answers == cached
+    assert second.degeneration.base_distinct_2 == first.degeneration.base_distinct_2
