@@ -255,6 +255,22 @@ def backend_record(engine: Engine) -> dict[str, Any]:
     return {**engine.backend_choice.as_dict(), "held_bytes": getattr(engine.backend, "held_bytes", 0)}
 
 
+def degeneration_guard(args: argparse.Namespace) -> dict[str, Any]:
+    """The guard's degeneration settings from the flags (the daemon's `finetune.guard_*`)."""
+    return {"degeneration_prompts": args.guard_prompts, "degeneration_tokens": args.guard_tokens,
+            "kl_budget": args.guard_kl_budget, "distinct_2_drop": args.guard_distinct_2_drop}
+
+
+def degeneration_summary(publishes: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The last publish's degeneration figures and how many candidates they refused."""
+    judged = [p["degeneration"] for p in publishes if p.get("degeneration")]
+    refused = sum(1 for p in publishes if not p["accepted"] and p.get("degeneration")
+                  and ("KL from the base" in p["reason"] or "greedy answers repeat" in p["reason"]))
+    return {"last_degeneration": judged[-1] if judged else None, "guard_degeneration_refusals": refused,
+            "guard_degeneration_s_per_publish": round(sum(d["seconds"] for d in judged) / len(judged), 3)
+            if judged else None}
+
+
 def metrics_dict(m: AlignmentMetrics) -> dict[str, float]:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in m.as_dict().items()}
 
@@ -275,7 +291,7 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
                     optimizer=OptimizerSettings(learning_rate=args.lr, accumulation_steps=args.accumulation)),
         costs=costs,
     )
-    guard = RegressionGuard(args.guard_win_rate_tolerance, args.guard_clpd_tolerance)
+    guard = RegressionGuard(args.guard_win_rate_tolerance, args.guard_clpd_tolerance, **degeneration_guard(args))
     train_prompts, heldout_prompts, eval_prompts = split_prompts(args.seed, args.heldout_prompts, args.eval_prompts)
     sample = SamplingParams(n=2, temperature=args.temperature, top_p=0.95, max_tokens=args.max_new_tokens, seed=args.seed)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.eval_new_tokens)
@@ -312,7 +328,8 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
         publishes.append({"pairs": pairs_done, "accepted": decision.accepted, "reason": decision.reason,
                           "version": None if ref is None else ref.version,
                           "before": decision.before and metrics_dict(decision.before),
-                          "after": decision.after and metrics_dict(decision.after)})
+                          "after": decision.after and metrics_dict(decision.after),
+                          "degeneration": decision.degeneration and decision.degeneration.as_dict()})
         eval_seconds += time.perf_counter() - t
 
     def checkpoint(pairs_done: int) -> None:
@@ -399,6 +416,7 @@ def online(args: argparse.Namespace) -> dict[str, Any]:
         "rounds": rounds,
         "versions_published": sum(p["accepted"] for p in publishes),
         "guard_rejections": sum(not p["accepted"] for p in publishes),
+        **degeneration_summary(publishes),
         "base_win_rate": first["trained"]["win_rate"],
         "trained_win_rate": last["trained"]["win_rate"],
         "base_clpd": first["trained"]["clpd"],
@@ -490,7 +508,7 @@ def online_thumbs(args: argparse.Namespace) -> dict[str, Any]:
         costs=costs,
     )
     guard = RegressionGuard(args.guard_win_rate_tolerance, args.guard_clpd_tolerance,
-                            margin_tolerance=args.guard_margin_tolerance)
+                            margin_tolerance=args.guard_margin_tolerance, **degeneration_guard(args))
     train_prompts, heldout_prompts, eval_prompts = split_prompts(args.seed, args.heldout_prompts, args.eval_prompts,
                                                                  rephrase=True)
     if len(train_prompts) < args.thumbs:
@@ -532,7 +550,8 @@ def online_thumbs(args: argparse.Namespace) -> dict[str, Any]:
         publishes.append({"thumbs": done, "accepted": decision.accepted, "reason": decision.reason,
                           "version": None if ref is None else ref.version,
                           "before": decision.unpaired_before and unpaired_dict(decision.unpaired_before),
-                          "after": decision.unpaired_after and unpaired_dict(decision.unpaired_after)})
+                          "after": decision.unpaired_after and unpaired_dict(decision.unpaired_after),
+                          "degeneration": decision.degeneration and decision.degeneration.as_dict()})
         eval_seconds += time.perf_counter() - t
 
     def checkpoint(done: int, thumbs_up: int) -> None:
@@ -603,6 +622,7 @@ def online_thumbs(args: argparse.Namespace) -> dict[str, Any]:
         "thumbs": done, "thumbs_up": thumbs_up, "rounds": rounds,
         "versions_published": sum(p["accepted"] for p in publishes),
         "guard_rejections": sum(not p["accepted"] for p in publishes),
+        **degeneration_summary(publishes),
         "base_margin": first["trained"]["margin"], "trained_margin": last["trained"]["margin"],
         "base_accuracy": first["trained"]["accuracy"], "trained_accuracy": last["trained"]["accuracy"],
         "base_share": first["trained"]["share"], "trained_share": last["trained"]["share"],
@@ -874,6 +894,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--layers-per-group", type=int, default=6)
     p.add_argument("--guard-win-rate-tolerance", type=float, default=0.05)
     p.add_argument("--guard-clpd-tolerance", type=float, default=1.0)
+    p.add_argument("--guard-prompts", type=int, default=4, help="held-out prompts the guard answers greedily "
+                   "to check for degeneration (0: not checked)")
+    p.add_argument("--guard-tokens", type=int, default=24, help="tokens of each of those answers")
+    p.add_argument("--guard-kl-budget", type=float, default=1.0, help="mean KL from the base per answer token (nats)")
+    p.add_argument("--guard-distinct-2-drop", type=float, default=0.10,
+                   help="largest fraction the answers' distinct-2 may fall below the base's")
     p.add_argument("--kv-cache-mb", type=int, default=256)
     p.add_argument("--backend", choices=("auto", "torch", "onnxruntime"), default="auto",
                    help="serving backend, built as the daemon builds it (auto: its default); training "

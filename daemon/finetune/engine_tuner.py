@@ -429,8 +429,10 @@ class EngineFineTuner:
 
                 trainer = self._trainers[user]
                 trainer.flush()  # apply a partly accumulated optimizer window before the snapshot
-                guard = (RegressionGuard() if self.settings.guard
-                         else RegressionGuard(min_heldout_pairs=1 << 30, min_heldout_unpaired=1 << 30))
+                s = self.settings
+                guard = (RegressionGuard(degeneration_prompts=s.guard_prompts, degeneration_tokens=s.guard_tokens,
+                                         kl_budget=s.guard_kl_budget, distinct_2_drop=s.guard_distinct_2_drop)
+                         if s.guard else RegressionGuard(min_heldout_pairs=1 << 30, min_heldout_unpaired=1 << 30))
                 decision, ref = publish_guarded(engine.adapters, trainer, user, heldout, guard,
                                                 heldout_unpaired=heldout_unpaired, pair_ids=pair_ids,
                                                 unpaired_ids=unpaired_ids)

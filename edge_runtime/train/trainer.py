@@ -79,6 +79,9 @@ class AdapterTrainer:
         self.costs = costs or StageCostModel.nominal(model)
         # Shareable between users' trainers: keyed by pair content and the fleet version beneath.
         self.reference = reference_cache if reference_cache is not None else ReferenceCache()
+        # The reference's greedy answers the publish guard compares against, by (fleet key,
+        # answer length, prompt ids): frozen like its log-probs, so computed once (train/guard.py).
+        self.reference_answers: dict[tuple[str, int, tuple[int, ...]], tuple[int, ...]] = {}
         self.fleet: LoraWeights | None = None
         self.fleet_key = ""
         self.pad_id = int(tokenizer.hf.pad_token_id if tokenizer.hf.pad_token_id is not None else 0)
