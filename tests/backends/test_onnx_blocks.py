@@ -138,3 +138,21 @@ def test_graph_logits_match_the_torch_block_model(gguf, tmp_path, flavour, monke
     # each output is mostly the input's sum, which int8 activations round; real weights do not.
     tolerance = 0.15 if gguf[1].parent.parent.name.startswith("q4_k_m") else SELF_CHECK_TOLERANCE["q4_1"]
     assert relative <= tolerance and agree >= 0.9, (relative, agree)
+
+
+@pytest.mark.parametrize("fmt,flavour", [("q4_1", "ort"), ("int8", "standard"), ("none", "ort")])
+def test_streamed_export_is_byte_for_byte_onnx_save_model(tiny_model_dir, tmp_path, fmt, flavour):
+    """The export writes each initializer to the data file as it is made; the files are what
+    saving the whole graph at the end with onnx.save_model's external data gave (float models'
+    exports did not change)."""
+    from edge_runtime.backends.onnx_graph import build_step_graph
+
+    model = Engine.load(str(tiny_model_dir), dtype="float32", device="cpu").model
+    spec = GraphSpec(**weight_format(fmt), flavour=flavour)
+    path = export_step(model, spec, cache_dir=tmp_path / "streamed")
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    onnx.save_model(build_step_graph(model, spec), str(whole / "model.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="model.onnx.data", size_threshold=1024)
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (path.parent / name).read_bytes() == (whole / name).read_bytes(), name
