@@ -60,6 +60,10 @@ class GraphBuilder:
         return tensor.name
 
     def init(self, name: str, array: np.ndarray) -> str:
+        direct = None if self.sink is None else self.sink.array(name, array)
+        if direct is not None:
+            self.inits.append(direct)
+            return name
         return self.add(numpy_helper.from_array(np.ascontiguousarray(array), name))
 
     def const(self, values: list[int] | list[float] | int | float, dtype: type = np.int64) -> str:
