@@ -5,6 +5,7 @@ about one weight at a time instead of the whole graph (issue #28 item 3).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import BinaryIO
@@ -33,8 +34,8 @@ class ExternalData:
         self.bytes_written = 0
 
     def _open(self) -> BinaryIO:
-        if self._file is None:
-            self._file = open(self.path, "wb")  # noqa: SIM115 (closed by close())
+        if self._file is None:  # owner-only, as onnx's own saver creates it
+            self._file = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
         return self._file
 
     def array(self, name: str, array: np.ndarray) -> TensorProto | None:
