@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from edge_runtime import paths
+from edge_runtime.backends.onnx_external import ExternalData
 from edge_runtime.backends.onnx_graph import build_step_graph
 from edge_runtime.backends.onnx_spec import GRAPH_VERSION, OPSET, GraphSpec, with_gqa_window
 from edge_runtime.durable import TargetExists, publish_directory
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 META_FILE = "meta.json"
+# Versions of the graph of a model held as quantised blocks, in its key (a float model's key and
+# graphs are unchanged): 1 = the q4_1 format written from the blocks as they are (onnx_blocks.py).
+BLOCKS_GRAPH = 1
 
 
 def model_hash(model: LlamaModel) -> str:
@@ -43,12 +47,14 @@ def model_hash(model: LlamaModel) -> str:
             h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
             # numpy has no bfloat16: hash the raw bytes through a same-width integer view.
             h.update(t.view(torch.int16).numpy().tobytes() if t.dtype == torch.bfloat16 else t.numpy().tobytes())
-        for name, module in model.named_modules():  # weights kept as a GGUF's blocks (gguf_load)
-            if isinstance(module, QuantWeight):
-                for part, (zero, bits) in zip(module.parts, module.formats, strict=True):
-                    h.update(f"{name}:{zero}:{bits}".encode())
-                    for t in part.tensors():
-                        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, QuantWeight)]
+        if blocks:  # weights kept as a GGUF's blocks (gguf_load); their q4_1 graph comes from them
+            h.update(f"blocks-graph:{BLOCKS_GRAPH}".encode())
+        for name, module in blocks:
+            for part, (zero, bits) in zip(module.parts, module.formats, strict=True):
+                h.update(f"{name}:{zero}:{bits}".encode())
+                for t in part.tensors():
+                    h.update(t.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -81,14 +87,16 @@ def export_step(
     root.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     log.info("exporting the %s step graph to %s (once per model and format)", spec.tag, target)
-    # A bar on a terminal; the log lines above and below under a service manager.
-    with tqdm(total=model.cfg.num_layers, desc=f"exporting {spec.quantization} graph", unit="layer",
-              disable=None, leave=False) as bar:
-        proto = build_step_graph(model, spec, on_layer=lambda: bar.update(1))
 
     def write(tmp: Path) -> None:
-        onnx.save_model(proto, str(tmp / MODEL_FILE), save_as_external_data=True,
-                        all_tensors_to_one_file=True, location=DATA_FILE, size_threshold=1024)
+        # Each initializer goes to the data file as the writer makes it (the same bytes and
+        # offsets onnx.save_model's external data would give), so the export holds about one
+        # weight at a time. A bar on a terminal; the log lines under a service manager.
+        with ExternalData(tmp / DATA_FILE, DATA_FILE) as sink, \
+                tqdm(total=model.cfg.num_layers, desc=f"exporting {spec.quantization} graph", unit="layer",
+                     disable=None, leave=False) as bar:
+            proto = build_step_graph(model, spec, on_layer=lambda: bar.update(1), sink=sink)
+        onnx.save_model(proto, str(tmp / MODEL_FILE))
         meta = {
             "model_hash": digest,
             "spec": spec.__dict__,

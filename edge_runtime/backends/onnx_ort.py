@@ -11,6 +11,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
+from edge_runtime.backends.onnx_blocks import BlockPart, centred
 from edge_runtime.backends.onnx_spec import rope_by_row
 from edge_runtime.backends.onnx_step import StepWriter, as_numpy
 from edge_runtime.backends.quantize import NBitsWeight, bits_of, pack_nbits
@@ -41,6 +42,17 @@ class OrtStepWriter(StepWriter):
                     domain="com.microsoft", K=q.k, N=q.n, bits=4, block_size=q.block_size,
                     accuracy_level=self.spec.accuracy_level)
 
+    def block_matmul(self, x: str, part: BlockPart, name: str) -> tuple[str, np.ndarray | None]:
+        """MatMulNBits over the part's levels and scales as they are, with its zero points where
+        the op's default (2^(bits-1)) is not its zero."""
+        g, nb = self.g, part.nbits
+        ins = [x, g.init(f"{name}.qweight", nb.packed), g.init(f"{name}.scales", nb.scales)]
+        if nb.zero_points is not None:
+            ins.append(g.init(f"{name}.zero_points", nb.zero_points))
+        y = g.op("MatMulNBits", ins, domain="com.microsoft", K=nb.k, N=nb.n, bits=nb.bits,
+                 block_size=nb.block_size, accuracy_level=self.spec.accuracy_level)
+        return y, part.offsets
+
     def _tied_quantized(self) -> bool:
         return self.spec.quantization != "none" and self.model.lm_head is None
 
@@ -49,6 +61,11 @@ class OrtStepWriter(StepWriter):
         (symmetric, block 32: the grid of llama.cpp's Q8_0, which is what Q4_1 GGUFs keep for
         this tensor) and serves both GatherBlockQuantized here and the LM head's MatMulNBits:
         28 MB instead of 113 MB for the default model."""
+        if self.embed_from_blocks():
+            rows, part = self.block_embedding(ids)
+            if self.model.lm_head is None:  # the head's MatMulNBits reads the same levels and scales
+                self.tied_blocks = self._tied_block_head(part)
+            return rows
         if not self._tied_quantized():
             return super().embedding(ids)
         g = self.g
@@ -63,7 +80,25 @@ class OrtStepWriter(StepWriter):
         return g.op("GatherBlockQuantized", [packed, ids, scales] + ([zeros] if zeros else []),
                     domain="com.microsoft", bits=q.bits, block_size=q.block_size, gather_axis=0, quantize_axis=1)
 
+    def _tied_block_head(self, part: BlockPart) -> tuple:
+        """What the head needs of a tied table written from its blocks, written now (zero points,
+        offsets in the block-sum product's layout) so the table's arrays need not be kept."""
+        part = centred(part)
+        g, nb = self.g, part.nbits
+        zeros = None if nb.zero_points is None else g.init("lm_head.zero_points", nb.zero_points)
+        offsets = None if part.offsets is None else g.init("lm_head.offsets", part.offsets.T)
+        return nb.k, nb.n, nb.bits, nb.block_size, zeros, offsets
+
     def lm_head(self, rows: str) -> str:
+        if self.embed_from_blocks() and self.model.lm_head is None:
+            k, n, bits, block, zeros, offsets = self.tied_blocks
+            g = self.g
+            ins = [rows, "embed.qweight", "embed.scales"] + ([zeros] if zeros else [])
+            y = g.op("MatMulNBits", ins, domain="com.microsoft", K=k, N=n, bits=bits, block_size=block,
+                     accuracy_level=self.spec.accuracy_level)
+            if offsets is None:
+                return y
+            return g.op("Add", [y, g.op("MatMul", [self.block_sums(rows, k, block), offsets])])
         if not self._tied_quantized():
             return super().lm_head(rows)
         q, packed, scales, zeros = self.tied_head

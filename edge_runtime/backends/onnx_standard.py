@@ -10,6 +10,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
+from edge_runtime.backends.onnx_blocks import BlockPart, signed_levels
 from edge_runtime.backends.onnx_spec import local_window
 from edge_runtime.backends.onnx_step import StepWriter
 from edge_runtime.backends.quantize import (
@@ -36,7 +37,14 @@ class StandardStepWriter(StepWriter):
         signed = (nbits_levels(q).astype(np.int8) - 8).reshape(q.n, q.k)
         return self.g.op("MatMul", [x, self._block_dequantized(signed, q.scales.reshape(q.n, -1), 4, name)])
 
-    def _block_dequantized(self, q: np.ndarray, scale: np.ndarray, bits: int, name: str) -> str:
+    def block_matmul(self, x: str, part: BlockPart, name: str) -> tuple[str, np.ndarray | None]:
+        nb = part.nbits
+        signed, offsets = signed_levels(part)
+        w = self._block_dequantized(signed, nb.scales.reshape(nb.n, -1), nb.bits, name, nb.block_size)
+        return self.g.op("MatMul", [x, w]), offsets
+
+    def _block_dequantized(self, q: np.ndarray, scale: np.ndarray, bits: int, name: str,
+                           block_size: int = BLOCK_SIZE) -> str:
         """Signed levels q [N, K] and scales [N, K / block] as a block-wise DequantizeLinear whose
         output is the weight in MatMul's layout [K, N] (blocks along K, axis 0)."""
         qt = q.T
@@ -44,9 +52,9 @@ class StandardStepWriter(StepWriter):
             f"{name}.qweight", TensorProto.INT4 if bits == 4 else TensorProto.INT8, list(qt.shape),
             qt.reshape(-1).astype(np.int8).tolist() if bits == 4 else qt.tobytes(), raw=bits == 8,
         )
-        self.g.inits.append(tensor)
+        self.g.add(tensor)
         return self.g.op("DequantizeLinear", [tensor.name, self.g.init(f"{name}.scales", scale.T)], axis=0,
-                         block_size=BLOCK_SIZE)
+                         block_size=block_size)
 
     # -- norms, RoPE, attention -------------------------------------------------------------
 

@@ -14,6 +14,8 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from edge_runtime.backends.onnx_blocks import BlockPart, block_part, block_parts
+from edge_runtime.backends.onnx_external import ExternalData
 from edge_runtime.backends.onnx_spec import (
     GRAPH_VERSION,
     IR_VERSION,
@@ -28,9 +30,11 @@ from edge_runtime.model.qweights import QuantWeight
 
 
 class GraphBuilder:
-    """A tiny node/initializer accumulator with unique names."""
+    """A tiny node/initializer accumulator with unique names. With a `sink`, each initializer's
+    bytes go to the external data file as it is made (the graph keeps only the reference)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sink: ExternalData | None = None) -> None:
+        self.sink = sink
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self._count = 0
@@ -49,9 +53,18 @@ class GraphBuilder:
         self.nodes.append(helper.make_node(op_type, inputs, [first, *outputs], **attrs))
         return first
 
+    def add(self, tensor: onnx.TensorProto) -> str:
+        if self.sink is not None:
+            self.sink.take(tensor)
+        self.inits.append(tensor)
+        return tensor.name
+
     def init(self, name: str, array: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
-        return name
+        direct = None if self.sink is None else self.sink.array(name, array)
+        if direct is not None:
+            self.inits.append(direct)
+            return name
+        return self.add(numpy_helper.from_array(np.ascontiguousarray(array), name))
 
     def const(self, values: list[int] | list[float] | int | float, dtype: type = np.int64) -> str:
         key = (repr(values), np.dtype(dtype).str)
@@ -69,14 +82,15 @@ def as_numpy(t: torch.Tensor | QuantWeight) -> np.ndarray:
 class StepWriter(ABC):
     """Emits the step for one model and spec; a flavour's writer fills in the abstract parts."""
 
-    def __init__(self, model: LlamaModel, spec: GraphSpec, on_layer: Callable[[], None] | None = None) -> None:
+    def __init__(self, model: LlamaModel, spec: GraphSpec, on_layer: Callable[[], None] | None = None,
+                 sink: ExternalData | None = None) -> None:
         self.model = model
         self.cfg = model.cfg
         self.spec = spec
         self.on_layer = on_layer  # called after each decoder layer is written (a progress bar)
-        self.g = GraphBuilder()
+        self.g = GraphBuilder(sink)
         self._block_sum_mats: set[str] = set()  # the 0/1 block-sum initializers written so far
-        self._block_sums: dict[str, str] = {}  # a linear's input -> its per-block sums
+        self._block_sums: dict[tuple[str, int], str] = {}  # (a linear's input, block) -> its block sums
 
     # -- what each flavour writes its own way ---------------------------------------------------
 
@@ -87,6 +101,11 @@ class StepWriter(ABC):
     @abstractmethod
     def q4_matmul(self, x: str, q: NBitsWeight, name: str) -> str:
         """x @ W^T for symmetric 4-bit blocks W = scale * (q - 8) (the q4_1 format's product)."""
+
+    @abstractmethod
+    def block_matmul(self, x: str, part: BlockPart, name: str) -> tuple[str, np.ndarray | None]:
+        """x @ W^T for the part's W = scale * (q - zero) (its levels and scales as they are),
+        and the float offsets [N, K / block] (None: none) the caller adds as block sums times them."""
 
     @abstractmethod
     def normalize(self, x: str, w: str, skip: str | None) -> tuple[str, str]:
@@ -110,8 +129,16 @@ class StepWriter(ABC):
 
     # -- shared parts ---------------------------------------------------------------------------
 
-    def linear(self, x: str, weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> str:
+    def from_blocks(self, weight: torch.Tensor | QuantWeight) -> bool:
+        """Whether `weight` is written from its GGUF blocks as they are (the q4_1 format holds
+        every block format exactly: onnx_blocks.py) rather than de-quantised and re-quantised."""
+        return isinstance(weight, QuantWeight) and self.spec.offsets
+
+    def linear(self, x: str, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None, name: str) -> str:
         g, spec = self.g, self.spec
+        if self.from_blocks(weight):
+            y = self.block_linear(x, weight, name)
+            return y if bias is None else g.op("Add", [y, g.init(f"{name}.bias", as_numpy(bias))])
         w = as_numpy(weight)  # [out, in]
         if spec.quantization == "none":
             y = g.op("MatMul", [x, g.init(f"{name}.weight", w.T)])
@@ -129,18 +156,75 @@ class StepWriter(ABC):
         input) times the offsets [K / block, N]."""
         g, q = self.g, w.nbits
         y = self.q4_matmul(x, q, name)
-        sums = self._block_sums.get(x)
-        if sums is None:
-            mat = f"block_sum_{q.k}"  # [K, K / block] of 0/1, one per width K
-            if mat not in self._block_sum_mats:
-                g.init(mat, np.kron(np.eye(q.k // q.block_size, dtype=np.float32), np.ones((q.block_size, 1), np.float32)))
-                self._block_sum_mats.add(mat)
-            sums = self._block_sums[x] = g.op("MatMul", [x, mat])
-        shift = g.op("MatMul", [sums, g.init(f"{name}.offsets", np.ascontiguousarray(w.offsets.T))])
+        shift = g.op("MatMul", [self.block_sums(x, q.k, q.block_size),
+                                g.init(f"{name}.offsets", np.ascontiguousarray(w.offsets.T))])
         return g.op("Add", [y, shift])
 
+    def block_sums(self, x: str, k: int, block: int) -> str:
+        """x [.., K] summed over each block of K (one MatMul by a 0/1 matrix, shared by the
+        linears of one input)."""
+        g = self.g
+        sums = self._block_sums.get((x, block))
+        if sums is None:
+            # [K, K / block] of 0/1, one per width K and block
+            mat = f"block_sum_{k}" if block == 32 else f"block_sum_{k}_{block}"
+            if mat not in self._block_sum_mats:
+                g.init(mat, np.kron(np.eye(k // block, dtype=np.float32), np.ones((block, 1), np.float32)))
+                self._block_sum_mats.add(mat)
+            sums = self._block_sums[(x, block)] = g.op("MatMul", [x, mat])
+        return sums
+
+    def block_linear(self, x: str, weight: QuantWeight, name: str) -> str:
+        """x @ W^T over a GGUF's blocks: per format part (stacked along N) its levels and scales
+        as they are, plus block sums times its offsets where it has them; parts concatenated."""
+        g, outs = self.g, []
+        parts = weight.parts
+        for i, blocks in enumerate(parts):
+            part = block_part(blocks)
+            tag = name if len(parts) == 1 else f"{name}.part{i}"
+            y, offsets = self.block_matmul(x, part, tag)
+            if offsets is not None:
+                k, block = part.nbits.k, part.nbits.block_size
+                shift = g.op("MatMul", [self.block_sums(x, k, block), g.init(f"{tag}.offsets", offsets.T)])
+                y = g.op("Add", [y, shift])
+            outs.append(y)
+        return outs[0] if len(outs) == 1 else g.op("Concat", outs, axis=-1)
+
     def embedding(self, ids: str) -> str:
+        if self.embed_from_blocks():
+            return self.block_embedding(ids)[0]
         return self.g.op("Gather", [self.g.init("embed.weight", as_numpy(self.model.embed)), ids], axis=0)
+
+    def embed_from_blocks(self) -> bool:
+        embed = self.model.embed
+        return self.from_blocks(embed) and len(embed.formats) == 1
+
+    def block_embedding(self, ids: str) -> tuple[str, BlockPart]:
+        """Rows `ids` ([d0, d1]) of a one-format quantised table, de-quantised in the graph as
+        `Blocks.dequantize` does ((q - zero) * scale + offset, the same float32 operations, so
+        exactly): a gather of MatMulNBits-packed levels (`embed.qweight`, which a tied head's
+        MatMulNBits reads too), per-block scales and offsets. Returns the rows and the part."""
+        g = self.g
+        (part,) = block_parts(self.model.embed, centre=False)  # exact: no int8 activations here
+        nb = part.nbits
+        levels = g.init("embed.qweight", nb.packed)
+        scales = g.init("embed.scales", nb.scales.reshape(nb.n, -1))
+        rows = g.op("Gather", [levels, ids], axis=0)  # [d0, d1, blocks, bytes]
+        if nb.bits == 4:  # the even element in the low nibble
+            low = g.op("BitwiseAnd", [rows, g.const(15, np.uint8)])
+            high = g.op("BitShift", [rows, g.const(4, np.uint8)], direction="RIGHT")
+            pairs = g.op("Concat", [g.op("Unsqueeze", [low, g.const([-1])]),
+                                    g.op("Unsqueeze", [high, g.const([-1])])], axis=-1)
+            rows = g.op("Reshape", [pairs, g.const([0, 0, part.blocks, nb.block_size])])
+        w = g.op("Cast", [rows], to=TensorProto.FLOAT)
+        if part.zero:
+            w = g.op("Sub", [w, g.const(float(part.zero), np.float32)])
+        per_block = g.op("Unsqueeze", [g.op("Gather", [scales, ids], axis=0), g.const([-1])])
+        w = g.op("Mul", [w, per_block])
+        if part.offsets is not None:
+            offsets = g.init("embed.offsets", part.offsets)
+            w = g.op("Add", [w, g.op("Unsqueeze", [g.op("Gather", [offsets, ids], axis=0), g.const([-1])])])
+        return g.op("Reshape", [w, g.const([0, 0, nb.k])]), part
 
     def lm_head(self, rows: str) -> str:
         return self.linear(rows, self.model.lm_head_weight(), None, "lm_head")

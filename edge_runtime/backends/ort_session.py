@@ -69,15 +69,24 @@ class OrtSession:
     inputs_key: tuple | None = None  # which preallocated decode inputs are bound (None: a plan's)
 
 
-def open_session(path: Path, providers: list, num_threads: int = 0, has_lora_inputs: bool = True) -> OrtSession:
+# ONNX Runtime's kernels pre-pack constant weights into buffers of their own (MatMulNBits into
+# its tiled int4/int8 layout) and free the originals: docs/onnx.md ("ORT's own copy") measures it.
+PREPACK = True
+
+
+def open_session(path: Path, providers: list, num_threads: int = 0, has_lora_inputs: bool = True,
+                 prepack: bool | None = None) -> OrtSession:
     """A session of the exported graph at `path` with every graph optimisation, on `providers`
-    (`num_threads` intra-op threads; 0: ONNX Runtime's choice)."""
+    (`num_threads` intra-op threads; 0: ONNX Runtime's choice); `prepack`: whether kernels may
+    copy their weights into layouts of their own (None: `PREPACK`)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if num_threads:
         options.intra_op_num_threads = num_threads
+    if not (PREPACK if prepack is None else prepack):
+        options.add_session_config_entry("session.disable_prepacking", "1")
     inference = ort.InferenceSession(str(path), options, providers=providers)
     log.info("onnxruntime backend: %s on %s", path.parent.name, inference.get_providers())
     data = path.parent / DATA_FILE

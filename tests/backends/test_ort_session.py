@@ -1,0 +1,44 @@
+"""ort_session's switch for ONNX Runtime's weight pre-packing: off, the session says so, and
+MatMulNBits then multiplies in float32 instead of its int8-activation kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+import onnx  # noqa: E402
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+from edge_runtime.backends.ort_session import open_session  # noqa: E402
+from edge_runtime.backends.quantize import dequantize_nbits, pack_nbits  # noqa: E402
+
+
+def test_prepacking_off_gives_the_same_numbers(tmp_path):
+    rng = np.random.default_rng(0)
+    q = pack_nbits(rng.standard_normal((48, 64)).astype(np.float32), 4)
+    node = helper.make_node("MatMulNBits", ["x", "B", "S", "Z"], ["y"], domain="com.microsoft", K=64, N=48, bits=4,
+                            block_size=32, accuracy_level=4)
+    inits = [numpy_helper.from_array(a, n) for a, n in ((q.packed, "B"), (q.scales, "S"), (q.zero_points, "Z"))]
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                            helper.make_opsetid("com.microsoft", 1)], ir_version=10),
+                    str(tmp_path / "m.onnx"))
+    x = {"x": rng.standard_normal((3, 64)).astype(np.float32)}
+    outs = []
+    for prepack in (True, False):
+        session = open_session(tmp_path / "m.onnx", ["CPUExecutionProvider"], 1, prepack=prepack)
+        configs = session.inference.get_session_options()
+        try:
+            disabled = configs.get_session_config_entry("session.disable_prepacking") == "1"
+        except RuntimeError:  # not set
+            disabled = False
+        assert disabled is not prepack
+        outs.append(session.inference.run(None, x)[0])
+    # Pre-packed, the int8-activation kernel runs; without it, ONNX Runtime 1.32 multiplies in
+    # float32 (accuracy level 4 needs the packed layout): the float product, within rounding.
+    want = x["x"] @ dequantize_nbits(q).T
+    np.testing.assert_allclose(outs[1], want, rtol=1e-4, atol=1e-4)
+    assert 1e-4 < np.abs(outs[0] - want).max() < 0.05 * np.abs(want).max()
