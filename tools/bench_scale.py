@@ -27,60 +27,20 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/make_gguf.py
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 1 << 20
 
-# -- the shapes ---------------------------------------------------------------------------------
+# -- the shapes (tools/make_gguf.py owns the table and the padded tokenizer) ---------------------
 
+from make_gguf import SHAPES, Shape, padded_tokenizer  # noqa: E402
 
-@dataclass(frozen=True)
-class Shape:
-    """A published model's architecture (its config.json numbers), without its weights."""
-
-    name: str
-    model_type: str  # transformers' config class picks the checkpoint's tensor names
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    rope_parameters: dict[str, Any]
-    rms_norm_eps: float
-    tie_word_embeddings: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def scaled(self, **overrides: Any) -> Shape:
-        """The same architecture with some numbers changed (fewer layers for development, a tiny
-        everything for tests)."""
-        values = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        values.update(overrides)
-        return Shape(**values)
-
-
-SHAPES = {
-    # meta-llama/Llama-3.2-1B config.json
-    "llama-3.2-1b": Shape(
-        "llama-3.2-1b", "llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
-        intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        rms_norm_eps=1e-5, extra={"attention_bias": False, "mlp_bias": False}),
-    # Qwen/Qwen3-1.7B config.json (per-head RMSNorm on q and k: q_norm / k_norm tensors)
-    "qwen3-1.7b": Shape(
-        "qwen3-1.7b", "qwen3", hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
-        intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        rms_norm_eps=1e-6, extra={"attention_bias": False, "use_sliding_window": False, "sliding_window": None}),
-}
+__all__ = ["SHAPES", "Shape", "padded_tokenizer"]
 
 
 def hf_config(shape: Shape, special_ids: tuple[int, int, int]) -> Any:
@@ -98,28 +58,6 @@ def hf_config(shape: Shape, special_ids: tuple[int, int, int]) -> Any:
         rope_parameters=dict(shape.rope_parameters), tie_word_embeddings=shape.tie_word_embeddings,
         hidden_act="silu", bos_token_id=bos, eos_token_id=eos, pad_token_id=eos, dtype="bfloat16",
         **shape.extra,
-    )
-
-
-def padded_tokenizer(vocab_size: int) -> Any:
-    """The tiny test model's byte-level BPE (ChatML specials, every byte, a few merges), with
-    filler tokens `<fill_N>` up to `vocab_size`: a random model emits any id, and each decodes."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    from edge_runtime.model.testing import _build_tokenizer
-
-    small = _build_tokenizer(0)
-    data = json.loads(small.backend_tokenizer.to_str())
-    vocab: dict[str, int] = data["model"]["vocab"]
-    if vocab_size < len(vocab):
-        raise ValueError(f"a vocabulary of {vocab_size} cannot hold the tokenizer's {len(vocab)} base tokens")
-    for i in range(len(vocab), vocab_size):
-        vocab[f"<fill_{i}>"] = i
-    return PreTrainedTokenizerFast(
-        tokenizer_object=RawTokenizer.from_str(json.dumps(data)),
-        bos_token=small.bos_token, eos_token=small.eos_token, pad_token=small.pad_token,
-        unk_token=small.unk_token, chat_template=small.chat_template, clean_up_tokenization_spaces=False,
     )
 
 
