@@ -1,20 +1,37 @@
 #!/usr/bin/env python3
-"""Real sizes: random-weight models at the shapes of Llama-3.2-1B and Qwen3-1.7B (bf16
-safetensors, written locally, nothing downloaded), loaded through the engine on this machine.
-Per shape: load time, the memory ledger's bytes against measured resident memory (weights, KV
-cache, adapters, one DPO pair's training state), decode tokens/s at 1 and 8 streams (torch and
-ONNX Runtime int4) and one DPO pair's step time. Writes JSON and a markdown table.
+"""Real sizes, two ways. Serving mode (`--gguf FILE`): the daemon as a user runs it on a GGUF file
+(`maced --model FILE` in a child process) beside llama-cpp-python's server on the same file with
+the same threads, in one run. Engine mode (`--shapes`): random bf16 safetensors at real shapes
+loaded through the engine in-process, the memory ledger against measured resident memory.
+
+    python tools/make_gguf.py --shapes llama-3.2-1b --mixes q4_k_m      # the file (random weights)
+    python tools/bench_scale.py --gguf /tmp/mace-random-gguf/llama-3.2-1b-random-q4_k_m.gguf \
+        [--threads 2] [--llama-python /work/llama-venv/bin/python] [--tokens 32] [--repeats 2]
+
+Serving mode starts maced twice (empty state and model cache, then what the first start left;
+`finetune.pairs_per_version=1` so one pair publishes a version), then llama-cpp-python's server
+once. Per server: time to ready (start to the first answered chat request), peak RSS of the whole
+process tree starting, serving and (maced) while one DPO pair trains through the SDK (consent, a
+two-candidate generate, the user's choice; status until the version is published), completion
+tok/s at 1 and 8 greedy streams of the same prompt over the OpenAI API (best of --repeats), the
+pair's stage seconds and wall time until published. RSS is the summed VmRSS of the process and
+its descendants sampled every 0.1 s, with their VmHWM reset per phase through clear_refs; the
+whole /proc/loadavg line is recorded at both ends. Writes
+tools/results/bench_scale_gguf_<file stem>.{json,md}. llama-cpp-python[server] is a source build
+(see tools/bench_e2e.py); without it the llama column says why it was skipped.
 
     python tools/bench_scale.py [--shapes llama-3.2-1b,qwen3-1.7b] [--backends torch,onnxruntime-int4]
                                 [--tokens 32] [--repeats 2] [--layers N (scaled down, for development)]
 
-Each backend of each shape is measured in a fresh child process (`--measure`), so one run's
-memory never shows in another's. Resident memory is read from /proc/self/status: VmHWM (the
-kernel's peak RSS, reset between phases by writing 5 to /proc/self/clear_refs) and a sampler
-thread that keeps the peak of RssAnon every 2 ms (RSS counts the pages of a memory-mapped
-checkpoint while it is read; RssAnon is the process's own memory, what the ledger models).
-The random weights and tokenizer are honest stand-ins: the tokenizer is the tiny test model's
-byte-level BPE padded with filler tokens to the shape's vocabulary, so every id decodes.
+Engine mode, per shape: load time, the memory ledger's bytes against measured resident memory
+(weights, KV cache, adapters, one DPO pair's training state), decode tokens/s at 1 and 8 streams
+(torch and ONNX Runtime int4) and one DPO pair's step time. Each backend of each shape is measured
+in a fresh child process (`--measure`), so one run's memory never shows in another's. Resident
+memory is read from /proc/self/status: VmHWM (the kernel's peak RSS, reset between phases by
+writing 5 to /proc/self/clear_refs) and a sampler thread that keeps the peak of RssAnon every
+2 ms (RSS counts the pages of a memory-mapped checkpoint while it is read; RssAnon is the
+process's own memory, what the ledger models). The tokenizer is the tiny test model's byte-level
+BPE padded with filler tokens to the shape's vocabulary (tools/make_gguf.py), so every id decodes.
 """
 
 from __future__ import annotations
@@ -36,6 +53,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/make_gguf.py
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 1 << 20
+# How llama-cpp-python's server was installed for the comparison (a source build, ~30 min on 2
+# busy cores; never part of the project's bootstrap or CI). GGML_NATIVE would turn on AMX where
+# /proc/cpuinfo lists it, and a VM that lists AMX without enabling it traps on the first tile
+# instruction: the CPU features are named instead, AMX left out.
+LLAMA_INSTALL = ("python3 -m venv /work/llama-venv && CMAKE_ARGS='-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON "
+                 "-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON' "
+                 "/work/llama-venv/bin/pip install 'llama-cpp-python[server]==0.3.36'")
 
 # -- the shapes (tools/make_gguf.py owns the table and the padded tokenizer) ---------------------
 
@@ -739,8 +763,7 @@ def run_gguf(args: argparse.Namespace) -> dict[str, Any]:
             result["llama"] = {"skipped": "not asked for (--servers)"}
         elif (version := check_llama(args.llama_python) if args.llama_python else None) is None:
             result["llama"] = {"skipped": f"llama_cpp.server is not importable by {args.llama_python!r}: "
-                                          f"install it with `{args.llama_python or 'python'} -m pip install "
-                                          "'llama-cpp-python[server]'` (a build from source) and pass --llama-python"}
+                                          f"install it with `{LLAMA_INSTALL}` and pass --llama-python"}
         else:
             port = free_port()
             llama = Server("llama", [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf_path),
