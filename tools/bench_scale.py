@@ -844,6 +844,10 @@ def write_gguf_table(result: dict[str, Any], path: Path) -> None:
         lines += ["", "maced's start-up phases from its log (s): " + "; ".join(
             f"start {i + 1}: " + ", ".join(f"{k} {v}" for k, v in (p or {}).items() if v is not None)
             for i, p in enumerate(phases))]
+    said = [line.split(" ", 3)[-1] for line in result.get("maced", {}).get("log_tail", "").splitlines()
+            if "auto backend: " in line or "failed: " in line or "cannot run: " in line]
+    if said:
+        lines += ["", "maced's log on its backend and its fine-tuning:", ""] + [f"- `{line[:600]}`" for line in said]
     lines += ["", "Peak RSS: the server process and its children, summed (sampled every 0.1 s, and the kernel's "
               "VmHWM reset per phase; the larger). llama-cpp-python's server answers one request at a time.", ""]
     path.write_text("\n".join(lines))
