@@ -56,11 +56,12 @@ MiB = 1 << 20
 # How llama-cpp-python's server was installed for the comparison (a source build, ~30 min on 2
 # busy cores; never part of the project's bootstrap or CI). GGML_NATIVE would turn on AMX where
 # /proc/cpuinfo lists it, and a VM that lists AMX without enabling it traps on the first tile
-# instruction: the CPU features are named instead, AMX left out.
+# instruction: the CPU features are named instead, AMX left out. --no-cache-dir: pip's wheel cache
+# is keyed by the sdist, not CMAKE_ARGS, and would hand back an earlier build with other flags.
 LLAMA_INSTALL = ("python3 -m venv /work/llama-venv && CMAKE_ARGS='-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON "
                  "-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON "
                  "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON' "
-                 "/work/llama-venv/bin/pip install 'llama-cpp-python[server]==0.3.36'")
+                 "/work/llama-venv/bin/pip install --no-cache-dir 'llama-cpp-python[server]==0.3.36'")
 
 # -- the shapes (tools/make_gguf.py owns the table and the padded tokenizer) ---------------------
 
