@@ -1,20 +1,37 @@
 #!/usr/bin/env python3
-"""Real sizes: random-weight models at the shapes of Llama-3.2-1B and Qwen3-1.7B (bf16
-safetensors, written locally, nothing downloaded), loaded through the engine on this machine.
-Per shape: load time, the memory ledger's bytes against measured resident memory (weights, KV
-cache, adapters, one DPO pair's training state), decode tokens/s at 1 and 8 streams (torch and
-ONNX Runtime int4) and one DPO pair's step time. Writes JSON and a markdown table.
+"""Real sizes, two ways. Serving mode (`--gguf FILE`): the daemon as a user runs it on a GGUF file
+(`maced --model FILE` in a child process) beside llama-cpp-python's server on the same file with
+the same threads, in one run. Engine mode (`--shapes`): random bf16 safetensors at real shapes
+loaded through the engine in-process, the memory ledger against measured resident memory.
+
+    python tools/make_gguf.py --shapes llama-3.2-1b --mixes q4_k_m      # the file (random weights)
+    python tools/bench_scale.py --gguf /tmp/mace-random-gguf/llama-3.2-1b-random-q4_k_m.gguf \
+        [--threads 2] [--llama-python /work/llama-venv/bin/python] [--tokens 32] [--repeats 2]
+
+Serving mode starts maced twice (empty state and model cache, then what the first start left;
+`finetune.pairs_per_version=1` so one pair publishes a version), then llama-cpp-python's server
+once. Per server: time to ready (start to the first answered chat request), peak RSS of the whole
+process tree starting, serving and (maced) while one DPO pair trains through the SDK (consent, a
+two-candidate generate, the user's choice; status until the version is published), completion
+tok/s at 1 and 8 greedy streams of the same prompt over the OpenAI API (best of --repeats), the
+pair's stage seconds and wall time until published. RSS is the summed VmRSS of the process and
+its descendants sampled every 0.1 s, with their VmHWM reset per phase through clear_refs; the
+whole /proc/loadavg line is recorded at both ends. Writes
+tools/results/bench_scale_gguf_<file stem>.{json,md}. llama-cpp-python[server] is a source build
+(see tools/bench_e2e.py); without it the llama column says why it was skipped.
 
     python tools/bench_scale.py [--shapes llama-3.2-1b,qwen3-1.7b] [--backends torch,onnxruntime-int4]
                                 [--tokens 32] [--repeats 2] [--layers N (scaled down, for development)]
 
-Each backend of each shape is measured in a fresh child process (`--measure`), so one run's
-memory never shows in another's. Resident memory is read from /proc/self/status: VmHWM (the
-kernel's peak RSS, reset between phases by writing 5 to /proc/self/clear_refs) and a sampler
-thread that keeps the peak of RssAnon every 2 ms (RSS counts the pages of a memory-mapped
-checkpoint while it is read; RssAnon is the process's own memory, what the ledger models).
-The random weights and tokenizer are honest stand-ins: the tokenizer is the tiny test model's
-byte-level BPE padded with filler tokens to the shape's vocabulary, so every id decodes.
+Engine mode, per shape: load time, the memory ledger's bytes against measured resident memory
+(weights, KV cache, adapters, one DPO pair's training state), decode tokens/s at 1 and 8 streams
+(torch and ONNX Runtime int4) and one DPO pair's step time. Each backend of each shape is measured
+in a fresh child process (`--measure`), so one run's memory never shows in another's. Resident
+memory is read from /proc/self/status: VmHWM (the kernel's peak RSS, reset between phases by
+writing 5 to /proc/self/clear_refs) and a sampler thread that keeps the peak of RssAnon every
+2 ms (RSS counts the pages of a memory-mapped checkpoint while it is read; RssAnon is the
+process's own memory, what the ledger models). The tokenizer is the tiny test model's byte-level
+BPE padded with filler tokens to the shape's vocabulary (tools/make_gguf.py), so every id decodes.
 """
 
 from __future__ import annotations
@@ -22,65 +39,35 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/make_gguf.py
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 1 << 20
+# How llama-cpp-python's server was installed for the comparison (a source build, ~30 min on 2
+# busy cores; never part of the project's bootstrap or CI). GGML_NATIVE would turn on AMX where
+# /proc/cpuinfo lists it, and a VM that lists AMX without enabling it traps on the first tile
+# instruction: the CPU features are named instead, AMX left out. --no-cache-dir: pip's wheel cache
+# is keyed by the sdist, not CMAKE_ARGS, and would hand back an earlier build with other flags.
+LLAMA_INSTALL = ("python3 -m venv /work/llama-venv && CMAKE_ARGS='-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON "
+                 "-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON "
+                 "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON' "
+                 "/work/llama-venv/bin/pip install --no-cache-dir 'llama-cpp-python[server]==0.3.36'")
 
-# -- the shapes ---------------------------------------------------------------------------------
+# -- the shapes (tools/make_gguf.py owns the table and the padded tokenizer) ---------------------
 
+from make_gguf import SHAPES, Shape, padded_tokenizer  # noqa: E402
 
-@dataclass(frozen=True)
-class Shape:
-    """A published model's architecture (its config.json numbers), without its weights."""
-
-    name: str
-    model_type: str  # transformers' config class picks the checkpoint's tensor names
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    rope_parameters: dict[str, Any]
-    rms_norm_eps: float
-    tie_word_embeddings: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def scaled(self, **overrides: Any) -> Shape:
-        """The same architecture with some numbers changed (fewer layers for development, a tiny
-        everything for tests)."""
-        values = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        values.update(overrides)
-        return Shape(**values)
-
-
-SHAPES = {
-    # meta-llama/Llama-3.2-1B config.json
-    "llama-3.2-1b": Shape(
-        "llama-3.2-1b", "llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
-        intermediate_size=8192, vocab_size=128256, max_position_embeddings=131072,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        rms_norm_eps=1e-5, extra={"attention_bias": False, "mlp_bias": False}),
-    # Qwen/Qwen3-1.7B config.json (per-head RMSNorm on q and k: q_norm / k_norm tensors)
-    "qwen3-1.7b": Shape(
-        "qwen3-1.7b", "qwen3", hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
-        intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        rms_norm_eps=1e-6, extra={"attention_bias": False, "use_sliding_window": False, "sliding_window": None}),
-}
+__all__ = ["SHAPES", "Shape", "padded_tokenizer"]
 
 
 def hf_config(shape: Shape, special_ids: tuple[int, int, int]) -> Any:
@@ -98,28 +85,6 @@ def hf_config(shape: Shape, special_ids: tuple[int, int, int]) -> Any:
         rope_parameters=dict(shape.rope_parameters), tie_word_embeddings=shape.tie_word_embeddings,
         hidden_act="silu", bos_token_id=bos, eos_token_id=eos, pad_token_id=eos, dtype="bfloat16",
         **shape.extra,
-    )
-
-
-def padded_tokenizer(vocab_size: int) -> Any:
-    """The tiny test model's byte-level BPE (ChatML specials, every byte, a few merges), with
-    filler tokens `<fill_N>` up to `vocab_size`: a random model emits any id, and each decodes."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    from edge_runtime.model.testing import _build_tokenizer
-
-    small = _build_tokenizer(0)
-    data = json.loads(small.backend_tokenizer.to_str())
-    vocab: dict[str, int] = data["model"]["vocab"]
-    if vocab_size < len(vocab):
-        raise ValueError(f"a vocabulary of {vocab_size} cannot hold the tokenizer's {len(vocab)} base tokens")
-    for i in range(len(vocab), vocab_size):
-        vocab[f"<fill_{i}>"] = i
-    return PreTrainedTokenizerFast(
-        tokenizer_object=RawTokenizer.from_str(json.dumps(data)),
-        bos_token=small.bos_token, eos_token=small.eos_token, pad_token=small.pad_token,
-        unk_token=small.unk_token, chat_template=small.chat_template, clean_up_tokenization_spaces=False,
     )
 
 
@@ -543,7 +508,353 @@ def write_table(result: dict[str, Any], path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def main() -> None:
+# -- the daemon as a user runs it, beside llama.cpp's server (--gguf) ---------------------------
+
+
+def tree_status(pid: int) -> dict[str, int]:
+    """VmRSS, VmHWM and RssAnon summed over a process and all its descendants, in bytes (pages
+    two of them share count twice: an upper bound, as a user's `ps` would add them)."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    total = {"VmRSS": 0, "VmHWM": 0, "RssAnon": 0}
+    for proc in procs:
+        try:
+            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key in total:
+                    total[key] += int(value.split()[0]) * 1024
+        except OSError:
+            pass  # ended between the listing and the read
+    return total
+
+
+def reset_tree_peaks(pid: int) -> None:
+    """Restart the kernel's peak RSS (VmHWM) of the process tree from now (5 to clear_refs)."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            Path(f"/proc/{proc.pid}/clear_refs").write_text("5")
+        except OSError:
+            pass
+
+
+class TreeSampler:
+    """Samples the summed RSS of a server's process tree every `period_s` and keeps the peak per
+    phase; a phase also reads the summed VmHWM (reset at its start), which sees spikes between
+    samples."""
+
+    def __init__(self, period_s: float = 0.1) -> None:
+        self.period_s, self.pid, self.peak = period_s, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            if self.pid:
+                self.peak = max(self.peak, tree_status(self.pid).get("VmRSS", 0))
+
+    def start_phase(self, pid: int) -> None:
+        self.pid = pid
+        reset_tree_peaks(pid)
+        self.peak = tree_status(pid).get("VmRSS", 0)
+
+    def end_phase(self) -> dict[str, float]:
+        now = tree_status(self.pid) if self.pid else {}
+        peak = max(self.peak, now.get("VmRSS", 0))
+        return {"peak_rss_mib": round(peak / MiB, 1), "peak_hwm_mib": round(now.get("VmHWM", 0) / MiB, 1),
+                "rss_end_mib": round(now.get("VmRSS", 0) / MiB, 1),
+                "anon_end_mib": round(now.get("RssAnon", 0) / MiB, 1)}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def _stream_one(server: Any, prompt: str, max_tokens: int) -> dict[str, Any]:
+    from openai import AsyncOpenAI
+
+    extra = {"ignore_eos": True} if server.name == "maced" else {}
+    async with AsyncOpenAI(base_url=server.base_url, api_key="bench", max_retries=0, timeout=1800) as client:
+        t0 = time.perf_counter()
+        first, tokens, chunks = None, None, 0
+        stream = await client.chat.completions.create(
+            model=server.model_id, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+            temperature=0, stream=True, stream_options={"include_usage": True}, extra_body=extra)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                chunks += 1
+                first = first if first is not None else time.perf_counter() - t0
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return {"ttft_s": first, "tokens": tokens if tokens is not None else chunks}
+
+
+def decode_streams(server: Any, streams: int, prompt: str, max_tokens: int, repeats: int) -> dict[str, Any]:
+    """`streams` greedy streams of the same prompt started together over the OpenAI API: completion
+    tokens over the wall time of all of them (what a user sees; a short prompt's prefill
+    included), best of `repeats`."""
+    import asyncio
+
+    async def together() -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(_stream_one(server, prompt, max_tokens) for _ in range(streams))))
+
+    best: dict[str, Any] = {}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        got = asyncio.run(together())
+        wall = time.perf_counter() - t0
+        tokens = sum(g["tokens"] for g in got)
+        row = {"tok_s": round(tokens / wall, 2), "tokens": tokens, "wall_s": round(wall, 2),
+               "ttft_max_s": round(max(g["ttft_s"] or 0.0 for g in got), 2)}
+        if not best or row["tok_s"] > best["tok_s"]:
+            best = row
+    return best
+
+
+def train_one_pair(socket: Path, prompt: str, tokens: int, sampler: TreeSampler, pid: int,
+                   timeout_s: float) -> dict[str, Any]:
+    """One user's DPO pair through the SDK as an app sends it (consent, a two-candidate generate,
+    the user's choice; an edit where the two came out the same), then the daemon's status until
+    the pair is trained and its adapter version published (or refused by the guard)."""
+    from daemon.client import Client
+
+    with Client(f"ipc://{socket}", timeout_s=timeout_s) as c:
+        c.consent("bench")
+        reply = c.generate(prompt, max_tokens=tokens, n=2, temperature=1.0, seed=1, user="bench",
+                           ignore_eos=True)
+        before = c.status()["finetune"]
+        sampler.start_phase(pid)
+        t0 = time.monotonic()
+        if reply.candidates[0].text != reply.candidates[1].text:
+            c.choose("bench", reply.interaction_id, 1)
+            feedback = "choice"
+        else:
+            c.edit("bench", reply.interaction_id, reply.candidates[0].text + " Thanks, that helps.")
+            feedback = "edit"
+        while True:
+            ft = c.status()["finetune"]
+            decided = (ft["versions_published"] + ft["versions_rejected"]
+                       > before["versions_published"] + before["versions_rejected"])
+            if ft["errors"] > before["errors"]:
+                outcome = "error"
+                break
+            if ft["pairs_trained"] > before["pairs_trained"] and decided and ft["state"] == "idle":
+                outcome = "published" if ft["versions_published"] > before["versions_published"] else "rejected"
+                break
+            if time.monotonic() - t0 > timeout_s:
+                outcome = "timeout"
+                break
+            time.sleep(0.5)
+        wall = time.monotonic() - t0
+    return {"feedback": feedback, "outcome": outcome, "wall_s": round(wall, 1),
+            "stage_s": round(ft["finetune_seconds"] - before["finetune_seconds"], 2),
+            "stages_run": ft["stages_run"] - before["stages_run"], "last_loss": ft["last_loss"],
+            **sampler.end_phase()}
+
+
+def daemon_log_phases(text: str) -> dict[str, float | None]:
+    """Seconds of the start-up phases the daemon's log names (ready, export, calibration)."""
+    import re
+
+    from bench_ready import PHASES
+
+    out: dict[str, float | None] = {}
+    for name, pattern in PHASES.items():
+        found = re.findall(pattern, text)
+        out[name] = round(sum(float(x) for x in found), 2) if found else None
+    return out
+
+
+def serve_run(name: str, server: Any, sampler: TreeSampler, args: argparse.Namespace,
+              starts: int, socket: Path | None = None) -> dict[str, Any]:
+    """Start `server` `starts` times (the first on empty state and cache, the rest on what the
+    first left), measure the last one serving (and, for maced, training one pair), stop it."""
+    out: dict[str, Any] = {"starts": []}
+    for i in range(starts):
+        log(f"{name}: start {i + 1} of {starts} ...")
+        load = os.getloadavg()
+        server.proc = None
+        failure: list[BaseException] = []
+
+        def start(failure: list[BaseException] = failure) -> None:
+            try:
+                server.start(args.timeout_s)
+            except BaseException as exc:  # noqa: BLE001 - SystemExit from a server that died; reported
+                failure.append(exc)
+
+        thread = threading.Thread(target=start, daemon=True)
+        thread.start()
+        while server.proc is None and thread.is_alive():
+            time.sleep(0.01)
+        if server.proc is not None:
+            sampler.start_phase(server.proc.pid)
+        thread.join()
+        if failure:
+            server.stop()
+            out["error"] = f"start {i + 1} failed: {failure[0]}"[-3000:]
+            log(f"{name}: {out['error']}")
+            return out
+        row = {"ready_s": server.ready_s, "loadavg": load, **sampler.end_phase()}
+        if name == "maced":
+            row["log_phases"] = daemon_log_phases(server.log.read_text(errors="replace"))
+        out["starts"].append(row)
+        log(f"{name}: ready in {server.ready_s} s, peak RSS {row['peak_rss_mib']} MiB")
+        if i + 1 < starts:
+            server.stop()
+    try:
+        pid = server.proc.pid
+        sampler.start_phase(pid)
+        decode_streams(server, 1, args.prompt, 8, 1)  # a first request, not timed
+        out["decode"] = {}
+        for streams in (1, 8):
+            out["decode"][str(streams)] = decode_streams(server, streams, args.prompt, args.tokens, args.repeats)
+            log(f"{name}: {streams} stream(s): {out['decode'][str(streams)]}")
+        out["serving"] = sampler.end_phase()
+        if name == "maced" and args.dpo and socket is not None:
+            log(f"{name}: one DPO pair ...")
+            out["dpo_pair"] = train_one_pair(socket, args.prompt, args.dpo_tokens, sampler, pid, args.timeout_s)
+            log(f"{name}: {out['dpo_pair']}")
+        out["whole_life_hwm_mib"] = round(tree_status(pid).get("VmHWM", 0) / MiB, 1)
+    except Exception as exc:  # noqa: BLE001 - one server's failure is a result, the other still runs
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        log(f"{name}: {out['error']}")
+    finally:
+        server.stop()
+    return out
+
+
+def run_gguf(args: argparse.Namespace) -> dict[str, Any]:
+    """maced and llama-cpp-python's server on one GGUF file, one after the other, same threads."""
+    from bench_e2e import Server, check_llama, free_port, llama_system_info
+    from gguf import GGUFReader
+
+    gguf_path = Path(args.gguf).resolve()
+    reader = GGUFReader(str(gguf_path))
+    tensor_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    file_type = int(reader.fields["general.file_type"].contents()) if "general.file_type" in reader.fields else None
+    del reader
+    threads = args.threads or os.cpu_count() or 1
+    work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MACE_")}
+    env.update(PYTHONUNBUFFERED="1", MACE_CACHE_DIR=str(work / "cache"))  # empty for the first start
+    result: dict[str, Any] = {
+        "command": " ".join(["python tools/bench_scale.py", *args.argv]), "machine": machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "gguf": gguf_path.name, "gguf_mib": round(gguf_path.stat().st_size / MiB, 1),
+        "tensor_mib": round(tensor_bytes / MiB, 1), "file_type": file_type, "threads": threads,
+        "tokens": args.tokens, "repeats": args.repeats, "dpo_tokens": args.dpo_tokens, "prompt": args.prompt,
+        "maced_settings": args.set, "loadavg_start": Path("/proc/loadavg").read_text().strip(),
+        "memory_method": "summed VmRSS of the server and its descendants sampled every 0.1 s (peak per "
+                         "phase), and their summed VmHWM reset at each phase's start via clear_refs",
+    }
+    sampler = TreeSampler()
+    try:
+        if "maced" in args.servers:
+            result["maced"] = run_maced(args, gguf_path, threads, work, env, sampler)
+        if "llama" not in args.servers:
+            result["llama"] = {"skipped": "not asked for (--servers)"}
+        elif (version := check_llama(args.llama_python) if args.llama_python else None) is None:
+            result["llama"] = {"skipped": f"llama_cpp.server is not importable by {args.llama_python!r}: "
+                                          f"install it with `{LLAMA_INSTALL}` and pass --llama-python"}
+        else:
+            port = free_port()
+            llama = Server("llama", [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf_path),
+                                     "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
+                                     "--n_threads_batch", str(threads), "--n_ctx", str(args.n_ctx),
+                                     "--interrupt_requests", "False"], port, work / "llama.log", env)
+            result["llama"] = serve_run("llama", llama, sampler, args, starts=1)
+            result["llama"].update(version=version, system_info=llama_system_info(args.llama_python))
+            if "error" in result["llama"]:
+                result["llama"]["log_tail"] = llama.log.read_text(errors="replace")[-3000:]
+    finally:
+        sampler.close()
+        shutil.rmtree(work, ignore_errors=True)
+    result["loadavg_end"] = Path("/proc/loadavg").read_text().strip()
+    return result
+
+
+def run_maced(args: argparse.Namespace, gguf_path: Path, threads: int, work: Path, env: dict[str, str],
+              sampler: TreeSampler) -> dict[str, Any]:
+    """`maced --model FILE` as a user starts it (defaults, but the threads and one pair per adapter
+    version), twice: on empty state and cache, then on what the first start left."""
+    from bench_e2e import Server, free_port
+
+    port = free_port()
+    socket = work / "maced.sock"
+    cmd = [sys.executable, "-m", "daemon.main", "--model", str(gguf_path), "--state-dir", str(work / "state"),
+           "--ipc", str(socket), "--http", f"127.0.0.1:{port}", "--log-format", "text",
+           "--set", f"engine.num_threads={threads}", "--set", "finetune.pairs_per_version=1"]
+    for item in args.set:
+        cmd += ["--set", item]
+    maced = Server("maced", cmd, port, work / "maced.log", env)
+    out = serve_run("maced", maced, sampler, args, starts=2, socket=socket)
+    out["log_tail"] = maced.log.read_text(errors="replace")[-4000:]
+    return out
+
+
+def _cell(run: dict[str, Any], *keys: str) -> str:
+    value: Any = run
+    for key in keys:
+        value = value.get(key) if isinstance(value, dict) else None
+    return "-" if value is None else str(value)
+
+
+def write_gguf_table(result: dict[str, Any], path: Path) -> None:
+    m = result["machine"]
+    lines = [
+        f"# {result['gguf']}: maced against llama-cpp-python's server", "",
+        f"{result['tensor_mib']} MiB of tensors (file {result['gguf_mib']} MiB, file_type {result['file_type']}); "
+        f"{result['threads']} threads for both; {m['cores']} cores ({m['cpu']}), shared: /proc/loadavg "
+        f"`{result['loadavg_start']}` at start, `{result['loadavg_end']}` at the end. {result['tokens']} tokens "
+        f"per stream, greedy, best of {result['repeats']}; one DPO pair of {result['dpo_tokens']}-token "
+        f"completions. {result['date']}. Command: `{result['command']}`", "",
+        "| server | ready, first start (s) | ready, cached (s) | peak RSS starting (MiB) | peak RSS serving (MiB) "
+        "| peak RSS training one pair (MiB) | tok/s, 1 stream | tok/s, 8 streams | DPO pair: stages (s) / until published (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in ("maced", "llama"):
+        run = result.get(name, {})
+        if "skipped" in run:
+            lines.append(f"| {name} | skipped: {run['skipped']} | | | | | | | |")
+            continue
+        starts = run.get("starts", [])
+        first, cached = (starts[0] if starts else {}), (starts[-1] if len(starts) > 1 else {})
+        if name == "llama":
+            first, cached = {}, starts[0] if starts else {}  # nothing to convert: every start is the same
+        start_peak = max([s.get("peak_rss_mib", 0) for s in starts] + [0]) or "-"
+        dpo = run.get("dpo_pair", {})
+        dpo_cell = f"{dpo['stage_s']} / {dpo['wall_s']} ({dpo['outcome']})" if dpo else "-"
+        lines.append(
+            f"| {name} | {first.get('ready_s', '-')} | {cached.get('ready_s', '-')} | {start_peak} | "
+            f"{_cell(run, 'serving', 'peak_rss_mib')} | {_cell(run, 'dpo_pair', 'peak_rss_mib')} | "
+            f"{_cell(run, 'decode', '1', 'tok_s')} | {_cell(run, 'decode', '8', 'tok_s')} | {dpo_cell} |")
+        if "error" in run:
+            lines += ["", f"{name} failed: `{run['error'][-1500:]}`", ""]
+    phases = [s.get("log_phases") for s in result.get("maced", {}).get("starts", [])]
+    if any(phases):
+        lines += ["", "maced's start-up phases from its log (s): " + "; ".join(
+            f"start {i + 1}: " + ", ".join(f"{k} {v}" for k, v in (p or {}).items() if v is not None)
+            for i, p in enumerate(phases))]
+    said = [line.split(" ", 3)[-1] for line in result.get("maced", {}).get("log_tail", "").splitlines()
+            if "auto backend: " in line or "failed: " in line or "cannot run: " in line]
+    if said:
+        lines += ["", "maced's log on its backend and its fine-tuning:", ""] + [f"- `{line[:600]}`" for line in said]
+    lines += ["", "Peak RSS: the server process and its children, summed (sampled every 0.1 s, and the kernel's "
+              "VmHWM reset per phase; the larger). llama-cpp-python's server answers one request at a time.", ""]
+    path.write_text("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="llama-3.2-1b,qwen3-1.7b", help=f"any of {', '.join(SHAPES)}")
     ap.add_argument("--backends", default="torch,onnxruntime-int4", help=f"any of {', '.join(BACKENDS)}")
@@ -564,7 +875,25 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=1800, help="per measured child")
     ap.add_argument("--out", default=str(RESULTS / "bench_scale.json"))
     ap.add_argument("--measure", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    serve = ap.add_argument_group("serving mode: maced --model FILE against llama-cpp-python's server")
+    serve.add_argument("--gguf", default="", help="a GGUF file (tools/make_gguf.py writes them): run this mode")
+    serve.add_argument("--llama-python", default="/work/llama-venv/bin/python",
+                       help="interpreter with llama-cpp-python[server]; '' to leave llama out")
+    serve.add_argument("--n-ctx", type=int, default=2048, help="llama-server's context")
+    serve.add_argument("--prompt", default="Give me a tip for cooking rice, and explain why it works.")
+    serve.add_argument("--servers", default="maced,llama", help="which of maced, llama to run")
+    serve.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="more maced settings")
+    args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    if args.gguf:
+        gguf_result = run_gguf(args)
+        out = Path(args.out) if args.out != str(RESULTS / "bench_scale.json") else \
+            RESULTS / f"bench_scale_gguf_{Path(args.gguf).stem}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(gguf_result, indent=1) + "\n")
+        write_gguf_table(gguf_result, out.with_suffix(".md"))
+        print(out.with_suffix(".md").read_text())
+        return
     if args.measure:
         spec = json.loads(args.measure)
         Path(spec["result_file"]).write_text(json.dumps(measure(spec)))
