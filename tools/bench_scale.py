@@ -626,7 +626,7 @@ def train_one_pair(socket: Path, prompt: str, tokens: int, sampler: TreeSampler,
     """One user's DPO pair through the SDK as an app sends it (consent, a two-candidate generate,
     the user's choice; an edit where the two came out the same), then the daemon's status until
     the pair is trained and its adapter version published (or refused by the guard)."""
-    from daemon.client import Client
+    from daemon.sdk import Client
 
     with Client(f"ipc://{socket}", timeout_s=timeout_s) as c:
         c.consent("bench")
