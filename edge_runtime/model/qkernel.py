@@ -57,7 +57,10 @@ def _load() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelUnavailable("no C compiler (cc/gcc) found")
-    source = SOURCE.read_bytes()
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as e:
+        raise KernelUnavailable(f"{SOURCE.name} is not installed beside {Path(__file__).name}: {e}") from e
     # -march=native only on x86 (it picks AVX-512/AVX2); other machines take the compiler default.
     flags = _FLAGS + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
     key = hashlib.sha256(source + " ".join([compiler, platform.machine(), platform.node()] + flags).encode())
