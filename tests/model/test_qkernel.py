@@ -107,3 +107,20 @@ def test_turned_off_or_unbuildable_falls_back_to_torch(monkeypatch, tmp_path):
         assert torch.equal(_bits(b.dequantize()), _bits(want))
     finally:
         qkernel._library.cache_clear()
+
+
+def test_linear_reuses_one_buffer_and_keeps_each_result(kernel):
+    from edge_runtime.model import qweights
+    from edge_runtime.model.qweights import QuantWeight, quant_linear
+
+    parts = list(_layouts(n=6).values())
+    weights = [QuantWeight([p]) for p in parts if p.k == 256]
+    x = torch.randn(3, 256, requires_grad=True)
+    outs = [quant_linear(x, w) for w in weights]  # every call overwrites the same workspace
+    buffer = qweights._WORKSPACES.buffer
+    for w, y in zip(weights, outs, strict=True):
+        assert torch.equal(y, torch.nn.functional.linear(x, w.dequantize()))
+    sum(y.square().sum() for y in outs).backward()
+    want = torch.autograd.grad(sum(torch.nn.functional.linear(x, w.dequantize()).square().sum() for w in weights), x)[0]
+    torch.testing.assert_close(x.grad, want, rtol=1e-6, atol=0)
+    assert qweights._WORKSPACES.buffer is buffer
