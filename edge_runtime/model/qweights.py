@@ -11,11 +11,14 @@ same as llama.cpp's own de-quantisation (tests compare bit for bit).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from edge_runtime.model import qkernel
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,11 +112,26 @@ class Blocks:
         packed = self.levels
         return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:2], -1)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+    def dequantize(self, dtype: torch.dtype = torch.float32, out: Tensor | None = None) -> Tensor:
         """The float weight [n, k], computed in float32 (exact as above) and cast to `dtype`.
-        Written in place into one float buffer (4x faster than a chain of new tensors here).
-        (`scale * q - scale * zero` would save the subtraction's pass and give the same numbers,
-        but +0 where llama.cpp has -0.)"""
+        On CPU one pass of the compiled `qkernel` (bit for bit the same as torch's passes, and
+        several times faster), else `dequantize_torch`. `out`: a float32 buffer of at least n * k
+        elements the kernel may write into (a transient weight then costs no fresh allocation)."""
+        n, blocks, width = self.levels.shape
+        if qkernel.available(self.levels):
+            fits = out is not None and out.dtype == torch.float32 and out.numel() >= n * self.k
+            q = out.view(-1)[:n * self.k].view(n, blocks, self.block) if fits \
+                else torch.empty(n, blocks, self.block, dtype=torch.float32)
+            qkernel.dequantize_into(q, self.levels, self.scale_per_block(), self.offset_per_block(), self.zero, self.bits)
+            w = q.view(n, self.k)
+            return w if dtype == torch.float32 else w.to(dtype)
+        return self.dequantize_torch(dtype)
+
+    def dequantize_torch(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """`dequantize` in torch's own passes: the reference the compiled kernel must equal, and the
+        path on GPUs and wherever the kernel cannot be built. Written in place into one float
+        buffer (4x faster than a chain of new tensors here). (`scale * q - scale * zero` would save
+        the subtraction's pass and give the same numbers, but +0 where llama.cpp has -0.)"""
         n, blocks, width = self.levels.shape
         if self.bits == 4:
             q = torch.empty(n, blocks, width, 2, dtype=torch.float32, device=self.levels.device)
@@ -274,14 +292,32 @@ class _QuantLinear(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             for lo, part in ctx.weight.row_chunks():
-                step = grad[..., lo:lo + part.n].matmul(part.dequantize(grad.dtype))
+                step = grad[..., lo:lo + part.n].matmul(part.dequantize(grad.dtype, _workspace(part)))
                 grad_x = step if grad_x is None else grad_x.add_(step)
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None, grad_b, None
 
 
+_WORKSPACES = threading.local()
+
+
+def _workspace(part: Blocks) -> Tensor | None:
+    """This thread's float32 buffer for a transient de-quantised weight, grown to the largest
+    piece seen (at most CHUNK_ELEMENTS: 64 MiB). A fresh buffer per call cost more than the
+    de-quantisation itself on large weights (measured: first-touch page faults of a 64 MiB
+    buffer about 100 ms, the kernel's pass into a reused one 47 ms, at load 12). Only the
+    callers below use it, and each drops the weight before its next call on this thread."""
+    if part.levels.device.type != "cpu" or not qkernel.available(part.levels):
+        return None
+    need = part.n * part.k
+    buf = getattr(_WORKSPACES, "buffer", None)
+    if buf is None or buf.numel() < need:
+        buf = _WORKSPACES.buffer = torch.empty(need, dtype=torch.float32)
+    return buf
+
+
 def _forward(x: Tensor, weight: QuantWeight, bias: Tensor | None, op: LinearOp) -> Tensor:
-    outs = [op(x, part.dequantize(x.dtype), None if bias is None else bias[lo:lo + part.n])
+    outs = [op(x, part.dequantize(x.dtype, _workspace(part)), None if bias is None else bias[lo:lo + part.n])
             for lo, part in weight.row_chunks()]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 

@@ -1,0 +1,124 @@
+"""A compiled one-pass de-quantisation for `Blocks` on CPU (qdequant.c, built once per machine with
+the system's C compiler into the cache and loaded with ctypes), equal bit for bit to the torch
+passes of `Blocks.dequantize`, which stay the path wherever it is unavailable or turned off."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from edge_runtime import durable
+from edge_runtime.paths import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qdequant.c")
+ENV = "MACE_QKERNEL"  # "off": de-quantise with torch's passes only (the reference path)
+# Weights each thread takes at least: a hand-off to a pool thread costs 10-50 us on a quiet machine
+# and milliseconds on a loaded one (measured at load 8 on 2 cores), so only large weights split.
+PARALLEL_MIN_ELEMENTS = 1 << 20
+_FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
+_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int64, ctypes.c_int64,
+         ctypes.c_void_p]
+
+
+class KernelUnavailable(RuntimeError):
+    """The compiled de-quantisation cannot be built or loaded here (no compiler, a read-only
+    cache, another OS); callers fall back to torch."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "on").lower() not in ("off", "0", "false", "no")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The built library, or None (logged once) where it cannot be had."""
+    try:
+        return _load()
+    except KernelUnavailable as e:
+        log.info("de-quantising with torch's passes: %s", e)
+        return None
+
+
+def _load() -> ctypes.CDLL:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise KernelUnavailable("no C compiler (cc/gcc) found")
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as e:
+        raise KernelUnavailable(f"{SOURCE.name} is not installed beside {Path(__file__).name}: {e}") from e
+    # -march=native only on x86 (it picks AVX-512/AVX2); other machines take the compiler default.
+    flags = _FLAGS + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+    key = hashlib.sha256(source + " ".join([compiler, platform.machine(), platform.node()] + flags).encode())
+    target = cache_dir() / "kernels" / f"qdequant-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            built = Path(tmp) / "qdequant.so"
+            try:
+                subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], check=True,
+                               capture_output=True, timeout=120)
+            except (OSError, subprocess.SubprocessError) as e:
+                raise KernelUnavailable(f"building {SOURCE.name} failed: {e}") from e
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                durable.write_bytes(target, built.read_bytes())
+            except OSError as e:
+                raise KernelUnavailable(f"cannot write {target}: {e}") from e
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        raise KernelUnavailable(f"cannot load {target}: {e}") from e
+    for name in ("dequant4", "dequant8u", "dequant8s"):
+        getattr(lib, name).argtypes = _ARGS
+        getattr(lib, name).restype = None
+    return lib
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="qdequant")
+
+
+def available(levels: Tensor) -> bool:
+    return levels.device.type == "cpu" and enabled() and _library() is not None
+
+
+def dequantize_into(out: Tensor, levels: Tensor, scales: Tensor, offsets: Tensor | None, zero: int,
+                    bits: int) -> None:
+    """`out` (float32 [n, blocks, block], contiguous) = the blocks de-quantised; `scales` and
+    `offsets` float32 [n, blocks]. Rows are split over torch's intra-op thread count (ctypes
+    releases the GIL for the call)."""
+    lib = _library()
+    if lib is None:
+        raise KernelUnavailable("the compiled de-quantisation is not available")
+    levels, scales = levels.contiguous(), scales.contiguous()
+    offsets = None if offsets is None else offsets.contiguous()
+    fn = lib.dequant4 if bits == 4 else lib.dequant8s if levels.dtype == torch.int8 else lib.dequant8u
+    n, blocks, width = levels.shape
+    threads = max(1, min(torch.get_num_threads(), n, out.numel() // PARALLEL_MIN_ELEMENTS))
+
+    def run(lo: int, hi: int) -> None:
+        fn(levels[lo].data_ptr(), scales[lo].data_ptr(),
+           None if offsets is None else offsets[lo].data_ptr(), float(zero), (hi - lo) * blocks, width,
+           out[lo].data_ptr())
+
+    if threads == 1:
+        run(0, n)
+        return
+    step = -(-n // threads)
+    for f in [_pool(threads).submit(run, lo, min(n, lo + step)) for lo in range(0, n, step)]:
+        f.result()
