@@ -74,10 +74,11 @@ def _load() -> ctypes.CDLL:
             except (OSError, subprocess.SubprocessError) as e:
                 raise KernelUnavailable(f"building {SOURCE.name} failed: {e}") from e
             try:
-                target.parent.mkdir(parents=True, exist_ok=True)
+                target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
                 durable.write_bytes(target, built.read_bytes())
             except OSError as e:
                 raise KernelUnavailable(f"cannot write {target}: {e}") from e
+    _check_trusted(target)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
@@ -86,6 +87,17 @@ def _load() -> ctypes.CDLL:
         getattr(lib, name).argtypes = _ARGS
         getattr(lib, name).restype = None
     return lib
+
+
+def _check_trusted(target: Path) -> None:
+    """Loading a library runs its code: only one this user (or root) owns, in a folder and file
+    nobody else may write, is loaded (a shared cache directory must not become code injection)."""
+    uid = os.getuid()
+    for path in (target.parent, target):
+        st = path.stat()
+        if st.st_uid not in (uid, 0) or st.st_mode & 0o022:
+            raise KernelUnavailable(f"{path} is not trusted (owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)}): "
+                                    "it must be this user's and writable by no one else")
 
 
 @functools.cache

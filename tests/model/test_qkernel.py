@@ -124,3 +124,18 @@ def test_linear_reuses_one_buffer_and_keeps_each_result(kernel):
     want = torch.autograd.grad(sum(torch.nn.functional.linear(x, w.dequantize()).square().sum() for w in weights), x)[0]
     torch.testing.assert_close(x.grad, want, rtol=1e-6, atol=0)
     assert qweights._WORKSPACES.buffer is buffer
+
+
+def test_a_library_others_may_write_is_never_loaded(tmp_path):
+    lib = tmp_path / "kernels" / "qdequant-x.so"
+    lib.parent.mkdir(mode=0o700)
+    lib.write_bytes(b"\x7fELF")
+    lib.chmod(0o644)
+    qkernel._check_trusted(lib)  # this user's, written by no one else: trusted
+    lib.chmod(0o666)
+    with pytest.raises(qkernel.KernelUnavailable, match="not trusted"):
+        qkernel._check_trusted(lib)
+    lib.chmod(0o644)
+    lib.parent.chmod(0o777)
+    with pytest.raises(qkernel.KernelUnavailable, match="not trusted"):
+        qkernel._check_trusted(lib)
