@@ -107,3 +107,14 @@ def test_stats_report_restarts_per_job() -> None:
     assert stats["finetune_restarts"] == 1 and stats["finetune_stalling"] == 0
     assert stats["finetune_jobs"] == [{"job_id": job.job_id, "user": None, "next": "forward",
                                        "stages_run": job.stages_run, "restarts": 1, "seconds": round(job.seconds, 3)}]
+
+
+def test_restarts_and_stalled_jobs_reach_the_daemons_metrics() -> None:
+    from daemon.metrics import DaemonMetrics, _StatusCollector
+
+    collector = _StatusCollector(DaemonMetrics())
+    collector.status = {"daemon": {"state": "serving"},
+                        "finetune": {"state": "training", "restarts": 7, "stalled_jobs": 1, "stalling_jobs": 2}}
+    values = {s.name: s.value for family in collector.collect() for s in family.samples}
+    assert values["mace_finetune_restarts_total"] == 7 and values["mace_finetune_stalled_total"] == 1
+    assert values["mace_finetune_stalling_jobs"] == 2
