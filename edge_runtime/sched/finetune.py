@@ -262,6 +262,9 @@ class FineTuneQueue:
     def after_stage(self, job: FineTuneJob, seconds: float, now: float) -> None:
         job.stages_run += 1
         job.seconds += seconds
+        # Memory estimates count held growth from what the job held when they were made: a
+        # stage that changed it makes them stale (over-asking would keep the job from fitting).
+        job.forget_costs()
         job.enqueued = now
         self.stages_run += 1
         self.seconds += seconds

@@ -364,7 +364,7 @@ class Scheduler:
         another job's activations, never streams): else serving would always take it first."""
         need = max((task.job.stage_costs(1)[0].memory_bytes for task in tasks
                     if task.job is not None and task.job.stage_costs(1)), default=0)
-        if need:
+        if need and (self.running or self.waiting):
             blocks = -(-self.max_batched_tokens // self.pool.block_size)
             need += self.costs.inference_bytes(self.max_batched_tokens, True) + blocks * self.costs.kv_block_bytes
         return need > self.ledger.free and self.ledger.reclaim(need, for_finetune=True).freed_bytes > 0

@@ -79,7 +79,9 @@ class FineTuneSupervisor:
             if need <= ledger.free or ledger.reclaim(need, for_finetune=True).satisfied:
                 continue
             others = sum(b for key, b in ledger.entries(MemoryKind.ACTIVATIONS).items() if key != job.job_id)
-            if not started and need <= ledger.free + others:
+            if need <= ledger.free + others:
+                if started:
+                    self._yield_to(job, need)
                 continue  # room comes back as the passes begun finish
             what = f"its next stage ({costs[0].kind})" if started else "its pass (forward to optimizer)"
             reason = (f"{what} needs {need / 2**20:.1f} MiB and only "
@@ -88,6 +90,22 @@ class FineTuneSupervisor:
                       "(or memory_budget_bytes), or train with smaller windows (dpo window_tokens)")
             log.warning("fine-tune job %s cannot run: %s", job.job_id, reason)
             self.drop(job, f"no memory: {reason}")
+
+    def _yield_to(self, job: FineTuneJob, need: int) -> None:
+        """Passes begun that hold each other's room (a budget drop after they were admitted):
+        the earliest goes on, and later ones give their activations back (a counted restart) as
+        far as it needs, so one pass always finishes; a later job just waits for the earliest."""
+        queue, ledger = self.queue, self.ledger
+        begun = [j for j in queue.jobs.values() if queue.started(j)]
+        if begun[0] is not job:
+            return
+        for other in reversed(begun[1:]):
+            if need <= ledger.free:
+                break
+            if other.work.held_bytes and not must_finish(other):
+                queue.abandon(other)
+                ledger.drop(MemoryKind.ACTIVATIONS, other.job_id)
+                queue.fail_if_stalled(other, self.clock(), ledger.snapshot())
 
     def drop(self, job: FineTuneJob, reason: str, finish: bool = False) -> None:
         """Retire `job` with error `reason`, giving back what it holds; with `finish`, a job
