@@ -197,6 +197,13 @@ class _StatusCollector(Collector):
                                ("errors", "Fine-tuning rounds that failed since start")):
             if ft.get(key) is not None:
                 yield _counter(f"mace_finetune_{key}", help_text, ft[key])
+        if ft.get("restarts") is not None:
+            yield _counter("mace_finetune_restarts", "Fine-tune passes begun again after their activations "
+                           "were shed, since start", ft["restarts"])
+            yield _counter("mace_finetune_stalled", "Fine-tune jobs failed for restarting max_restarts times",
+                           ft.get("stalled_jobs", 0))
+            yield _gauge("mace_finetune_stalling_jobs", "Queued fine-tune jobs restarted at least half of "
+                         "max_restarts times", ft.get("stalling_jobs", 0))
         yield _gauge("mace_finetune_last_loss", "DPO loss of the last trained pair", ft.get("last_loss"))
         yield _gauge("mace_finetune_pairs_per_version", "Pairs trained per published version",
                      ft.get("pairs_per_version"))

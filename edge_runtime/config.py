@@ -58,6 +58,9 @@ class EngineConfig:
     iteration_budget_max_fraction: float = 1.5
     memory_budget_bytes: int = 0  # ledger budget; 0 = weights + KV cache + adapters + finetune_memory_bytes
     finetune_memory_bytes: int = 256 << 20  # room the derived budget leaves for fine-tuning
+    # A fine-tune job whose activations were shed this many times (for serving or a smaller
+    # budget) fails with the figures instead of starting over again; 0 = never (docs/scheduler.md)
+    finetune_max_restarts: int = 16
     # "auto": calibrate once per machine (before serving) and cache; "background": the cached
     # calibration, else nominal costs at once and calibrate while idle (the daemon's default);
     # "off": nominal + online correction only

@@ -117,6 +117,7 @@ class Engine:
         self.committer = TokenCommitter(self.grammars, tokenizer.eos_ids, cfg.vocab_size, self.max_context,
                                         self.scheduler, self.requests, self._end_request, self._fail_request, clock)
         self.finetune = FineTuneSupervisor(self.scheduler, self.ledger, self.costs, clock)
+        self.scheduler.finetune.max_restarts = config.finetune_max_restarts
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
         self.iterations = 0

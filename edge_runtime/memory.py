@@ -30,6 +30,12 @@ SHED_ORDER: tuple[MemoryKind, ...] = (
     MemoryKind.KV,
 )
 
+# What gives way to fine-tune work itself (a job's next stage, a new trainer's optimizer state):
+# idle adapters and the prefix cache, which are only caches. Never another job's activations
+# (it would restart, and jobs shedding each other make no progress at all: issue #32), never
+# serving streams, and not the relief step (its bytes come back only after a decode step).
+FINETUNE_SHED_ORDER: tuple[MemoryKind, ...] = (MemoryKind.ADAPTERS, MemoryKind.PREFIX_CACHE)
+
 Shedder = Callable[[int], int]  # (bytes wanted) -> bytes it freed (and removed from the ledger)
 
 
@@ -148,15 +154,16 @@ class MemoryLedger:
         self.peak_used = self.used  # the watermark restarts under the new budget, after shedding
         return report
 
-    def reclaim(self, extra_bytes: int) -> ShedReport:
+    def reclaim(self, extra_bytes: int, *, for_finetune: bool = False) -> ShedReport:
         """Shed until `extra_bytes` more would fit: the relief step's promise first (if one is
-        registered), then SHED_ORDER, each kind only as far as needed."""
+        registered), then SHED_ORDER, each kind only as far as needed. `for_finetune`: the bytes
+        are for fine-tune work, which only FINETUNE_SHED_ORDER gives way to."""
         want = self.used + extra_bytes - self.budget
         report = ShedReport(wanted_bytes=max(0, want))
-        if want > 0 and self._relief is not None:
+        if want > 0 and self._relief is not None and not for_finetune:
             report.promised_bytes = self._relief(want)
             want -= report.promised_bytes
-        for kind in SHED_ORDER:
+        for kind in FINETUNE_SHED_ORDER if for_finetune else SHED_ORDER:
             if want <= 0:
                 break
             shedder = self._shedders.get(kind)

@@ -203,6 +203,14 @@ class EngineFineTuner:
             "pairs_cancelled": self.pairs_cancelled,
             "stages_run": stats.get("finetune_stages_run", 0),
             "finetune_seconds": stats.get("finetune_seconds", 0.0),
+            # restarts: a job's activations shed and its pass begun again; stalling: queued jobs
+            # restarted >= max_restarts / 2 times; stalled: jobs failed at max_restarts (issue #32)
+            "restarts": stats.get("finetune_restarts", 0),
+            "stalling_jobs": stats.get("finetune_stalling", 0),
+            "stalled_jobs": stats.get("finetune_stalled", 0),
+            "max_restarts": stats.get("finetune_max_restarts"),
+            "restarts_by_job": {job["job_id"]: job["restarts"] for job in stats.get("finetune_jobs", ())
+                                if job.get("restarts")} or None,
             "versions_published": self.versions_published, "versions_rejected": self.versions_rejected,
             "pairs_per_version": self.settings.pairs_per_version, "last_loss": self.last_loss,
             "errors": self.errors, "last_guard": decision or None,

@@ -5,12 +5,15 @@ adapter it holds between its first forward and its optimizer stage. Runs no stag
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from edge_runtime.train.costs import StageEstimate
+
+log = logging.getLogger(__name__)
 
 
 class StageLike(Protocol):
@@ -43,6 +46,12 @@ def must_finish(job: FineTuneJob) -> bool:
     return not job.work.done and not getattr(job.work, "can_abandon", True)
 
 
+def pass_need_bytes(job: FineTuneJob) -> int:
+    """The most memory the job's remaining stages take beyond what it holds now (its whole
+    pass: forward windows, backward groups, optimizer), the figure it is admitted by."""
+    return max((c.memory_bytes for c in job.stage_costs(len(job.work.remaining()))), default=0)
+
+
 # Kinds that need the adapter exclusively: between a task's forward and its optimizer stage the
 # autograd graph references the LoRA leaves (see AdapterTrainer.claim). The others ("score",
 # "reference": no-grad log-probs) run beside another job of the same adapter.
@@ -68,7 +77,7 @@ class FineTuneJob:
     stages_run: int = 0
     seconds: float = 0.0
     finished_at: float | None = None
-    abandoned: int = 0
+    abandoned: int = 0  # restarts: times its activations were shed and it began its pass again
     error: str | None = None
     # Dropped before any other job's activations when memory runs short (a fleet round: the
     # device's own users' updates and its serving matter more than a share of the fleet's).
@@ -141,6 +150,11 @@ class FineTuneQueue:
         self.stages_run = 0
         self.seconds = 0.0
         self.failed = 0
+        self.restarts = 0  # every job's, retired ones' included
+        self.stalled = 0  # jobs failed for restarting `max_restarts` times
+        # A job shed this many times without finishing is failed with the figures instead of
+        # starting over again (docs/scheduler.md, "Fine-tune liveness"); 0 = never.
+        self.max_restarts = 16
         self._allowed: dict[str, int] = {}  # job id -> stages it may run, from the last `runnable`
 
     def __len__(self) -> int:
@@ -184,6 +198,63 @@ class FineTuneQueue:
         allowed = self._allowed.get(job.job_id)
         return allowed if allowed is not None else len(job.work.remaining())
 
+    def started(self, job: FineTuneJob) -> bool:
+        """Whether the job is inside its pass: it holds activations or its trainer's adapter."""
+        return job.work.held_bytes > 0 or self.holds_adapter(job)
+
+    def starts_pass(self, job: FineTuneJob) -> bool:
+        """Whether the stages `job` may run next iteration would begin its pass (a forward)."""
+        if self.started(job):
+            return False
+        remaining = job.work.remaining()[: self.stages_allowed(job)]
+        return any(stage.kind.value in _EXCLUSIVE for stage in remaining)
+
+    def hold_back(self, job: FineTuneJob) -> bool:
+        """Keep `job` out of its pass this iteration: only its leading stages that do not need
+        the adapter may run. Returns whether any may."""
+        remaining = job.work.remaining()
+        allowed = 0
+        while allowed < len(remaining) and remaining[allowed].kind.value not in _EXCLUSIVE:
+            allowed += 1
+        self._allowed[job.job_id] = allowed
+        return allowed > 0
+
+    def admit_passes(self, runnable: list[FineTuneJob], room: int) -> list[FineTuneJob]:
+        """A job begins its pass (first forward) only if the memory its whole pass needs fits
+        in `room` (what fine-tune work may take) beside what the passes already begun still
+        need; in arrival order, so a later job never starts ahead of an earlier one waiting for
+        room. Passes that cannot all fit run one after another instead of each holding part of
+        the memory the others need (issue #32). Returns the jobs that may run stages."""
+        room -= sum(pass_need_bytes(job) for job in self.jobs.values() if self.started(job))
+        out, waiting = [], False
+        for job in runnable:
+            if self.starts_pass(job):
+                need = pass_need_bytes(job)
+                if waiting or need > room:
+                    waiting = True
+                    if not self.hold_back(job):
+                        continue
+                else:
+                    room -= need
+            out.append(job)
+        return out
+
+    def fail_if_stalled(self, job: FineTuneJob, now: float, memory: dict[str, int]) -> bool:
+        """After a restart: a job shed `max_restarts` times is failed with the figures (its
+        owner may queue it again later) instead of starting over once more."""
+        if not self.max_restarts or job.abandoned < self.max_restarts or job.job_id not in self.jobs:
+            return False
+        mib = {k: v / 2**20 for k, v in memory.items()}
+        why = (f"stalled: its activations were shed {job.abandoned} times (memory for serving or a smaller "
+               f"budget) after {job.stages_run} stages and {job.seconds:.1f} s without finishing; budget "
+               f"{mib.get('budget_bytes', 0):.0f} MiB, held {mib.get('held_bytes', 0):.0f} MiB (prefix cache "
+               f"{mib.get('prefix_cache_bytes', 0):.0f}, kv {mib.get('kv_bytes', 0):.0f}, adapters "
+               f"{mib.get('adapters_bytes', 0):.0f}, activations {mib.get('activations_bytes', 0):.0f})")
+        log.warning("fine-tune job %s (user %s) %s", job.job_id, job.user, why)
+        self.stalled += 1
+        self.retire(job, now, error=why)
+        return True
+
     def before_stage(self, job: FineTuneJob, kind: str) -> None:
         if kind in _EXCLUSIVE:
             self.owners[id(job.work.trainer)] = job
@@ -191,6 +262,9 @@ class FineTuneQueue:
     def after_stage(self, job: FineTuneJob, seconds: float, now: float) -> None:
         job.stages_run += 1
         job.seconds += seconds
+        # Memory estimates count held growth from what the job held when they were made: a
+        # stage that changed it makes them stale (over-asking would keep the job from fitting).
+        job.forget_costs()
         job.enqueued = now
         self.stages_run += 1
         self.seconds += seconds
@@ -217,6 +291,7 @@ class FineTuneQueue:
         held = job.work.held_bytes
         job.work.abandon()
         job.abandoned += 1
+        self.restarts += 1
         job.forget_costs()  # held-state-dependent estimates are stale now
         self._release(job)
         return held
@@ -232,3 +307,13 @@ class FineTuneQueue:
 
     def holding(self) -> list[FineTuneJob]:
         return [job for job in self.jobs.values() if job.work.held_bytes > 0]
+
+    def stalling(self) -> list[FineTuneJob]:
+        """Queued jobs restarted at least half of `max_restarts` times: on their way to failing."""
+        limit = max(1, self.max_restarts // 2) if self.max_restarts else 0
+        return [job for job in self.jobs.values() if limit and job.abandoned >= limit]
+
+    def job_stats(self) -> list[dict[str, Any]]:
+        """Per queued job: who, how far, how often it restarted (for status reports)."""
+        return [{"job_id": job.job_id, "user": job.user, "next": job.next_kind, "stages_run": job.stages_run,
+                 "restarts": job.abandoned, "seconds": round(job.seconds, 3)} for job in self.jobs.values()]

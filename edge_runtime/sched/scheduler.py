@@ -96,12 +96,13 @@ class Scheduler:
 
     def add_finetune(self, job: FineTuneJob) -> None:
         """Queue a job. A trainer seen for the first time brings its optimizer state into the
-        ledger; room is made first (shedding), and the job is refused if there is none."""
+        ledger; room is made first (idle adapters, prefix cache: never another job's activations), and
+        the job is refused if there is none."""
         trainer = job.work.trainer
         key = id(trainer)
         if trainer is not None and key not in self._trainers:
             need = int(getattr(trainer, "persistent_bytes", 0))
-            if need > self.ledger.free and not self.ledger.reclaim(need).satisfied:
+            if need > self.ledger.free and not self.ledger.reclaim(need, for_finetune=True).satisfied:
                 raise AdmissionRejected(
                     f"no memory for another adapter's optimizer state ({need / 2**20:.1f} MiB): the budget is "
                     f"{self.ledger.budget / 2**20:.0f} MiB and {self.ledger.used / 2**20:.0f} MiB are in use",
@@ -215,15 +216,19 @@ class Scheduler:
     def _shed_activations(self, want: int) -> int:
         """Fine-tune jobs give back their held activations: first every `shed_first` job (a
         fleet round), dropped whole with its trainer's other queued jobs whether or not it holds
-        any now; then the others, lowest priority first, which restart at their first forward."""
+        any now; then the others, lowest priority first, which restart at their first forward.
+        Only serving and budget drops shed them (fine-tune work reclaims with `for_finetune`). A
+        job restarted `max_restarts` times is failed with the figures, not started over again."""
         freed = self.drop_shed_first("memory pressure")
-        holding = [job for job in self.finetune.holding() if not must_finish(job)]
+        queue = self.finetune
+        holding = [job for job in queue.holding() if not must_finish(job)]
         holding.sort(key=lambda job: self.policy.priority(self._job_task(job), self._now))
         for job in holding:
             if freed >= want:
                 break
-            freed += self.finetune.abandon(job)
+            freed += queue.abandon(job)
             self.ledger.drop(MemoryKind.ACTIVATIONS, job.job_id)
+            queue.fail_if_stalled(job, self._now, self.ledger.snapshot())
         return freed
 
     def drop_shed_first(self, reason: str) -> int:
@@ -345,8 +350,24 @@ class Scheduler:
             # Paused (shed): only updates past their point of no return run on, to free what
             # they hold; the rest gave their activations back and wait.
             runnable = [job for job in runnable if must_finish(job)]
+        else:
+            # Room for passes: what fine-tune work may take (free, idle adapters, prefix cache).
+            ledger = self.ledger
+            room = ledger.free + ledger.held(MemoryKind.ADAPTERS) + ledger.held(MemoryKind.PREFIX_CACHE)
+            runnable = self.finetune.admit_passes(runnable, room)
         tasks += [self._job_task(job) for job in runnable]
         return tasks
+
+    def _make_room_for_finetune(self, tasks: list[Task]) -> bool:
+        """The largest next stage of this iteration's fine-tune jobs, beside a full forward (its
+        activations and fresh blocks), may take idle adapters' and prefix-cache memory (never
+        another job's activations, never streams): else serving would always take it first."""
+        need = max((task.job.stage_costs(1)[0].memory_bytes for task in tasks
+                    if task.job is not None and task.job.stage_costs(1)), default=0)
+        if need and (self.running or self.waiting):
+            blocks = -(-self.max_batched_tokens // self.pool.block_size)
+            need += self.costs.inference_bytes(self.max_batched_tokens, True) + blocks * self.costs.kv_block_bytes
+        return need > self.ledger.free and self.ledger.reclaim(need, for_finetune=True).freed_bytes > 0
 
     def schedule(self, now: float) -> Batch:
         started = time.perf_counter()
@@ -358,6 +379,9 @@ class Scheduler:
         self._make_room_for_decodes()
         if self._shed_preempted:
             cached_free = self.sync_memory()
+        tasks = self._tasks()
+        if self._make_room_for_finetune(tasks):
+            cached_free = self._cached_free()
         budget = self.latency_budget_s if self.policy.uses_latency_budget else math.inf
         if self.policy.uses_slo_headroom:
             budget = self.headroom_budget(now, budget)
@@ -374,7 +398,7 @@ class Scheduler:
             slo_tbt_s=self.slo_tbt_s,
             slo_ttft_factor=self.slo_ttft_factor,
         )
-        self.policy.pack(self._tasks(), bin, now)
+        self.policy.pack(tasks, bin, now)
         items = self._admit(bin)
         stages = [ScheduledStages(p.task.job, p.amount) for p in bin.finetune if p.task.job is not None]
         if not items and not stages and self.running:

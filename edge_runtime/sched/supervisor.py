@@ -13,7 +13,13 @@ from typing import Any
 from edge_runtime.memory import MemoryKind, MemoryLedger
 from edge_runtime.sched.batch import Batch
 from edge_runtime.sched.cost_model import CostModel
-from edge_runtime.sched.finetune import FineTuneJob, FineTuneQueue, FineTuneWork, must_finish
+from edge_runtime.sched.finetune import (
+    FineTuneJob,
+    FineTuneQueue,
+    FineTuneWork,
+    must_finish,
+    pass_need_bytes,
+)
 from edge_runtime.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -58,21 +64,48 @@ class FineTuneSupervisor:
     def fail_jobs_that_cannot_fit(self) -> None:
         """Nothing else runs and still no stage was packed: a job whose next stage needs more
         memory than the ledger can free would wait forever (a 1B model's DPO window under the
-        default `finetune_memory_bytes`, say). Fail it with the figures instead. A job whose
-        backward has begun is left alone: it must run to its optimizer stage."""
-        for job in list(self.queue.jobs.values()):
+        default `finetune_memory_bytes`, say). Fail it with the figures instead. Room is made
+        only from idle adapters and the prefix cache, never from another job's activations (the
+        jobs would restart each other for ever: issue #32); a job not yet in its pass is judged
+        by its whole pass and waits while other jobs' activations would make room once they
+        finish. A job whose backward has begun is left alone: it runs to its optimizer stage."""
+        queue, ledger = self.queue, self.ledger
+        for job in list(queue.jobs.values()):
             costs = job.stage_costs(1)
-            if not costs or must_finish(job):
+            if not costs or must_finish(job) or job.job_id not in queue.jobs:
                 continue
-            need = costs[0].memory_bytes
-            if need <= self.ledger.free or self.ledger.reclaim(need).satisfied:
+            started = queue.started(job)
+            need = costs[0].memory_bytes if started else pass_need_bytes(job)
+            if need <= ledger.free or ledger.reclaim(need, for_finetune=True).satisfied:
                 continue
-            reason = (f"its next stage ({costs[0].kind}) needs {need / 2**20:.1f} MiB and only "
+            others = sum(b for key, b in ledger.entries(MemoryKind.ACTIVATIONS).items() if key != job.job_id)
+            if need <= ledger.free + others:
+                if started:
+                    self._yield_to(job, need)
+                continue  # room comes back as the passes begun finish
+            what = f"its next stage ({costs[0].kind})" if started else "its pass (forward to optimizer)"
+            reason = (f"{what} needs {need / 2**20:.1f} MiB and only "
                       f"{max(0, self.ledger.free) / 2**20:.1f} MiB of the {self.ledger.budget / 2**20:.0f} MiB "
                       "memory budget is free with nothing else running: raise engine.finetune_memory_bytes "
                       "(or memory_budget_bytes), or train with smaller windows (dpo window_tokens)")
             log.warning("fine-tune job %s cannot run: %s", job.job_id, reason)
             self.drop(job, f"no memory: {reason}")
+
+    def _yield_to(self, job: FineTuneJob, need: int) -> None:
+        """Passes begun that hold each other's room (a budget drop after they were admitted):
+        the earliest goes on, and later ones give their activations back (a counted restart) as
+        far as it needs, so one pass always finishes; a later job just waits for the earliest."""
+        queue, ledger = self.queue, self.ledger
+        begun = [j for j in queue.jobs.values() if queue.started(j)]
+        if begun[0] is not job:
+            return
+        for other in reversed(begun[1:]):
+            if need <= ledger.free:
+                break
+            if other.work.held_bytes and not must_finish(other):
+                queue.abandon(other)
+                ledger.drop(MemoryKind.ACTIVATIONS, other.job_id)
+                queue.fail_if_stalled(other, self.clock(), ledger.snapshot())
 
     def drop(self, job: FineTuneJob, reason: str, finish: bool = False) -> None:
         """Retire `job` with error `reason`, giving back what it holds; with `finish`, a job
@@ -159,4 +192,10 @@ class FineTuneSupervisor:
             "finetune_stages_run": queue.stages_run,
             "finetune_seconds": round(queue.seconds, 3),
             "finetune_paused": self.scheduler.finetune_paused,
+            # restarts: times a job's activations were shed and it began its pass again (all jobs)
+            "finetune_restarts": queue.restarts,
+            "finetune_stalling": len(queue.stalling()),  # queued jobs restarted >= max_restarts / 2 times
+            "finetune_stalled": queue.stalled,  # jobs failed for restarting max_restarts times
+            "finetune_max_restarts": queue.max_restarts,
+            "finetune_jobs": queue.job_stats(),
         }

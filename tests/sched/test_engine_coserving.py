@@ -335,7 +335,7 @@ def test_a_finetune_stage_that_can_never_fit_fails_with_the_figures(tiny_model_d
     done: list = []
     engine.add_finetune(task, on_done=done.append)
     run_all(engine, limit=50)
-    assert len(done) == 1 and done[0].error.startswith("no memory: its next stage")
+    assert len(done) == 1 and done[0].error.startswith("no memory: its pass (forward to optimizer) needs")
     assert "finetune_memory_bytes" in done[0].error and engine.ledger.held(MemoryKind.ACTIVATIONS) == 0
     # The same work with room trains, and requests are served throughout.
     roomy = make_engine(tiny_model_dir, cost_cache, policy="mace")

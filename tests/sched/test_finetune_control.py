@@ -45,6 +45,9 @@ def test_pause_mid_forward_gives_activations_back_and_resumes(tiny_model_dir: Pa
     engine.pause_finetune("admission: shed_finetune")
     assert job.work.held_bytes == 0 and job.abandoned == 1
     assert engine.ledger.held(MemoryKind.ACTIVATIONS) == 0
+    stats = engine.stats()  # restarts reported in total and per job (issue #32)
+    assert stats["finetune_restarts"] == 1 and stats["finetune_max_restarts"] == 16
+    assert [(j["job_id"], j["user"], j["restarts"]) for j in stats["finetune_jobs"]] == [(job_id, "fay", 1)]
     assert not engine.has_unfinished() and engine.step() == []
     engine.resume_finetune()
     run_all(engine)
