@@ -23,7 +23,7 @@ from edge_runtime.sched.finetune import FineTuneJob, FineTuneQueue, must_finish
 from edge_runtime.sched.kv_relief import PruneUnderPressure
 from edge_runtime.sched.policy import Policy
 from edge_runtime.sched.prefix import cache_salt, match_prefix, register_full_blocks
-from edge_runtime.sched.slo import headroom_budget, slo_budgets
+from edge_runtime.sched.slo import budget_ms, headroom_budget, slo_budgets
 from edge_runtime.sched.task import Task, TaskKind
 from edge_runtime.sequence import SeqStatus, Sequence
 
@@ -442,9 +442,9 @@ class Scheduler:
             "kv_prune_turned_on": self.kv_relief.turned_on if self.kv_relief else 0,
             "scheduler_overhead_ms": round(self.overhead_s * 1000, 4),
             "slo_tbt_ms": round(self.slo_tbt_s * 1000, 3),
-            "iteration_budget_ms": _ms(self.latency_budget_s),
+            "iteration_budget_ms": budget_ms(self.latency_budget_s),
             # what the last iteration packed to (grows with the streams' TBT headroom under mace)
-            "last_iteration_budget_ms": _ms(self.iteration_budget_s),
+            "last_iteration_budget_ms": budget_ms(self.iteration_budget_s),
             "policy_params": self.policy.params,
         }
 
@@ -496,7 +496,3 @@ class Scheduler:
         self.ledger.release_reservation()
         for scheduled in batch.finetune:
             self.ledger.set(MemoryKind.ACTIVATIONS, scheduled.job.job_id, scheduled.job.work.held_bytes)
-
-
-def _ms(seconds: float) -> float | None:
-    return round(seconds * 1000, 3) if math.isfinite(seconds) else None

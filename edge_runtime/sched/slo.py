@@ -57,3 +57,8 @@ def headroom_budget(streams: Iterable[Sequence], now: float, base: float, cap: f
             if bound <= base:
                 return base
     return bound
+
+
+def budget_ms(seconds: float) -> float | None:
+    """A budget in milliseconds for stats; None where it is unbounded."""
+    return round(seconds * 1000, 3) if math.isfinite(seconds) else None
