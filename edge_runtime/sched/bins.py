@@ -144,7 +144,7 @@ class Bin:
         assert seq is not None
         if len(self.inference) >= self.max_seqs or seq.seq_id in self._seq_ids:
             return 0
-        pieces = self.grid_pieces(task, min(task.remaining, self.token_budget - self.tokens))
+        pieces = self.grid_pieces(task, self.token_budget - self.tokens)
         if not pieces:
             return 0
         if seq.status is SeqStatus.WAITING:
@@ -176,6 +176,7 @@ class Bin:
     def grid_pieces(self, task: Task, limit: int) -> list[int]:
         """The token counts of `task` up to `limit` that end on a chunk-grid point or at the
         task's end, ascending: the only pieces a bin may take, so chunk boundaries stay fixed."""
+        limit = min(limit, task.remaining)
         if limit <= 0:
             return []
         grid = self.chunk_tokens
