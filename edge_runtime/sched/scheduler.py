@@ -90,8 +90,6 @@ class Scheduler:
         if kv_relief is not None:
             ledger.register_relief(self._prune_for_memory)
 
-    # -- queue management -------------------------------------------------------------------
-
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
