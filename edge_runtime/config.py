@@ -34,10 +34,6 @@ class EngineConfig:
     kv_cache_max_bytes: int = 512 << 20
     max_context: int = 0  # tokens per sequence; 0 = the model's maximum, capped by the cache
     max_batched_tokens: int = 256  # tokens per iteration (prefill chunking)
-    # Prefill chunks start on multiples of this (a multiple of block_size), whatever the load:
-    # schedulers choose how many chunks run per iteration, never where one starts, so a greedy
-    # request's arithmetic does not move with the cost estimates (docs/scheduler.md)
-    prefill_chunk_tokens: int = 32
     max_num_seqs: int = 32
     enable_prefix_cache: bool = True
     # Decode KV cache pruning (docs/kv.md; MACE paper sec. 4.3): "off" | "mace" (per-head capacity
@@ -74,16 +70,6 @@ class EngineConfig:
     adapters_root: str = ""  # per-user LoRA versions (<root>/<user>/v<N>/); "" = in memory only
     adapter_cache_bytes: int = 256 << 20  # loaded adapter versions kept (Chameleon-style cache)
     extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def prefill_grid(self) -> int:
-        """The prefill chunk grid in effect: `prefill_chunk_tokens`, capped by one iteration's
-        token budget and kept a multiple of the KV block size where the budget allows one."""
-        if self.prefill_chunk_tokens < 1 or self.prefill_chunk_tokens % self.block_size:
-            raise ValueError(f"prefill_chunk_tokens ({self.prefill_chunk_tokens}) must be a positive multiple "
-                             f"of block_size ({self.block_size})")
-        grid = min(self.prefill_chunk_tokens, self.max_batched_tokens)
-        return grid - grid % self.block_size if grid >= self.block_size else grid
 
     def replace(self, **overrides: Any) -> EngineConfig:
         known = {f.name for f in fields(self)}

@@ -109,8 +109,7 @@ class Engine:
                                            config.block_size)
         self.scheduler = Scheduler(
             self.pool, make_policy(config.policy, config.policy_params), self.costs, self.ledger,
-            max_batched_tokens=config.max_batched_tokens, prefill_chunk_tokens=config.prefill_grid,
-            max_num_seqs=config.max_num_seqs,
+            max_batched_tokens=config.max_batched_tokens, max_num_seqs=config.max_num_seqs,
             slo_ttft_factor=config.slo_ttft_factor, rope_switch=cfg.rope_switch, kv_relief=kv_relief,
         )
         self._set_slo()

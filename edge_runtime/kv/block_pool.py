@@ -93,10 +93,6 @@ class BlockPool:
             else:
                 self.free[block] = None
 
-    def is_cached(self, h: bytes) -> bool:
-        """Whether `match(h)` would hit; takes no reference and counts nothing."""
-        return self.enable_prefix_cache and h in self.cached
-
     def match(self, h: bytes) -> int | None:
         """Take a reference on the cached block with hash `h`, if any (counts toward hit rate)."""
         if not self.enable_prefix_cache:

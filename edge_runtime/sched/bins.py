@@ -35,9 +35,6 @@ class Bin:
     block_size: int
     slo_tbt_s: float = math.inf
     slo_ttft_factor: float = 5.0
-    # Prefill chunks end on multiples of this or at the sequence's end (1: anywhere), so where a
-    # chunk starts never depends on the load or the cost estimates (docs/scheduler.md)
-    chunk_tokens: int = 1
     latency_s: float = 0.0
     used_bytes: int = 0
     tokens: int = 0
@@ -73,7 +70,7 @@ class Bin:
         """A later iteration with this one's capacity (MACE's bins 2..n)."""
         return Bin(self.costs, self.latency_budget_s, self.memory_bytes, self.free_blocks, self.fresh_blocks,
                    self.token_budget, self.max_seqs, self.block_size, self.slo_tbt_s, self.slo_ttft_factor,
-                   self.chunk_tokens, _priced=self._priced)
+                   _priced=self._priced)
 
     # -- pricing -----------------------------------------------------------------------------
 
@@ -144,8 +141,8 @@ class Bin:
         assert seq is not None
         if len(self.inference) >= self.max_seqs or seq.seq_id in self._seq_ids:
             return 0
-        pieces = self.grid_pieces(task, self.token_budget - self.tokens)
-        if not pieces:
+        top = min(task.remaining, self.token_budget - self.tokens)
+        if top <= 0:
             return 0
         if seq.status is SeqStatus.WAITING:
             # Admit a prompt only if its whole prefill will find blocks (as FlexLLM and vLLM do),
@@ -159,32 +156,20 @@ class Bin:
             return (blocks <= self.free_blocks - self.blocks and nbytes <= self.free_memory
                     and (not check_latency or seconds <= self.free_latency_s))
 
-        if fits(pieces[-1]):
-            return pieces[-1]
-        lo, hi = -1, len(pieces) - 1  # fits(pieces[lo]) holds (vacuously for -1), fits(pieces[hi]) does not
+        if fits(top):
+            return top
+        lo, hi = 0, top  # fits(lo) holds (vacuously for 0), fits(hi) does not
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if fits(pieces[mid]):
+            if fits(mid):
                 lo = mid
             else:
                 hi = mid
-        if lo < 0:
-            # An empty bin takes one chunk beyond its latency budget rather than none.
-            return pieces[0] if self.empty and fits(pieces[0], check_latency=False) else 0
-        return pieces[lo]
-
-    def grid_pieces(self, task: Task, limit: int) -> list[int]:
-        """The token counts of `task` up to `limit` that end on a chunk-grid point or at the
-        task's end, ascending: the only pieces a bin may take, so chunk boundaries stay fixed."""
-        limit = min(limit, task.remaining)
-        if limit <= 0:
-            return []
-        grid = self.chunk_tokens
-        first = grid - task.context % grid
-        pieces = list(range(first, limit + 1, grid))
-        if limit == task.remaining and (not pieces or pieces[-1] != limit):
-            pieces.append(limit)
-        return pieces
+        if lo == 0 and self.empty:
+            smallest = min(top, self.block_size)
+            if fits(smallest, check_latency=False):
+                return smallest
+        return lo
 
     def _stages_fit(self, task: Task, max_stages: int | None, ignore_latency: bool) -> int:
         limit = task.remaining if max_stages is None else min(max_stages, task.remaining)

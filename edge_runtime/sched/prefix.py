@@ -18,28 +18,20 @@ def cache_salt(seq: Sequence, rope_switch: int | None) -> str:
     return salt
 
 
-def match_prefix(seq: Sequence, pool: BlockPool, salt: str, grid: int = 1) -> None:
+def match_prefix(seq: Sequence, pool: BlockPool, salt: str) -> None:
     """Reuse cached full blocks of this sequence's tokens (never its last token: that one
-    must run through the model to produce logits), up to the last point that is both a block
-    boundary and a multiple of the chunk `grid`: the rest of the prompt is then computed in the
-    same chunks as a request that found nothing cached."""
+    must run through the model to produce logits)."""
     size = pool.block_size
-    hashes: list[bytes] = []
     parent = None
     for i in range((seq.num_tokens - 1) // size):
-        parent = block_hash(parent, seq.token_ids[i * size : (i + 1) * size], salt)
-        if not pool.is_cached(parent):
-            pool.match(parent)  # counts the miss toward the hit rate, as a lookup does
-            break
-        hashes.append(parent)
-    while hashes and len(hashes) * size % grid:
-        hashes.pop()
-    for h in hashes:
+        h = block_hash(parent, seq.token_ids[i * size : (i + 1) * size], salt)
         block = pool.match(h)
-        assert block is not None  # is_cached said so, and nothing ran in between
+        if block is None:
+            break
         seq.block_table.append(block)
         seq.block_hashes.append(h)
         seq.num_computed += size
+        parent = h
 
 
 def register_full_blocks(seq: Sequence, pool: BlockPool, salt: str) -> None:

@@ -39,7 +39,6 @@ class Scheduler:
         ledger: MemoryLedger,
         *,
         max_batched_tokens: int = 256,
-        prefill_chunk_tokens: int = 1,
         max_num_seqs: int = 32,
         latency_budget_s: float = math.inf,
         slo_tbt_s: float = math.inf,
@@ -54,7 +53,6 @@ class Scheduler:
         self.costs = costs
         self.ledger = ledger
         self.max_batched_tokens = max_batched_tokens
-        self.prefill_chunk_tokens = prefill_chunk_tokens  # the chunk grid (docs/scheduler.md)
         self.max_num_seqs = max_num_seqs
         self.latency_budget_s = latency_budget_s
         self.slo_tbt_s = slo_tbt_s
@@ -397,7 +395,6 @@ class Scheduler:
             block_size=self.pool.block_size,
             slo_tbt_s=self.slo_tbt_s,
             slo_ttft_factor=self.slo_ttft_factor,
-            chunk_tokens=self.prefill_chunk_tokens,
         )
         self.policy.pack(tasks, bin, now)
         items = self._admit(bin)
@@ -457,7 +454,7 @@ class Scheduler:
             assert seq is not None
             fresh = seq.status is SeqStatus.WAITING
             if fresh and not seq.block_table:
-                match_prefix(seq, self.pool, cache_salt(seq, self.rope_switch), self.prefill_chunk_tokens)
+                match_prefix(seq, self.pool, cache_salt(seq, self.rope_switch))
                 metrics = seq.request.metrics
                 if metrics is not None and seq.index == 0 and seq.preemptions == 0:
                     metrics.cached_prompt_tokens = seq.num_computed
