@@ -326,6 +326,8 @@ class DaemonConfig:
             raise ConfigError("server.max_message_bytes must be at least 1024")
         if self.finetune.pairs_per_version < 1 or self.finetune.idle_s < 0:
             raise ConfigError("finetune.pairs_per_version must be >= 1 and finetune.idle_s >= 0")
+        if self.finetune.keep_versions < 1:
+            raise ConfigError("finetune.keep_versions must be >= 1")
         if not 0 < self.fleet.delta < 1 or not 0 <= self.fleet.heldout_fraction <= 0.95:
             raise ConfigError("fleet.delta must be in (0, 1) and fleet.heldout_fraction in [0, 0.95]")
         if (problem := self.fleet_terms.problem()) is not None:

@@ -65,6 +65,7 @@ class _Done:
     stages: int
     seconds: float
     generation: int  # the trainer's generation when the job was queued (a reset bumps it)
+    stepped: bool = False  # its optimizer stage applied an AdamW step
 
 
 class EngineFineTuner:
@@ -84,6 +85,7 @@ class EngineFineTuner:
         self.pairs_trained = 0
         self.unpaired_trained = 0
         self.pairs_cancelled = 0
+        self.optimizer_steps = 0  # AdamW steps taken, all users (docs/training.md)
         self.versions_published = 0
         self.versions_rejected = 0
         self.last_loss: float | None = None
@@ -177,8 +179,8 @@ class EngineFineTuner:
 
         try:
             return await self.engine.call(roll)
-        except AdapterError as exc:
-            raise ProtocolError("adapter_unavailable", str(exc)) from None
+        except AdapterError as exc:  # adapter_unavailable, or adapter_trimmed (retention)
+            raise ProtocolError(exc.code, str(exc)) from None
 
     def status(self) -> dict[str, Any]:
         decision = self.last_decision or {}
@@ -200,7 +202,7 @@ class EngineFineTuner:
             "current": in_flight or None,
             "pairs_queued": sum(len(p) for p in in_flight.values()),
             "pairs_trained": self.pairs_trained, "unpaired_trained": self.unpaired_trained,
-            "pairs_cancelled": self.pairs_cancelled,
+            "pairs_cancelled": self.pairs_cancelled, "optimizer_steps": self.optimizer_steps,
             "stages_run": stats.get("finetune_stages_run", 0),
             "finetune_seconds": stats.get("finetune_seconds", 0.0),
             # restarts: a job's activations shed and its pass begun again; stalling: queued jobs
@@ -319,6 +321,7 @@ class EngineFineTuner:
                          self.names.scrub(exc, item.user))
                 continue
             progress.trained.append(item.item)
+            self.optimizer_steps += item.stepped
             if item.item[0] == PAIR:
                 self.pairs_trained += 1
             else:
@@ -376,8 +379,9 @@ class EngineFineTuner:
                                  generation: int = generation) -> None:
                         result = getattr(job.work, "result", None)
                         loss = float(result.loss) if result is not None and job.error is None else None
+                        stepped = bool(getattr(job.work, "stepped", False)) and job.error is None
                         item = _Done(user, key, job.job_id, loss, job.error, job.stages_run, job.seconds,
-                                     generation)
+                                     generation, stepped)
                         try:
                             loop.call_soon_threadsafe(done_queue.put_nowait, item)
                         except RuntimeError:  # the loop is closed: the process is exiting
@@ -428,6 +432,7 @@ class EngineFineTuner:
         unpaired_ids = [row for kind, row in items if kind == UNPAIRED]
         progress.publishing = True
         self.publishing = user
+        stopping = self._stopping
         try:
             heldout = await asyncio.to_thread(self.store.heldout_pairs, user)
             heldout_unpaired = await asyncio.to_thread(self.store.heldout_unpaired, user)
@@ -436,7 +441,13 @@ class EngineFineTuner:
                 from edge_runtime.train.guard import RegressionGuard, publish_guarded
 
                 trainer = self._trainers[user]
-                trainer.flush()  # apply a partly accumulated optimizer window before the snapshot
+                engine.adapters.set_retention(self.settings.keep_versions)  # applied by the publish
+                if stopping:
+                    # Shutdown: a partly accumulated window (accumulation_steps > 1) would be
+                    # lost with the process, so it is applied before the last snapshot. Other
+                    # publishes never step: pairs_per_version decides when a version is taken,
+                    # not when the optimizer steps (docs/training.md).
+                    trainer.flush()
                 s = self.settings
                 guard = (RegressionGuard(degeneration_prompts=s.guard_prompts, degeneration_tokens=s.guard_tokens,
                                          kl_budget=s.guard_kl_budget, distinct_2_drop=s.guard_distinct_2_drop)

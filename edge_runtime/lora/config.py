@@ -31,6 +31,13 @@ class AdapterError(MaceError):
     code = "adapter_unavailable"
 
 
+class AdapterTrimmed(AdapterError):
+    """A version the retention policy removed (`AdapterRegistry(keep_versions=)`): it existed, it
+    is gone for good. Distinct from an unknown version so a client can tell the two apart."""
+
+    code = "adapter_trimmed"
+
+
 @dataclass(frozen=True)
 class LoraSettings:
     # r=8 on the attention projections is the usual llama-family starting point (it is also what

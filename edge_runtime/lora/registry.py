@@ -1,6 +1,7 @@
 """Per-user adapter versions: `<root>/<user_id>/v<N>/` PEFT snapshots, the newest good one per
 user, pins that keep the version an in-flight request started with, retire (rollback) markers,
-an event log, and the in-memory cache of loaded versions. The fleet adapter, shared by every
+an event log, the in-memory cache of loaded versions and the retention that trims old versions
+(`keep_versions`: the newest k, any rolled back to, any pinned; docs/training.md). The fleet adapter, shared by every
 user of the device, is one more owner under the reserved name `FLEET` (`<root>/+fleet/v<N>/`,
 outside the user-id alphabet), versioned, pinned and rolled back like a user's; a request served
 both is given one LoRA of the two ranks concatenated (`served_weights`).
@@ -28,7 +29,7 @@ from edge_runtime.errors import BadRequest
 from edge_runtime.ids import validate_user_id
 from edge_runtime.lora.adapter import load_adapter, remove_stale_temps, save_snapshot
 from edge_runtime.lora.cache import AdapterCache
-from edge_runtime.lora.config import AdapterError
+from edge_runtime.lora.config import AdapterError, AdapterTrimmed
 from edge_runtime.lora.weights import LoraWeights, concat_ranks
 from edge_runtime.model.config import ModelConfig
 
@@ -80,8 +81,12 @@ class AdapterRegistry:
         device: torch.device | str = "cpu",
         cache_bytes: int = 256 << 20,
         base_model: str = "",
+        keep_versions: int | None = None,
     ) -> None:
+        """`keep_versions`: how many of an owner's newest versions a publish leaves (None: all)."""
         self.root = Path(root) if root is not None else None
+        self.keep_versions: int | None = None
+        self.set_retention(keep_versions)
         self.model_cfg = model_cfg
         self.dtype = dtype
         self.device = torch.device(device)
@@ -95,6 +100,8 @@ class AdapterRegistry:
         self._events: dict[str, list[dict[str, Any]]] = {}
         self._pins: Counter[AdapterRef] = Counter()
         self._forgotten: set[AdapterRef] = set()  # erased, still pinned by in-flight requests
+        self._trimmed: dict[str, set[int]] = {}  # removed by retention: a clear error, not "unknown"
+        self._rolled_back_to: dict[str, set[int]] = {}  # versions a rollback made served: kept
         # Keys: a version (AdapterRef), or a fleet+user composition (ServedAdapter), pinned
         # while both its versions are.
         self.cache: AdapterCache[AdapterRef | ServedAdapter, LoraWeights] = AdapterCache(
@@ -120,6 +127,11 @@ class AdapterRegistry:
                 self._retired[user] = retired
                 self._highest[user] = max(numbers, default=0)
                 self._versions[user] = [n for n in numbers if n not in retired]
+                # Numbers below the highest without a folder were trimmed (an erasure removes the
+                # whole user folder, so numbering never has gaps otherwise).
+                self._trimmed[user] = set(range(1, self._highest[user] + 1)) - set(numbers)
+                self._rolled_back_to[user] = {int(e["serving"]) for e in self.events(user)
+                                              if e.get("kind") == "rolled_back" and e.get("serving")}
 
     def users(self) -> list[str]:
         """Users with a served version (the fleet is not a user)."""
@@ -174,6 +186,7 @@ class AdapterRegistry:
         with self._lock:
             if ref.version not in self.versions(ref.user):
                 served = self.versions(ref.user)
+                self._refuse_trimmed(ref.user, ref.version)
                 raise AdapterError(f"adapter {ref.key} is not available (versions served for "
                                    f"{ref.user!r}: {served or 'none'})")
             self.weights(ref)
@@ -259,7 +272,67 @@ class AdapterRegistry:
             cached = weights.to(self.dtype, self.device)
             self.cache.put(ref, cached, cached.nbytes)
             self.record_event(user, "published", version=ref.version, **info)
+            self._drop_superseded(user)
+            if self.keep_versions is not None:
+                self.trim(user, self.keep_versions)
             return ref
+
+    def set_retention(self, keep_versions: int | None) -> None:
+        """How many newest versions each publish leaves from now on (None: all)."""
+        if keep_versions is not None and keep_versions < 1:
+            raise ValueError("keep_versions must be >= 1 (or None to keep every version)")
+        self.keep_versions = keep_versions
+
+    def _drop_superseded(self, user: str) -> None:
+        """Older versions leave the cache once a newer one is served, unless a request pins them:
+        new requests get the newest, so an idle older version would only hold memory (a request
+        that names it loads it again; the ledger sheds it like any idle adapter)."""
+        newest = max(self._versions.get(user, []), default=None)
+        for key in self.cache.keys():
+            parts = key.parts if isinstance(key, ServedAdapter) else (key,)
+            if (any(r.user == user and r.version != newest for r in parts)
+                    and not self._is_pinned(key)):
+                self.cache.discard(key)
+
+    def trim(self, user: str, keep: int) -> list[int]:
+        """Retention: remove `user`'s versions (files, cache, records) except the newest `keep`
+        served ones, any version a rollback made served, and any a request pins (those wait for
+        a later trim). Retired versions beyond them go too (they are never served again).
+        Returns the versions removed; each is then refused with `AdapterTrimmed`."""
+        if keep < 1:
+            raise ValueError("keep must be >= 1")
+        _validate_owner(user)
+        with self._lock:
+            served = self._versions.get(user, [])
+            protected = set(served[-keep:]) | self._rolled_back_to.get(user, set())
+            on_record = set(served) | self._retired.get(user, set())
+            removed = sorted(n for n in on_record - protected if self._pins[AdapterRef(user, n)] == 0)
+            if not removed:
+                return []
+            for number in removed:
+                ref = AdapterRef(user, number)
+                if number in served:
+                    served.remove(number)
+                self._retired.get(user, set()).discard(number)
+                self._memory.pop(ref, None)
+                self._bad.discard(ref)
+                self._discard_cached(ref)
+                path = self.path(ref)
+                if path is not None and path.exists():
+                    shutil.rmtree(path)
+                self._trimmed.setdefault(user, set()).add(number)
+            if user in self._retired:
+                self._write_retired(user)
+            self.record_event(user, "trimmed", versions=removed, keep=keep)
+            return removed
+
+    def _refuse_trimmed(self, user: str, version: int) -> None:
+        if version in self._trimmed.get(user, ()):
+            newest = "" if self.keep_versions is None else f"the newest {self.keep_versions}, "
+            raise AdapterTrimmed(
+                f"adapter {user}@{version} was removed by the retention policy (it keeps {newest}any "
+                f"version rolled back to and any in use); versions kept for {user!r}: "
+                f"{self.versions(user) or 'none'}")
 
     def rollback(self, user: str, to_version: int | None = None, reason: str = "") -> AdapterRef | None:
         """Retire the newest version, or every version newer than `to_version` (0: back to the
@@ -274,6 +347,7 @@ class AdapterRegistry:
                 retire = [current.version]
             else:
                 if to_version != 0 and to_version not in self.versions(user):
+                    self._refuse_trimmed(user, to_version)
                     raise AdapterError(f"cannot roll {user!r} back to version {to_version}: it is not "
                                        f"served (versions: {self.versions(user)})")
                 retire = [v for v in self._versions[user] if v > to_version]
@@ -282,6 +356,8 @@ class AdapterRegistry:
                 self._versions[user].remove(version)
             self._write_retired(user)
             now = self.newest(user)
+            if now is not None:
+                self._rolled_back_to.setdefault(user, set()).add(now.version)
             self.record_event(user, "rolled_back", retired=retire,
                               serving=None if now is None else now.version, reason=reason)
             return now
@@ -302,7 +378,8 @@ class AdapterRegistry:
                     self._forgotten.add(ref)
                 else:
                     self._discard_cached(ref)
-            for table in (self._versions, self._highest, self._retired, self._events):
+            for table in (self._versions, self._highest, self._retired, self._events, self._trimmed,
+                          self._rolled_back_to):
                 table.pop(user, None)
             if self.root is not None and (self.root / user).exists():
                 shutil.rmtree(self.root / user)

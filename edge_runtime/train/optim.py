@@ -1,7 +1,9 @@
 """AdamW on LoRA parameters only, with gradient accumulation over pairs and norm clipping.
 
 Backward stages add into `.grad` of the LoRA leaves; `accumulate()` counts finished pairs and
-steps once `accumulation_steps` have been added. The base weights are never given to it.
+steps once `accumulation_steps` have been added. The base weights are never given to it. How
+often a version is published (`finetune.pairs_per_version`) does not change when it steps
+(docs/training.md, "Optimizer steps and versions").
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ class OptimizerSettings:
     learning_rate: float = 5e-4
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0  # decaying LoRA's B towards zero pulls the policy back to the base
-    accumulation_steps: int = 4
+    # One step per trained example (TRL's gradient_accumulation_steps default). It used to be 4,
+    # which with pairs_per_version = 4 meant one step per published version (issue #32).
+    accumulation_steps: int = 1
     max_grad_norm: float | None = 1.0
 
 

@@ -1,0 +1,69 @@
+"""How the optimizer steps against how often versions are published, through the daemon's own
+fine-tuner in-process (engine thread, feedback store, tiny model): docs/training.md, "Optimizer
+steps and versions"."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from daemon.engine_thread import EngineThread
+from daemon.finetune.engine_tuner import EngineFineTuner
+from daemon.settings import FineTuneSettings
+from edge_runtime.feedback import FeedbackStore
+from edge_runtime.feedback.config import FeedbackStoreConfig
+from edge_runtime.feedback.records import Choice
+
+
+def _loader(model_dir: Path):
+    def load():
+        from edge_runtime.engine import Engine
+
+        return Engine.load(str(model_dir), dtype="float32", kv_cache_bytes=8 << 20)
+    return load
+
+
+def _train(model_dir: Path, tmp: Path, pairs: int, pairs_per_version: int) -> tuple[int, int, list[int]]:
+    """`pairs` choice pairs of one user through the fine-tuner; returns (optimizer steps, pairs
+    trained, pairs per published version)."""
+    store = FeedbackStore(tmp / "fb.sqlite3", config=FeedbackStoreConfig(heldout_fraction=0.0,
+                                                                        retention_interval_s=None))
+    store.set_consent("ada", True)
+    for i in range(pairs):
+        store.record_interaction("ada", f"r{i}", f"Question {i}?", [f"Answer {i}.", f"No {i}."], model="m")
+        store.record_feedback("ada", f"r{i}", Choice(0))
+
+    async def main() -> tuple[int, int, list[int]]:
+        thread = EngineThread(_loader(model_dir), asyncio.get_running_loop())
+        await thread.start()
+        tuner = EngineFineTuner(thread, store, FineTuneSettings(pairs_per_version=pairs_per_version, guard=False),
+                                poll_s=0.05)
+        tuner.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (tuner.pairs_trained < pairs or tuner.status()["state"] != "idle"):
+            await asyncio.sleep(0.1)
+        published = [e.get("pair_ids", []) for e in await thread.call(lambda e: e.adapters.events("ada"))
+                     if e["kind"] == "published"]
+        await tuner.checkpoint()
+        thread.stop()
+        await thread.join(10)
+        return tuner.optimizer_steps, tuner.pairs_trained, [len(p) for p in published]
+
+    try:
+        return asyncio.run(main())
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("pairs_per_version, versions", [(1, [1] * 5), (4, [4, 1])])
+def test_one_optimizer_step_per_pair_whatever_pairs_per_version(tiny_model_dir: Path, tmp_path: Path,
+                                                                pairs_per_version: int, versions: list[int]) -> None:
+    """The default (accumulation_steps = 1) steps once per trained pair: 5 pairs give 5 steps
+    whether a version is published after every pair or after four (issue #32: with the old
+    default of 4, the second setting took one step per version)."""
+    steps, trained, published = _train(tiny_model_dir, tmp_path, 5, pairs_per_version)
+    assert trained == 5 and steps == 5
+    assert published == versions
