@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from daemon.config import FineTuneSettings
 from daemon.engine_thread import EngineThread
+from daemon.finetune.trainers import cancel_all, reset_trainer, train_on_served_fleet
 from daemon.privacy import LogPseudonyms
 from daemon.wire import ProtocolError
 from edge_runtime.errors import MaceError
@@ -120,7 +121,7 @@ class EngineFineTuner:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         if self.engine.alive:
             try:
-                await self.engine.call(_cancel_all)
+                await self.engine.call(cancel_all)
             except MaceError:
                 pass  # the engine is gone: nothing is queued any more
         await self._handle_done()
@@ -174,7 +175,7 @@ class EngineFineTuner:
                 # again from the rolled-back version).
                 engine.cancel_finetune(user=user)
                 self._generation[user] = self._generation.get(user, 0) + 1
-                self._reset_trainer(engine, user, trainer)
+                reset_trainer(engine, user, trainer)
             return {"user": user, "serving": None if now is None else now.version}
 
         try:
@@ -409,18 +410,10 @@ class EngineFineTuner:
                 # the scheduler prices stages as they really run here.
                 self._stage_costs = engine.stage_costs()
             trainer = AdapterTrainer(engine.model, engine.tokenizer, costs=self._stage_costs)
-            self._reset_trainer(engine, user, trainer)
+            reset_trainer(engine, user, trainer)
             self._trainers[user] = trainer
-        _train_on_served_fleet(engine, trainer)
+        train_on_served_fleet(engine, trainer)
         return trainer
-
-    @staticmethod
-    def _reset_trainer(engine: Engine, user: str, trainer: AdapterTrainer) -> None:
-        import torch
-
-        served = engine.adapters.newest(user)
-        if served is not None:
-            trainer.reset(engine.adapters.weights(served).to(torch.float32))
 
     async def _publish(self, user: str) -> None:
         assert self.store is not None
@@ -456,7 +449,14 @@ class EngineFineTuner:
                                                 heldout_unpaired=heldout_unpaired, pair_ids=pair_ids,
                                                 unpaired_ids=unpaired_ids)
                 path = engine.adapters.path(ref) if ref is not None else None
-                return decision.as_dict(), (ref, path)
+                out = decision.as_dict()
+                if ref is None and decision.degeneration is not None and guard.degenerated(decision.degeneration):
+                    # A collapsed candidate is not what the user's next corrections should start
+                    # from (they would be answers to the collapse): train on from the served
+                    # version, with fresh optimizer state, as after a rollback.
+                    reset_trainer(engine, user, trainer, base_if_none=True)
+                    out["trainer_reset"] = True
+                return out, (ref, path)
 
             decision, (ref, path) = await self.engine.call(publish)
         finally:
@@ -483,19 +483,3 @@ class EngineFineTuner:
                 return
         self.versions_published += 1  # counted once the store knows it (what status reports)
 
-
-def _train_on_served_fleet(engine: Engine, trainer: AdapterTrainer) -> None:
-    """Put the fleet version new requests are served with beneath the user's adapter, so the
-    next batch trains on top of what is served (called between a user's batches, when none of
-    its tasks is in flight)."""
-    from edge_runtime.lora.registry import FLEET
-
-    ref = engine.adapters.newest(FLEET)
-    key = "" if ref is None else ref.key
-    if key != trainer.fleet_key:
-        trainer.set_fleet(None if ref is None else engine.adapters.weights(ref), key)
-
-
-def _cancel_all(engine: Engine) -> int:
-    users = {job.user for job in engine.scheduler.finetune.jobs.values()}
-    return sum(engine.cancel_finetune(user=user) for user in users if user is not None)
