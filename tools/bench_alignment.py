@@ -866,8 +866,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--model", help="HF model directory (default: the default model)")
     p.add_argument("--replay", type=Path, help="HH-RLHF / SHP / explicit JSONL file to replay instead")
     p.add_argument("--format", default="auto", help="replay file format: auto, hh, shp, explicit")
-    p.add_argument("--feedback", choices=("pairs", "thumbs"), default="pairs",
-                   help="pairs: choices and edits (DPO); thumbs: lone thumbs only (KTO)")
+    p.add_argument("--feedback", choices=("pairs", "thumbs", "edit"), default="pairs",
+                   help="pairs: choices and edits (DPO); thumbs: lone thumbs only (KTO); edit: two users "
+                        "edit a real maced's answers through the SDK, a third only asks (tools/alignment_edit.py)")
+    p.add_argument("--edit-heldout", type=int, default=20, help="held-out questions per user (--feedback edit)")
+    p.add_argument("--alone-pairs", type=int, default=8,
+                   help="edits timed with no other traffic after the run (--feedback edit)")
+    p.add_argument("--max-asks", type=int, default=300, help="turns at most (--feedback edit)")
+    p.add_argument("--drain-timeout", type=float, default=1800.0,
+                   help="seconds to wait for the pairs to be trained (--feedback edit)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a maced setting (--feedback edit; the bar runs use none)")
+    p.add_argument("--work-dir", default=None, help="where maced's state goes (--feedback edit; default a temp dir)")
     p.add_argument("--thumbs", type=int, default=200, help="lone thumbs to train on (--feedback thumbs)")
     p.add_argument("--guard-examples", type=int, default=16, help="held-out thumbs that guard publishing")
     p.add_argument("--guard-margin-tolerance", type=float, default=1.0)
@@ -914,6 +924,18 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="result path without suffix (default tools/results/bench_alignment[_thumbs][_BACKEND], "
                         "no backend suffix for torch)")
     args = p.parse_args(argv)
+    if args.feedback == "edit":
+        from tools import alignment_edit
+
+        args.out = args.out or RESULTS / "bench_alignment_edit"
+        args.heldout, args.eval_tokens, args.max_tokens = args.edit_heldout, args.eval_new_tokens, args.max_new_tokens
+        result: dict[str, Any] = {}
+        try:
+            result = alignment_edit.run(args, partial=result)
+        finally:  # a run stopped by `timeout` (SIGTERM) still writes what it measured
+            alignment_edit.write_report(result, args.out)
+        print(alignment_edit.markdown(result))
+        return
     if args.out is None:
         name = "bench_alignment_thumbs" if args.feedback == "thumbs" else "bench_alignment"
         args.out = RESULTS / (name if args.backend == "torch" else f"{name}_{args.backend}")
