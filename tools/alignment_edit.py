@@ -186,8 +186,13 @@ def wait_ready(proc: subprocess.Popen[bytes], sock: Path, log: Path, timeout_s: 
 
 def greedy(c: Any, user: str | None, prompts: Sequence[str], tokens: int, adapter: str | None = None) -> list[str]:
     extra = {} if adapter is None else {"adapter": adapter}
-    return [c.generate(p + BRIEF, max_tokens=tokens, temperature=0.0, user=user, record=False, **extra).text
+    return [c.generate(messages=chat(p), max_tokens=tokens, temperature=0.0, user=user, record=False, **extra).text
             for p in prompts]
+
+
+def chat(question: str) -> list[dict[str, str]]:
+    """What an app sends: the question as the user's chat message (the model's chat template)."""
+    return [{"role": "user", "content": question + BRIEF}]
 
 
 def judge(answers: Sequence[str], base: Sequence[str], user: EditingUser | None,
@@ -283,13 +288,13 @@ def run(args: argparse.Namespace, partial: dict[str, Any] | None = None) -> dict
                     if u.edits >= args.pairs:
                         continue
                     q = order[u.name][turn % len(pool)]
-                    r = c.generate(q + BRIEF, max_tokens=args.max_tokens, temperature=args.temperature,
+                    r = c.generate(messages=chat(q), max_tokens=args.max_tokens, temperature=args.temperature,
                                    seed=turn, user=u.name)
                     u.asks += 1
                     if not u.satisfied(r.text) and (fixed := u.edit(r.text)) is not None:
                         c.edit(u.name, r.interaction_id, fixed)
                         u.edits += 1
-                c.generate(quiet_order[turn % len(pool)] + BRIEF, max_tokens=args.max_tokens,
+                c.generate(messages=chat(quiet_order[turn % len(pool)]), max_tokens=args.max_tokens,
                            temperature=args.temperature, seed=turn, user=quiet)
                 turn += 1
                 if turn % 10 == 0:
@@ -357,7 +362,7 @@ def time_alone(c: Any, user: EditingUser, pool: Sequence[str], args: argparse.Na
     seconds until they are trained and published (a guarded publish every pairs_per_version)."""
     # The answers first, then the edits in a row: the timing covers training (and its publishes)
     # with no request in flight.
-    replies = [c.generate(q + BRIEF, max_tokens=args.max_tokens, temperature=1.0, seed=1000 + i, user=user.name)
+    replies = [c.generate(messages=chat(q), max_tokens=args.max_tokens, temperature=1.0, seed=1000 + i, user=user.name)
                for i, q in enumerate(pool[::-1][: args.alone_pairs])]
     before = c.status()["finetune"]
     t0 = time.monotonic()
