@@ -875,6 +875,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--max-asks", type=int, default=300, help="turns at most (--feedback edit)")
     p.add_argument("--drain-timeout", type=float, default=1800.0,
                    help="seconds to wait for the pairs to be trained (--feedback edit)")
+    p.add_argument("--teach-s", type=float, default=0.0,
+                   help="stop teaching after this many seconds even if short of --pairs (--feedback edit; 0: no limit)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a maced setting (--feedback edit; the bar runs use none)")
     p.add_argument("--work-dir", default=None, help="where maced's state goes (--feedback edit; default a temp dir)")
