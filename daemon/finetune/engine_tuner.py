@@ -99,6 +99,9 @@ class EngineFineTuner:
         self._attempts: dict[Item, int] = {}
         self._forgotten: set[str] = set()
         self._generation: dict[str, int] = {}  # per user; bumped when the trainer is reset
+        # The served version's held-out metrics by (version, fleet, held-out pair ids): a version
+        # is immutable, so the guard need not evaluate it again at every publish (engine thread).
+        self._served_metrics: dict[str, tuple[tuple[Any, ...], Any]] = {}
         self._done: asyncio.Queue[_Done] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -240,6 +243,7 @@ class EngineFineTuner:
         def purge(engine: Engine) -> bool:
             engine.cancel_finetune(user=user)
             self._trainers.pop(user, None)
+            self._served_metrics.pop(user, None)  # numbering restarts after an erasure
             root = engine.adapters.root
             had_folder = root is not None and (root / user).exists()
             engine.adapters.forget(user)  # versions, retire markers, events; in-flight rows finish
@@ -445,9 +449,17 @@ class EngineFineTuner:
                 guard = (RegressionGuard(degeneration_prompts=s.guard_prompts, degeneration_tokens=s.guard_tokens,
                                          kl_budget=s.guard_kl_budget, distinct_2_drop=s.guard_distinct_2_drop)
                          if s.guard else RegressionGuard(min_heldout_pairs=1 << 30, min_heldout_unpaired=1 << 30))
+                served = engine.adapters.newest(user)
+                key = (None if served is None else served.version, trainer.fleet_key, tuple(p.id for p in heldout))
+                known = self._served_metrics.get(user)
                 decision, ref = publish_guarded(engine.adapters, trainer, user, heldout, guard,
+                                                served_metrics=known[1] if known and known[0] == key else None,
                                                 heldout_unpaired=heldout_unpaired, pair_ids=pair_ids,
                                                 unpaired_ids=unpaired_ids)
+                if ref is not None and decision.after is not None:
+                    self._served_metrics[user] = ((ref.version, *key[1:]), decision.after)
+                elif decision.before is not None:
+                    self._served_metrics[user] = (key, decision.before)
                 path = engine.adapters.path(ref) if ref is not None else None
                 out = decision.as_dict()
                 if ref is None and decision.degeneration is not None and guard.degenerated(decision.degeneration):

@@ -26,31 +26,39 @@ def _loader(model_dir: Path):
     return load
 
 
-def _train(model_dir: Path, tmp: Path, pairs: int, pairs_per_version: int) -> tuple[int, int, list[int]]:
+def _train(model_dir: Path, tmp: Path, pairs: int, pairs_per_version: int, guard: bool = False,
+           heldout_fraction: float = 0.0) -> tuple[int, int, list[int], int]:
     """`pairs` choice pairs of one user through the fine-tuner; returns (optimizer steps, pairs
-    trained, pairs per published version)."""
-    store = FeedbackStore(tmp / "fb.sqlite3", config=FeedbackStoreConfig(heldout_fraction=0.0,
+    trained, pairs per published version, candidates refused)."""
+    store = FeedbackStore(tmp / "fb.sqlite3", config=FeedbackStoreConfig(heldout_fraction=heldout_fraction,
                                                                         retention_interval_s=None))
     store.set_consent("ada", True)
     for i in range(pairs):
         store.record_interaction("ada", f"r{i}", f"Question {i}?", [f"Answer {i}.", f"No {i}."], model="m")
         store.record_feedback("ada", f"r{i}", Choice(0))
 
-    async def main() -> tuple[int, int, list[int]]:
+    async def main() -> tuple[int, int, list[int], int]:
         thread = EngineThread(_loader(model_dir), asyncio.get_running_loop())
         await thread.start()
-        tuner = EngineFineTuner(thread, store, FineTuneSettings(pairs_per_version=pairs_per_version, guard=False),
-                                poll_s=0.05)
+        settings = FineTuneSettings(pairs_per_version=pairs_per_version, guard=guard, guard_prompts=1, guard_tokens=4)
+        tuner = EngineFineTuner(thread, store, settings, poll_s=0.05)
         tuner.start()
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and (tuner.pairs_trained < pairs or tuner.status()["state"] != "idle"):
-            await asyncio.sleep(0.1)
-        published = [e.get("pair_ids", []) for e in await thread.call(lambda e: e.adapters.events("ada"))
-                     if e["kind"] == "published"]
+        training = pairs - len(store.heldout_pairs("ada"))
+
+        def decided(events: list[dict]) -> int:  # pairs in published or refused candidates
+            return sum(len(e.get("pair_ids", [])) for e in events if e["kind"] in ("published", "rejected"))
+
+        events: list[dict] = []
+        while time.monotonic() < deadline and decided(events) < training:
+            await asyncio.sleep(0.2)
+            events = await thread.call(lambda e: e.adapters.events("ada"))
+        published = [e.get("pair_ids", []) for e in events if e["kind"] == "published"]
         await tuner.checkpoint()
         thread.stop()
         await thread.join(10)
-        return tuner.optimizer_steps, tuner.pairs_trained, [len(p) for p in published]
+        return (tuner.optimizer_steps, tuner.pairs_trained, [len(p) for p in published],
+                sum(e["kind"] == "rejected" for e in events))
 
     try:
         return asyncio.run(main())
@@ -64,6 +72,28 @@ def test_one_optimizer_step_per_pair_whatever_pairs_per_version(tiny_model_dir: 
     """The default (accumulation_steps = 1) steps once per trained pair: 5 pairs give 5 steps
     whether a version is published after every pair or after four (issue #32: with the old
     default of 4, the second setting took one step per version)."""
-    steps, trained, published = _train(tiny_model_dir, tmp_path, 5, pairs_per_version)
+    steps, trained, published, _ = _train(tiny_model_dir, tmp_path, 5, pairs_per_version)
     assert trained == 5 and steps == 5
     assert published == versions
+
+
+
+def test_the_guard_evaluates_a_served_version_once_per_held_out_set(tiny_model_dir: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A version is immutable: the fine-tuner keeps its held-out metrics from the decision that
+    published it, so a guarded publish evaluates the candidate only (the served version again
+    only when the held-out pairs or the fleet beneath changed; here they never do)."""
+    from edge_runtime.train.trainer import AdapterTrainer
+
+    evaluations: list[object] = []
+    evaluate = AdapterTrainer.evaluate
+
+    def counted(self, pairs, weights):
+        evaluations.append(weights)
+        return evaluate(self, pairs, weights)
+
+    monkeypatch.setattr(AdapterTrainer, "evaluate", counted)
+    steps, trained, published, refused = _train(tiny_model_dir, tmp_path, 9, 1, guard=True, heldout_fraction=0.4)
+    assert trained == steps and trained >= 3 and len(published) + refused == trained
+    # One evaluation per candidate, plus the base's once (it was served before the first).
+    assert len(evaluations) == trained + 1
