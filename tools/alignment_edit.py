@@ -245,6 +245,27 @@ def guard_versions(state: Path, user: str) -> list[dict[str, Any]]:
     return rows
 
 
+def admission_from_log(text: str) -> dict[str, Any]:
+    """Admission's state changes in maced's log: how long fine-tuning was shed (memory, thermal
+    or power pressure pauses it; on a shared machine other processes' memory counts too)."""
+    import datetime as dt
+
+    changes = []
+    for line in text.splitlines():
+        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ INFO daemon\.admission: admission (\S+) -> (\S+): (.*)", line)
+        if m:
+            changes.append((dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S"), m.group(2), m.group(3), m.group(4)))
+    shed_s, since = 0.0, None
+    for when, _old, new, _why in changes:
+        if new in ("shed_finetune", "queue", "reject") and since is None:
+            since = when
+        elif new == "normal" and since is not None:
+            shed_s += (when - since).total_seconds()
+            since = None
+    return {"changes": len(changes), "finetune_shed_s": round(shed_s, 1), "still_shed_at_end": since is not None,
+            "first": [f"{w:%H:%M:%S} {o} -> {n}: {why[:100]}" for w, o, n, why in changes[:6]]}
+
+
 def run(args: argparse.Namespace, partial: dict[str, Any] | None = None) -> dict[str, Any]:
     """The whole run; `partial` is filled as it goes (what is written if the run is stopped)."""
     import signal
@@ -354,7 +375,9 @@ def run(args: argparse.Namespace, partial: dict[str, Any] | None = None) -> dict
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-        result["log_tail"] = log.read_text(errors="replace")[-3000:]
+        text = log.read_text(errors="replace")
+        result["log_tail"] = text[-3000:]
+        result["admission"] = admission_from_log(text)
         result["loadavg_end"] = Path("/proc/loadavg").read_text().strip()
     return result
 
@@ -429,7 +452,8 @@ def markdown(result: dict[str, Any]) -> str:
               f"- alone ({alone.get('pairs_trained')} pairs, no other request): {alone.get('finetune_s_per_pair')} s "
               f"of stages, {alone.get('wall_s_per_pair')} s wall per pair including {alone.get('versions')} guarded "
               f"publish(es); the README's figure for a staged pair is {README_PAIR_S} s (quiet machine, stages only)",
-              f"- versions left on disk: {result.get('versions_on_disk')}", "",
+              f"- versions left on disk: {result.get('versions_on_disk')}",
+              f"- admission (from maced's log): {result.get('admission')}", "",
               "## The guard, per candidate", ""]
     for name, rows_ in result.get("guard_versions", {}).items():
         lines += [f"### {name}", ""]
