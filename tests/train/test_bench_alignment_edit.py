@@ -42,3 +42,15 @@ def test_held_out_questions_are_never_asked_while_teaching() -> None:
     m = _edit_module()
     pool, heldout = m.questions(0, 20)
     assert len(heldout) == 20 and not set(pool) & set(heldout) and len(pool) >= 100
+
+
+def test_a_stall_is_time_with_work_waiting_and_nothing_finishing_unless_admission_paused_it() -> None:
+    m = _edit_module()
+    samples = [{"t": 0, "trained": 0, "pending": 4, "state": "training"},
+               {"t": 30, "trained": 0, "pending": 4, "state": "training"},
+               {"t": 50, "trained": 1, "pending": 3, "state": "training"},
+               {"t": 60, "trained": 1, "pending": 3, "state": "paused"},
+               {"t": 500, "trained": 1, "pending": 3, "state": "paused"},
+               {"t": 540, "trained": 1, "pending": 3, "state": "training"},
+               {"t": 545, "trained": 2, "pending": 0, "state": "idle"}]
+    assert m.longest_stall(samples) == 40.0
