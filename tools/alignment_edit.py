@@ -296,12 +296,12 @@ def run(args: argparse.Namespace, partial: dict[str, Any] | None = None) -> dict
     quiet = "user2"
     pool, heldout = questions(args.seed, args.heldout)
     work = Path(tempfile.mkdtemp(prefix="bench-edit-", dir=args.work_dir))
-    proc, sock, log = start_maced(args, work)
     result: dict[str, Any] = partial if partial is not None else {}
     result.update({"mode": "edit", "loadavg_start": Path("/proc/loadavg").read_text().strip(),
                    "pairs_per_user": args.pairs, "threads": args.threads, "settings": args.set or [],
                    "heldout_prompts": len(heldout), "eval_tokens": args.eval_tokens,
                    "max_tokens": args.max_tokens, "started": time.strftime("%Y-%m-%d %H:%M:%S")})
+    proc, sock, log = start_maced(args, work)  # nothing may raise between here and the try
     try:
         result["ready_s"] = round(wait_ready(proc, sock, log, 900), 1)
         with Client(f"ipc://{sock}", timeout_s=600) as c, Client(f"ipc://{sock}", timeout_s=60) as watcher:
