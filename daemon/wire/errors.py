@@ -39,7 +39,7 @@ ERRORS: tuple[ErrorCode, ...] = (
     ErrorCode("unknown_pair", 404, "no preference pair with that id (erased, expired, or never created)"),
     ErrorCode("adapter_unavailable", 404, "no such adapter version is served for that user (or it cannot "
               "load)"),
-    ErrorCode("adapter_trimmed", 410, "that adapter version existed but the retention policy removed it "
+    ErrorCode("adapter_trimmed", 404, "that adapter version existed but the retention policy removed it "
               "(finetune.keep_versions); roll back to a version still listed"),
     ErrorCode("consent_required", 403, "the user has not consented to feedback collection"),
     ErrorCode("duplicate_feedback", 409, "the same feedback was already recorded; the first one stands"),
