@@ -209,6 +209,7 @@ class EngineThread:
         only for failures no request caused; only those count toward `MAX_CONSECUTIVE_STEP_FAILURES`."""
         failures = 0
         busy_at = time.monotonic()  # when the engine last had a generation to run
+        was_idle = True
         while not self._stopping:
             self._on_alive()
             # Idle with a cost calibration still to run: once the engine has been quiet for
@@ -247,7 +248,11 @@ class EngineThread:
             self.snapshot = EngineSnapshot(
                 len(engine.scheduler.waiting), len(engine.scheduler.running), len(engine.requests),
                 engine.iterations, engine.last_iteration_s)
-            self._publish_stats(engine)
+            # Going idle publishes at once: the loop may now block on its queue, and a status read
+            # meanwhile must not pair the tuner's fresh counts with a snapshot from mid-work.
+            idle = not engine.has_unfinished()
+            self._publish_stats(engine, force=idle and not was_idle)
+            was_idle = idle
             self._flush()
         self._drain(engine, block=False)  # answer calls that raced with stop()
 

@@ -337,3 +337,27 @@ def test_a_background_calibration_waits_for_a_quiet_engine(tiny_model: Path) -> 
         assert await thread.join(5)
 
     run(main())
+
+
+def test_the_published_stats_are_current_once_the_engine_goes_idle(tiny_model: Path) -> None:
+    """Status reads the engine thread's published snapshot. Work that ends less than a publishing
+    period after the last snapshot must still show in it once the engine is idle; otherwise a
+    status read pairs the tuner's fresh counts with figures from mid-work (the bench's `stage_s`
+    read 0.0 after a published pair)."""
+    from edge_runtime.sampling import SamplingParams
+
+    async def main() -> None:
+        thread = EngineThread(loader(tiny_model), asyncio.get_running_loop())
+        thread.stats_every_s = 3600.0  # only the forced publishes happen
+        await thread.start()
+        assert thread.stats["tokens_generated"] == 0
+        sink = Sink()
+        await thread.submit("r0", "hello", SamplingParams(max_tokens=5, ignore_eos=True), sink)
+        output, aborted, error = await sink.done
+        assert aborted is None and error is None
+        # The reply leaves the engine thread after the idle publish, so it is visible by now.
+        assert thread.stats["tokens_generated"] == 5
+        thread.stop()
+        assert await thread.join(5)
+
+    run(main())
