@@ -98,6 +98,16 @@ def test_streamed_events_build_the_same_output_as_the_whole_reply() -> None:
     assert finals[-1]["response"]["output"][0]["content"][0]["text"] == ""
 
 
+def test_an_error_after_the_first_token_is_an_error_event_then_response_failed() -> None:
+    reply = ResponseReply("m", {})
+    reply.id = "ix-3"
+    events = [*reply.opening(), *reply.delta("a", None),
+              *reply.failed(GatewayError("shutting_down", "the daemon is stopping"))]
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["code"] == "shutting_down" and events[-1]["response"]["status"] == "failed"
+    assert events[-1]["response"]["error"]["code"] == "shutting_down" and events[-1]["response"]["id"] == "ix-3"
+
+
 def test_the_store_is_per_principal_and_user_and_bounded() -> None:
     now = [0.0]
     store = ResponseStore(max_responses=3, max_bytes=10_000, max_age_s=60.0, clock=lambda: now[0])
