@@ -122,10 +122,13 @@ class EngineThread:
         return self._thread.is_alive()
 
     def submit(self, request_id: str, prompt: Prompt, params: SamplingParams, sink: GenerationSink,
-               adapter: Any = None) -> asyncio.Future[None]:
-        """Queue a request; the future fails with the engine's BadRequest if it is refused."""
+               adapter: Any = None, owner: str = "") -> asyncio.Future[None]:
+        """Queue a request (`owner`: whose prompt it is); the future fails with the engine's
+        BadRequest if it is refused."""
         def command(engine: Engine) -> None:
             kwargs: dict[str, Any] = {"adapter": adapter} if adapter is not None else {}
+            if owner:
+                kwargs["owner"] = owner
             engine.add_request(prompt, params, request_id=request_id, on_token=self._collect, **kwargs)
             self._sinks[request_id] = sink
 
@@ -203,6 +206,7 @@ class EngineThread:
             self._fail_sinks(EngineFailed("the engine has stopped"))
             self._flush()
             self._reject_leftovers()
+            engine.prefixes.close()  # queued prefix blocks reach the disk before the process exits
 
     def _serve(self, engine: Engine) -> None:
         """The iteration loop. `Engine.step()` fails a request that breaks it alone and raises

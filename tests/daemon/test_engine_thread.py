@@ -108,6 +108,7 @@ class BrokenEngine:
         self.iterations = 0
         self.last_iteration_s = 0.0
         self.scheduler = type("S", (), {"waiting": [], "running": []})()
+        self.prefixes = type("P", (), {"close": lambda self: None})()
         self.model = type("M", (), {"parameters": lambda self: [], "buffers": lambda self: []})()
 
     def add_request(self, prompt: Any, params: Any, *, request_id: str, on_token: Any) -> str:
