@@ -6,7 +6,7 @@ on behalf of a principal: an app reaches only its own users, the operator any ap
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -30,6 +30,9 @@ class UserOps:
 
     def __init__(self, service: Any) -> None:
         self.service = service
+        # Holders of user data outside the store and the engine (the HTTP front's stored
+        # responses): kind -> erase(stored user) -> how many items went. Erasure calls each.
+        self.erasers: dict[str, Callable[[str], int]] = {}
 
     @property
     def identities(self) -> Identities:
@@ -79,9 +82,12 @@ class UserOps:
         with own_names(stored, args.user):
             # The engine stops serving the user's adapters before their files go.
             removed = await self.service.fine_tuner.forget(stored)
-            prefixes = await self._forget_prefixes(stored)
-            report = await store.forget(stored, adapters_removed=removed, prefix_blocks=prefixes)
-        return {"user": args.user, "erased": _renamed(asdict(report), stored, args.user)}
+            elsewhere = {"prefix_blocks": await self._forget_prefixes(stored)}
+            elsewhere.update({kind: erase(stored) for kind, erase in self.erasers.items()})
+            report = await store.forget(stored, adapters_removed=removed, elsewhere=elsewhere)
+        erased = asdict(report)
+        erased.update(erased.pop("elsewhere"))
+        return {"user": args.user, "erased": _renamed(erased, stored, args.user)}
 
     async def _forget_prefixes(self, stored: str) -> int:
         """The user's prompt blocks in the prefix cache's disk tier (their prompts, so their data)."""

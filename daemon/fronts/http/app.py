@@ -71,7 +71,7 @@ def build_app(gateway: Gateway) -> Starlette:
         ("/v1/users/{user:app_user}/consent", gateway.consent, "POST"),
         ("/v1/users/{user:app_user}/export", gateway.export, "GET"),
         ("/v1/users/{user:app_user}/adapters", gateway.adapters, "GET"),
-        ("/v1/users/{user:app_user}", responses.forgetting(gateway.forget), "DELETE"),
+        ("/v1/users/{user:app_user}", gateway.forget, "DELETE"),
         ("/v1/responses", responses.create, "POST"),
         ("/v1/responses/{response_id}", responses.retrieve, "GET"),
         ("/v1/responses/{response_id}", responses.delete, "DELETE"),

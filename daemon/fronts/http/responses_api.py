@@ -9,7 +9,6 @@ docs/gateway.md#responses-api describes it.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -44,6 +43,8 @@ class ResponsesApi:
     def __init__(self, gateway: Gateway, store: ResponseStore | None = None) -> None:
         self.gateway = gateway
         self.store = store or ResponseStore()
+        # Erasing a user, over any transport, drops their stored responses too (erased.responses).
+        gateway.service.users.erasers["responses"] = self.store.forget_user
 
     @property
     def service(self) -> Any:
@@ -96,30 +97,6 @@ class ResponsesApi:
         self._stored(who, response_id)
         self.store.delete(who, response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
-
-    def forgetting(self, forget: Callable[[Request], Any]) -> Callable[[Request], Any]:
-        """The erasure route, which also drops the user's stored responses (their count is
-        `erased.responses`); a user the daemon holds nothing else on but stored responses of is
-        erased too, not a 404."""
-        async def endpoint(request: Request) -> Response:
-            nothing_else: Exception | None = None
-            try:
-                report = json.loads((await forget(request)).body)
-            except Exception as exc:
-                if getattr(exc, "code", None) != "unknown_user":  # typed errors carry their code
-                    raise
-                nothing_else, report = exc, None
-            who: Principal = request.state.principal
-            args = self.gateway._user_args(request, "users.forget")
-            dropped = self.store.forget_user(self.service.users.stored(who, args.app, args.user))
-            if report is None:
-                if not dropped:
-                    raise nothing_else  # type: ignore[misc]
-                report = {"user": args.user, "erased": {}}
-            report["erased"]["responses"] = dropped
-            return json_response(report)
-
-        return endpoint
 
     # -- the request as chat --------------------------------------------------------------------
 
