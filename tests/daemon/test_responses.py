@@ -233,3 +233,14 @@ def test_a_consenting_users_response_takes_feedback_and_is_erased_with_the_rest(
     assert status == 200 and erased["responses"] == 1 and len(erased) > 1  # the store's report too
     with pytest.raises(openai.NotFoundError):
         a.responses.retrieve(response.id)
+
+
+def test_an_erasure_over_zeromq_drops_the_users_stored_responses_too(apps: Apps) -> None:
+    a = apps.openai("a")
+    kept = a.responses.create(input="Name a colour.", user="frank", **GREEDY)
+    assert a.responses.retrieve(kept.id).id == kept.id
+    with apps.daemon.client() as c:  # the daemon's own uid: the operator, who may name the app
+        erased = c.forget("frank", app="a")
+    assert erased["responses"] == 1 and erased["prefix_blocks"] == 0
+    with pytest.raises(openai.NotFoundError):
+        a.responses.retrieve(kept.id)
