@@ -46,8 +46,8 @@ def _prompt_tokens(model: Path, **kwargs: bool) -> int:
 
 
 def _create(gw: Gateway, **kwargs):
-    return gw.openai().chat.completions.create(model="default", messages=CHAT, max_tokens=48, temperature=0,
-                                               response_format=BLOCK, **kwargs)
+    kwargs = {"max_tokens": 48, "response_format": BLOCK, **kwargs}
+    return gw.openai().chat.completions.create(model="default", messages=CHAT, temperature=0, **kwargs)
 
 
 def test_thinking_on_reasoning_content_apart_whole_and_streamed(gw: Gateway) -> None:
@@ -79,6 +79,29 @@ def test_thinking_off_by_either_switch_leaves_no_reasoning_content(gw: Gateway) 
     default = _create(gw)  # both templates think unless told not to
     assert default.usage.prompt_tokens == _prompt_tokens(gw.model)
     assert default.choices[0].message.reasoning_content
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"]}}}
+_CALL = '"<tool_call>\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"%s\\"}}\\n</tool_call>"'
+# The model thinks a call to Paris, then answers with a call to Rome.
+CALLS = {"type": "grammar", "grammar": f"start: <think> {_CALL % 'Paris'} </think> {_CALL % 'Rome'}"}
+
+
+def test_tool_calls_are_parsed_from_the_answer_never_the_thinking(gw: Gateway) -> None:
+    whole = _create(gw, tools=[WEATHER], response_format=CALLS, max_tokens=300)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments) for c in choice.message.tool_calls] == [{"city": "Rome"}]
+    assert '"Paris"' in choice.message.reasoning_content and "<tool_call>" in choice.message.reasoning_content
+    stream = _create(gw, tools=[WEATHER], response_format=CALLS, max_tokens=300, stream=True)
+    thinking, calls = [], []
+    for chunk in stream:
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            thinking.append(getattr(delta, "reasoning_content", None) or "")
+            calls += [json.loads(c.function.arguments) for c in delta.tool_calls or ()]
+    assert "".join(thinking) == choice.message.reasoning_content and calls == [{"city": "Rome"}]
 
 
 def test_bad_switches_are_refused_by_name(gw: Gateway) -> None:

@@ -119,13 +119,26 @@ def test_thinking_off_splits_nothing(engine: Engine) -> None:
     assert all(e.reasoning == "" for e in events)
 
 
-def test_a_json_schema_shapes_only_the_answer_after_the_block(engine: Engine) -> None:
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("shape", ["json_schema", "forced_call"])
+def test_a_json_schema_or_a_forced_call_shapes_only_the_answer_after_the_block(engine: Engine, shape: str) -> None:
     """The think block's tokens go through the commit step as a model would choose them (one-hot
     rows: the grammar must not mask them); once `</think>` is in, the real model writes the
-    answer under the schema's mask."""
+    answer under the grammar's mask."""
+    from edge_runtime.chat import parse_calls
+
     tokenizer = engine.tokenizer
-    params = SamplingParams(max_tokens=400, constraint=Constraint.json_schema(SCHEMA))
-    rid = engine.add_request(ChatPrompt(CHAT, thinking=True), params)
+    if shape == "json_schema":
+        prompt = ChatPrompt(CHAT, thinking=True)
+        params = SamplingParams(max_tokens=400, constraint=Constraint.json_schema(SCHEMA))
+    else:
+        prompt = ChatPrompt(CHAT, tools=(WEATHER,), tool_choice="required", thinking=True)
+        params = SamplingParams(max_tokens=400)
+    rid = engine.add_request(prompt, params)
     seq = engine.requests[rid].seqs[0]
     assert seq.matcher is None and seq.pending_matcher is not None
     while seq.num_generated == 0:  # the prompt's forward and one free token
@@ -143,7 +156,12 @@ def test_a_json_schema_shapes_only_the_answer_after_the_block(engine: Engine) ->
         output = next((o for o in engine.step() if o.request_id == rid), None)
     candidate = output.candidates[0]
     assert candidate.reasoning == "it is paris" and candidate.finish_reason == "stop"
-    jsonschema.validate(json.loads(candidate.text), SCHEMA)
+    if shape == "json_schema":
+        jsonschema.validate(json.loads(candidate.text), SCHEMA)
+    else:
+        content, calls = parse_calls(candidate.text, (WEATHER,), "hermes")
+        assert [c.name for c in calls] == ["get_weather"] and content == ""
+        jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
 
 
 def test_the_opening_phase_follows_a_prefill_inside_the_block(engine: Engine) -> None:
