@@ -53,10 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--base", action="store_true", help="use the base model even if the user has an adapter")
     g.add_argument("--no-stream", action="store_true")
     think = g.add_mutually_exclusive_group()
-    think.add_argument("--think", dest="thinking", action="store_const", const=True,
-                       help="a thinking model thinks before it answers (the model's default)")
-    think.add_argument("--no-think", dest="thinking", action="store_const", const=False,
-                       help="a thinking model answers without thinking")
+    think.add_argument("--think", dest="thinking", action="store_const", const=True, help="a thinking model thinks")
+    think.add_argument("--no-think", dest="thinking", action="store_const", const=False, help="... or answers at once")
     g.add_argument("--show-thinking", action="store_true",
                    help="print a thinking model's thinking to stderr (dimmed on a terminal)")
     g.add_argument("--json", action="store_true", help="print the whole result as JSON")
@@ -192,11 +190,8 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     params: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature,
                               "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "n": args.n,
-                              "stop": args.stop, "user": args.user, "adapter": "base" if args.base else None}
-    if args.thinking is not None:
-        if args.raw:
-            raise SystemExit("macectl: --think and --no-think need a chat prompt (not --raw)")
-        params["thinking"] = args.thinking
+                              "stop": args.stop, "user": args.user, "adapter": "base" if args.base else None,
+                              "thinking": args.thinking}  # with --raw the daemon refuses it by name
     if args.system or not args.raw:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": text})
