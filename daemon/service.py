@@ -385,7 +385,9 @@ class Service:
             version = int(label.rsplit("@", 1)[1])
         try:
             await self.astore.record_interaction(
-                user, interaction_id, output.prompt, [c.text for c in output.candidates],
+                # The answers the user saw, after the prompt they follow once their thinking is
+                # dropped (docs/thinking.md): a pair never trains on the think block.
+                user, interaction_id, output.answer_prompt or output.prompt, [c.text for c in output.candidates],
                 model=self.model_name or "unknown", adapter_version=version, timings=timing)
         except MaceError as exc:
             if exc.code != "consent_required":

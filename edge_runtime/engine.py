@@ -236,7 +236,8 @@ class Engine:
         pinned, pinned_fleet = intake.pin_adapters(self.adapters, adapter, fleet)
         try:
             request = Request(request_id, text, ids, params, now, on_token=on_token, adapter=pinned,
-                              adapter_key=pinned.key if pinned is not None else "", fleet=pinned_fleet, owner=owner)
+                              adapter_key=pinned.key if pinned is not None else "", fleet=pinned_fleet,
+                              owner=owner, thinking=intake.reply_thinking(prompt, text, self.tokenizer, params))
             request.metrics = RequestMetrics(arrival_time=now, prompt_tokens=len(ids))
             always = self.kv_pruning is not None and self.kv_pruning.when == "always"
             intake.add_candidates(request, matcher, self._seq_ids, self.tokenizer.stream_decoder,

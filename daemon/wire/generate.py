@@ -58,6 +58,7 @@ class GenerateArgs:
     tool_choice: str = "auto"  # none, auto, required, or a function's name
     continue_final_message: bool = False
     echo: bool = False  # the result also carries the prompt's text (`prompt_text`)
+    thinking: bool | None = None  # a thinking model's think block on or off (None: the model's default)
 
     def sampling_kwargs(self, default_max_tokens: int) -> dict[str, Any]:
         """Keyword arguments of `edge_runtime.sampling.SamplingParams` (without the constraint,
@@ -147,7 +148,16 @@ def parse_generate(f: Fields) -> GenerateArgs:
         tool_choice=tool_choice,
         continue_final_message=continue_final,
         echo=bool(f.flag("echo", default=False)),
+        thinking=_parse_thinking(f, has_messages),
     )
+
+
+def _parse_thinking(f: Fields, chat: bool) -> bool | None:
+    value = f.flag("thinking")
+    if value is not None and not chat:
+        raise ProtocolError("bad_request", "generate: 'thinking' needs 'messages' (the chat template "
+                            "turns it on or off)", param="thinking")
+    return value
 
 
 def _parse_logit_bias(f: Fields) -> tuple[tuple[int, float], ...]:
@@ -295,4 +305,4 @@ GENERATE_FIELDS = frozenset({
     "prompt", "messages", "max_tokens", "temperature", "top_k", "top_p", "seed", "n", "stop",
     "stop_token_ids", "ignore_eos", "stream", "user", "record", "adapter", "timeout_s", "logprobs",
     "presence_penalty", "frequency_penalty", "logit_bias", "response_format", "tools", "tool_choice",
-    "continue_final_message", "echo"})
+    "continue_final_message", "echo", "thinking"})
