@@ -164,6 +164,7 @@ class ModelSlot:
         self.engine: Engine | None = None
         self.parked: ParkedEngine | None = None
         self.release_hooks: list[Callable[[], None]] = []
+        self.frozen = False  # maced moved what it loaded out of the collector's reach (gc.freeze)
 
     def adopt(self, engine: Engine) -> None:
         self.engine = engine
@@ -198,6 +199,7 @@ class ModelSlot:
         gone = weakref.ref(engine)
         self.engine = None
         del engine
+        self.frozen = gc.get_freeze_count() > 0
         return_freed_memory()
         referenced = gone() is not None
         if referenced:
@@ -222,6 +224,8 @@ class ModelSlot:
             log.error("loading the model again failed after %.2f s: %s", seconds, exc)
             return_freed_memory()
             return None
+        if self.frozen:  # as maced does after its start: the model's objects stay out of full collections
+            gc.freeze()
         parked, self.parked = self.parked, None
         if parked is not None and parked.finetune_paused:
             engine.pause_finetune(parked.finetune_paused)
@@ -258,7 +262,14 @@ def return_freed_memory() -> bool:
     ask glibc to return free heap to the OS: without `malloc_trim` the arenas that held the
     weights' staging copies and the KV slab's pages stay resident after they are freed.
     Returns whether `malloc_trim` ran (glibc only)."""
+    # maced freezes what it loaded (daemon/main.py: full collections stop scanning the model),
+    # and the engine's reference cycles are among it: unfreeze to collect them, freeze the rest again.
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()
     gc.collect()
+    if frozen:
+        gc.freeze()
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
