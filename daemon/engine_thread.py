@@ -287,13 +287,13 @@ class EngineThread:
             self._flush()
             if not engine.has_unfinished() and self._commands.empty() and not self._stopping \
                     and self.keep_alive.enabled:
-                if self.keep_alive.held() is not None:
+                # A background calibration holds it too (cached once done; else each reload calibrates).
+                if self.keep_alive.held() is not None or (calibrating and not self.keep_alive.pressure):
                     used_at = time.monotonic()
                 elif (reason := self.keep_alive.unload_reason(time.monotonic() - used_at)) is not None:
                     del engine  # the slot's is then the last reference, which the unload drops
                     self._unload(reason)
-        # Answer calls that raced with stop().
-        self._drain(self._slot.engine or self._slot.parked, block=False)
+        self._drain(self._slot.engine or self._slot.parked, block=False)  # calls that raced with stop()
 
     # -- keep-alive: unloading and reloading (engine thread) ------------------------------------
 

@@ -305,7 +305,7 @@ def memory_pressure(admission: AdmissionController | None) -> str | None:
     holding = admission.state.level >= AdmissionState.SHED_FINETUNE.level
     if not rung.crossed(headroom, holding):
         return None
-    limit = rung.exit if holding else rung.enter
+    limit = rung.enter if headroom < rung.enter else rung.exit  # the bound it is under, leaving included
     return f"memory headroom {headroom:.0f} MiB < {limit:.0f} MiB"
 
 

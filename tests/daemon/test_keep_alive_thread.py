@@ -147,3 +147,35 @@ def test_adapters_held_only_in_memory_are_never_unloaded(tiny_model: Path) -> No
         assert await thread.join(10)
 
     run(main())
+
+
+def test_memory_pressure_is_admissions_memory_rung_with_its_figures() -> None:
+    from daemon.admission import AdmissionController, AdmissionSignals
+    from daemon.keep_alive import memory_pressure
+
+    admission = AdmissionController()
+    admission.observe(AdmissionSignals(memory_headroom_mb=9000.0))
+    assert memory_pressure(admission) is None
+    admission.observe(AdmissionSignals(memory_headroom_mb=812.0))
+    assert memory_pressure(admission) == "memory headroom 812 MiB < 4096 MiB"
+    admission.observe(AdmissionSignals(memory_headroom_mb=5000.0))  # held until the exit limit
+    assert memory_pressure(admission) == "memory headroom 5000 MiB < 6144 MiB"
+    keep = KeepAlive(keep_alive_s=300.0, pressure=memory_pressure(admission))
+    assert keep.unload_reason(idle_s=0.0) == "device memory pressure (memory headroom 5000 MiB < 6144 MiB)"
+    assert KeepAlive(keep_alive_s=-1.0, pressure="x").unload_reason(idle_s=1e9) is None
+    assert memory_pressure(None) is None
+
+
+def test_keep_alive_reloads_with_sighup_and_shows_in_metrics() -> None:
+    from daemon.config import RELOADABLE, load_config
+    from daemon.metrics import DaemonMetrics
+
+    assert "engine.keep_alive" in RELOADABLE
+    assert load_config(environ={}).keep_alive.keep_alive == 300.0
+    assert load_config(environ={"MACE_ENGINE_KEEP_ALIVE": "-1"}).keep_alive.keep_alive == -1.0
+    keep = KeepAlive(keep_alive_s=0.0)
+    keep.unloaded("idle for 1.0 s (keep_alive 0 s)", 0.5, 900 << 20, 300 << 20, referenced=False)
+    keep.reloaded(2.25)
+    text = DaemonMetrics().render({"daemon": {"state": "serving"}, "keep_alive": keep.status()}, []).decode()
+    assert 'mace_model_state{state="loaded"} 1.0' in text and 'mace_model_state{state="unloaded"} 0.0' in text
+    assert "mace_model_unloads_total 1.0" in text and "mace_model_last_reload_seconds 2.25" in text
