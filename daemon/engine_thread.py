@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from daemon.engine_handoff import Tokens, run_batch, settle
 from daemon.keep_alive import KeepAlive, ModelSlot, ParkedEngine, model_facts, parked_stats
 from edge_runtime.errors import MaceError, RequestFailed, UnknownRequest
 from edge_runtime.outputs import RequestOutput, TokenEvent
@@ -101,11 +102,11 @@ class EngineThread:
         # Engine-thread-only state below.
         self._sinks: dict[str, GenerationSink] = {}
         self._events: dict[str, list[TokenEvent]] = {}
-        self._outbox: list[Callable[[], None] | _Tokens] = []
+        self._outbox: list[Callable[[], None] | Tokens] = []
         # Handed to the loop: the engine thread appends, the loop swaps it out. A wake-up is
         # scheduled only when it was empty, so a busy loop gets one batch of many iterations
         # (and each stream one message for several tokens) instead of falling further behind.
-        self._mailbox: list[Callable[[], None] | _Tokens] = []
+        self._mailbox: list[Callable[[], None] | Tokens] = []
         self._mailbox_lock = threading.Lock()
         self.latencies_s: deque[float] = deque(maxlen=512)  # written by the engine thread only
         self.lost_requests = 0  # requests answered by the reply invariant's check (should stay 0)
@@ -136,10 +137,13 @@ class EngineThread:
         return self._thread.is_alive()
 
     def submit(self, request_id: str, prompt: Prompt, params: SamplingParams, sink: GenerationSink,
-               adapter: Any = None) -> asyncio.Future[None]:
-        """Queue a request; the future fails with the engine's BadRequest if it is refused."""
+               adapter: Any = None, owner: str = "") -> asyncio.Future[None]:
+        """Queue a request (`owner`: whose prompt it is); the future fails with the engine's
+        BadRequest if it is refused."""
         def command(engine: Engine) -> None:
             kwargs: dict[str, Any] = {"adapter": adapter} if adapter is not None else {}
+            if owner:
+                kwargs["owner"] = owner
             engine.add_request(prompt, params, request_id=request_id, on_token=self._collect, **kwargs)
             self._sinks[request_id] = sink
 
@@ -205,14 +209,14 @@ class EngineThread:
         except BaseException as exc:
             log.error("loading the model failed: %s", exc)
             self._stopping = True
-            self._loop.call_soon_threadsafe(_settle, ready, None, exc)
+            self._loop.call_soon_threadsafe(settle, ready, None, exc)
             return
         try:
             self.model_info = model_facts(engine)
         except Exception:  # informational only
             log.exception("reading model facts failed")
         self._adopt(engine)
-        self._loop.call_soon_threadsafe(_settle, ready, engine, None)
+        self._loop.call_soon_threadsafe(settle, ready, engine, None)
         del engine, ready  # from here the slot holds the thread's one reference (an unload drops it)
         try:
             self._serve()
@@ -225,6 +229,8 @@ class EngineThread:
             self._fail_sinks(EngineFailed("the engine has stopped"))
             self._flush()
             self._reject_leftovers()
+            if self._slot.engine is not None:  # an unloaded engine closed its store as it went
+                self._slot.engine.prefixes.close()  # queued prefix blocks reach the disk before exit
 
     def _adopt(self, engine: Engine) -> None:
         """Serve `engine` from now on: its stats published, its tokens handed on mid-iteration."""
@@ -239,6 +245,7 @@ class EngineThread:
         failures = 0
         busy_at = time.monotonic()  # when the engine last had a generation to run
         used_at = busy_at  # ... or anything held the model (keep-alive counts from here)
+        was_idle = True
         while not self._stopping:
             engine = self._slot.engine
             if engine is None:  # unloaded: wait for a command that needs the model
@@ -283,7 +290,11 @@ class EngineThread:
             self.snapshot = EngineSnapshot(
                 len(engine.scheduler.waiting), len(engine.scheduler.running), len(engine.requests),
                 engine.iterations, engine.last_iteration_s)
-            self._publish_stats(engine)
+            # Going idle publishes at once: the loop may now block on its queue, and a status read
+            # meanwhile must not pair the tuner's fresh counts with a snapshot from mid-work.
+            idle = not engine.has_unfinished()
+            self._publish_stats(engine, force=idle and not was_idle)
+            was_idle = idle
             self._flush()
             if not engine.has_unfinished() and self._commands.empty() and not self._stopping \
                     and self.keep_alive.enabled:
@@ -367,10 +378,10 @@ class EngineThread:
             if future is None:
                 log.exception("engine command failed")
             else:
-                self._outbox.append(lambda exc=exc: _settle(future, None, exc))
+                self._outbox.append(lambda exc=exc: settle(future, None, exc))
         else:
             if future is not None:
-                self._outbox.append(lambda: _settle(future, value, None))
+                self._outbox.append(lambda: settle(future, value, None))
 
     def _collect(self, event: TokenEvent) -> None:
         self._events.setdefault(event.request_id, []).append(event)
@@ -382,7 +393,7 @@ class EngineThread:
         if sink is None:
             return
         if events:
-            self._outbox.append(_Tokens(sink, events))
+            self._outbox.append(Tokens(sink, events))
         self._outbox.append(lambda: sink.on_finished(output, aborted, error))
 
     def _fail_all(self, engine: Engine, exc: Exception) -> None:
@@ -416,7 +427,7 @@ class EngineThread:
         for request_id, events in self._events.items():
             sink = self._sinks.get(request_id)
             if sink is not None and events:
-                self._outbox.append(_Tokens(sink, events))
+                self._outbox.append(Tokens(sink, events))
         self._events = {}
         if not self._outbox:
             return
@@ -434,21 +445,21 @@ class EngineThread:
         """On the loop: run everything the engine thread handed over, tokens merged per stream."""
         with self._mailbox_lock:
             batch, self._mailbox = self._mailbox, []
-        merged: dict[int, _Tokens] = {}
-        items: list[Callable[[], None] | _Tokens] = []
+        merged: dict[int, Tokens] = {}
+        items: list[Callable[[], None] | Tokens] = []
         for item in batch:
-            if isinstance(item, _Tokens):
+            if isinstance(item, Tokens):
                 first = merged.get(id(item.sink))
                 if first is not None:  # same stream, later iteration: ride along, order kept
                     first.events.extend(item.events)
                     continue
-                merged[id(item.sink)] = item = _Tokens(item.sink, list(item.events))
+                merged[id(item.sink)] = item = Tokens(item.sink, list(item.events))
             elif merged:
                 # A finish (or a command result) seals the streams before it: their tokens
                 # must reach the client before their final reply.
                 merged.clear()
             items.append(item)
-        _run_batch(items)
+        run_batch(items)
 
     def _reject_leftovers(self) -> None:
         """Commands queued after the thread stopped still get an answer."""
@@ -460,26 +471,9 @@ class EngineThread:
                 return
             if future is not None:
                 try:
-                    self._loop.call_soon_threadsafe(_settle, future, None, stopped)
+                    self._loop.call_soon_threadsafe(settle, future, None, stopped)
                 except RuntimeError:
                     return
-
-
-@dataclass(eq=False)
-class _Tokens:
-    sink: GenerationSink
-    events: list[TokenEvent]
-
-
-def _run_batch(batch: list[Callable[[], None] | _Tokens]) -> None:
-    for item in batch:
-        try:
-            if isinstance(item, _Tokens):
-                item.sink.on_tokens(item.events)
-            else:
-                item()
-        except Exception:  # one broken consumer must not starve the others of their tokens
-            log.exception("delivering engine results failed")
 
 
 def _stopped(engine: Any) -> None:
@@ -488,13 +482,3 @@ def _stopped(engine: Any) -> None:
 
 def _reload_failed(engine: Any) -> None:
     raise EngineFailed("the model could not be loaded again (see the daemon's log); retry later")
-
-
-def _settle(future: asyncio.Future[Any], value: Any, exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(value)
-

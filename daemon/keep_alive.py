@@ -193,6 +193,7 @@ class ModelSlot:
                 hook()
             except Exception:  # a hook that fails costs memory, never the engine
                 log.exception("a release hook failed before unloading the model")
+        engine.prefixes.close()  # its queued prefix blocks reach the disk; a reload reads them back
         adapters = engine.adapters
         adapters.cache.shrink(0)
         self.parked = ParkedEngine(adapters, engine.finetune_stats().get("finetune_paused"))

@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 def load_engine(config: DaemonConfig) -> Engine:
     """The default loader: the configured model (None = the default SmolLM2) on this machine."""
     # Adapters live beside the feedback store's idea of them: forget() deletes <root>/<user>/.
-    return Engine.load(None, config.engine.replace(adapters_root=str(config.adapters_dir)))
+    return Engine.load(None, config.engine.replace(adapters_root=str(config.adapters_dir),
+                                                   prefix_store_dir=str(config.prefix_store_dir)))
 
 
 class Service:
@@ -350,7 +351,7 @@ class Service:
         self.calls.add(call)
         self.counters["generate"] += 1
         try:
-            await self.engine.submit(interaction_id, prompt, params, call, adapter)
+            await self.engine.submit(interaction_id, prompt, params, call, adapter, owner=args.user or "")
             output, aborted, error = await call.done
         except MaceError:
             self.counters["generate_failed"] += 1

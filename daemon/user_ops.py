@@ -21,6 +21,7 @@ from daemon.wire import (
 )
 from edge_runtime.errors import MaceError
 from edge_runtime.feedback import feedback_from_dict
+from edge_runtime.kv.prefix_store import forget_stored_prefixes
 from edge_runtime.lora.registry import FLEET
 
 
@@ -78,8 +79,17 @@ class UserOps:
         with own_names(stored, args.user):
             # The engine stops serving the user's adapters before their files go.
             removed = await self.service.fine_tuner.forget(stored)
-            report = await store.forget(stored, adapters_removed=removed)
+            prefixes = await self._forget_prefixes(stored)
+            report = await store.forget(stored, adapters_removed=removed, prefix_blocks=prefixes)
         return {"user": args.user, "erased": _renamed(asdict(report), stored, args.user)}
+
+    async def _forget_prefixes(self, stored: str) -> int:
+        """The user's prompt blocks in the prefix cache's disk tier (their prompts, so their data)."""
+        engine = self.service.engine
+        live = (await engine.call(lambda e: e.prefixes.forget(stored), parked=lambda p: 0)  # unloaded: all on disk
+                if engine is not None and engine.alive else 0)
+        # Then every model's and format's folder, the live one included (whatever a writer raced in).
+        return live + forget_stored_prefixes(self.service.config.prefix_store_dir, stored)
 
     async def adapters_list(self, args: AdaptersListArgs, who: Principal) -> dict[str, Any]:
         tuner = self.service.fine_tuner

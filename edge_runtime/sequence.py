@@ -43,6 +43,7 @@ class Request:
     lora_slot: int = -1  # row index into the engine's active adapters (-1 = base model)
     adapter: AdapterRef | None = None  # the version pinned at admission (None = base model)
     fleet: AdapterRef | None = None  # the fleet version pinned at admission, beneath `adapter`
+    owner: str = ""  # the user the prompt belongs to (the prefix cache's disk tier erases by it)
     on_token: Callable[[TokenEvent], None] | None = None
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None

@@ -456,6 +456,8 @@ def render_status(status: dict[str, Any], tokens_per_s: float | None = None) -> 
                            ("tokens generated", _num(e.get("tokens_generated"))),
                            ("tokens/s", _num(tokens_per_s)),
                            ("prefix cache hits", _num(e.get("prefix_cache_hit_rate"), "", 3)),
+                           ("prefix blocks on disk / read back",
+                            f"{e.get('prefix_store_blocks', '-')} / {e.get('prefix_store_restored_blocks', '-')}"),
                            ("KV blocks used", f"{e.get('kv_blocks_used', '-')} / {e.get('kv_blocks_total', '-')}")]),
     ]
     ledger = mem.get("ledger", {})

@@ -208,6 +208,7 @@ class ErasureReport:
     adapter_dir_removed: bool
     wal_truncated: bool
     unpaired: int = 0
+    prefix_blocks: int = 0  # stored prompt-prefix KV blocks (the prefix cache's disk tier)
 
 
 @dataclass(frozen=True)
