@@ -1,6 +1,6 @@
 """What the engine thread hands the event loop: a stream's tokens of one or more iterations
-(`Tokens`), run in order with every other result by `run_batch`, and futures settled on the
-loop (`settle`). Plain data and functions; daemon/engine_thread.py decides when.
+(`Tokens`, for a `GenerationSink`), run in order with every other result by `run_batch`, and
+futures settled on the loop (`settle`). daemon/engine_thread.py decides what and when.
 """
 
 from __future__ import annotations
@@ -9,13 +9,21 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from daemon.engine_thread import GenerationSink
-    from edge_runtime.outputs import TokenEvent
+    from edge_runtime.outputs import RequestOutput, TokenEvent
 
 log = logging.getLogger("daemon.engine_thread")
+
+
+class GenerationSink(Protocol):
+    """Receives one request's events on the event loop."""
+
+    def on_tokens(self, events: list[TokenEvent]) -> None: ...
+
+    def on_finished(self, output: RequestOutput | None, aborted: str | None,
+                    error: BaseException | None) -> None: ...
 
 
 @dataclass(eq=False)

@@ -14,9 +14,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from daemon.engine_handoff import Tokens, run_batch, settle
+from daemon.engine_handoff import GenerationSink, Tokens, run_batch, settle
 from daemon.keep_alive import KeepAlive, ModelSlot, ParkedEngine, model_facts, parked_stats
 from edge_runtime.errors import MaceError, RequestFailed, UnknownRequest
 from edge_runtime.outputs import RequestOutput, TokenEvent
@@ -44,15 +44,6 @@ class EngineFailed(MaceError):
     """The engine raised while running a batch; requests in that batch are lost."""
 
     code = "internal"
-
-
-class GenerationSink(Protocol):
-    """Receives one request's events on the event loop."""
-
-    def on_tokens(self, events: list[TokenEvent]) -> None: ...
-
-    def on_finished(self, output: RequestOutput | None, aborted: str | None,
-                    error: BaseException | None) -> None: ...
 
 
 @dataclass
