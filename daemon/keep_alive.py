@@ -292,18 +292,19 @@ def _malloc_trim() -> Any:
 
 
 def memory_pressure(admission: AdmissionController | None) -> str | None:
-    """The figures when device memory headroom alone puts admission at `shed_finetune` or
-    worse (the memory rungs of admission's ladder, with their hysteresis), else None: an idle
-    model is then unloaded early, the cheapest relief there is."""
+    """The figures when device memory headroom alone puts admission at `queue` or worse (its
+    memory rung, with its hysteresis), else None: an idle model is then unloaded early, the
+    cheapest relief there is. Not at `shed_finetune` (4 GiB on the Jetson defaults): a shared
+    machine sits there for long spells, and every request after an idle moment would reload."""
     if admission is None:
         return None
     from daemon.admission import AdmissionState
 
     headroom = admission.signals.memory_headroom_mb
-    rung = admission.config.memory_headroom_mb.get(AdmissionState.SHED_FINETUNE)
+    rung = admission.config.memory_headroom_mb.get(AdmissionState.QUEUE)
     if headroom is None or rung is None:
         return None
-    holding = admission.state.level >= AdmissionState.SHED_FINETUNE.level
+    holding = admission.state.level >= AdmissionState.QUEUE.level
     if not rung.crossed(headroom, holding):
         return None
     limit = rung.enter if headroom < rung.enter else rung.exit  # the bound it is under, leaving included
@@ -317,7 +318,10 @@ def _rounded(value: float | None) -> float | None:
 def service_holds(service: Any) -> str | None:
     """What on the service's side needs the model although the engine has nothing queued:
     generates and embeddings being admitted or answered, fine-tuning between its jobs, a fleet
-    round. `service` is daemon.service.Service (which imports this module)."""
+    round; and a start or a shutdown in progress. `service` is daemon.service.Service (which
+    imports this module)."""
+    if service.state != "serving":
+        return f"the daemon is {service.state}"
     if service.ops_in_flight or service.calls:
         return "requests in flight"
     if (tuning := service.fine_tuner.holds_model()) is not None:

@@ -135,6 +135,7 @@ class Service:
             raise
         self.model_name = engine.model_name
         self.tool_style = tool_style(engine.tokenizer)
+        del engine  # the engine thread's is the one reference (engine.keep_alive unloads it)
         newest_fleet = await self.engine.call(lambda e: e.adapters.newest(FLEET))
         self.fleet_serving = None if newest_fleet is None else newest_fleet.version
         self.fleet_rounds = FleetRounds(self.engine, self.store, lambda: self.config.fleet, self.config.state_dir,

@@ -16,7 +16,9 @@ from tests.daemon.conftest import wait_for
 
 
 def keep_args(seconds: float, *extra: str) -> list[str]:
-    return ["--set", f"engine.keep_alive={seconds:g}", *extra]
+    # Admission reads queue lengths only: on a shared test machine, its memory headroom must not
+    # turn an idle unload into a pressure unload (test_keep_alive_thread.py tests pressure).
+    return ["--set", f"engine.keep_alive={seconds:g}", "--set", "admission.telemetry=false", *extra]
 
 
 def greedy(c, prompt: str = "Tell me about the sea") -> list[int]:

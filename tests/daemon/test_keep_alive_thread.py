@@ -156,12 +156,14 @@ def test_memory_pressure_is_admissions_memory_rung_with_its_figures() -> None:
     admission = AdmissionController()
     admission.observe(AdmissionSignals(memory_headroom_mb=9000.0))
     assert memory_pressure(admission) is None
+    admission.observe(AdmissionSignals(memory_headroom_mb=3000.0))  # shed_finetune: not pressure enough
+    assert memory_pressure(admission) is None
     admission.observe(AdmissionSignals(memory_headroom_mb=812.0))
-    assert memory_pressure(admission) == "memory headroom 812 MiB < 4096 MiB"
-    admission.observe(AdmissionSignals(memory_headroom_mb=5000.0))  # held until the exit limit
-    assert memory_pressure(admission) == "memory headroom 5000 MiB < 6144 MiB"
+    assert memory_pressure(admission) == "memory headroom 812 MiB < 1024 MiB"
+    admission.observe(AdmissionSignals(memory_headroom_mb=1500.0))  # held until the exit limit
+    assert memory_pressure(admission) == "memory headroom 1500 MiB < 2048 MiB"
     keep = KeepAlive(keep_alive_s=300.0, pressure=memory_pressure(admission))
-    assert keep.unload_reason(idle_s=0.0) == "device memory pressure (memory headroom 5000 MiB < 6144 MiB)"
+    assert keep.unload_reason(idle_s=0.0) == "device memory pressure (memory headroom 1500 MiB < 2048 MiB)"
     assert KeepAlive(keep_alive_s=-1.0, pressure="x").unload_reason(idle_s=1e9) is None
     assert memory_pressure(None) is None
 
