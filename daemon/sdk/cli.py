@@ -420,6 +420,16 @@ def _http(http: dict[str, Any] | None) -> str:
             f"{http.get('generates_in_flight', 0)} generating)")
 
 
+def _residency(keep: dict[str, Any] | None) -> str:
+    """engine.keep_alive: loaded or given back, how often, and the last reload's time."""
+    if not keep:
+        return "-"
+    since = f" for {_num(keep.get('unloaded_for_s'), ' s', 0)}" if keep.get("unloaded_for_s") is not None else ""
+    policy = "never unloaded" if (keep.get("keep_alive_s") or 0) < 0 else f"keep_alive {keep.get('keep_alive_s'):g} s"
+    return (f"{keep.get('state')}{since} ({policy}; {keep.get('unloads', 0)} unloads, "
+            f"last reload {_num(keep.get('last_reload_s'), ' s', 2)})")
+
+
 def render_status(status: dict[str, Any], tokens_per_s: float | None = None) -> Any:
     """A rich renderable of the status reply (sections side by side where the terminal allows)."""
     from rich.columns import Columns
@@ -448,6 +458,7 @@ def render_status(status: dict[str, Any], tokens_per_s: float | None = None) -> 
                           ("backend choice", str(m.get("backend_reason", "-"))),
                           ("dtype", str(m.get("dtype"))), ("parameters", f"{m.get('parameters', 0):,}"),
                           ("max context", str(m.get("max_context"))),
+                          ("residency", _residency(status.get("keep_alive"))),
                           ("adapters", f"{status.get('adapters', {}).get('versions_served', 0)} versions, "
                                        f"{status.get('adapters', {}).get('users', 0)} users "
                                        f"(trainer: {status.get('adapters', {}).get('trainer')})"),
