@@ -60,9 +60,12 @@ def _q4_1(raw: np.ndarray) -> Fields:
 def _split(q: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """Levels of 5 or 6 bits [..., block] -> (low nibbles packed [..., block / 2], the bits above
     them [..., block * (bits - 4) / 8], element j's at bit (bits - 4) * j), `Blocks`' layout."""
-    hb = bits - 4
-    high = (q >> 4).reshape(*q.shape[:-1], -1, 8 // hb) << np.arange(0, 8, hb, dtype=np.uint8)
-    return _pack(q & 0x0F), np.bitwise_or.reduce(high, axis=-1)
+    h = q >> 4
+    if bits == 5:
+        high = np.packbits(h, axis=-1, bitorder="little")
+    else:  # (numpy's bitwise_or.reduce over the last axis: 3x slower than these strided ORs)
+        high = h[..., 0::4] | (h[..., 1::4] << 2) | (h[..., 2::4] << 4) | (h[..., 3::4] << 6)
+    return _pack(q & 0x0F), high
 
 
 def _q5_0(raw: np.ndarray) -> Fields:
@@ -127,14 +130,16 @@ def _q5_k(raw: np.ndarray) -> Fields:
 def _q6_k(raw: np.ndarray) -> Fields:
     # 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d f16; w = d*sc * (q - 32) per 16.
     # Each half of 128 elements: 64 low-nibble bytes (elements 0-63 low, 64-127 high nibbles)
-    # and 32 high-bit bytes (bits 2i..2i+1 of byte j for element 32i + j).
+    # and 32 high-bit bytes (bits 2i..2i+1 of byte j for element 32i + j). Put in `Blocks`'
+    # order without joining the two (5 passes fewer than `_split` of whole levels).
+    rows = raw.shape[0]
     ql = raw[..., :128].reshape(*raw.shape[:-1], 2, 64)
     qh = raw[..., 128:192].reshape(*raw.shape[:-1], 2, 1, 32)
     low = np.concatenate((ql & 0x0F, ql >> 4), axis=-1)  # [..., 2, 128]
-    high = (qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03  # [..., 2, 4, 32]
-    rows = raw.shape[0]
-    levels, upper = _split((low | (high.reshape(*raw.shape[:-1], 2, 128) << 4)).reshape(rows, -1, 16), 6)
-    return {"levels": levels, "high": upper, "scales": _f16(raw[..., 208:210]),
+    h = ((qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 0x03).reshape(*raw.shape[:-1], 2, 128)
+    high = h[..., 0::4] | (h[..., 1::4] << 2) | (h[..., 2::4] << 4) | (h[..., 3::4] << 6)
+    return {"levels": _pack(low).reshape(rows, -1, 8), "high": high.reshape(rows, -1, 4),
+            "scales": _f16(raw[..., 208:210]),
             "scale_steps": np.ascontiguousarray(raw[..., 192:208]).view(np.int8).reshape(rows, -1),
             "zero": 32, "bits": 6}
 
