@@ -173,10 +173,13 @@ class Blocks:
             q[..., 1] = self.levels >> 4
             q = q.view(n, blocks, 2 * width)
         elif self.high is not None:
-            q = self.unpacked().to(torch.float32)
+            q = self.unpacked()
+            if self.zero:  # q - zero in the byte (it fits: Q5_0, Q6_K) saves a float pass; same values
+                q = q.view(torch.int8).sub_(self.zero)
+            q = q.to(torch.float32)
         else:
             q = self.levels.to(torch.float32)
-        if self.zero:
+        if self.zero and self.high is None:
             q.sub_(float(self.zero))
         q.mul_(self.scale_per_block().unsqueeze(-1))
         offsets = self.offset_per_block()
