@@ -57,22 +57,62 @@ void dequant8s(const int8_t *restrict levels, const float *restrict scales, cons
     }
 }
 
-/* 5/6-bit blocks: each block's levels are put together in a small byte array first, then written
-   as floats in one loop; inlined with the block width and high-bit count as constants (the
-   formats' own: 32 elements with 1 high bit, 16 with 2), the compiler unrolls the bit picking. */
+/* 5/6-bit blocks: eight levels at a time are put together in one 64-bit word (four bytes of low
+   nibbles spread one to a byte, the high bits of the eight spread by a table to bit 4 of each
+   byte), then written as floats; where a block is not a multiple of 8 long, or the machine is not
+   little-endian, bit by bit. */
+#include <string.h>
+
+static uint64_t SPREAD1[256]; /* bit t of a byte -> bit 8t */
+static uint32_t SPREAD2[256]; /* bits 2t, 2t+1 of a byte -> bits 8t, 8t+1 */
+
+__attribute__((constructor)) static void init_tables(void) {
+    for (int b = 0; b < 256; b++) {
+        uint64_t one = 0;
+        uint32_t two = 0;
+        for (int t = 0; t < 8; t++) one |= (uint64_t)((b >> t) & 1) << (8 * t);
+        for (int t = 0; t < 4; t++) two |= (uint32_t)((b >> (2 * t)) & 3) << (8 * t);
+        SPREAD1[b] = one;
+        SPREAD2[b] = two;
+    }
+}
+
+static inline uint64_t spread_nibbles(uint32_t x) { /* nibble t -> the low half of byte t */
+    uint64_t v = x;
+    v = (v | (v << 16)) & 0x0000FFFF0000FFFFull;
+    v = (v | (v << 8)) & 0x00FF00FF00FF00FFull;
+    return (v | (v << 4)) & 0x0F0F0F0F0F0F0F0Full;
+}
+
 static inline __attribute__((always_inline)) void hi_blocks(
         const uint8_t *restrict levels, const uint8_t *restrict high, const float *restrict scales,
         const float *restrict offsets, float zero, int64_t blocks, int64_t width, int64_t hb, float *restrict out) {
     const int64_t block = 2 * width, hwidth = block * hb / 8, mask = (1 << hb) - 1;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    const int words = block % 8 == 0;
+#else
+    const int words = 0;
+#endif
     for (int64_t i = 0; i < blocks; i++) {
         const uint8_t *q = levels + i * width;
         const uint8_t *h = high + i * hwidth;
         float *w = out + i * block;
         uint8_t v[block];
-        for (int64_t j = 0; j < width; j++) {
-            const int64_t a = 2 * j * hb, b = a + hb;
-            v[2 * j] = (uint8_t)((q[j] & 15) | (((h[a >> 3] >> (a & 7)) & mask) << 4));
-            v[2 * j + 1] = (uint8_t)((q[j] >> 4) | (((h[b >> 3] >> (b & 7)) & mask) << 4));
+        if (words) {
+            for (int64_t e = 0; e < block; e += 8) {
+                uint32_t low;
+                memcpy(&low, q + e / 2, 4);
+                const uint64_t up = hb == 1 ? SPREAD1[h[e / 8]]
+                                            : (uint64_t)SPREAD2[h[e / 4]] | (uint64_t)SPREAD2[h[e / 4 + 1]] << 32;
+                const uint64_t word = spread_nibbles(low) | up << 4;
+                memcpy(v + e, &word, 8);
+            }
+        } else {
+            for (int64_t j = 0; j < width; j++) {
+                const int64_t a = 2 * j * hb, b = a + hb;
+                v[2 * j] = (uint8_t)((q[j] & 15) | (((h[a >> 3] >> (a & 7)) & mask) << 4));
+                v[2 * j + 1] = (uint8_t)((q[j] >> 4) | (((h[b >> 3] >> (b & 7)) & mask) << 4));
+            }
         }
         const float s = scales[i];
         if (offsets) {

@@ -50,9 +50,11 @@ def _layouts(n=7, k=256, seed=0) -> dict[str, Blocks]:
                               high=_levels(gen, n, blocks, 4, False)),
         "q5_1 packed": Blocks(_levels(gen, n, blocks, 16, False), edge_scales((n, blocks)), edge_scales((n, blocks)),
                               0, 5, high=_levels(gen, n, blocks, 4, False)),
-        # a width the kernel has no unrolled copy for: its generic loop
+        # widths the kernel has no unrolled copy for: 8 (its word path), 4 (its bit-by-bit loop)
         "6-bit blocks of 8": Blocks(_levels(gen, n, k // 8, 4, False), torch.randn(n, k // 8, generator=gen), None,
                                     32, 6, high=_levels(gen, n, k // 8, 2, False)),
+        "6-bit blocks of 4": Blocks(_levels(gen, n, k // 4, 2, False), torch.randn(n, k // 4, generator=gen),
+                                    torch.randn(n, k // 4, generator=gen), 0, 6, high=_levels(gen, n, k // 4, 1, False)),
         "q8_0": Blocks(_levels(gen, n, blocks, 32, True), edge_scales((n, blocks)), None, 0, 8),
         "uint8 with zero": Blocks(_levels(gen, n, blocks, 32, False), torch.rand(n, blocks, generator=gen), None, 16, 8),
         "float32 scales": Blocks(_levels(gen, n, blocks, 16, False), torch.randn(n, blocks, generator=gen),
