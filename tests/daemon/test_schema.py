@@ -156,3 +156,16 @@ def test_engine_params_are_built_from_the_schema_without_a_second_range_check() 
     params = SamplingParams(**args.sampling_kwargs(8))
     assert (params.logprobs, params.n, params.logit_bias) == (MAX_LOGPROBS, MAX_N, ((3, 100.0),))
 
+
+@pytest.mark.parametrize("name, value", [
+    ("max_tokens", "5"), ("max_tokens", True), ("max_tokens", 5.0), ("n", True), ("temperature", "0.5"),
+    ("top_p", False), ("stop", 5), ("stop", [1]), ("logit_bias", [1]), ("logit_bias", {"1": "2"}),
+    ("user", 5), ("seed", "3"), ("top_k", 1.5), ("adapter", True), ("record", 1), ("ignore_eos", "yes"),
+])
+def test_a_value_of_the_wrong_type_is_refused_alike_on_both_transports(http: Any, name: str, value: Any) -> None:
+    """The gateway does not coerce ("5" -> 5, true -> 1) where the native protocol refuses."""
+    path, body, fields = _case(name, value, "chat")
+    with pytest.raises(ProtocolError) as info:
+        over_zmq(fields)
+    status, reply, _ = over_http(http, path, body)
+    assert (status, reply["error"]["param"], reply["error"]["message"]) == (400, name, info.value.message)
