@@ -72,9 +72,9 @@ RELOADABLE = frozenset({
 # Short names people already know, besides the generic MACE_<SECTION>_<KEY>.
 _ENV_ALIASES = {"MACE_STATE_DIR": "daemon.state_dir", "MACE_MODEL": "engine.model",
                 "MACE_LOG_LEVEL": "daemon.log_level"}
-# Engine fields the daemon sets itself (adapters live under the state dir, where the feedback
-# store's erasure looks for them): not settings.
-_DAEMON_OWNED = frozenset({"engine.adapters_root"})
+# Engine fields the daemon sets itself (adapters and stored prefixes live under the state dir,
+# where erasure looks for them): not settings.
+_DAEMON_OWNED = frozenset({"engine.adapters_root", "engine.prefix_store_dir"})
 # Never printed by --print-config.
 _SECRETS = frozenset({"http.api_keys"})
 _SCALARS = {"str": str, "int": int, "float": float, "bool": bool}
@@ -225,6 +225,10 @@ class DaemonConfig:
     @property
     def adapters_dir(self) -> Path:
         return self.state_dir / "adapters"
+
+    @property
+    def prefix_store_dir(self) -> Path:
+        return self.state_dir / "prefix-cache"
 
     @property
     def ipc_path(self) -> Path | None:

@@ -122,10 +122,13 @@ class EngineThread:
         return self._thread.is_alive()
 
     def submit(self, request_id: str, prompt: Prompt, params: SamplingParams, sink: GenerationSink,
-               adapter: Any = None) -> asyncio.Future[None]:
-        """Queue a request; the future fails with the engine's BadRequest if it is refused."""
+               adapter: Any = None, owner: str = "") -> asyncio.Future[None]:
+        """Queue a request (`owner`: whose prompt it is); the future fails with the engine's
+        BadRequest if it is refused."""
         def command(engine: Engine) -> None:
             kwargs: dict[str, Any] = {"adapter": adapter} if adapter is not None else {}
+            if owner:
+                kwargs["owner"] = owner
             engine.add_request(prompt, params, request_id=request_id, on_token=self._collect, **kwargs)
             self._sinks[request_id] = sink
 
@@ -203,12 +206,14 @@ class EngineThread:
             self._fail_sinks(EngineFailed("the engine has stopped"))
             self._flush()
             self._reject_leftovers()
+            engine.prefixes.close()  # queued prefix blocks reach the disk before the process exits
 
     def _serve(self, engine: Engine) -> None:
         """The iteration loop. `Engine.step()` fails a request that breaks it alone and raises
         only for failures no request caused; only those count toward `MAX_CONSECUTIVE_STEP_FAILURES`."""
         failures = 0
         busy_at = time.monotonic()  # when the engine last had a generation to run
+        was_idle = True
         while not self._stopping:
             self._on_alive()
             # Idle with a cost calibration still to run: once the engine has been quiet for
@@ -247,7 +252,11 @@ class EngineThread:
             self.snapshot = EngineSnapshot(
                 len(engine.scheduler.waiting), len(engine.scheduler.running), len(engine.requests),
                 engine.iterations, engine.last_iteration_s)
-            self._publish_stats(engine)
+            # Going idle publishes at once: the loop may now block on its queue, and a status read
+            # meanwhile must not pair the tuner's fresh counts with a snapshot from mid-work.
+            idle = not engine.has_unfinished()
+            self._publish_stats(engine, force=idle and not was_idle)
+            was_idle = idle
             self._flush()
         self._drain(engine, block=False)  # answer calls that raced with stop()
 

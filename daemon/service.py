@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 def load_engine(config: DaemonConfig) -> Engine:
     """The default loader: the configured model (None = the default SmolLM2) on this machine."""
     # Adapters live beside the feedback store's idea of them: forget() deletes <root>/<user>/.
-    return Engine.load(None, config.engine.replace(adapters_root=str(config.adapters_dir)))
+    return Engine.load(None, config.engine.replace(adapters_root=str(config.adapters_dir),
+                                                   prefix_store_dir=str(config.prefix_store_dir)))
 
 
 class Service:
@@ -346,7 +347,7 @@ class Service:
         self.calls.add(call)
         self.counters["generate"] += 1
         try:
-            await self.engine.submit(interaction_id, prompt, params, call, adapter)
+            await self.engine.submit(interaction_id, prompt, params, call, adapter, owner=args.user or "")
             output, aborted, error = await call.done
         except MaceError:
             self.counters["generate_failed"] += 1
@@ -385,7 +386,9 @@ class Service:
             version = int(label.rsplit("@", 1)[1])
         try:
             await self.astore.record_interaction(
-                user, interaction_id, output.prompt, [c.text for c in output.candidates],
+                # The answers the user saw, after the prompt they follow once their thinking is
+                # dropped (docs/thinking.md): a pair never trains on the think block.
+                user, interaction_id, output.answer_prompt or output.prompt, [c.text for c in output.candidates],
                 model=self.model_name or "unknown", adapter_version=version, timings=timing)
         except MaceError as exc:
             if exc.code != "consent_required":

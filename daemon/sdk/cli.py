@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--user", help="user id: their adapter is used, and with consent the exchange is recorded")
     g.add_argument("--base", action="store_true", help="use the base model even if the user has an adapter")
     g.add_argument("--no-stream", action="store_true")
+    think = g.add_mutually_exclusive_group()
+    think.add_argument("--think", dest="thinking", action="store_const", const=True, help="a thinking model thinks")
+    think.add_argument("--no-think", dest="thinking", action="store_const", const=False, help="... or answers at once")
+    g.add_argument("--show-thinking", action="store_true",
+                   help="print a thinking model's thinking to stderr (dimmed on a terminal)")
     g.add_argument("--json", action="store_true", help="print the whole result as JSON")
 
     f = sub.add_parser("feedback", help="feedback on a recorded generate")
@@ -185,7 +190,8 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     params: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature,
                               "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "n": args.n,
-                              "stop": args.stop, "user": args.user, "adapter": "base" if args.base else None}
+                              "stop": args.stop, "user": args.user, "adapter": "base" if args.base else None,
+                              "thinking": args.thinking}  # with --raw the daemon refuses it by name
     if args.system or not args.raw:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": text})
@@ -201,10 +207,14 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
         for candidate in result.candidates:
             if len(result.candidates) > 1:
                 print(f"--- candidate {candidate.index} ({candidate.finish_reason})")
+            if args.show_thinking and candidate.reasoning:
+                _thinking(candidate.reasoning + "\n")
             print(candidate.text)
     else:
         stream = client.stream(**prompt, timeout_s=args.timeout, **params)
         for token in stream:
+            if args.show_thinking and token.reasoning:
+                _thinking(token.reasoning)
             sys.stdout.write(token.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
@@ -214,6 +224,12 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     print(f"[interaction {result.interaction_id}: {result.usage.get('completion_tokens', 0)} tokens, "
           f"{result.timing.get('total_s', 0):.2f} s, {note}]", file=sys.stderr)
     return EXIT_OK
+
+
+def _thinking(text: str) -> None:
+    """A thinking model's thinking, on stderr (stdout keeps the answer alone), dimmed on a terminal."""
+    sys.stderr.write(f"\x1b[2m{text}\x1b[0m" if sys.stderr.isatty() else text)
+    sys.stderr.flush()
 
 
 def cmd_feedback(client: Client, args: argparse.Namespace) -> int:
@@ -445,6 +461,8 @@ def render_status(status: dict[str, Any], tokens_per_s: float | None = None) -> 
                            ("tokens generated", _num(e.get("tokens_generated"))),
                            ("tokens/s", _num(tokens_per_s)),
                            ("prefix cache hits", _num(e.get("prefix_cache_hit_rate"), "", 3)),
+                           ("prefix blocks on disk / read back",
+                            f"{e.get('prefix_store_blocks', '-')} / {e.get('prefix_store_restored_blocks', '-')}"),
                            ("KV blocks used", f"{e.get('kv_blocks_used', '-')} / {e.get('kv_blocks_total', '-')}")]),
     ]
     ledger = mem.get("ledger", {})

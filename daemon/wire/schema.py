@@ -175,6 +175,7 @@ class GenerateArgs(Struct, frozen=True, forbid_unknown_fields=True):
     tool_choice: str | dict[str, Any] = "auto"  # none, auto, required, or a function's name
     continue_final_message: bool = False
     echo: bool = False  # the result also carries the prompt's text (`prompt_text`)
+    thinking: bool | None = None  # a thinking model's think block on or off (None: the model's default)
 
     @property
     def prompt(self) -> str | list[dict[str, Any]] | list[int]:
@@ -265,6 +266,9 @@ def parse_generate(op: str, values: dict[str, Any]) -> GenerateArgs:
         text = _json_text(args.format.json_schema.schema)
         if text is None or len(text) > MAX_GRAMMAR_CHARS:
             raise fail("response_format", f"a JSON schema of at most {MAX_GRAMMAR_CHARS} characters")
+    if args.thinking is not None and args.messages is None:
+        raise ProtocolError("bad_request", f"{op}: 'thinking' needs 'messages' (the chat template "
+                            "turns it on or off)", param="thinking")
     if args.adapter not in ("latest", "base") and args.user is None:
         raise ProtocolError("bad_request", f"{op}: an adapter version needs 'user'", param="adapter")
     return msgspec.structs.replace(
@@ -288,7 +292,8 @@ def _bounds_want(name: str) -> str:
 WANT: dict[str, str] = {
     **{name: _bounds_want(name) for name in ("max_tokens", "top_k", "seed", "n", "logprobs", "temperature",
                                              "top_p", "timeout_s", "presence_penalty", "frequency_penalty")},
-    **{name: "true or false" for name in ("ignore_eos", "stream", "record", "continue_final_message", "echo")},
+    **{name: "true or false" for name in ("ignore_eos", "stream", "record", "continue_final_message", "echo",
+                                                    "thinking")},
     "prompt": "a string, or a non-empty list of token ids",
     "stop": f"a string or a list of at most {MAX_STOP_STRINGS} strings",
     "stop_token_ids": f"a list of at most {MAX_STOP_TOKEN_IDS} token ids",

@@ -5,6 +5,7 @@ refused just past them, identically on both transports."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,6 +29,7 @@ class CapturingService:
         self.identities = Identities()
         self.model_name = "tiny"
         self.seen: list[GenerateArgs] = []
+        self.users = SimpleNamespace(erasers={})  # /v1/responses registers its store's eraser
 
     async def generate(self, args: GenerateArgs, call: Any) -> dict[str, Any]:
         self.seen.append(args)

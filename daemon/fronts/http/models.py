@@ -74,6 +74,10 @@ class ChatRequest(Sampling):
     # server does); continue_final_message=false or add_generation_prompt=true close it instead.
     continue_final_message: bool | None = None
     add_generation_prompt: bool | None = None
+    # Thinking models (docs/thinking.md): OpenAI's `reasoning_effort` ("none"/"minimal": off,
+    # "low"/"medium"/"high": on) and vLLM's `chat_template_kwargs` ({"enable_thinking": bool}).
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         # The legacy function-calling fields: `tools` and `tool_choice` replace them.
