@@ -92,7 +92,8 @@ class UserOps:
     async def _forget_prefixes(self, stored: str) -> int:
         """The user's prompt blocks in the prefix cache's disk tier (their prompts, so their data)."""
         engine = self.service.engine
-        live = await engine.call(lambda e: e.prefixes.forget(stored)) if engine is not None and engine.alive else 0
+        live = (await engine.call(lambda e: e.prefixes.forget(stored), parked=lambda p: 0)  # unloaded: all on disk
+                if engine is not None and engine.alive else 0)
         # Then every model's and format's folder, the live one included (whatever a writer raced in).
         return live + forget_stored_prefixes(self.service.config.prefix_store_dir, stored)
 
