@@ -11,8 +11,9 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
+
+import msgspec
 
 from daemon import VERSION
 from daemon.admission import AdmissionController, AdmissionSignals, AdmissionState
@@ -315,7 +316,7 @@ class Service:
                                         self.config.server.default_max_tokens)
         plain = args.user
         if plain is not None:  # from here on the user is the stored id of the caller's app's user
-            args = replace(args, user=self.users.stored(call.principal, None, plain))
+            args = msgspec.structs.replace(args, user=self.users.stored(call.principal, None, plain))
         with own_names(args.user or "", plain or ""):  # errors name the user as the app does
             adapter, label = self.fine_tuner.resolve_adapter(args.user, args.adapter if args.user else "base")
         self.gate.check(call, args, self.config.limits)

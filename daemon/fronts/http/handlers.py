@@ -224,10 +224,10 @@ class Gateway:
                               and body.add_generation_prompt is not True)
         if body.top_logprobs is not None and not body.logprobs:
             raise GatewayError("bad_request", "top_logprobs needs logprobs: true", param="top_logprobs")
-        extra = {"messages": messages, "tools": body.tools or None, "tool_choice": body.tool_choice,
-                 "thinking": _thinking_switch(body),
+        extra = {"messages": messages, "tools": None if body.tools == [] else body.tools,
+                 "tool_choice": body.tool_choice, "thinking": _thinking_switch(body),
                  "continue_final_message": continue_final or None, "response_format": body.response_format,
-                 "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
+                 "logprobs": (0 if body.top_logprobs is None else body.top_logprobs) if body.logprobs else None}
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         names = {"max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
                  "logprobs": "top_logprobs", "prompt": "messages"}
@@ -285,7 +285,7 @@ class Gateway:
             raise GatewayError("bad_request", f"not supported by this server: {', '.join(bad)}", param=bad[0])
         self._check_model(body.model)
         seed = body.seed
-        if seed is not None and seed < 0:
+        if type(seed) is int and seed < 0:  # any other type is the schema's to refuse
             if seed != -1:
                 raise GatewayError("bad_request", "seed: an integer >= 0, or -1 for a random seed", param="seed")
             seed = None
