@@ -309,7 +309,7 @@ def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
     tiles = x.shape[0] // ROW_TILE
-    out = torch.bmm(x.view(tiles, ROW_TILE, x.shape[1]), weight.t().expand(tiles, -1, -1))
+    out = torch.bmm(x.reshape(tiles, ROW_TILE, x.shape[1]), weight.t().expand(tiles, -1, -1))
     out = out.view(-1, weight.shape[0])[:rows]
     return out if bias is None else out + bias
 
