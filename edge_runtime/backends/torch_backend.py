@@ -38,7 +38,8 @@ class TorchBackend(Backend):
         if self.device.type != "cpu":
             return False, (f"torch on {self.device.type}: the row-invariant path is checked on the CPU "
                            "only; GPU GEMMs may still pick kernels by the batch's shape")
-        return True, "torch on the CPU: projections in fixed 16-row tiles, attention over the cache"
+        return False, ("torch on the CPU with row-invariant projections and attention: the kernels are, but "
+                       "a row's logits were still seen to move with chunking and batching end to end (#31)")
 
     @torch.inference_mode()
     def execute(self, batch: Batch, lora: LoraApplier | None = None) -> torch.Tensor:
