@@ -2,7 +2,7 @@
 chunks of 16/32/48 at several offsets, beside other requests' rows, and resuming from a prefix
 hit, on torch and ONNX Runtime (the default model); prints max |dlogit| against the one-chunk run.
 
-    python tools/determinism_probe.py [--backend torch|onnxruntime] [--steps 8]
+    python tools/determinism_probe.py [--backend torch|onnxruntime] [--steps 8] [--deterministic]
 
 With --cost, the price of torch's row-invariant path instead: decode tok/s at 1 and 16 streams
 and a long prompt's prefill, `engine.deterministic` on and off, round-robin in one process.
@@ -29,8 +29,11 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
 FILLER = "Tell me a short story about a lighthouse keeper and a cat who both love the sea at night."
 
 
+DETERMINISTIC = {"deterministic": False}  # --deterministic: torch's row-invariant kernels
+
+
 def _engine(backend: str, chunk: int, prefix: bool = False) -> Engine:
-    extra = {"onnx_quantization": "q4_1"} if backend == "onnxruntime" else {}
+    extra = {"onnx_quantization": "q4_1"} if backend == "onnxruntime" else dict(DETERMINISTIC)
     return Engine.load(None, backend=backend, dtype="float32", device="cpu", policy="fcfs", cost_profile="off",
                        max_batched_tokens=chunk, kv_cache_bytes=64 << 20, enable_prefix_cache=prefix, **extra)
 
@@ -78,11 +81,13 @@ def main() -> None:
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--cost", action="store_true")
+    ap.add_argument("--deterministic", action="store_true", help="torch: engine.deterministic on")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     if args.cost:
         _cost(args.rounds)
         return
+    DETERMINISTIC["deterministic"] = args.deterministic
     tok = _engine(args.backend, 512).tokenizer
     n = len(tok.hf.encode(PROMPT))
     print(f"backend {args.backend}; prompt {n} tokens (raw, before the chat template)")
