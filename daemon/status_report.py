@@ -49,7 +49,8 @@ async def status_report(service: Any, who: Principal) -> dict[str, Any]:
         stats["stats_age_s"] = round(time.monotonic() - service.engine.stats_at, 3)
         latencies = service.engine.stats_latencies_s
     info = service.engine.model_info if service.engine is not None else {}
-    out["model"] = {k: stats.get(k) for k in ("model", "backend", "device", "dtype", "max_context")}
+    out["model"] = {k: stats.get(k) for k in ("model", "backend", "device", "dtype", "max_context",
+                                               "deterministic", "deterministic_reason")}
     out["model"].update(info)
     out["engine"] = {k: v for k, v in stats.items() if k not in out["model"]}
     # Loaded or given back (engine.keep_alive): the state, unload count and last reload time.

@@ -473,6 +473,7 @@ class Engine:
         return {
             "model": self.model_name,
             "backend": self.backend.name,
+            **dict(zip(("deterministic", "deterministic_reason"), self.backend.determinism(), strict=True)),
             "device": str(self.model.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "requests_in_flight": len(self.requests),

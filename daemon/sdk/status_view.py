@@ -91,6 +91,8 @@ def render_status(status: dict[str, Any], tokens_per_s: float | None = None) -> 
                           ("backend choice", str(m.get("backend_reason", "-"))),
                           ("dtype", str(m.get("dtype"))), ("parameters", f"{m.get('parameters', 0):,}"),
                           ("max context", str(m.get("max_context"))),
+                          ("deterministic", f"{str(m.get('deterministic', '-')).lower()} "
+                                            f"({m.get('deterministic_reason', '-')})"),
                           ("residency", _residency(status.get("keep_alive"))),
                           ("adapters", f"{status.get('adapters', {}).get('versions_served', 0)} versions, "
                                        f"{status.get('adapters', {}).get('users', 0)} users "

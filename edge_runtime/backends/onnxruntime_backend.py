@@ -128,6 +128,15 @@ class OnnxRuntimeBackend(Backend):
         self._decode_inputs: DecodeInputs | None = None  # the dense layout's steady decode step
         self.model_path = self._session(lora=False).path
 
+    def determinism(self) -> tuple[bool, str]:
+        names = [p[0] if isinstance(p, tuple) else p for p in self.providers]
+        gpu = [n for n in names if n in GPU_PROVIDERS]
+        if gpu:
+            return False, (f"ONNX Runtime on {gpu[0]}: GPU kernels and TensorRT engines are chosen by the "
+                           "step's shapes, so a row's rounding can follow its batch")
+        return True, ("ONNX Runtime on the CPU: MatMulNBits and GroupQueryAttention give a row the same "
+                      "logits alone, in a batch, chunked or from the prefix cache (measured)")
+
     # -- sessions and binding -------------------------------------------------------------------
 
     def _session(self, lora: bool) -> OrtSession:
