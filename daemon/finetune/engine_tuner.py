@@ -99,8 +99,7 @@ class EngineFineTuner:
         self._attempts: dict[Item, int] = {}
         self._forgotten: set[str] = set()
         self._generation: dict[str, int] = {}  # per user; bumped when the trainer is reset
-        # The served version's held-out metrics by (version, fleet, held-out pair ids): a version
-        # is immutable, so the guard need not evaluate it again at every publish (engine thread).
+        # Served version's held-out metrics by (version, fleet, pair ids): immutable, so kept.
         self._served_metrics: dict[str, tuple[tuple[Any, ...], Any]] = {}
         self._done: asyncio.Queue[_Done] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -124,7 +123,7 @@ class EngineFineTuner:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         if self.engine.alive:
             try:
-                await self.engine.call(cancel_all)
+                await self.engine.call(cancel_all, parked=lambda parked: 0)
             except MaceError:
                 pass  # the engine is gone: nothing is queued any more
         await self._handle_done()
@@ -164,7 +163,7 @@ class EngineFineTuner:
                                 "active": newest is not None and newest.version == version})
             return out
 
-        return await self.engine.call(listing)
+        return await self.engine.call(listing, parked=listing)
 
     async def rollback(self, user: str, version: int) -> dict[str, Any]:
         from edge_runtime.lora.config import AdapterError
@@ -182,7 +181,7 @@ class EngineFineTuner:
             return {"user": user, "serving": None if now is None else now.version}
 
         try:
-            return await self.engine.call(roll)
+            return await self.engine.call(roll, parked=roll)
         except AdapterError as exc:  # adapter_unavailable, or adapter_trimmed (retention)
             raise ProtocolError(exc.code, str(exc)) from None
 
@@ -223,6 +222,16 @@ class EngineFineTuner:
             "alignment": (decision.get("after") or {}) if decision else {},
         }
 
+    def holds_model(self) -> str | None:
+        """Training holds the model (engine.keep_alive) from an item's queueing to its publication."""
+        busy = any(p.in_flight or p.publishing or p.trained for p in self._progress.values())
+        return "fine-tuning in progress" if busy else None
+
+    def release_model(self) -> None:
+        """Engine thread, before an unload: trainers are built on the model (made again from the served adapter)."""
+        self._trainers.clear()
+        self._stage_costs = None
+
     def memory_bytes(self) -> dict[str, int]:
         memory = self.engine.stats.get("memory") or {}
         return {"lora_training_state": int(memory.get("optimizer_bytes", 0)),
@@ -249,20 +258,20 @@ class EngineFineTuner:
             engine.adapters.forget(user)  # versions, retire markers, events; in-flight rows finish
             return had_folder and not (root / user).exists()
 
-        return await self.engine.call(purge)
+        return await self.engine.call(purge, parked=purge)
 
     def pause(self, reason: str) -> None:
         """Admission says shed fine-tuning: the engine stops scheduling stages and gives the
         activations back (queued updates stay queued and resume later)."""
         self.paused_reason = reason
         if self.engine.alive:
-            self.engine.call(lambda e: e.pause_finetune(reason))
+            self.engine.call(lambda e: e.pause_finetune(reason), parked=lambda p: p.pause_finetune(reason))
 
     def resume(self) -> None:
         self.paused_reason = None
         self._look_at = 0.0
         if self.engine.alive:
-            self.engine.call(lambda e: e.resume_finetune())
+            self.engine.call(lambda e: e.resume_finetune(), parked=lambda p: p.resume_finetune())
 
     # -- training -------------------------------------------------------------------------------
 
@@ -429,7 +438,6 @@ class EngineFineTuner:
         unpaired_ids = [row for kind, row in items if kind == UNPAIRED]
         progress.publishing = True
         self.publishing = user
-        stopping = self._stopping
         try:
             heldout = await asyncio.to_thread(self.store.heldout_pairs, user)
             heldout_unpaired = await asyncio.to_thread(self.store.heldout_unpaired, user)
@@ -439,11 +447,7 @@ class EngineFineTuner:
 
                 trainer = self._trainers[user]
                 engine.adapters.set_retention(self.settings.keep_versions)  # applied by the publish
-                if stopping:
-                    # Shutdown: a partly accumulated window (accumulation_steps > 1) would be
-                    # lost with the process, so it is applied before the last snapshot. Other
-                    # publishes never step: pairs_per_version decides when a version is taken,
-                    # not when the optimizer steps (docs/training.md).
+                if self._stopping:  # only at shutdown does a publish step (docs/training.md)
                     trainer.flush()
                 s = self.settings
                 guard = (RegressionGuard(degeneration_prompts=s.guard_prompts, degeneration_tokens=s.guard_tokens,
@@ -463,9 +467,8 @@ class EngineFineTuner:
                 path = engine.adapters.path(ref) if ref is not None else None
                 out = decision.as_dict()
                 if ref is None and decision.degeneration is not None and guard.degenerated(decision.degeneration):
-                    # A collapsed candidate is not what the user's next corrections should start
-                    # from (they would be answers to the collapse): train on from the served
-                    # version, with fresh optimizer state, as after a rollback.
+                    # Corrections drawn from a collapse answer the collapse: train on from the
+                    # served version, with fresh optimizer state, as after a rollback.
                     reset_trainer(engine, user, trainer, base_if_none=True)
                     out["trainer_reset"] = True
                 return out, (ref, path)

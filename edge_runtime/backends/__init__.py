@@ -26,7 +26,7 @@ def make_backend(config: EngineConfig, model: LlamaModel, cache: KVCache, adapte
     if name == "torch":
         from edge_runtime.backends.torch_backend import TorchBackend
 
-        return TorchBackend(model, cache, adapters)
+        return TorchBackend(model, cache, adapters, row_invariant=config.deterministic)
     if name == "onnxruntime":
         from edge_runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
 

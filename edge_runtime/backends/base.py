@@ -41,3 +41,9 @@ class Backend(Protocol):
         """Logits [rows that sample, vocab] in float32, in batch order; the batch's new keys and
         values are written to the KV cache. `lora`: an explicit applier (torch only)."""
         ...
+
+    def determinism(self) -> tuple[bool, str]:
+        """Whether a row's logits depend on that row alone (its request, adapter and position),
+        never on the rows beside it, how its prompt was chunked or whether its past came from the
+        prefix cache (issue #31; docs/scheduler.md), and why."""
+        return False, f"the {self.name} backend's kernels are not known to be row-invariant"

@@ -124,8 +124,18 @@ class OnnxRuntimeBackend(Backend):
         # The export key's digest of every weight, taken once (~1 CPU second for the default
         # model): the LoRA graph, opened when a first adapter is served, reuses it.
         self._digest = model_hash(model)
+        self.weights_digest = self._digest  # the prefix store keys its KV blocks by it too
         self._decode_inputs: DecodeInputs | None = None  # the dense layout's steady decode step
         self.model_path = self._session(lora=False).path
+
+    def determinism(self) -> tuple[bool, str]:
+        names = [p[0] if isinstance(p, tuple) else p for p in self.providers]
+        gpu = [n for n in names if n in GPU_PROVIDERS]
+        if gpu:
+            return False, (f"ONNX Runtime on {gpu[0]}: GPU kernels and TensorRT engines are chosen by the "
+                           "step's shapes, so a row's rounding can follow its batch")
+        return True, ("ONNX Runtime on the CPU: MatMulNBits and GroupQueryAttention give a row the same "
+                      "logits alone, in a batch, chunked or from the prefix cache (measured)")
 
     # -- sessions and binding -------------------------------------------------------------------
 

@@ -22,11 +22,24 @@ class TorchBackend(Backend):
     name = "torch"
     reads_pruned_kv = True  # PagedContext reads each sequence's pruning state and compacted layout
 
-    def __init__(self, model: LlamaModel, cache: KVCache, adapters: AdapterRegistry | None = None) -> None:
+    def __init__(self, model: LlamaModel, cache: KVCache, adapters: AdapterRegistry | None = None,
+                 row_invariant: bool = False) -> None:
         self.model = model
         self.cache = cache
         self.device = model.device
         self.adapters = adapters
+        # `engine.deterministic`: projections in fixed row tiles, attention over at least
+        # ATTEND_MIN_ROWS query rows (edge_runtime.model.llama.tiled_linear).
+        self.row_invariant = row_invariant
+
+    def determinism(self) -> tuple[bool, str]:
+        if not self.row_invariant:
+            return False, "engine.deterministic is off: a row's rounding follows how many rows share its forward"
+        if self.device.type != "cpu":
+            return False, (f"torch on {self.device.type}: the row-invariant path is checked on the CPU "
+                           "only; GPU GEMMs may still pick kernels by the batch's shape")
+        return False, ("torch on the CPU with row-invariant projections and attention: the kernels are, but "
+                       "a row's logits were still seen to move with chunking and batching end to end (#31)")
 
     @torch.inference_mode()
     def execute(self, batch: Batch, lora: LoraApplier | None = None) -> torch.Tensor:
@@ -55,7 +68,7 @@ class TorchBackend(Backend):
             runs = [(item.seq.request.served, item.num_tokens) for item in batch.items]
             lora = applier_for(runs, self.adapters.served_weights, device)
         ctx = PagedContext(self.cache, seqs, device, lora, self.model.cfg.layer_windows,
-                           self.model.cfg.attn_softcap)
+                           self.model.cfg.attn_softcap, self.row_invariant)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         rows = torch.tensor(logit_rows, dtype=torch.long, device=device)

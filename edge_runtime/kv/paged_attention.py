@@ -50,9 +50,14 @@ class PagedContext:
         lora: LoraApplier | None = None,
         sliding_window: int | None | tuple[int | None, ...] = None,
         softcap: float | None = None,
+        row_invariant: bool = False,
     ) -> None:
         self.cache = cache
         self.lora = lora
+        # Each row's projections and attention computed the same way whatever shares the batch
+        # (`edge_runtime.model.llama.tiled_linear`; `attend`'s `min_rows`).
+        self.row_invariant = row_invariant
+        self._min_rows = ATTEND_MIN_ROWS if row_invariant else 2
         self.sliding_window = sliding_window
         self.softcap = softcap
         if any(s.layout is not None and s.q_len != 1 for s in seqs):
@@ -93,7 +98,7 @@ class PagedContext:
             vh = v_cache.index_select(0, kv_index).transpose(0, 1)
             if mask is None:
                 mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            o = attend(qh, kh, vh, mask.repeat(group, 1), self.softcap)
+            o = attend(qh, kh, vh, mask.repeat(group, 1), self.softcap, self._min_rows)
             out[start : start + n] = o.view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 
         if plan.decode_rows is not None:
@@ -110,7 +115,7 @@ class PagedContext:
                 kd = slab[entries].permute(0, 2, 1, 3)
                 vd = slab[entries + self.cache.data.shape[2] * kv_heads].permute(0, 2, 1, 3)
             if self.decode_pruning is None:
-                o = attend(qd, kd, vd, plan.decode_mask, self.softcap)
+                o = attend(qd, kd, vd, plan.decode_mask, self.softcap, self._min_rows)
             else:
                 o = self.decode_pruning.attend(layer, qd, kd, vd)
             out.index_copy_(0, plan.decode_rows, o.reshape(b, heads * d))
@@ -168,7 +173,13 @@ class _WindowPlan:
             self.decode_mask = valid.to(device)[:, None, None, :]
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cap: float | None = None) -> Tensor:
+# The fewest query rows `attend` multiplies at once on the row-invariant path: torch's CPU batched
+# GEMM rounds a row differently with 1 or 2 rows than with 3 or more (measured with 64-wide heads
+# over 100 to 2,100 keys); 3 or more agree, whatever the key count or zero-weight padding.
+ATTEND_MIN_ROWS = 4
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cap: float | None = None, min_rows: int = 2) -> Tensor:
     """softmax(q k^T / sqrt(d)) v with the softmax in fp32; q [..., rows, d], k/v [..., keys, d],
     mask (True = may attend) broadcastable to [..., rows, keys]; the scores soft-capped by `cap`
     (Gemma 2) before the mask.
@@ -177,13 +188,18 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cap: float | None = No
     depending on how many keys (padding included) and queries share a call, so a sequence's
     tokens would change with the batch it ran in. Plain matmuls with at least two rows (see
     `edge_runtime.model.llama.linear`) compute each row the same way in any batch; padded keys
-    get exact zero weights, which add nothing to the sums.
+    get exact zero weights, which add nothing to the sums. Fewer than `min_rows` query rows are
+    padded to that many (repeats of the first), so a one-token chunk and a lone decode row take
+    the kernel the other rows take.
     """
     rows = q.shape[-2]
-    if rows == 1:
-        q = q.expand(*q.shape[:-2], 2, q.shape[-1]).contiguous()
+    if rows < min_rows:
+        pad = q[..., :1, :].expand(*q.shape[:-2], min_rows - rows, q.shape[-1])
+        q = torch.cat([q, pad], dim=-2)
+        if mask.shape[-2] == rows and rows > 1:
+            mask = torch.cat([mask, mask[..., :1, :].expand(*mask.shape[:-2], min_rows - rows, mask.shape[-1])], -2)
     scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5), cap)
     scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(weights, v)
-    return out[..., :1, :] if rows == 1 else out
+    return out[..., :rows, :] if out.shape[-2] != rows else out

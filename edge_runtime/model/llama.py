@@ -10,6 +10,7 @@ same layers serve inference and fine-tuning without copying a weight.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -33,7 +34,9 @@ class LoraApplier(Protocol):
 
 
 class ForwardContext(Protocol):
-    """What a batch tells the layers: how to attend, and which adapters apply."""
+    """What a batch tells the layers: how to attend, and which adapters apply. A context may also
+    carry `row_invariant = True` (serving's `PagedContext` with `engine.deterministic`): the
+    projections then compute each row independently of the rows beside it (`tiled_linear`)."""
 
     lora: LoraApplier | None
 
@@ -208,9 +211,10 @@ class DecoderLayer(nn.Module):
         """`cos`, `sin`: rows of this layer's rotary table (`ModelConfig.layer_rope_table`)."""
         cfg = self.cfg
         lora = ctx.lora
+        lin = linear_for(ctx)
         residual = x
         hn = self._pre_norm(x, self.input_norm)
-        qkv = linear(hn, self.qkv_weight, self.qkv_bias)
+        qkv = lin(hn, self.qkv_weight, self.qkv_bias)
         fused = cfg.fused_projections  # Phi-3: one LoRA on qkv_proj (and gate_up_proj), as PEFT has it
         if lora is not None and fused:
             qkv = _add(qkv, lora.delta(self.index, "qkv_proj", hn))
@@ -234,14 +238,14 @@ class DecoderLayer(nn.Module):
             # so q carries the rest (the cached keys stay as transformers has them).
             q = q * cfg.query_scale
         attn = ctx.attention(self.index, q, k, v)
-        out = linear(attn, self.o_weight, self.o_bias)
+        out = lin(attn, self.o_weight, self.o_bias)
         if lora is not None:
             out = _add(out, lora.delta(self.index, "o_proj", attn))
         x = residual + self._sublayer_out(out, self.attn_out_norm)
 
         residual = x
         hn = self._pre_norm(x, self.post_norm)
-        gate_up = linear(hn, self.gate_up_weight, self.gate_up_bias)
+        gate_up = lin(hn, self.gate_up_weight, self.gate_up_bias)
         if lora is not None and fused:
             gate_up = _add(gate_up, lora.delta(self.index, "gate_up_proj", hn))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -249,7 +253,7 @@ class DecoderLayer(nn.Module):
             gate = _add(gate, lora.delta(self.index, "gate_proj", hn))
             up = _add(up, lora.delta(self.index, "up_proj", hn))
         act = (F.silu(gate) if cfg.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
-        down = linear(act, self.down_weight, self.down_bias)
+        down = lin(act, self.down_weight, self.down_bias)
         if lora is not None:
             down = _add(down, lora.delta(self.index, "down_proj", act))
         return residual + self._sublayer_out(down, self.mlp_out_norm)
@@ -276,6 +280,40 @@ def linear(x: Tensor, weight: Tensor | QuantWeight, bias: Tensor | None = None) 
     return _float_linear(x, weight, bias)
 
 
+# Rows per GEMM tile of `tiled_linear`.
+ROW_TILE = 16
+
+
+def row_invariant_linear(x: Tensor, weight: Tensor | QuantWeight, bias: Tensor | None = None) -> Tensor:
+    """`linear` with every row computed the same way whatever other rows share `x` (`tiled_linear`)."""
+    if isinstance(weight, QuantWeight):
+        return quant_linear(x, weight, bias, tiled_linear)
+    return tiled_linear(x, weight, bias)
+
+
+def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ weight^T (+ bias), each row's value a function of that row alone (issue #31).
+
+    A GEMM library picks its kernel, and with it each row's order of summation, by the number of
+    rows (measured on torch's CPU float32 GEMM: a row rounds one way alone, another among 2..15
+    rows and a third among 16 or more, and K=1536 has a further path for 64..192 rows). Within
+    one GEMM of a fixed shape, though, a row's value does not depend on its neighbours or its
+    place. So the rows go in tiles of ROW_TILE, the last padded with zeros, through one batched
+    GEMM of [tiles, ROW_TILE, K] (one tile or many: the same per-tile kernel, measured), and the
+    bias is added after it rather than fused into it.
+    """
+    if x.dim() != 2:
+        return tiled_linear(x.reshape(-1, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    rows = x.shape[0]
+    pad = -rows % ROW_TILE
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    tiles = x.shape[0] // ROW_TILE
+    out = torch.bmm(x.reshape(tiles, ROW_TILE, x.shape[1]), weight.t().expand(tiles, -1, -1))
+    out = out.view(-1, weight.shape[0])[:rows]
+    return out if bias is None else out + bias
+
+
 def _float_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear that computes every row the same way whatever the batch size.
 
@@ -290,6 +328,12 @@ def _float_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     if x.dim() == 2 and x.shape[0] == 1 and x.dtype != torch.float32:
         return F.linear(x.expand(2, -1).contiguous(), weight, bias)[:1]
     return F.linear(x, weight, bias)
+
+
+def linear_for(ctx: ForwardContext | None) -> Callable[..., Tensor]:
+    """The linear a forward under `ctx` uses: `row_invariant_linear` where the context asks
+    for rows that do not depend on their batch (serving with `deterministic`), else `linear`."""
+    return row_invariant_linear if getattr(ctx, "row_invariant", False) else linear
 
 
 def _add(base: Tensor, delta: Tensor | None) -> Tensor:
@@ -356,9 +400,9 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, ctx)
         return x
 
-    def logits(self, hidden: Tensor) -> Tensor:
+    def logits(self, hidden: Tensor, ctx: ForwardContext | None = None) -> Tensor:
         """Final norm and LM head for the rows whose next token is wanted."""
-        logits = linear(self.final_hidden(hidden), self.lm_head_weight())
+        logits = linear_for(ctx)(self.final_hidden(hidden), self.lm_head_weight())
         scaling = self.cfg.logits_scaling  # Granite divides its logits; 1 elsewhere
         logits = logits if scaling == 1.0 else logits / scaling
         return softcap(logits, self.cfg.final_softcap)  # Gemma's; None elsewhere
@@ -374,4 +418,4 @@ class LlamaModel(nn.Module):
         hidden = self.run_layers(self.embed_tokens(input_ids), positions, ctx)
         if logit_rows is not None:
             hidden = hidden.index_select(0, logit_rows)
-        return self.logits(hidden)
+        return self.logits(hidden, ctx)
