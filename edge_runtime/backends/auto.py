@@ -72,8 +72,8 @@ class SelfCheck:
         agree = "greedy tokens equal" if self.tokens == self.reference_tokens else (
             f"greedy tokens differ ({self.tokens} vs torch {self.reference_tokens})")
         if self.near_ties and self.ok:
-            agree = (f"greedy tokens equal but for {self.near_ties} near tie(s) within the measured error "
-                     f"({self.tokens} vs torch {self.reference_tokens})")
+            agree = (f"greedy tokens equal but for {self.near_ties} near tie(s) within "
+                     f"{SELF_CHECK_NEAR_TIE:.0%} of the range ({self.tokens} vs torch {self.reference_tokens})")
         return f"{agree}, logits within {self.relative_error:.3f} of torch's range (tolerance {self.tolerance})"
 
 
