@@ -38,7 +38,7 @@ from edge_runtime.lora.registry import FLEET, AdapterRef, AdapterRegistry
 from edge_runtime.lora.weights import LoraWeights
 from edge_runtime.memory import MemoryKind, MemoryLedger, ShedReport
 from edge_runtime.model.llama import LlamaModel
-from edge_runtime.model.mapped_weights import serving_elsewhere
+from edge_runtime.model.mapped_weights import read_per_layer, serving_elsewhere
 from edge_runtime.model.tokenizer import Tokenizer
 from edge_runtime.outputs import RequestMetrics, RequestOutput, TokenEvent
 from edge_runtime.runner import ForwardRunner
@@ -85,8 +85,9 @@ class Engine:
         self.adapters.preload()
         prompts = ([tokenizer.hf.encode(text)[: config.block_size * 2] for text in SELF_CHECK_PROMPTS]
                    if config.backend == "auto" else [])
+        per_layer = read_per_layer(model)  # a block cache's pages: the self-check reads them per layer
         backend, self.backend_choice = choose_backend(config, model, self.cache, self.adapters, self.pool, prompts)
-        self.mapped = serving_elsewhere(model, backend.runs_onnx_weights)  # the torch copy: pages read per layer
+        self.mapped = serving_elsewhere(per_layer, backend.runs_onnx_weights)
         self.kv_pruning = PruningSettings.from_config(config)
         if self.kv_pruning is not None and (not backend.reads_pruned_kv or any(w is not None for w in cfg.layer_windows)
                                             or cfg.attn_softcap is not None):

@@ -150,17 +150,31 @@ class MappedWeights:
         self.release_layer(index)
 
 
-def serving_elsewhere(model: LlamaModel, runs_onnx_weights: bool) -> MappedWeights | None:
-    """Where a backend with weights of its own serves (ONNX Runtime's pre-packed graph), the
-    model's mapped blocks are read only by training, the self-check's reference and the publish
-    guard: give their pages back now and after each layer's use. None: nothing to give back."""
-    if not runs_onnx_weights:
-        return None
+def read_per_layer(model: LlamaModel) -> tuple[MappedWeights, list] | None:
+    """Before a backend is chosen: the self-check's torch reference reads the mapped blocks a
+    layer at a time, so they never sit resident beside a graph's own copy. Returns the pages
+    and the hooks (for `serving_elsewhere`), None when no block is mapped."""
     mapped = MappedWeights.of(model)
-    if mapped is not None:
-        mapped.release_after_each_layer(model)
-        mapped.release_all()
-        log.info("the torch copy of the weights (%.0f MiB of mapped blocks) is read a layer at a time while "
-                 "the graph serves: at most %.0f MiB of it resident", mapped.nbytes / 2**20,
-                 mapped.peak_resident_bytes / 2**20)
+    if mapped is None:
+        return None
+    mapped.release_all()
+    return mapped, mapped.release_after_each_layer(model)
+
+
+def serving_elsewhere(per_layer: tuple[MappedWeights, list] | None, runs_onnx_weights: bool) -> MappedWeights | None:
+    """Where a backend with weights of its own serves (ONNX Runtime's pre-packed graph), the
+    model's mapped blocks are read only by training and the publish guard: their pages stay
+    given back and are read a layer at a time. Where torch serves, they are its only copy: the
+    hooks go and the pages stay. None: nothing is given back."""
+    if per_layer is None:
+        return None
+    mapped, hooks = per_layer
+    if not runs_onnx_weights:
+        for hook in hooks:
+            hook.remove()
+        return None
+    mapped.release_all()
+    log.info("the torch copy of the weights (%.0f MiB of mapped blocks) is read a layer at a time while "
+             "the graph serves: at most %.0f MiB of it resident", mapped.nbytes / 2**20,
+             mapped.peak_resident_bytes / 2**20)
     return mapped

@@ -79,3 +79,21 @@ def test_per_layer_release_keeps_only_the_rest_resident_after_a_pass(cached):
 
 def test_a_float_model_has_no_mapped_blocks(tiny_model_dir):
     assert MappedWeights.of(load_llama(tiny_model_dir)) is None
+
+
+def test_the_engine_gives_the_pages_back_where_a_graph_serves_and_keeps_them_where_torch_does(cached, tmp_path):
+    pytest.importorskip("onnxruntime")
+    from edge_runtime import Engine
+    from edge_runtime.memory import MemoryKind
+    from edge_runtime.sizing import resident_weights_bytes, weights_bytes
+
+    settings = dict(dtype="float32", kv_cache_bytes=4 << 20, block_size=4, max_batched_tokens=8, cost_profile="off")
+    onnx = Engine.load(str(cached), backend="onnxruntime", onnx_quantization="q4_1",
+                       onnx_cache_dir=str(tmp_path / "onnx"), **settings)
+    assert onnx.mapped is not None
+    model_entry = onnx.ledger.entries(MemoryKind.WEIGHTS)["model"]
+    assert model_entry == resident_weights_bytes(onnx.model, onnx.mapped) < weights_bytes(onnx.model)
+    assert all(layer._forward_hooks for layer in onnx.model.layers)
+    plain = Engine.load(str(cached), backend="torch", **settings)
+    assert plain.mapped is None and not any(layer._forward_hooks for layer in plain.model.layers)
+    assert plain.ledger.entries(MemoryKind.WEIGHTS)["model"] == weights_bytes(plain.model)
