@@ -54,14 +54,14 @@ if TYPE_CHECKING:
     from edge_runtime.sched.scheduler import Batch
 
 
-def resident_bytes() -> int:
-    """This process's resident memory now (RssAnon + RssFile), 0 where /proc cannot say."""
+def resident_bytes() -> tuple[int, int]:
+    """This process's resident memory now, (RssAnon, RssFile) in bytes; zeros where /proc cannot say."""
     try:
         with open("/proc/self/status") as fh:
             fields = dict(line.split(":", 1) for line in fh if line.startswith(("RssAnon", "RssFile")))
     except OSError:
-        return 0
-    return sum(int(v.split()[0]) for v in fields.values()) * 1024
+        return 0, 0
+    return tuple(int(fields.get(k, "0 kB").split()[0]) * 1024 for k in ("RssAnon", "RssFile"))  # type: ignore[return-value]
 
 
 class OnnxRuntimeBackend(Backend):
@@ -145,10 +145,13 @@ class OnnxRuntimeBackend(Backend):
             path = export_step(self.model, replace(self.spec, lora=lora), self.cache_dir, self._digest)
             before = resident_bytes()
             session = open_session(path, self._providers_for(path), self.num_threads, has_lora_inputs=lora)
-            grown = resident_bytes() - before
-            if before and grown > 0:
-                # What the session holds, not what its file is: the kernels' pre-packed weights
-                # plus the initializers they did not pack (still mapped from the data file).
+            after = resident_bytes()
+            # What the session holds, not what its file is: the kernels' pre-packed weights
+            # (anonymous) plus the initializers they did not pack (still mapped from the data
+            # file). Each kind counts its own growth: under memory pressure the kernel drops other
+            # file pages meanwhile (the 8B start: the ledger read 3.4 GB for 7 GB held).
+            grown = sum(max(0, a - b) for a, b in zip(after, before, strict=True))
+            if sum(before) and grown:
                 session.weights_bytes = grown
             if self.dense is None:
                 self._bind_cache(session.binding)
