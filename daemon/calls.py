@@ -24,8 +24,8 @@ def logprob_record(lp: Any) -> dict[str, Any]:
     bytes, and the alternatives as [token id, log-probability, bytes]."""
     return {"token_id": lp.token_id, "logprob": lp.logprob, "bytes": lp.bytes,
             "top": [[t, v, b] for t, v, b in lp.top]}
-# (candidate index, new text, last token id, extra: `logprobs` of the piece's tokens and
-# `tool_calls` completed in it, or None)
+# (candidate index, new text, last token id, extra: `logprobs` of the piece's tokens,
+# `tool_calls` completed in it and `reasoning` (new thinking), or None)
 TokenCallback = Callable[[int, str, "int | None", "dict[str, Any] | None"], None]
 IN_PROCESS = Principal("app", DEFAULT_APP, "in-process")  # the front named no one: the default app
 # Reasons a generate can end early, as (error code, message for the client).
@@ -71,14 +71,20 @@ class GenerateCall:
         texts: dict[int, list[str]] = {}
         last_ids: dict[int, int | None] = {}
         logprobs: dict[int, list[dict[str, Any]]] = {}
+        thoughts: dict[int, list[str]] = {}
         for event in events:
             if event.logprob is not None:
                 logprobs.setdefault(event.index, []).append(logprob_record(event.logprob))
+            if event.reasoning:
+                thoughts.setdefault(event.index, []).append(event.reasoning)
+                last_ids[event.index] = event.token_id
             if event.text:  # "" while a multi-byte character is incomplete: nothing to show yet
                 texts.setdefault(event.index, []).append(event.text)
                 last_ids[event.index] = event.token_id
-        for index in sorted(set(texts) | set(logprobs)):
-            extra = {"logprobs": logprobs[index]} if index in logprobs else {}
+        for index in sorted(set(texts) | set(logprobs) | set(thoughts)):
+            extra: dict[str, Any] = {"logprobs": logprobs[index]} if index in logprobs else {}
+            if index in thoughts:  # a thinking model's think block, apart from the answer
+                extra["reasoning"] = "".join(thoughts[index])
             self._send(index, "".join(texts.get(index, ())), last_ids.get(index), extra)
 
     def _send(self, index: int, text: str, token_id: int | None, extra: dict[str, Any]) -> None:
@@ -144,6 +150,8 @@ def candidate_record(c: Any, tools: tuple[dict[str, Any], ...], call: GenerateCa
                                  "completion_tokens": len(c.token_ids)}
     if c.logprobs is not None:
         candidate["logprobs"] = [logprob_record(lp) for lp in c.logprobs]
+    if c.reasoning is not None:  # the thinking, apart from `text` (the answer)
+        candidate["reasoning"] = c.reasoning
     if tools:
         if c.index in call.streamers:
             content = "".join(call.streamed_content.get(c.index, ()))
@@ -198,5 +206,5 @@ def engine_request(args: GenerateArgs, max_prompt_chars: int, default_max_tokens
     prompt: Any = args.prompt
     if args.is_chat:
         prompt = ChatPrompt(tuple(args.prompt), args.tools, args.tool_choice,  # type: ignore[arg-type]
-                            args.continue_final_message)
+                            args.continue_final_message, args.thinking)
     return prompt, params

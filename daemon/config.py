@@ -26,6 +26,7 @@ from daemon.settings import (  # noqa: F401  (re-exported: callers import them f
     FineTuneSettings,
     FleetSettings,
     HttpSettings,
+    KeepAliveSettings,
     ServerSettings,
 )
 from daemon.wire.endpoints import default_ipc_path, ipc_endpoint, is_loopback, parse_tcp
@@ -53,7 +54,7 @@ _SECTIONS: dict[str, tuple[type, ...]] = {
     "daemon": (DaemonSettings,),
     "server": (ServerSettings,),
     "http": (HttpSettings,),
-    "engine": (EngineConfig,),
+    "engine": (EngineConfig, KeepAliveSettings),
     "telemetry": (TelemetryConfig,),
     "feedback": (FeedbackSettings, FeedbackStoreConfig),
     "admission": (AdmissionSettings, AdmissionConfig),
@@ -68,13 +69,14 @@ RELOADABLE = frozenset({
     "admission.retry_after_s", "admission.power_budget_mw", "finetune.enabled",
     "finetune.pairs_per_version", "finetune.idle_s", "finetune.guard",
     "http.api_keys", "http.api_key_file", "fleet.delta", "fleet.heldout_fraction",
+    "engine.keep_alive",
 })
 # Short names people already know, besides the generic MACE_<SECTION>_<KEY>.
 _ENV_ALIASES = {"MACE_STATE_DIR": "daemon.state_dir", "MACE_MODEL": "engine.model",
                 "MACE_LOG_LEVEL": "daemon.log_level"}
-# Engine fields the daemon sets itself (adapters live under the state dir, where the feedback
-# store's erasure looks for them): not settings.
-_DAEMON_OWNED = frozenset({"engine.adapters_root"})
+# Engine fields the daemon sets itself (adapters and stored prefixes live under the state dir,
+# where erasure looks for them): not settings.
+_DAEMON_OWNED = frozenset({"engine.adapters_root", "engine.prefix_store_dir"})
 # Never printed by --print-config.
 _SECRETS = frozenset({"http.api_keys"})
 _SCALARS = {"str": str, "int": int, "float": float, "bool": bool}
@@ -192,6 +194,7 @@ class DaemonConfig:
         self.server: ServerSettings = self._build("server", ServerSettings)
         self.http: HttpSettings = self._build("http", HttpSettings)
         self.engine: EngineConfig = self._build("engine", EngineConfig)
+        self.keep_alive: KeepAliveSettings = self._build("engine", KeepAliveSettings)
         self.telemetry: TelemetryConfig = self._build("telemetry", TelemetryConfig)
         self.feedback: FeedbackSettings = self._build("feedback", FeedbackSettings)
         self.admission: AdmissionSettings = self._build("admission", AdmissionSettings)
@@ -225,6 +228,10 @@ class DaemonConfig:
     @property
     def adapters_dir(self) -> Path:
         return self.state_dir / "adapters"
+
+    @property
+    def prefix_store_dir(self) -> Path:
+        return self.state_dir / "prefix-cache"
 
     @property
     def ipc_path(self) -> Path | None:

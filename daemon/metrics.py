@@ -30,6 +30,7 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ADMISSION_STATES = ("normal", "shed_finetune", "queue", "reject", "off")
 _FINETUNE_STATES = ("idle", "training", "paused")
+_MODEL_STATES = ("loaded", "unloading", "unloaded", "loading")  # daemon/keep_alive.py
 TOKENS_WINDOW_S = 10.0
 
 
@@ -134,6 +135,7 @@ class _StatusCollector(Collector):
                                 str(model.get("quantization", "")), str(model.get("backend_reason", ""))], 1.0)
             yield backend
 
+        yield from _keep_alive(s.get("keep_alive") or {})
         queues = GaugeMetricFamily("mace_queue_depth", "Requests waiting or running, by queue",
                                    labels=["queue"])
         for name, value in s.get("queues", {}).items():
@@ -244,6 +246,25 @@ class _StatusCollector(Collector):
         for app, count in sorted(per_app.items()):
             active.add_metric([app], float(count))
         yield active
+
+
+def _keep_alive(keep: dict[str, Any]) -> Iterable[Metric]:
+    """The model's residency (engine.keep_alive): loaded or given back, unloads, reload time."""
+    if not keep:
+        return
+    state = GaugeMetricFamily("mace_model_state", "1 for the model's current residency (engine.keep_alive)",
+                              labels=["state"])
+    for name in _MODEL_STATES:
+        state.add_metric([name], 1.0 if keep.get("state") == name else 0.0)
+    yield state
+    yield _gauge("mace_keep_alive_seconds", "How long an idle model stays loaded (-1: always)",
+                 keep.get("keep_alive_s"))
+    yield _counter("mace_model_unloads", "Times the idle model was unloaded since start", keep.get("unloads", 0))
+    yield _counter("mace_model_pressure_unloads", "Unloads caused by device memory pressure since start",
+                   keep.get("pressure_unloads", 0))
+    yield _counter("mace_model_reloads", "Times the model was loaded again since start", keep.get("reloads", 0))
+    yield _gauge("mace_model_last_reload_seconds", "Seconds the last reload of the model took",
+                 keep.get("last_reload_s"))
 
 
 def _gauge(name: str, help_text: str, value: Any) -> GaugeMetricFamily:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 from pathlib import Path
 from typing import Any
+
+from edge_runtime import durable
 
 KEY_BYTES = 32
 
@@ -35,13 +36,7 @@ class LogPseudonyms:
         if len(key) != KEY_BYTES:
             key = secrets.token_bytes(KEY_BYTES)
             state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp = path.with_name(".log-key.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(key)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            durable.write_bytes(path, key, mode=0o600)
         return cls(key)
 
     @classmethod

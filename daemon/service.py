@@ -11,8 +11,9 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
+
+import msgspec
 
 from daemon import VERSION
 from daemon.admission import AdmissionController, AdmissionSignals, AdmissionState
@@ -24,6 +25,7 @@ from daemon.finetune.engine_tuner import EngineFineTuner
 from daemon.fleet.device import admin as fleet
 from daemon.fleet.device.rounds import FleetRounds
 from daemon.inference_gate import InferenceGate
+from daemon.keep_alive import LOADING, KeepAlive, memory_pressure, service_holds
 from daemon.metrics import DaemonMetrics
 from daemon.principals import OPERATOR_LOCAL, Identities, Principal, forbidden, load_identities
 from daemon.privacy import LogPseudonyms
@@ -59,7 +61,8 @@ log = logging.getLogger(__name__)
 def load_engine(config: DaemonConfig) -> Engine:
     """The default loader: the configured model (None = the default SmolLM2) on this machine."""
     # Adapters live beside the feedback store's idea of them: forget() deletes <root>/<user>/.
-    return Engine.load(None, config.engine.replace(adapters_root=str(config.adapters_dir)))
+    return Engine.load(None, config.engine.replace(adapters_root=str(config.adapters_dir),
+                                                   prefix_store_dir=str(config.prefix_store_dir)))
 
 
 class Service:
@@ -106,6 +109,7 @@ class Service:
         self.fatal_reason = ""
         self._tasks: list[asyncio.Task[Any]] = []
         self._last_state = AdmissionState.NORMAL
+        self.keep_alive = KeepAlive(config.keep_alive.keep_alive, holds=lambda: service_holds(self))
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -124,7 +128,7 @@ class Service:
         self.state = "loading"
         self.notifier.status(f"loading model {self.config.engine.model or 'default'}")
         self.engine = EngineThread(self._engine_loader, loop, on_alive=self.watchdog.engine_alive,
-                                   on_dead=self._engine_died)
+                                   on_dead=self._engine_died, keep_alive=self.keep_alive)
         try:
             engine = await self.engine.start()
         except BaseException:
@@ -132,6 +136,7 @@ class Service:
             raise
         self.model_name = engine.model_name
         self.tool_style = tool_style(engine.tokenizer)
+        del engine  # the engine thread's is the one reference (engine.keep_alive unloads it)
         newest_fleet = await self.engine.call(lambda e: e.adapters.newest(FLEET))
         self.fleet_serving = None if newest_fleet is None else newest_fleet.version
         self.fleet_rounds = FleetRounds(self.engine, self.store, lambda: self.config.fleet, self.config.state_dir,
@@ -141,6 +146,7 @@ class Service:
             tuner = EngineFineTuner(self.engine, self.store, self.config.finetune,
                                     pseudonyms=LogPseudonyms.from_state_dir(self.config.state_dir))
             tuner.start()
+            self.engine.on_release(tuner.release_model)
             self.fine_tuner = tuner
         self.state = "serving"
 
@@ -198,6 +204,7 @@ class Service:
         """Apply the settings that are safe to change at run time (see config.RELOADABLE)."""
         self.config = config
         self.identities = load_identities(config)  # checked already by main's reload
+        self.keep_alive.keep_alive_s = config.keep_alive.keep_alive
         if hasattr(self.fine_tuner, "settings"):
             self.fine_tuner.settings = config.finetune  # type: ignore[attr-defined]
         if self.admission is not None:
@@ -212,8 +219,8 @@ class Service:
         last_status = 0.0
         while True:
             self.watchdog.loop_alive()
-            if self.state == "loading" and self.watchdog.enabled:
-                # No engine loop yet to ping from; loading a model is progress, not a hang.
+            if (self.state == "loading" or self.keep_alive.state == LOADING) and self.watchdog.enabled:
+                # No engine loop to ping from; loading a model (again) is progress, not a hang.
                 self.watchdog.notifier.send("WATCHDOG=1")
             if self.admission is not None:
                 if self.config.admission.telemetry:
@@ -233,6 +240,7 @@ class Service:
             assert self.admission is not None
             decision = self.admission.observe(AdmissionSignals.from_telemetry(reading, budget, self.queue_length))
             self._apply_admission(decision.state)
+            self.keep_alive.pressure = memory_pressure(self.admission)
 
     def _apply_admission(self, state: AdmissionState) -> None:
         if state is self._last_state:
@@ -308,7 +316,7 @@ class Service:
                                         self.config.server.default_max_tokens)
         plain = args.user
         if plain is not None:  # from here on the user is the stored id of the caller's app's user
-            args = replace(args, user=self.users.stored(call.principal, None, plain))
+            args = msgspec.structs.replace(args, user=self.users.stored(call.principal, None, plain))
         with own_names(args.user or "", plain or ""):  # errors name the user as the app does
             adapter, label = self.fine_tuner.resolve_adapter(args.user, args.adapter if args.user else "base")
         self.gate.check(call, args, self.config.limits)
@@ -345,7 +353,7 @@ class Service:
         self.calls.add(call)
         self.counters["generate"] += 1
         try:
-            await self.engine.submit(interaction_id, prompt, params, call, adapter)
+            await self.engine.submit(interaction_id, prompt, params, call, adapter, owner=args.user or "")
             output, aborted, error = await call.done
         except MaceError:
             self.counters["generate_failed"] += 1
@@ -384,7 +392,9 @@ class Service:
             version = int(label.rsplit("@", 1)[1])
         try:
             await self.astore.record_interaction(
-                user, interaction_id, output.prompt, [c.text for c in output.candidates],
+                # The answers the user saw, after the prompt they follow once their thinking is
+                # dropped (docs/thinking.md): a pair never trains on the think block.
+                user, interaction_id, output.answer_prompt or output.prompt, [c.text for c in output.candidates],
                 model=self.model_name or "unknown", adapter_version=version, timings=timing)
         except MaceError as exc:
             if exc.code != "consent_required":
@@ -471,7 +481,8 @@ class Service:
     def health(self) -> dict[str, Any]:
         return {"ok": self.state == "serving", "state": self.state, "model": self.model_name,
                 "uptime_s": round(time.monotonic() - self.started_at, 3),
-                "admission": self.admission.state.value if self.admission else "off"}
+                "admission": self.admission.state.value if self.admission else "off",
+                "model_state": self.keep_alive.state}
 
     async def status(self, who: Principal = OPERATOR_LOCAL) -> dict[str, Any]:
         """The whole report for the operator; an app's leaves out every user but its own."""

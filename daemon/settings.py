@@ -83,3 +83,11 @@ class FleetSettings:
     # adapter of SmolLM2-135M is 3.5 MiB): their own limit, the other ops keep server's.
     max_message_bytes: int = 64 << 20
     heldout_fraction: float = 0.2  # fleet.evaluate's split when the request does not give one
+
+
+@dataclass(frozen=True)
+class KeepAliveSettings:
+    """[engine] keep_alive: how long an idle daemon keeps the model loaded (docs/keep_alive.md).
+    Read beside the engine's own EngineConfig fields; the engine itself never sees it."""
+
+    keep_alive: float = 300.0  # seconds; 0 = unload as soon as idle; -1 (any negative) = never

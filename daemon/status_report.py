@@ -52,6 +52,8 @@ async def status_report(service: Any, who: Principal) -> dict[str, Any]:
     out["model"] = {k: stats.get(k) for k in ("model", "backend", "device", "dtype", "max_context")}
     out["model"].update(info)
     out["engine"] = {k: v for k, v in stats.items() if k not in out["model"]}
+    # Loaded or given back (engine.keep_alive): the state, unload count and last reload time.
+    out["keep_alive"] = service.keep_alive.status()
     out["latency"] = {"iteration_ms": _summary_ms(latencies)}
     snap = service.engine.snapshot if service.engine is not None else None
     out["queues"] = {"engine_waiting": snap.waiting if snap else 0,
@@ -91,7 +93,8 @@ def _app_view(finetune: dict[str, Any], app: str) -> None:
 
 def _memory(service: Any, stats: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
     # Until the runtime's MemoryLedger lands, the ledger is what the daemon can account for.
-    ledger = {"weights": int(info.get("weights_bytes", 0)), "kv_cache": int(stats.get("kv_cache_bytes", 0)),
+    weights = int(info.get("weights_bytes", 0)) if service.keep_alive.state == "loaded" else 0
+    ledger = {"weights": weights, "kv_cache": int(stats.get("kv_cache_bytes", 0)),
               "adapter_cache": int(stats.get("adapter_cache_bytes", 0) or 0)}
     ledger.update(service.fine_tuner.memory_bytes())
     held = sum(ledger.values())

@@ -6,7 +6,7 @@ on behalf of a principal: an app reaches only its own users, the operator any ap
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -21,6 +21,7 @@ from daemon.wire import (
 )
 from edge_runtime.errors import MaceError
 from edge_runtime.feedback import feedback_from_dict
+from edge_runtime.kv.prefix_store import forget_stored_prefixes
 from edge_runtime.lora.registry import FLEET
 
 
@@ -29,6 +30,9 @@ class UserOps:
 
     def __init__(self, service: Any) -> None:
         self.service = service
+        # Holders of user data outside the store and the engine (the HTTP front's stored
+        # responses): kind -> erase(stored user) -> how many items went. Erasure calls each.
+        self.erasers: dict[str, Callable[[str], int]] = {}
 
     @property
     def identities(self) -> Identities:
@@ -78,8 +82,20 @@ class UserOps:
         with own_names(stored, args.user):
             # The engine stops serving the user's adapters before their files go.
             removed = await self.service.fine_tuner.forget(stored)
-            report = await store.forget(stored, adapters_removed=removed)
-        return {"user": args.user, "erased": _renamed(asdict(report), stored, args.user)}
+            elsewhere = {"prefix_blocks": await self._forget_prefixes(stored)}
+            elsewhere.update({kind: erase(stored) for kind, erase in self.erasers.items()})
+            report = await store.forget(stored, adapters_removed=removed, elsewhere=elsewhere)
+        erased = asdict(report)
+        erased.update(erased.pop("elsewhere"))
+        return {"user": args.user, "erased": _renamed(erased, stored, args.user)}
+
+    async def _forget_prefixes(self, stored: str) -> int:
+        """The user's prompt blocks in the prefix cache's disk tier (their prompts, so their data)."""
+        engine = self.service.engine
+        live = (await engine.call(lambda e: e.prefixes.forget(stored), parked=lambda p: 0)  # unloaded: all on disk
+                if engine is not None and engine.alive else 0)
+        # Then every model's and format's folder, the live one included (whatever a writer raced in).
+        return live + forget_stored_prefixes(self.service.config.prefix_store_dir, stored)
 
     async def adapters_list(self, args: AdaptersListArgs, who: Principal) -> dict[str, Any]:
         tuner = self.service.fine_tuner

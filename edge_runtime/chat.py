@@ -3,7 +3,8 @@
 Owns: tool definitions rendered into the prompt the way the model's own chat template does it
 (or, for a template that knows no tools, in the `<tool_call>` convention of Hermes-style models,
 described in a system message), assistant tool calls and tool results in the history, a final
-assistant message continued instead of closed, the grammar of a call the client forces, and the
+assistant message continued instead of closed, thinking turned on or off (edge_runtime.reasoning
+knows the templates that can), the grammar of a call the client forces, and the
 calls parsed back out of an answer (whole, or as the text streams). Knows nothing of sampling or
 of the wire protocols.
 """
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from edge_runtime.constraints import JSON_WHITESPACE, Constraint
 from edge_runtime.errors import BadRequest
+from edge_runtime.reasoning import SWITCH, template_thinks
 
 if TYPE_CHECKING:
     from edge_runtime.model.tokenizer import Tokenizer
@@ -48,12 +50,15 @@ class ChatPrompt:
     """Messages (OpenAI's shapes: `tool_calls` on assistant turns, `tool` turns with
     `tool_call_id`), the functions the model may call, which of them it must call
     (`tool_choice`: "auto", "none", "required" or a function's name) and whether the last
-    assistant message is continued (a prefill) instead of closed."""
+    assistant message is continued (a prefill) instead of closed. `thinking` turns a thinking
+    model's think block on or off (None: the template's default; ignored by templates without
+    the switch)."""
 
     messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: str = "auto"
     continue_final: bool = False
+    thinking: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "messages", tuple(self.messages))
@@ -179,6 +184,8 @@ def render(hf_tokenizer: Any, prompt: ChatPrompt) -> str:
         kwargs["continue_final_message"] = True
     else:
         kwargs["add_generation_prompt"] = True
+    if prompt.thinking is not None and template_thinks(template if isinstance(template, str) else None):
+        kwargs[SWITCH] = prompt.thinking
     if prompt.offers_tools and native:
         kwargs["tools"] = [{"type": "function", "function": function_of(t)} for t in prompt.tools]
     messages = template_messages(prompt, native)

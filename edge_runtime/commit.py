@@ -105,12 +105,18 @@ class TokenCommitter:
             metrics.first_token_time = now
         metrics.generated_tokens += 1
         reason = None
+        thought = ""
         eos = token in self.eos_ids and (not params.ignore_eos or seq.matcher is not None)
         if eos or token in params.stop_token_ids:
             reason = "stop"
             logprob = None  # the stop token makes no text
         else:
-            seq.text += seq.decoder.step(token)
+            piece = seq.decoder.step(token)
+            if seq.reasoning is not None:
+                thought, piece = seq.reasoning.feed(piece)
+                if seq.pending_matcher is not None and seq.reasoning.answering:
+                    grammar_done = start_grammar(seq)
+            seq.text += piece
             if logprob is not None:
                 seq.logprobs.append(logprob)
             if params.stop:
@@ -123,10 +129,16 @@ class TokenCommitter:
         if reason is None and (seq.num_generated >= params.max_tokens or seq.num_tokens >= self.max_context):
             reason = "length"
         if reason is not None:
+            if seq.reasoning is not None:  # what the splitter held: a tag that never completed
+                held_thought, held_answer = seq.reasoning.finish()
+                thought += held_thought
+                seq.text += held_answer
             self.scheduler.finish(seq, reason)
         else:
             self.scheduler.token_appended(seq)  # LongRoPE: past the switch, the sequence is recomputed
-        emit(seq, releasable(seq, reason is not None), token, finished=reason is not None, logprob=logprob)
+        seq.thought += thought
+        emit(seq, releasable(seq, reason is not None), token, finished=reason is not None, logprob=logprob,
+             reasoning=thought)
         request = seq.request
         if reason is not None and request.finished and request.request_id in self.requests:
             return self.end_request(request, reason, now)
@@ -148,12 +160,24 @@ def releasable(seq: Sequence, finished: bool) -> str:
     return piece
 
 
-def emit(seq: Sequence, text: str, token: int | None, finished: bool, logprob: TokenLogprob | None = None) -> None:
+def emit(seq: Sequence, text: str, token: int | None, finished: bool, logprob: TokenLogprob | None = None,
+         reasoning: str = "") -> None:
     """Hand one event of `seq` to its request's callback, if it has one."""
     callback = seq.request.on_token
     if callback is not None:
         callback(TokenEvent(seq.request.request_id, seq.index, token, text, finished,
-                            seq.finish_reason if finished else None, logprob))
+                            seq.finish_reason if finished else None, logprob, reasoning))
+
+
+def start_grammar(seq: Sequence) -> bool:
+    """The think block closed: the grammar that shapes the answer takes over from the next token.
+    A reply that answered without opening a block has its answer so far read by the grammar
+    first (SamplingError if it cannot be an answer's start). Returns whether it is complete."""
+    matcher, seq.pending_matcher = seq.pending_matcher, None
+    if not seq.reasoning.opened and not matcher.consume_tokens(seq.output_ids):
+        raise SamplingError(f"the answer began outside the grammar: {matcher.get_error()}")
+    seq.matcher = matcher
+    return matcher.is_stopped()
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int] | None:

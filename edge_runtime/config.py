@@ -69,6 +69,10 @@ class EngineConfig:
     max_prompt_chars: int = 200_000
     adapters_root: str = ""  # per-user LoRA versions (<root>/<user>/v<N>/); "" = in memory only
     adapter_cache_bytes: int = 256 << 20  # loaded adapter versions kept (Chameleon-style cache)
+    # The prefix cache's disk tier (docs/kv.md): reused prefixes' KV blocks, per user, read back after a
+    # restart; "" = off (the daemon puts it under its state dir); bounded to prefix_store_bytes
+    prefix_store_dir: str = ""
+    prefix_store_bytes: int = 256 << 20
     extra: dict[str, Any] = field(default_factory=dict)
 
     def replace(self, **overrides: Any) -> EngineConfig:

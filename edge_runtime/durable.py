@@ -50,13 +50,18 @@ def _temp_name(path: Path, prefix: str = ".") -> Path:
     return path.parent / f"{prefix}{path.name}.{secrets.token_hex(4)}.tmp"
 
 
-def write_bytes(path: str | Path, data: bytes) -> None:
+def write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> None:
     """Replace `path` with `data` atomically and durably; on any failure the old file (if any)
-    is untouched and no temporary file is left."""
+    is untouched and no temporary file is left. `mode` (e.g. 0o600 for a secret) is the file's
+    permission from its first byte on, whatever the umask: a secret is never readable by others,
+    not even as the temporary."""
     path = Path(path)
     tmp = _temp_name(path)
     try:
-        with open(tmp, "xb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)
+        if mode is not None:
+            os.fchmod(fd, mode)  # the umask may have taken bits the caller asked for
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -67,8 +72,8 @@ def write_bytes(path: str | Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def write_text(path: str | Path, text: str, encoding: str = "utf-8") -> None:
-    write_bytes(path, text.encode(encoding))
+def write_text(path: str | Path, text: str, encoding: str = "utf-8", mode: int | None = None) -> None:
+    write_bytes(path, text.encode(encoding), mode=mode)
 
 
 def write_json(path: str | Path, obj: Any, **dumps: Any) -> None:

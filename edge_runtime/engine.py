@@ -32,6 +32,7 @@ from edge_runtime.intake import Prompt
 from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.kv.cache import KVCache, bytes_per_block
 from edge_runtime.kv.compaction_timing import compact_due
+from edge_runtime.kv.prefix_tier import PrefixTier, weights_digest
 from edge_runtime.kv.pruning import HeadPruning, PruningSettings
 from edge_runtime.loading import load_model
 from edge_runtime.lora.registry import FLEET, AdapterRef, AdapterRegistry
@@ -116,6 +117,10 @@ class Engine:
             max_batched_tokens=config.max_batched_tokens, max_num_seqs=config.max_num_seqs,
             slo_ttft_factor=config.slo_ttft_factor, rope_switch=cfg.rope_switch, kv_relief=kv_relief,
         )
+        # The prefix cache's disk tier (kv/prefix_tier.py; erasure: `prefixes.forget(user)`).
+        self.scheduler.prefix_tier = self.prefixes = PrefixTier.open(
+            config.prefix_store_dir, config.prefix_store_bytes, self.cache, self.pool, lambda: {
+                "model": name, "weights": weights_digest(backend, model), "format": self._costs_key})
         self._set_slo()
         self.requests: dict[str, Request] = {}
         self.committer = TokenCommitter(self.grammars, tokenizer.eos_ids, cfg.vocab_size, self.max_context,
@@ -214,12 +219,13 @@ class Engine:
         on_token: Callable[[TokenEvent], None] | None = None,
         adapter: str | AdapterRef | None = None,
         fleet: bool = True,
+        owner: str = "",
     ) -> str:
         """Queue a prompt (text or chat messages); returns its request id. `adapter`: a user id
         (that user's newest adapter version, pinned until the request ends; the base model if
         the user has none yet), a specific `AdapterRef`, or None for the base model. Beneath it
         the fleet adapter's newest version is pinned likewise when one is published (`fleet=False`:
-        the base model's own weights only)."""
+        the base model's own weights only). `owner`: whose prompt it is (`prefixes.forget`)."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{next(self._req_ids)}"
@@ -234,7 +240,8 @@ class Engine:
         pinned, pinned_fleet = intake.pin_adapters(self.adapters, adapter, fleet)
         try:
             request = Request(request_id, text, ids, params, now, on_token=on_token, adapter=pinned,
-                              adapter_key=pinned.key if pinned is not None else "", fleet=pinned_fleet)
+                              adapter_key=pinned.key if pinned is not None else "", fleet=pinned_fleet,
+                              owner=owner, thinking=intake.reply_thinking(prompt, text, self.tokenizer, params))
             request.metrics = RequestMetrics(arrival_time=now, prompt_tokens=len(ids))
             always = self.kv_pruning is not None and self.kv_pruning.when == "always"
             intake.add_candidates(request, matcher, self._seq_ids, self.tokenizer.stream_decoder,
@@ -484,6 +491,7 @@ class Engine:
             "prefix_cache_hit_rate": round(pool.stats.hit_rate, 4),
             "prefix_cache_hit_blocks": pool.stats.hit_blocks,
             "prefix_cache_queried_blocks": pool.stats.queried_blocks,
+            **self.prefixes.stats(),
             "iterations": self.iterations,
             "tokens_generated": self.tokens_generated,
             "last_iteration_ms": round(self.last_iteration_s * 1000, 3),

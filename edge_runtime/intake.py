@@ -25,8 +25,16 @@ from edge_runtime.errors import BadRequest
 from edge_runtime.ids import validate_user_id
 from edge_runtime.lora.registry import FLEET, AdapterRef, AdapterRegistry
 from edge_runtime.model.tokenizer import IncrementalDecoder, Tokenizer
+from edge_runtime.reasoning import (
+    CLOSE,
+    OPEN,
+    Phase,
+    ReasoningSplitter,
+    opening_phase,
+    template_thinks,
+)
 from edge_runtime.sampling import SamplingParams
-from edge_runtime.sequence import Request, Sequence
+from edge_runtime.sequence import Request, Sequence, Thinking
 
 # Text, chat messages, a chat with tools or a prefill (ChatPrompt), or token ids.
 Prompt = str | ChatMessages | ChatPrompt | list[int]
@@ -66,6 +74,24 @@ def encode_request(prompt: Prompt, params: SamplingParams, tokenizer: Tokenizer,
     return text, ids, params
 
 
+def reply_thinking(prompt: Prompt, text: str, tokenizer: Tokenizer, params: SamplingParams) -> Thinking | None:
+    """How the replies to a rendered chat prompt think (None: they do not, or thinking is off).
+    JSON answers and forced tool calls are constrained after the think block; a `regex` or
+    `grammar` constraint shapes the whole reply, thinking included (docs/thinking.md)."""
+    if not isinstance(prompt, ChatPrompt) or not template_thinks(tokenizer.chat_template):
+        return None
+    if prompt.continue_final:  # a prefill: inside the block if it opened one and did not close it
+        phase = Phase.THINKING if text.rfind(OPEN) > text.rfind(CLOSE) else None
+    else:
+        phase = opening_phase(text)
+    if phase is None:
+        return None
+    constraint = params.constraint
+    after = constraint is not None and (constraint.kind in ("json", "json_schema")
+                                        or forced_call_constraint(prompt, tool_style(tokenizer)) is not None)
+    return Thinking(phase, after)
+
+
 def pin_adapters(adapters: AdapterRegistry, adapter: str | AdapterRef | None,
                  fleet: bool) -> tuple[AdapterRef | None, AdapterRef | None]:
     """Pin the user's adapter version (a user id: their newest; an `AdapterRef`: that one;
@@ -89,8 +115,9 @@ def add_candidates(request: Request, matcher: Any, seq_ids: Iterator[int],
                    new_decoder: Callable[[], IncrementalDecoder],
                    start_pruning: Callable[[Sequence], None] | None) -> None:
     """The request's `params.n` candidate sequences, appended to `request.seqs`: each samples
-    with its own seeded generator (seed + index when a seed is given) and its own copy of the
-    grammar's state; `start_pruning` turns decode KV pruning on from the start."""
+    with its own seeded generator (seed + index when a seed is given), its own copy of the
+    grammar's state (held back until the think block closes when it shapes only the answer) and
+    its own thinking splitter; `start_pruning` turns decode KV pruning on from the start."""
     params = request.params
     for index in range(params.n):
         generator = None
@@ -100,8 +127,15 @@ def add_candidates(request: Request, matcher: Any, seq_ids: Iterator[int],
         seq = Sequence(next(seq_ids), request, index, list(request.prompt_ids), new_decoder(), generator)
         if start_pruning is not None:
             start_pruning(seq)
+        thinking = request.thinking
+        if thinking is not None:
+            seq.reasoning = ReasoningSplitter(thinking.phase)
         if matcher is not None:
-            seq.matcher = matcher if index == 0 else matcher.deep_copy()
+            own = matcher if index == 0 else matcher.deep_copy()
+            if thinking is not None and thinking.grammar_after:
+                seq.pending_matcher = own
+            else:
+                seq.matcher = own
         request.seqs.append(seq)
 
 

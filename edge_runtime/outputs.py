@@ -36,6 +36,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None
     logprob: TokenLogprob | None = None  # of `token_id`, when the request asked for them
+    reasoning: str = ""  # new thinking since the previous event (a thinking model's think block)
 
 
 @dataclass
@@ -45,6 +46,9 @@ class CandidateOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per generated token that made text
+    # A thinking model's think block, apart from `text` (the answer); None when the reply had no
+    # thinking to split (a model without it, or thinking turned off).
+    reasoning: str | None = None
 
 
 @dataclass
@@ -73,6 +77,9 @@ class RequestOutput:
     adapter: str | None = None  # adapter id (user) and version used, e.g. "alice@3"
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine failed this request alone (finish reason "error")
+    # With thinking: the prompt followed by an empty think block, what the answers follow once
+    # their thinking is dropped (edge_runtime.reasoning.prompt_without_thinking); else None.
+    answer_prompt: str | None = None
 
     @property
     def text(self) -> str:

@@ -20,6 +20,7 @@ from edge_runtime.outputs import (
     TokenEvent,
     TokenLogprob,
 )
+from edge_runtime.reasoning import Phase, prompt_without_thinking
 from edge_runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,6 +31,15 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """How a request's replies think: where they start (edge_runtime.reasoning.Phase), and
+    whether its grammar shapes only the answer (attached once the think block closes)."""
+
+    phase: Phase
+    grammar_after: bool = False
 
 
 @dataclass(eq=False)
@@ -43,10 +53,12 @@ class Request:
     lora_slot: int = -1  # row index into the engine's active adapters (-1 = base model)
     adapter: AdapterRef | None = None  # the version pinned at admission (None = base model)
     fleet: AdapterRef | None = None  # the fleet version pinned at admission, beneath `adapter`
+    owner: str = ""  # the user the prompt belongs to (the prefix cache's disk tier erases by it)
     on_token: Callable[[TokenEvent], None] | None = None
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
     error: str | None = None  # why the engine failed this request alone, if it did
+    thinking: Thinking | None = None  # a thinking model's reply, split into thinking and answer
 
     @property
     def finished(self) -> bool:
@@ -72,13 +84,15 @@ class Request:
             prompt_token_ids=list(self.prompt_ids),
             candidates=[
                 CandidateOutput(s.index, s.text, s.output_ids, s.finish_reason,
-                                s.logprobs if self.params.logprobs is not None else None)
+                                s.logprobs if self.params.logprobs is not None else None,
+                                s.thought if s.reasoning is not None else None)
                 for s in self.seqs
             ],
             finished=self.finished,
             adapter=self.adapter_key or None,
             metrics=self.metrics,
             error=self.error,
+            answer_prompt=prompt_without_thinking(self.prompt, self.thinking.phase) if self.thinking else None,
         )
 
 
@@ -103,6 +117,9 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     kv_pruning: Any = None  # its decode KV pruning state (edge_runtime.kv.pruning.HeadPruning), if on
     kv_layout: Any = None  # where compaction packed its pruned KV (edge_runtime.kv.compaction), if it did
+    reasoning: Any = None  # its ReasoningSplitter when the request thinks: `text` is then the answer
+    thought: str = ""  # the thinking so far, apart from `text`
+    pending_matcher: Any = None  # the grammar's state, waiting for the think block to close
 
     @property
     def params(self) -> SamplingParams:

@@ -1,5 +1,5 @@
 """edge_runtime.durable: a crash (an error at any point before the rename) leaves the old file or
-no folder, and no temporary; and no other module of edge_runtime/ (or trt_plugins/) renames or
+no folder, and no temporary; no module of edge_runtime/, trt_plugins/ or daemon/ renames or
 fsyncs by hand."""
 
 from __future__ import annotations
@@ -117,10 +117,31 @@ def _hand_written_durability(path: Path) -> list[str]:
     return found
 
 
-def test_no_module_of_edge_runtime_renames_or_fsyncs_by_hand():
+def test_no_module_of_edge_runtime_or_the_daemon_renames_or_fsyncs_by_hand():
     offenders = {}
-    for path in sorted([*(ROOT / "edge_runtime").rglob("*.py"), *(ROOT / "trt_plugins").rglob("*.py")]):
+    packages = ("edge_runtime", "trt_plugins", "daemon")
+    for path in sorted(p for package in packages for p in (ROOT / package).rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         if rel not in HAND_WRITTEN_ALLOWED and (found := _hand_written_durability(path)):
             offenders[rel] = found
     assert offenders == {}, f"write durable files through edge_runtime/durable.py: {offenders}"
+
+
+def test_a_secret_is_owner_only_from_its_first_byte_whatever_the_umask(tmp_path, monkeypatch):
+    seen = []
+    real_fsync = durable.os.fsync
+
+    def fsync(fd):  # the temporary, before the rename: already owner-only
+        seen.append(os.stat(fd).st_mode & 0o777)
+        real_fsync(fd)
+
+    monkeypatch.setattr(durable.os, "fsync", fsync)
+    old = os.umask(0)
+    try:
+        durable.write_bytes(tmp_path / "key", b"secret", mode=0o600)
+        durable.write_text(tmp_path / "plain", "x")
+    finally:
+        os.umask(old)
+    assert seen[0] == 0o600 and (tmp_path / "key").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "key").read_bytes() == b"secret"
+    assert (tmp_path / "plain").stat().st_mode & 0o777 == 0o666  # no mode: the umask decides, as before

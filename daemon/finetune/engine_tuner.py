@@ -118,7 +118,7 @@ class EngineFineTuner:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         if self.engine.alive:
             try:
-                await self.engine.call(_cancel_all)
+                await self.engine.call(_cancel_all, parked=lambda parked: 0)
             except MaceError:
                 pass  # the engine is gone: nothing is queued any more
         await self._handle_done()
@@ -158,7 +158,7 @@ class EngineFineTuner:
                                 "active": newest is not None and newest.version == version})
             return out
 
-        return await self.engine.call(listing)
+        return await self.engine.call(listing, parked=listing)
 
     async def rollback(self, user: str, version: int) -> dict[str, Any]:
         from edge_runtime.lora.config import AdapterError
@@ -176,7 +176,7 @@ class EngineFineTuner:
             return {"user": user, "serving": None if now is None else now.version}
 
         try:
-            return await self.engine.call(roll)
+            return await self.engine.call(roll, parked=roll)
         except AdapterError as exc:
             raise ProtocolError("adapter_unavailable", str(exc)) from None
 
@@ -217,6 +217,16 @@ class EngineFineTuner:
             "alignment": (decision.get("after") or {}) if decision else {},
         }
 
+    def holds_model(self) -> str | None:
+        """Training holds the model (engine.keep_alive) from an item's queueing to its publication."""
+        busy = any(p.in_flight or p.publishing or p.trained for p in self._progress.values())
+        return "fine-tuning in progress" if busy else None
+
+    def release_model(self) -> None:
+        """Engine thread, before an unload: trainers are built on the model (made again from the served adapter)."""
+        self._trainers.clear()
+        self._stage_costs = None
+
     def memory_bytes(self) -> dict[str, int]:
         memory = self.engine.stats.get("memory") or {}
         return {"lora_training_state": int(memory.get("optimizer_bytes", 0)),
@@ -242,20 +252,20 @@ class EngineFineTuner:
             engine.adapters.forget(user)  # versions, retire markers, events; in-flight rows finish
             return had_folder and not (root / user).exists()
 
-        return await self.engine.call(purge)
+        return await self.engine.call(purge, parked=purge)
 
     def pause(self, reason: str) -> None:
         """Admission says shed fine-tuning: the engine stops scheduling stages and gives the
         activations back (queued updates stay queued and resume later)."""
         self.paused_reason = reason
         if self.engine.alive:
-            self.engine.call(lambda e: e.pause_finetune(reason))
+            self.engine.call(lambda e: e.pause_finetune(reason), parked=lambda p: p.pause_finetune(reason))
 
     def resume(self) -> None:
         self.paused_reason = None
         self._look_at = 0.0
         if self.engine.alive:
-            self.engine.call(lambda e: e.resume_finetune())
+            self.engine.call(lambda e: e.resume_finetune(), parked=lambda p: p.resume_finetune())
 
     # -- training -------------------------------------------------------------------------------
 

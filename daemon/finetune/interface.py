@@ -57,6 +57,10 @@ class FineTuner(Protocol):
         """Shutdown: persist what must survive a restart (published versions already are)."""
         ...
 
+    def holds_model(self) -> str | None:
+        """Why fine-tuning needs the model loaded now (engine.keep_alive), or None."""
+        ...
+
 
 class BaseModelOnly:
     """No trainer wired in: every request runs on the base model; adapter versions the store knows
@@ -105,4 +109,7 @@ class BaseModelOnly:
         self.paused_reason = None
 
     async def checkpoint(self) -> None:
+        return None
+
+    def holds_model(self) -> str | None:
         return None

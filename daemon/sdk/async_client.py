@@ -153,7 +153,7 @@ class AsyncClient:
         """Whole answer(s). `params`: max_tokens, temperature, top_k, top_p, seed, n, stop,
         stop_token_ids, ignore_eos, user, record, adapter, logprobs, presence_penalty,
         frequency_penalty, logit_bias, response_format, tools, tool_choice,
-        continue_final_message (docs/protocol.md). The daemon stops the request itself once
+        continue_final_message, thinking (docs/protocol.md). The daemon stops the request itself once
         `timeout_s` has passed, since no one waits for it after that."""
         return await self.call(ops.generate(prompt, messages, self.timeout_s if timeout_s is None else timeout_s, params))
 

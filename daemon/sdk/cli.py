@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.sdk import Client, ClientError, DaemonUnavailable, RemoteError
+from daemon.sdk.status_view import render_status
 
 EXIT_OK, EXIT_REMOTE, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
@@ -52,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--user", help="user id: their adapter is used, and with consent the exchange is recorded")
     g.add_argument("--base", action="store_true", help="use the base model even if the user has an adapter")
     g.add_argument("--no-stream", action="store_true")
+    think = g.add_mutually_exclusive_group()
+    think.add_argument("--think", dest="thinking", action="store_const", const=True, help="a thinking model thinks")
+    think.add_argument("--no-think", dest="thinking", action="store_const", const=False, help="... or answers at once")
+    g.add_argument("--show-thinking", action="store_true",
+                   help="print a thinking model's thinking to stderr (dimmed on a terminal)")
     g.add_argument("--json", action="store_true", help="print the whole result as JSON")
 
     f = sub.add_parser("feedback", help="feedback on a recorded generate")
@@ -185,7 +191,8 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     params: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature,
                               "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "n": args.n,
-                              "stop": args.stop, "user": args.user, "adapter": "base" if args.base else None}
+                              "stop": args.stop, "user": args.user, "adapter": "base" if args.base else None,
+                              "thinking": args.thinking}  # with --raw the daemon refuses it by name
     if args.system or not args.raw:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])
         messages.append({"role": "user", "content": text})
@@ -201,10 +208,14 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
         for candidate in result.candidates:
             if len(result.candidates) > 1:
                 print(f"--- candidate {candidate.index} ({candidate.finish_reason})")
+            if args.show_thinking and candidate.reasoning:
+                _thinking(candidate.reasoning + "\n")
             print(candidate.text)
     else:
         stream = client.stream(**prompt, timeout_s=args.timeout, **params)
         for token in stream:
+            if args.show_thinking and token.reasoning:
+                _thinking(token.reasoning)
             sys.stdout.write(token.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
@@ -214,6 +225,12 @@ def cmd_generate(client: Client, args: argparse.Namespace) -> int:
     print(f"[interaction {result.interaction_id}: {result.usage.get('completion_tokens', 0)} tokens, "
           f"{result.timing.get('total_s', 0):.2f} s, {note}]", file=sys.stderr)
     return EXIT_OK
+
+
+def _thinking(text: str) -> None:
+    """A thinking model's thinking, on stderr (stdout keeps the answer alone), dimmed on a terminal."""
+    sys.stderr.write(f"\x1b[2m{text}\x1b[0m" if sys.stderr.isatty() else text)
+    sys.stderr.flush()
 
 
 def cmd_feedback(client: Client, args: argparse.Namespace) -> int:
@@ -331,18 +348,8 @@ def cmd_fleet(client: Client, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _fleet(version: int | None) -> str:
-    return "none" if version is None else f"version {version}"
 
 
-def _fleet_rounds(fleet: dict[str, Any] | None) -> str:
-    """This device's part in federated rounds and the privacy it spent."""
-    if not fleet or not fleet.get("enabled"):
-        return "off"
-    running = ", one running" if fleet.get("round_in_flight") else ""
-    budget = f" of budget {_num(fleet['epsilon_budget'], '', 3)}" if "epsilon_budget" in fleet else ""
-    return (f"on: {fleet.get('rounds_sent', 0)} update(s) sent{running}; epsilon {_num(fleet.get('epsilon'), '', 3)}"
-            f"{budget} at delta {fleet.get('delta')}")
 
 
 def cmd_top(client: Client, args: argparse.Namespace) -> int:
@@ -369,109 +376,6 @@ def cmd_top(client: Client, args: argparse.Namespace) -> int:
 _COMMANDS = {"status": cmd_status, "health": cmd_health, "generate": cmd_generate,
              "feedback": cmd_feedback, "users": cmd_users, "adapters": cmd_adapters, "fleet": cmd_fleet,
              "top": cmd_top}
-
-
-# -- rendering ------------------------------------------------------------------------------------
-
-
-def _mb(value: Any) -> str:
-    return "-" if value is None else f"{float(value) / 2**20:,.1f} MiB"
-
-
-def _num(value: Any, unit: str = "", digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:,.{digits}f}{unit}"
-    return f"{value}{unit}"
-
-
-def _backend(model: dict[str, Any]) -> str:
-    """What runs, its weight format, where, and the setting: "onnxruntime (int8) on cpu, auto"."""
-    text = str(model.get("backend"))
-    if model.get("quantization") not in (None, "", "none"):
-        text += f" ({model['quantization']})"
-    text += f" on {model.get('device')}"
-    if model.get("backend_requested"):
-        text += f", {model['backend_requested']}"
-    return text
-
-
-def _http(http: dict[str, Any] | None) -> str:
-    if not http:
-        return "off"
-    return (f"{http.get('endpoint')}/v1 ({'API keys' if http.get('auth') else 'no keys'}, "
-            f"{http.get('generates_in_flight', 0)} generating)")
-
-
-def render_status(status: dict[str, Any], tokens_per_s: float | None = None) -> Any:
-    """A rich renderable of the status reply (sections side by side where the terminal allows)."""
-    from rich.columns import Columns
-    from rich.table import Table
-
-    def section(title: str, rows: list[tuple[str, str]]) -> Table:
-        table = Table(title=title, show_header=False, title_justify="left", min_width=34)
-        table.add_column(style="bold")
-        table.add_column()
-        for key, value in rows:
-            table.add_row(key, value)
-        return table
-
-    d, m, e = status.get("daemon", {}), status.get("model", {}), status.get("engine", {})
-    q, lat = status.get("queues", {}), status.get("latency", {}).get("iteration_ms", {})
-    mem, tel = status.get("memory", {}), status.get("telemetry", {})
-    adm, fb = status.get("admission", {}), status.get("feedback", {})
-    ft, srv = status.get("finetune", {}), status.get("server", {})
-    tables = [
-        section("daemon", [("state", str(d.get("state"))), ("uptime", _num(d.get("uptime_s"), " s")),
-                           ("pid", str(d.get("pid"))), ("endpoints", "\n".join(d.get("endpoints", []))),
-                           ("http", _http(status.get("http"))),
-                           ("clients", str(srv.get("clients", "-"))),
-                           ("requests", str(srv.get("requests_in_flight", "-")))]),
-        section("model", [("model", str(m.get("model"))), ("backend", _backend(m)),
-                          ("backend choice", str(m.get("backend_reason", "-"))),
-                          ("dtype", str(m.get("dtype"))), ("parameters", f"{m.get('parameters', 0):,}"),
-                          ("max context", str(m.get("max_context"))),
-                          ("adapters", f"{status.get('adapters', {}).get('versions_served', 0)} versions, "
-                                       f"{status.get('adapters', {}).get('users', 0)} users "
-                                       f"(trainer: {status.get('adapters', {}).get('trainer')})"),
-                          ("fleet adapter", _fleet(status.get("adapters", {}).get("fleet_serving"))),
-                          ("fleet rounds", _fleet_rounds(status.get("fleet")))]),
-        section("engine", [("generating", str(q.get("generates_in_flight"))),
-                           ("waiting / running", f"{q.get('engine_waiting')} / {q.get('engine_running')}"),
-                           ("admission queue", str(q.get("admission_queued"))),
-                           ("iteration p50 / p99", f"{_num(lat.get('p50'), ' ms')} / {_num(lat.get('p99'), ' ms')}"),
-                           ("last iteration", _num(lat.get("last"), " ms", 2)),
-                           ("tokens generated", _num(e.get("tokens_generated"))),
-                           ("tokens/s", _num(tokens_per_s)),
-                           ("prefix cache hits", _num(e.get("prefix_cache_hit_rate"), "", 3)),
-                           ("KV blocks used", f"{e.get('kv_blocks_used', '-')} / {e.get('kv_blocks_total', '-')}")]),
-    ]
-    ledger = mem.get("ledger", {})
-    budget = mem.get("budget", {})
-    rows = [(name, _mb(size)) for name, size in ledger.items()]
-    rows += [("ledger total", _mb(mem.get("ledger_bytes"))),
-             ("budget (capacity)", _mb(budget.get("capacity_bytes"))),
-             ("headroom", _num(budget.get("headroom_mb"), " MiB")),
-             ("process RSS", _mb(mem.get("process_rss_bytes")))]
-    tables.append(section("memory", rows))
-    tables.append(section("telemetry", [("source", str(tel.get("source"))),
-                                        ("RAM available", _num(tel.get("mem_available_mb"), " MiB", 0)),
-                                        ("GPU / EMC", f"{_num(tel.get('gpu_util_pct'), '%', 0)} / "
-                                                      f"{_num(tel.get('emc_util_pct'), '%', 0)}"),
-                                        ("max temp", _num(tel.get("max_temp_c"), " C")),
-                                        ("power", _num(tel.get("total_power_mw"), " mW", 0))]))
-    tables.append(section("admission", [("state", str(adm.get("state"))),
-                                        ("reason", str(adm.get("reason", "-"))),
-                                        ("in state", _num(adm.get("in_state_s"), " s"))]))
-    tables.append(section("feedback store", [(k.replace("_", " "), str(fb.get(k, "-"))) for k in (
-        "consented_users", "interactions", "feedback", "pairs_pending", "pairs_trained", "pairs_heldout",
-        "adapter_versions")]))
-    ft_rows = [(k.replace("_", " "), json.dumps(v) if isinstance(v, (dict, list)) else str(v))
-               for k, v in ft.items()]
-    ft_rows += [(f"alignment {k}", str(v)) for k, v in status.get("alignment", {}).items()]
-    tables.append(section("fine-tuning", ft_rows))
-    return Columns(tables)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ class Token:
     token_id: int | None = None
     logprobs: list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning: str | None = None  # new thinking of a thinking model (then `text` is answer only)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Candidate:
     completion_tokens: int
     logprobs: list[dict[str, Any]] | None = None  # {token_id, logprob, bytes, top: [[id, logprob, bytes]]}
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's shape: {id, type, function: {name, arguments}}
+    reasoning: str | None = None  # a thinking model's think block (None: no thinking was split off)
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,17 @@ class GenerateResult:
     def text(self) -> str:
         return self.candidates[0].text if self.candidates else ""
 
+    @property
+    def reasoning(self) -> str | None:
+        """The first candidate's thinking (None: no thinking was split off)."""
+        return self.candidates[0].reasoning if self.candidates else None
+
     @classmethod
     def from_reply(cls, result: dict[str, Any]) -> GenerateResult:
         return cls(
             interaction_id=result.get("interaction_id", ""),
             candidates=[Candidate(c["index"], c["text"], c.get("finish_reason"), c.get("completion_tokens", 0),
-                                  c.get("logprobs"), c.get("tool_calls"))
+                                  c.get("logprobs"), c.get("tool_calls"), c.get("reasoning"))
                         for c in result.get("candidates", [])],
             model=result.get("model", ""), adapter=result.get("adapter"),
             usage=result.get("usage", {}), timing=result.get("timing", {}),
@@ -91,4 +98,4 @@ def read_final(message: dict[str, Any]) -> dict[str, Any]:
 
 def read_token(message: dict[str, Any]) -> Token:
     return Token(int(message.get("index", 0)), str(message.get("text", "")), message.get("token_id"),
-                 message.get("logprobs"), message.get("tool_calls"))
+                 message.get("logprobs"), message.get("tool_calls"), message.get("reasoning"))

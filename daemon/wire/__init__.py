@@ -1,6 +1,6 @@
 """The wire format apps and `maced` share: frames, ops, arguments, error codes, tensors, endpoints.
 
-Torch-free by rule (tests/daemon/test_torch_free.py): msgpack and the standard library only (numpy
+Torch-free by rule (tests/daemon/test_torch_free.py): msgpack, msgspec and the standard library only (numpy
 when adapter tensors are converted), never zmq, torch or the engine. The SDK imports nothing else
 of the daemon. docs/protocol.md is the prose version of this package.
 """
@@ -38,7 +38,8 @@ from daemon.wire.frames import (
     split_envelope,
     token_message,
 )
-from daemon.wire.generate import (
+from daemon.wire.ops import IDEMPOTENT_OPS, OPS, TENSOR_OPS, Request, parse_request
+from daemon.wire.schema import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
@@ -48,7 +49,6 @@ from daemon.wire.generate import (
     MAX_TOKENS_CAP,
     GenerateArgs,
 )
-from daemon.wire.ops import IDEMPOTENT_OPS, OPS, TENSOR_OPS, Request, parse_request
 from daemon.wire.tensors import tensors_from_wire, tensors_to_wire
 
 __all__ = [

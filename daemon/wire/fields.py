@@ -49,9 +49,6 @@ class Fields:
         shown = repr(got) if isinstance(got, (int, float, bool)) or got is None else type(got).__name__
         return ProtocolError("bad_request", f"{self.op}: '{name}' must be {want}; got {shown}", param=name)
 
-    def has(self, name: str) -> bool:
-        return self.values.get(name) is not None
-
     def text(self, name: str, *, max_chars: int, default: str | None = None, required: bool = False,
             pattern: re.Pattern[str] | None = None, what: str = "a string") -> str | None:
         value = self.values.get(name)

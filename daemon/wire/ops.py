@@ -24,7 +24,7 @@ from daemon.wire.errors import ProtocolError
 from daemon.wire.fields import MAX_ID_CHARS, Fields, request_id_of
 from daemon.wire.fleet import fleet_evaluate, fleet_publish, fleet_rollback, fleet_round
 from daemon.wire.frames import SUPPORTED_VERSIONS
-from daemon.wire.generate import GENERATE_FIELDS, parse_generate
+from daemon.wire.schema import GENERATE_FIELDS, parse_generate
 
 # --- operations --------------------------------------------------------------------------------
 OPS = (
@@ -74,7 +74,7 @@ def parse_request(message: Mapping[str, Any]) -> Request:
 
 
 _PARSERS: dict[str, tuple[Any, frozenset[str]]] = {
-    "generate": (parse_generate, GENERATE_FIELDS),
+    "generate": (lambda f: parse_generate(f.op, dict(f.values)), GENERATE_FIELDS),
     "cancel": (parse_cancel, frozenset({"target"})),
     "feedback": (parse_feedback, frozenset({"user", "interaction_id", "feedback"})),
     "status": (lambda f: NoArgs(), frozenset()),

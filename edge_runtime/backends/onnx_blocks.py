@@ -51,6 +51,7 @@ def _zero_points(zero: int, n: int, blocks: int, bits: int) -> np.ndarray | None
 def block_part(blocks: Blocks, centre: bool = True) -> BlockPart:
     """`blocks` as MatMulNBits inputs: levels bit for bit, float32 scales and offsets as
     `Blocks.dequantize` forms them; `centre`d where that applies (offsets then rounded once)."""
+    blocks = blocks if blocks.bits in (4, 8) else blocks.bytewise()  # 5/6-bit levels: a byte each
     levels = blocks.levels.cpu().numpy()
     zero = blocks.zero
     if blocks.bits == 8 and levels.dtype == np.int8:  # signed levels, zero 0: q + 128 with zero 128

@@ -134,6 +134,7 @@ class OnnxRuntimeBackend(Backend):
         # The export key's digest of every weight, taken once (~1 CPU second for the default
         # model): the LoRA graph, opened when a first adapter is served, reuses it.
         self._digest = model_hash(model)
+        self.weights_digest = self._digest  # the prefix store keys its KV blocks by it too
         self._decode_inputs: DecodeInputs | None = None  # the dense layout's steady decode step
         self.model_path = self._session(lora=False).path
 

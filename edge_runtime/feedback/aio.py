@@ -61,8 +61,9 @@ class AsyncFeedbackStore:
     async def export_user(self, user_id: str) -> dict[str, Any]:
         return await asyncio.to_thread(self.store.export_user, user_id)
 
-    async def forget(self, user_id: str, adapters_removed: bool = False) -> ErasureReport:
-        return await asyncio.to_thread(self.store.forget, user_id, adapters_removed)
+    async def forget(self, user_id: str, adapters_removed: bool = False,
+                     elsewhere: dict[str, int] | None = None) -> ErasureReport:
+        return await asyncio.to_thread(self.store.forget, user_id, adapters_removed, elsewhere)
 
     async def apply_retention(self) -> RetentionReport:
         return await asyncio.to_thread(self.store.apply_retention)

@@ -6,7 +6,7 @@ No SQL here; `feedback_from_dict` is the one place that turns a protocol message
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from edge_runtime.feedback.errors import InvalidFeedback
@@ -208,6 +208,8 @@ class ErasureReport:
     adapter_dir_removed: bool
     wal_truncated: bool
     unpaired: int = 0
+    # what the serving side erased outside the store, by kind (prefix_blocks, responses, ...)
+    elsewhere: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -322,10 +322,14 @@ class FeedbackStore:
         self._write(lambda conn: gdpr.write_audit(conn, "export", user_id, counts, now)).result()
         return data
 
-    def forget(self, user_id: str, adapters_removed: bool = False) -> ErasureReport:
+    def forget(self, user_id: str, adapters_removed: bool = False,
+               elsewhere: Mapping[str, int] | None = None) -> ErasureReport:
         """Art. 17: erase the user's rows, pairs and adapters; overwrite and reclaim the space.
         `adapters_removed`: the serving runtime already deleted the user's adapter folder as
-        part of this erasure (the receipt and the audit row count it as removed here)."""
+        part of this erasure (the receipt and the audit row count it as removed here);
+        `elsewhere`: likewise, what it erased outside the store, counted by kind (stored prompt
+        prefixes, stored responses): a user with only those is still erased, not unknown."""
+        elsewhere = {kind: int(n) for kind, n in (elsewhere or {}).items()}
         user_id = validate_user_id(user_id)
         target = gdpr.adapter_dir(self.adapters_root, user_id)
         now = self._clock()
@@ -334,11 +338,11 @@ class FeedbackStore:
             conn.execute("BEGIN IMMEDIATE")
             counts = gdpr.count_user_rows(conn, user_id)
             has_adapters = (target is not None and target.exists()) or adapters_removed
-            if counts is None and not has_adapters:
+            if counts is None and not has_adapters and not any(elsewhere.values()):
                 raise UnknownUser(f"the feedback store holds nothing on user {user_id!r}")
             counts = counts or dict.fromkeys(("interactions", "feedback", "pairs", "unpaired", "adapter_versions"), 0)
             gdpr.delete_user_rows(conn, user_id)
-            gdpr.write_audit(conn, "erasure", user_id, {**counts, "adapter_dir": has_adapters}, now)
+            gdpr.write_audit(conn, "erasure", user_id, {**counts, "adapter_dir": has_adapters, **elsewhere}, now)
             conn.execute("COMMIT")
             # Files go after the commit: if we crash in between, a second forget() still finds the
             # folder and finishes the job. Running on the writer thread orders this after (or
@@ -347,7 +351,7 @@ class FeedbackStore:
             with self._read_lock:
                 truncated = gdpr.reclaim_space(conn, full_vacuum=self.config.vacuum_on_forget)
             return ErasureReport(user_id=user_id, adapter_dir_removed=removed or adapters_removed,
-                                 wal_truncated=truncated, **counts)
+                                 wal_truncated=truncated, elsewhere=elsewhere, **counts)
 
         return self._write(job, exclusive=True).result()
 

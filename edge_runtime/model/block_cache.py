@@ -25,7 +25,7 @@ from edge_runtime.model.qweights import TENSOR_FIELDS, Blocks, QuantWeight
 logger = logging.getLogger(__name__)
 
 BLOCKS_FILE = "model.blocks.safetensors"
-FORMAT = "mace-blocks-2"  # 2: factored K-quant scales, float16 scales
+FORMAT = "mace-blocks-3"  # 2: factored K-quant scales, float16 scales; 3: 5/6-bit levels packed
 _DTYPES = {torch.uint8: "U8", torch.int8: "I8", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 # GGUF special-token ids (llama.cpp's `tokenizer.ggml.*`) and the tokenizer's attribute names.
 _SPECIAL_TOKENS = (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"),

@@ -20,7 +20,8 @@ MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 2  # 2: BOS/EOS/UNK/PAD from the GGUF metadata
 # Format-1 caches are kept when their tokenizer's EOS is one the config names: some were
 # converted by a transformers release that read the GGUF's EOS wrong (5.17), most were not.
-BLOCKS_FORMAT = 3  # a GGUF kept as its quantised blocks (block_cache); older releases ignore it
+BLOCKS_FORMAT = 4  # a GGUF kept as its quantised blocks (block_cache); older releases ignore it
+# 3: blocks with a byte per 5/6-bit level (block_cache's "mace-blocks-2"): not read, so rebuilt.
 READABLE_FORMATS = (1, MANIFEST_FORMAT, BLOCKS_FORMAT)
 
 

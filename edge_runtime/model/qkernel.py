@@ -32,6 +32,10 @@ PARALLEL_MIN_ELEMENTS = 1 << 20
 _FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
 _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_void_p]
+# dequant_hi (5/6-bit levels): the levels, their high bits, then as _ARGS with the high-bit count
+# before the output.
+_HI_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int64,
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 
 
 class KernelUnavailable(RuntimeError):
@@ -83,8 +87,8 @@ def _load() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {target}: {e}") from e
-    for name in ("dequant4", "dequant8u", "dequant8s"):
-        getattr(lib, name).argtypes = _ARGS
+    for name in ("dequant4", "dequant8u", "dequant8s", "dequant_hi"):
+        getattr(lib, name).argtypes = _HI_ARGS if name == "dequant_hi" else _ARGS
         getattr(lib, name).restype = None
     return lib
 
@@ -110,22 +114,27 @@ def available(levels: Tensor) -> bool:
 
 
 def dequantize_into(out: Tensor, levels: Tensor, scales: Tensor, offsets: Tensor | None, zero: int,
-                    bits: int) -> None:
-    """`out` (float32 [n, blocks, block], contiguous) = the blocks de-quantised; `scales` and
-    `offsets` float32 [n, blocks]. Rows are split over torch's intra-op thread count (ctypes
-    releases the GIL for the call)."""
+                    bits: int, high: Tensor | None = None) -> None:
+    """`out` (float32 [n, blocks, block], contiguous) = the blocks de-quantised (`Blocks`' layout:
+    `high` holds 5- and 6-bit levels' upper bits); `scales` and `offsets` float32 [n, blocks].
+    Rows are split over torch's intra-op thread count (ctypes releases the GIL for the call)."""
     lib = _library()
     if lib is None:
         raise KernelUnavailable("the compiled de-quantisation is not available")
     levels, scales = levels.contiguous(), scales.contiguous()
     offsets = None if offsets is None else offsets.contiguous()
+    high = None if high is None else high.contiguous()
     fn = lib.dequant4 if bits == 4 else lib.dequant8s if levels.dtype == torch.int8 else lib.dequant8u
     n, blocks, width = levels.shape
     threads = max(1, min(torch.get_num_threads(), n, out.numel() // PARALLEL_MIN_ELEMENTS))
 
     def run(lo: int, hi: int) -> None:
-        fn(levels[lo].data_ptr(), scales[lo].data_ptr(),
-           None if offsets is None else offsets[lo].data_ptr(), float(zero), (hi - lo) * blocks, width,
+        offset = None if offsets is None else offsets[lo].data_ptr()
+        if high is not None:
+            lib.dequant_hi(levels[lo].data_ptr(), high[lo].data_ptr(), scales[lo].data_ptr(), offset, float(zero),
+                           (hi - lo) * blocks, width, bits - 4, out[lo].data_ptr())
+            return
+        fn(levels[lo].data_ptr(), scales[lo].data_ptr(), offset, float(zero), (hi - lo) * blocks, width,
            out[lo].data_ptr())
 
     if threads == 1:

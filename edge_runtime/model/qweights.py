@@ -4,9 +4,10 @@ matrices that serving and training both read.
 A weight [N, K] (nn.Linear layout) is one or more `Blocks` stacked along N. Each `Blocks` has
 one format: per row, blocks of `block` elements along K, each `scale * (level - zero)`, plus a
 float `offset` per block where the format has one. That holds llama.cpp's Q4_0, Q4_1, Q4_K
-(4-bit levels), Q5_K (5-bit levels in bytes), Q6_K and Q8_0 (8-bit levels) exactly: every product
-of a level and a scale is exact in float32, so the one rounding left is the offset's add, the
-same as llama.cpp's own de-quantisation (tests compare bit for bit).
+(4-bit levels), Q5_0, Q5_1, Q5_K (5-bit), Q6_K (6-bit) and Q8_0 (8-bit levels) exactly, in
+about the file's own bytes: every product of a level and a scale is exact in float32, so the
+one rounding left is the offset's add, the same as llama.cpp's own de-quantisation (tests
+compare bit for bit).
 """
 
 from __future__ import annotations
@@ -24,14 +25,17 @@ from edge_runtime.model import qkernel
 @dataclass(frozen=True, eq=False)
 class Blocks:
     """Rows of one block format. `levels`: [n, k / block, block] bytes for 8 bits, uint8, or int8
-    for signed levels (zero 0: Q8_0, Q6_K and Q5_0 keep `q - zero` in a signed byte, which saves
-    de-quantisation a pass), or uint8 [n, k / block, block / 2] for 4 bits, two to a byte with
-    the even element in the low nibble (`MatMulNBits`' packing, so a graph can take them as they
-    are). `scales`, `offsets`: float16 or float32 [n, k / block]; `offsets` None = none
-    (symmetric formats). Factored (K-quants): with `scale_steps` (uint8 or int8 [n, k / block]),
-    `scales` is [n, k / block / group], one per group of blocks, and block j's scale is
-    `scales[j // group] * scale_steps[j]` (llama.cpp's d * sc, exact in float32); the same for
-    `offsets` with `offset_steps`. That keeps a Q4_K block in 4.6 bits a weight instead of 6."""
+    for signed levels (zero 0: Q8_0 keeps its signed byte, which saves de-quantisation a pass), or
+    uint8 [n, k / block, block / 2] for 4, 5 and 6 bits: the low four bits of each level, two to a
+    byte with the even element in the low nibble (`MatMulNBits`' packing, so a graph can take
+    4-bit levels as they are). 5 and 6 bits: `high`, uint8 [n, k / block, block * (bits - 4) / 8],
+    holds the bits above those four, element j's at bit (bits - 4) * j of the block's bytes read
+    as one little-endian bit string (Q5_0/Q5_1's own `qh`). `scales`, `offsets`: float16 or
+    float32 [n, k / block]; `offsets` None = none (symmetric formats). Factored (K-quants): with
+    `scale_steps` (uint8 or int8 [n, k / block]), `scales` is [n, k / block / group], one per
+    group of blocks, and block j's scale is `scales[j // group] * scale_steps[j]` (llama.cpp's
+    d * sc, exact in float32); the same for `offsets` with `offset_steps`. That keeps a Q4_K
+    block in 4.6 bits a weight instead of 6, a Q6_K one in the file's 6.56."""
 
     levels: Tensor
     scales: Tensor
@@ -40,14 +44,23 @@ class Blocks:
     bits: int
     scale_steps: Tensor | None = None
     offset_steps: Tensor | None = None
+    high: Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"levels of {self.bits} bits: only 4 (packed) and 8 are stored")
+        if self.bits not in (4, 5, 6, 8):
+            raise ValueError(f"levels of {self.bits} bits: only 4, 5, 6 (packed) and 8 are stored")
         signed = self.levels.dtype == torch.int8 and self.bits == 8 and self.zero == 0
         if not (self.levels.dtype == torch.uint8 or signed) or self.levels.dim() != 3:
             raise ValueError(f"levels must be uint8 (or, 8-bit with zero 0, int8) [n, blocks, bytes], got "
                              f"{self.levels.dtype} {tuple(self.levels.shape)} of {self.bits} bits, zero {self.zero}")
+        if self.bits in (5, 6):
+            want = (*self.levels.shape[:2], self.levels.shape[2] * 2 * (self.bits - 4) // 8)
+            if self.high is None or self.high.dtype != torch.uint8 or tuple(self.high.shape) != want \
+                    or self.levels.shape[2] * 2 * (self.bits - 4) % 8:
+                raise ValueError(f"{self.bits}-bit levels need uint8 high bits {want}, got "
+                                 f"{None if self.high is None else (self.high.dtype, tuple(self.high.shape))}")
+        elif self.high is not None:
+            raise ValueError(f"high bits with {self.bits}-bit levels")
         for name, base, steps in (("scales", self.scales, self.scale_steps),
                                   ("offsets", self.offsets, self.offset_steps)):
             if base is None:
@@ -69,7 +82,7 @@ class Blocks:
 
     @property
     def block(self) -> int:
-        return self.levels.shape[2] * (2 if self.bits == 4 else 1)
+        return self.levels.shape[2] * (1 if self.bits == 8 else 2)
 
     @property
     def k(self) -> int:
@@ -110,7 +123,27 @@ class Blocks:
         if self.bits == 8:
             return self.levels
         packed = self.levels
-        return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:2], -1)
+        q = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:2], -1)
+        return q if self.high is None else q.bitwise_or_(self._high_levels().mul_(16))
+
+    def _high_levels(self) -> Tensor:
+        """uint8 [n, k / block, block]: each element's bits above the low four."""
+        hb = self.bits - 4
+        shifts = torch.arange(0, 8, hb, dtype=torch.uint8, device=self.high.device)
+        return ((self.high.unsqueeze(-1) >> shifts) & ((1 << hb) - 1)).reshape(*self.high.shape[:2], -1)
+
+    def bytewise(self) -> Blocks:
+        """These blocks with a byte per level (8 bits: as they are): 5- and 6-bit levels with a
+        zero as signed `q - zero` (Q5_0, Q6_K), without one as uint8 (Q5_1, Q5_K). The same
+        weights; for readers that take whole bytes (the ONNX graph's 8-bit `MatMulNBits`)."""
+        if self.bits == 8:
+            return self
+        q = self.unpacked()
+        zero = self.zero
+        if self.bits != 4 and zero and -128 <= -zero and (1 << self.bits) - zero <= 128:
+            q, zero = (q.to(torch.int16) - zero).to(torch.int8), 0
+        fields = {**self.fields(), "levels": q, "high": None}
+        return Blocks(**fields, zero=zero, bits=8)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, out: Tensor | None = None) -> Tensor:
         """The float weight [n, k], computed in float32 (exact as above) and cast to `dtype`.
@@ -122,7 +155,8 @@ class Blocks:
             fits = out is not None and out.dtype == torch.float32 and out.numel() >= n * self.k
             q = out.view(-1)[:n * self.k].view(n, blocks, self.block) if fits \
                 else torch.empty(n, blocks, self.block, dtype=torch.float32)
-            qkernel.dequantize_into(q, self.levels, self.scale_per_block(), self.offset_per_block(), self.zero, self.bits)
+            qkernel.dequantize_into(q, self.levels, self.scale_per_block(), self.offset_per_block(), self.zero,
+                                    self.bits, self.high)
             w = q.view(n, self.k)
             return w if dtype == torch.float32 else w.to(dtype)
         return self.dequantize_torch(dtype)
@@ -138,9 +172,14 @@ class Blocks:
             q[..., 0] = self.levels & 0x0F
             q[..., 1] = self.levels >> 4
             q = q.view(n, blocks, 2 * width)
+        elif self.high is not None:
+            q = self.unpacked()
+            if self.zero:  # q - zero in the byte (it fits: Q5_0, Q6_K) saves a float pass; same values
+                q = q.view(torch.int8).sub_(self.zero)
+            q = q.to(torch.float32)
         else:
             q = self.levels.to(torch.float32)
-        if self.zero:
+        if self.zero and self.high is None:
             q.sub_(float(self.zero))
         q.mul_(self.scale_per_block().unsqueeze(-1))
         offsets = self.offset_per_block()
@@ -179,7 +218,7 @@ def _per_block(base: Tensor, steps: Tensor | None) -> Tensor:
     return base.float().repeat_interleave(group, dim=1).mul_(steps.float())
 
 
-TENSOR_FIELDS = ("levels", "scales", "offsets", "scale_steps", "offset_steps")
+TENSOR_FIELDS = ("levels", "high", "scales", "offsets", "scale_steps", "offset_steps")
 # Most float elements one de-quantised piece of a weight holds at once (64 MiB in float32): a
 # large table (an LM head of 128k rows) is read in row chunks instead of whole.
 CHUNK_ELEMENTS = 1 << 24

@@ -33,8 +33,9 @@ _CORPUS = (
 _NUM_MERGES = 48
 
 
-def _build_tokenizer(vocab_extra: int):
-    """Byte-level BPE: 3 special tokens, the 256 byte tokens, a few learned merges, extras."""
+def _build_tokenizer(vocab_extra: int, chat_template: str = CHAT_TEMPLATE, added_tokens: tuple[str, ...] = ()):
+    """Byte-level BPE: 3 special tokens, the 256 byte tokens, a few learned merges, extras, then
+    `added_tokens` as plain (not special) added tokens, as Qwen3 adds `<think>` and `</think>`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,6 +54,8 @@ def _build_tokenizer(vocab_extra: int):
     tokenizer.train_from_iterator([_CORPUS], trainer=trainer)
     # Reserved specials beyond the learned vocabulary let a test pick an odd vocabulary size.
     tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_extra)])
+    if added_tokens:
+        tokenizer.add_tokens(list(added_tokens))
 
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
@@ -60,7 +63,7 @@ def _build_tokenizer(vocab_extra: int):
         eos_token=IM_END,
         pad_token=IM_END,
         unk_token=ENDOFTEXT,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         clean_up_tokenization_spaces=False,
     )
 
@@ -81,6 +84,8 @@ def make_tiny_model_dir(
     model_type: str = "llama",
     config: dict | None = None,
     random_norms: bool = False,
+    chat_template: str = CHAT_TEMPLATE,
+    added_tokens: tuple[str, ...] = (),
 ) -> Path:
     """Write a random model of `model_type` (transformers' own config and model classes) with a
     real ChatML tokenizer into `path`; return `path`.
@@ -90,6 +95,8 @@ def make_tiny_model_dir(
     "factor": 2.0}); `config` adds or overrides config settings (e.g. {"sliding_window": 8});
     `random_norms` draws every RMSNorm weight around 1 (transformers initialises them to exactly
     1, which would hide a norm applied in the wrong place).
+    `chat_template` replaces the ChatML template (a family's real one, from a test fixture);
+    `added_tokens` become added, non-special tokens after the others (a thinking model's tags).
     The same arguments always give the same weights.
     """
     import torch
@@ -97,7 +104,7 @@ def make_tiny_model_dir(
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = _build_tokenizer(vocab_extra)
+    tokenizer = _build_tokenizer(vocab_extra, chat_template, added_tokens)
     ids = tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))
     rope_parameters = {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})}
     settings = dict(

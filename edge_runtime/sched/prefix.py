@@ -5,8 +5,13 @@ match/register only; the scheduler decides when.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from edge_runtime.kv.block_pool import BlockPool, block_hash
 from edge_runtime.sequence import Sequence
+
+if TYPE_CHECKING:
+    from edge_runtime.kv.prefix_tier import PrefixTier
 
 
 def cache_salt(seq: Sequence, rope_switch: int | None) -> str:
@@ -18,20 +23,30 @@ def cache_salt(seq: Sequence, rope_switch: int | None) -> str:
     return salt
 
 
-def match_prefix(seq: Sequence, pool: BlockPool, salt: str) -> None:
+def match_prefix(seq: Sequence, pool: BlockPool, salt: str, tier: PrefixTier | None = None) -> None:
     """Reuse cached full blocks of this sequence's tokens (never its last token: that one
-    must run through the model to produce logits)."""
+    must run through the model to produce logits): from the pool, else read back from the
+    disk tier; blocks reused from the pool are handed to the tier to keep."""
     size = pool.block_size
     parent = None
+    owner = seq.request.owner
+    reused = []
     for i in range((seq.num_tokens - 1) // size):
-        h = block_hash(parent, seq.token_ids[i * size : (i + 1) * size], salt)
+        tokens = seq.token_ids[i * size : (i + 1) * size]
+        h = block_hash(parent, tokens, salt)
         block = pool.match(h)
+        if block is not None:
+            reused.append((block, h, parent, tokens, salt))
+        elif tier is not None:
+            block = tier.restore(owner, h, parent, tokens, salt)
         if block is None:
             break
         seq.block_table.append(block)
         seq.block_hashes.append(h)
         seq.num_computed += size
         parent = h
+    if tier is not None and reused:
+        tier.remember(owner, reused)
 
 
 def register_full_blocks(seq: Sequence, pool: BlockPool, salt: str) -> None:

@@ -49,6 +49,7 @@ class Scheduler:
         kv_relief: PruneUnderPressure | None = None,
     ) -> None:
         self.pool = pool
+        self.prefix_tier: Any = None  # kv.prefix_tier.PrefixTier: the prefix cache's disk tier, set by the engine
         self.policy = policy
         self.costs = costs
         self.ledger = ledger
@@ -454,7 +455,7 @@ class Scheduler:
             assert seq is not None
             fresh = seq.status is SeqStatus.WAITING
             if fresh and not seq.block_table:
-                match_prefix(seq, self.pool, cache_salt(seq, self.rope_switch))
+                match_prefix(seq, self.pool, cache_salt(seq, self.rope_switch), self.prefix_tier)
                 metrics = seq.request.metrics
                 if metrics is not None and seq.index == 0 and seq.preemptions == 0:
                     metrics.cached_prompt_tokens = seq.num_computed

@@ -108,6 +108,7 @@ class BrokenEngine:
         self.iterations = 0
         self.last_iteration_s = 0.0
         self.scheduler = type("S", (), {"waiting": [], "running": []})()
+        self.prefixes = type("P", (), {"close": lambda self: None})()
         self.model = type("M", (), {"parameters": lambda self: [], "buffers": lambda self: []})()
 
     def add_request(self, prompt: Any, params: Any, *, request_id: str, on_token: Any) -> str:
@@ -333,6 +334,30 @@ def test_a_background_calibration_waits_for_a_quiet_engine(tiny_model: Path) -> 
                 break
             await asyncio.sleep(0.1)
         assert len(shapes) == 2 and shapes[0] >= last_done + quiet_s - 0.5  # quiet for quiet_s, then measured
+        thread.stop()
+        assert await thread.join(5)
+
+    run(main())
+
+
+def test_the_published_stats_are_current_once_the_engine_goes_idle(tiny_model: Path) -> None:
+    """Status reads the engine thread's published snapshot. Work that ends less than a publishing
+    period after the last snapshot must still show in it once the engine is idle; otherwise a
+    status read pairs the tuner's fresh counts with figures from mid-work (the bench's `stage_s`
+    read 0.0 after a published pair)."""
+    from edge_runtime.sampling import SamplingParams
+
+    async def main() -> None:
+        thread = EngineThread(loader(tiny_model), asyncio.get_running_loop())
+        thread.stats_every_s = 3600.0  # only the forced publishes happen
+        await thread.start()
+        assert thread.stats["tokens_generated"] == 0
+        sink = Sink()
+        await thread.submit("r0", "hello", SamplingParams(max_tokens=5, ignore_eos=True), sink)
+        output, aborted, error = await sink.done
+        assert aborted is None and error is None
+        # The reply leaves the engine thread after the idle publish, so it is visible by now.
+        assert thread.stats["tokens_generated"] == 5
         thread.stop()
         assert await thread.join(5)
 

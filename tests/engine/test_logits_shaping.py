@@ -133,10 +133,13 @@ def test_token_logprobs_leave_out_ruled_out_tokens():
     assert [t for t, _ in top] == [2, 0] and math.isclose(chosen, -math.log1p(math.exp(-1)))
 
 
+# The protocol's bounds (21 logprobs, a penalty of 2.5, a bias of 101, 1025 biased tokens) are
+# the request schema's (tests/daemon/test_schema.py, on both transports); the engine refuses
+# only what would break its arithmetic.
 @pytest.mark.parametrize("kwargs", [
-    {"logprobs": 21}, {"logprobs": -1}, {"logprobs": True}, {"presence_penalty": 2.5},
-    {"frequency_penalty": float("nan")}, {"logit_bias": {1: 101}}, {"logit_bias": {-1: 1}},
-    {"logit_bias": {"x": 1}}, {"logit_bias": {i: 1.0 for i in range(1025)}},
+    {"logprobs": -1}, {"logprobs": True}, {"frequency_penalty": float("nan")},
+    {"presence_penalty": float("inf")}, {"logit_bias": {1: float("nan")}}, {"logit_bias": {-1: 1}},
+    {"logit_bias": {"x": 1}},
 ])
 def test_out_of_range_shaping_is_a_bad_request(kwargs):
     with pytest.raises(BadRequest):

@@ -42,7 +42,7 @@ def test_llama_gguf_is_cached_as_blocks_and_reloads_as_them(q4km, tmp_path, monk
     monkeypatch.setattr(source, "convert_gguf", _no_conversion)
     resolved = source.resolve_model(path, cache_dir=tmp_path / "c", progress=False)
     manifest = json.loads((resolved.path / source.MANIFEST_NAME).read_text())
-    assert manifest["format"] == 3 and manifest["weights"] == "blocks"
+    assert manifest["format"] == source.BLOCKS_FORMAT == 4 and manifest["weights"] == "blocks"
     assert BLOCKS_FILE in manifest["files"] and "model.safetensors" not in manifest["files"]
     cached = load_llama(resolved.path)
     direct = load_llama_gguf(path)
@@ -61,6 +61,22 @@ def test_llama_gguf_is_cached_as_blocks_and_reloads_as_them(q4km, tmp_path, monk
     # A second resolve uses the cache as it is.
     again = source.resolve_model(path, cache_dir=tmp_path / "c", progress=False, verify=True)
     assert again.path == resolved.path and not again.converted
+
+
+def test_a_cache_of_the_byte_per_level_layout_is_rebuilt_not_misread(q4km, tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    _, path = q4km
+    resolved = source.resolve_model(path, cache_dir=tmp_path / "c", progress=False)
+    manifest_path = resolved.path / source.MANIFEST_NAME
+    with safe_open(str(resolved.path / BLOCKS_FILE), framework="pt") as f:
+        assert f.metadata()["format"] == "mace-blocks-3"
+        assert any(key.startswith("layers.0.qkv_weight.high_") for key in f.keys())  # Q6_K attn_v, packed
+    manifest = json.loads(manifest_path.read_text())
+    manifest["format"] = 3  # what the release before packed 5/6-bit levels wrote
+    manifest_path.write_text(json.dumps(manifest))
+    again = source.resolve_model(path, cache_dir=tmp_path / "c", progress=False)
+    assert again.converted and json.loads(manifest_path.read_text())["format"] == source.BLOCKS_FORMAT
 
 
 def test_engine_serves_the_blocks_as_the_float_path_serves_the_same_file(q4km, tmp_path, monkeypatch):

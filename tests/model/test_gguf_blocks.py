@@ -1,6 +1,8 @@
 """The GGUF block reader against gguf-py's own de-quantisation, bit for bit, for every block type
 it reads: random well-formed blocks written with gguf-py's GGUFWriter, and edge values (d = 0,
-largest 6-bit scales and minimums, float16 subnormals and extremes)."""
+largest 6-bit scales and minimums, float16 subnormals and extremes, every level at its lowest and
+highest, the 5- and 6-bit formats' high bits all set or all clear). Each is held in about the
+file's own bytes."""
 
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ gguf = pytest.importorskip("gguf")
 # Where each type keeps its float16 fields (byte offsets in a block).
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# Where each type keeps its levels (low nibbles and high bits), as a byte range of a block.
+LEVEL_BYTES = {"Q4_0": slice(2, None), "Q4_1": slice(4, None), "Q5_0": slice(2, None), "Q5_1": slice(4, None),
+               "Q8_0": slice(2, None), "Q4_K": slice(16, None), "Q5_K": slice(16, None), "Q6_K": slice(0, 192)}
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}
 EDGE_F16 = np.array([0.0, -0.0, 2.0**-24, -(2.0**-24), 2.0**-14 - 2.0**-24, 6.1e-5, 1.0, -1.0, 65504.0, -65504.0,
                      0.0078125, 3.14], np.float16)
 
@@ -35,6 +41,14 @@ def _raw_blocks(kind: str, rows: int, k: int, rng: np.random.Generator, edges: b
     if edges and kind in ("Q4_K", "Q5_K"):
         raw[::2, :, 4:16] = 0xFF  # every 6-bit scale and minimum at 63
         raw[1::3, :, 4:16] = 0x00
+    if edges:  # levels all highest, all lowest (0 or, signed, -128 and -1), and only the high bits set
+        raw[2::6, :, LEVEL_BYTES[kind]] = 0xFF
+        raw[3::6, :, LEVEL_BYTES[kind]] = 0x00
+        raw[4::6, :, LEVEL_BYTES[kind]] = 0x80
+        if kind in ("Q5_0", "Q5_1", "Q5_K", "Q6_K"):
+            high = {"Q5_0": slice(2, 6), "Q5_1": slice(4, 8), "Q5_K": slice(16, 48), "Q6_K": slice(128, 192)}[kind]
+            raw[5::6, :, LEVEL_BYTES[kind]] = 0x00
+            raw[5::6, :, high] = 0xFF
     if edges and kind == "Q6_K":
         raw[::2, :, 192:208] = np.array([127, 128, 255, 0], np.uint8).repeat(4)  # int8 scales 127, -128, -1, 0
     return raw.reshape(rows, -1)
@@ -70,10 +84,17 @@ def test_every_block_type_dequantizes_as_gguf_does(tmp_path, kind, edges):
     got = QuantWeight([blocks]).dequantize().numpy()
     assert got.shape == expected.shape == (rows, k)
     np.testing.assert_array_equal(_bits(got), _bits(expected))
-    # 4-bit types stay packed two levels to a byte; the rest take a byte per level.
-    assert blocks.bits == (4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    # torch's passes (the reference the compiled kernel is held to) and the byte-per-level form
+    # the ONNX graph takes give the same bits.
+    np.testing.assert_array_equal(_bits(blocks.dequantize_torch().numpy()), _bits(expected))
+    np.testing.assert_array_equal(_bits(blocks.bytewise().dequantize_torch().numpy()), _bits(expected))
+    # Levels below 8 bits stay packed (low nibbles two to a byte, the high bits beside them): the
+    # blocks take at most the file's bytes plus a byte per K-quant sub-block's minimum.
+    assert blocks.bits == BITS[kind]
     assert blocks.block == (16 if kind == "Q6_K" else 32)
-    assert (blocks.levels.dtype == torch.int8) == (kind in ("Q5_0", "Q6_K", "Q8_0"))
+    assert (blocks.levels.dtype == torch.int8) == (kind == "Q8_0")
+    assert (blocks.high is not None) == (BITS[kind] in (5, 6))
+    assert raw.nbytes <= blocks.nbytes <= raw.nbytes * 1.03
 
 
 def test_row_chunks_join_exactly(tmp_path, monkeypatch):

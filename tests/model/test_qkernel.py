@@ -1,6 +1,6 @@
 """The compiled one-pass de-quantisation (qkernel) equals torch's passes bit for bit on every
-block layout (4-bit with and without zero and offset, factored K-quant scales, 8-bit signed and
-unsigned, float16 edge scales, -0 kept), split over threads too, and falls back to torch's passes
+block layout (4-bit with and without zero and offset, factored K-quant scales, 5- and 6-bit
+levels with packed high bits, 8-bit signed and unsigned, float16 edge scales, -0 kept), split over threads too, and falls back to torch's passes
 where it is turned off or cannot be built."""
 
 from __future__ import annotations
@@ -39,6 +39,22 @@ def _layouts(n=7, k=256, seed=0) -> dict[str, Blocks]:
                        offset_steps=torch.randint(0, 64, (n, blocks), generator=gen).to(torch.uint8)),
         "q6_k": Blocks(_levels(gen, n, k // 16, 16, True), edge_scales((n, 1)), None, 0, 8,
                        scale_steps=torch.randint(-128, 128, (n, k // 16), generator=gen).to(torch.int8)),
+        "q5_k packed": Blocks(_levels(gen, n, blocks, 16, False), edge_scales((n, 1)), edge_scales((n, 1)), 0, 5,
+                              scale_steps=torch.randint(0, 64, (n, blocks), generator=gen).to(torch.uint8),
+                              offset_steps=torch.randint(0, 64, (n, blocks), generator=gen).to(torch.uint8),
+                              high=_levels(gen, n, blocks, 4, False)),
+        "q6_k packed": Blocks(_levels(gen, n, k // 16, 8, False), edge_scales((n, 1)), None, 32, 6,
+                              scale_steps=torch.randint(-128, 128, (n, k // 16), generator=gen).to(torch.int8),
+                              high=_levels(gen, n, k // 16, 4, False)),
+        "q5_0 packed": Blocks(_levels(gen, n, blocks, 16, False), edge_scales((n, blocks)), None, 16, 5,
+                              high=_levels(gen, n, blocks, 4, False)),
+        "q5_1 packed": Blocks(_levels(gen, n, blocks, 16, False), edge_scales((n, blocks)), edge_scales((n, blocks)),
+                              0, 5, high=_levels(gen, n, blocks, 4, False)),
+        # widths the kernel has no unrolled copy for: 8 (its word path), 4 (its bit-by-bit loop)
+        "6-bit blocks of 8": Blocks(_levels(gen, n, k // 8, 4, False), torch.randn(n, k // 8, generator=gen), None,
+                                    32, 6, high=_levels(gen, n, k // 8, 2, False)),
+        "6-bit blocks of 4": Blocks(_levels(gen, n, k // 4, 2, False), torch.randn(n, k // 4, generator=gen),
+                                    torch.randn(n, k // 4, generator=gen), 0, 6, high=_levels(gen, n, k // 4, 1, False)),
         "q8_0": Blocks(_levels(gen, n, blocks, 32, True), edge_scales((n, blocks)), None, 0, 8),
         "uint8 with zero": Blocks(_levels(gen, n, blocks, 32, False), torch.rand(n, blocks, generator=gen), None, 16, 8),
         "float32 scales": Blocks(_levels(gen, n, blocks, 16, False), torch.randn(n, blocks, generator=gen),
@@ -62,6 +78,22 @@ def test_kernel_equals_torch_passes_bit_for_bit(kernel, name):
     got, want = b.dequantize(), b.dequantize_torch()
     assert torch.equal(_bits(got), _bits(want))
     assert torch.equal(b.dequantize(torch.bfloat16), b.dequantize_torch(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", [n for n in _layouts() if _layouts()[n].bits in (5, 6)])
+def test_packed_levels_are_low_nibbles_and_high_bits(kernel, name):
+    b = _layouts()[name]
+    hb = b.bits - 4
+    low = torch.stack((b.levels & 15, b.levels >> 4), dim=-1).reshape(b.n, -1, b.block).int()
+    bitstring = torch.stack([(b.high >> i) & 1 for i in range(8)], dim=-1).reshape(b.n, -1, b.block, hb).int()
+    high = sum(bitstring[..., i] << i for i in range(hb))  # element j's bits at hb * j, lowest first
+    q = low | (high << 4)
+    assert torch.equal(b.unpacked().int(), q)
+    s, o = b.scale_per_block(), b.offset_per_block()
+    want = (q.float() - b.zero) * s[..., None]
+    want = (want if o is None else want + o[..., None]).reshape(b.n, b.k)
+    assert torch.equal(_bits(b.dequantize()), _bits(want))
+    assert torch.equal(_bits(b.bytewise().dequantize()), _bits(want))
 
 
 def test_negative_zero_is_kept_where_llama_cpp_has_it(kernel):

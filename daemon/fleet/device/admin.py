@@ -78,7 +78,7 @@ async def rollback(engine: EngineThread, args: FleetRollbackArgs, operator: Flee
                 "retired": [v for v in before if v not in e.adapters.versions(FLEET)]}
 
     try:
-        return await engine.call(roll)
+        return await engine.call(roll, parked=roll)  # ParkedEngine has the registry and rollback_fleet
     except AdapterError as exc:
         raise ProtocolError("adapter_unavailable", str(exc), param="version") from None
 
@@ -96,7 +96,7 @@ async def status(engine: EngineThread, rounds: FleetRounds | None = None) -> dic
                     for v in registry.versions(FLEET)]
         return {"serving": None if newest is None else newest.version, "versions": versions}
 
-    result = await engine.call(listing)
+    result = await engine.call(listing, parked=listing)  # the registry alone: no reload
     if rounds is not None:
         result["rounds"] = rounds.status()
     return result

@@ -25,14 +25,11 @@ def ensure_operator_key(path: Path) -> str:
     """The operator key in `path`, made (random, owner-only) if there is none; an existing file is
     put back to owner-only, since anyone reading it could publish."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
+    if path.exists():
         os.chmod(path, 0o600)
         return path.read_text().strip()
     key = secrets.token_hex(32)
-    with os.fdopen(fd, "w") as out:
-        out.write(key + "\n")
+    durable.write_text(path, key + "\n", mode=0o600)  # a key lost to a crash would lock the operator out
     return key
 
 

@@ -197,6 +197,11 @@ class FleetRounds:
         self._lock = asyncio.Lock()
         self.rounds_answered: dict[str, int] = {}
 
+    @property
+    def busy(self) -> bool:
+        """A round or an evaluation is running (it holds the model: engine.keep_alive)."""
+        return self._lock.locked()
+
     def status(self) -> dict[str, Any]:
         delta = self.settings().delta
         return {"enabled": self.settings().enabled, "round_in_flight": self._lock.locked(),

@@ -23,6 +23,7 @@ from daemon.config import DaemonConfig
 from daemon.fronts.http.connections import AcceptErrorFilter, ConnectionBook, GuardedH11
 from daemon.fronts.http.guard import LOOPBACK_NAMES, BrowserGuard, origin_rule
 from daemon.fronts.http.handlers import Gateway
+from daemon.fronts.http.responses_api import ResponsesApi
 from daemon.limits import http_connection_cap
 from daemon.service import Service
 from daemon.wire.endpoints import is_loopback
@@ -54,6 +55,7 @@ register_url_convertor("app_user", _AppUser())
 
 def build_app(gateway: Gateway) -> Starlette:
     """The ASGI app: every route answers errors in OpenAI's shape (Gateway.answering_errors)."""
+    responses = ResponsesApi(gateway)
     routes = [
         ("/health", gateway.health, "GET"),
         ("/metrics", gateway.metrics, "GET"),
@@ -70,6 +72,9 @@ def build_app(gateway: Gateway) -> Starlette:
         ("/v1/users/{user:app_user}/export", gateway.export, "GET"),
         ("/v1/users/{user:app_user}/adapters", gateway.adapters, "GET"),
         ("/v1/users/{user:app_user}", gateway.forget, "DELETE"),
+        ("/v1/responses", responses.create, "POST"),
+        ("/v1/responses/{response_id}", responses.retrieve, "GET"),
+        ("/v1/responses/{response_id}", responses.delete, "DELETE"),
     ]
     origins = [o.strip() for o in gateway.service.config.http.cors_origins.split(",") if o.strip()]
 

@@ -224,9 +224,10 @@ class Gateway:
                               and body.add_generation_prompt is not True)
         if body.top_logprobs is not None and not body.logprobs:
             raise GatewayError("bad_request", "top_logprobs needs logprobs: true", param="top_logprobs")
-        extra = {"messages": messages, "tools": body.tools or None, "tool_choice": body.tool_choice,
+        extra = {"messages": messages, "tools": None if body.tools == [] else body.tools,
+                 "tool_choice": body.tool_choice, "thinking": _thinking_switch(body),
                  "continue_final_message": continue_final or None, "response_format": body.response_format,
-                 "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
+                 "logprobs": (0 if body.top_logprobs is None else body.top_logprobs) if body.logprobs else None}
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         names = {"max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens",
                  "logprobs": "top_logprobs", "prompt": "messages"}
@@ -284,7 +285,7 @@ class Gateway:
             raise GatewayError("bad_request", f"not supported by this server: {', '.join(bad)}", param=bad[0])
         self._check_model(body.model)
         seed = body.seed
-        if seed is not None and seed < 0:
+        if type(seed) is int and seed < 0:  # any other type is the schema's to refuse
             if seed != -1:
                 raise GatewayError("bad_request", "seed: an integer >= 0, or -1 for a random seed", param="seed")
             seed = None
@@ -443,6 +444,31 @@ class Gateway:
         who = self._authorize(request)
         args = self._user_args(request, "adapters.list")
         return json_response({"object": "list", "data": (await self.service.users.adapters_list(args, who))["adapters"]})
+
+
+# OpenAI's reasoning_effort values: "none" and "minimal" ask for no thinking, the others for some.
+_EFFORT_THINKS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
+
+
+def _thinking_switch(body: ChatRequest) -> bool | None:
+    """The request's thinking switch: chat_template_kwargs' enable_thinking, else reasoning_effort;
+    None leaves the model's default (docs/thinking.md)."""
+    kwargs = body.chat_template_kwargs or {}
+    unknown = sorted(set(kwargs) - {"enable_thinking"})
+    if unknown:
+        raise GatewayError("bad_request", f"chat_template_kwargs: only 'enable_thinking' is supported; got "
+                           f"{', '.join(map(repr, unknown))}", param="chat_template_kwargs")
+    if "enable_thinking" in kwargs:
+        if not isinstance(kwargs["enable_thinking"], bool):
+            raise GatewayError("bad_request", "chat_template_kwargs.enable_thinking: true or false",
+                               param="chat_template_kwargs")
+        return kwargs["enable_thinking"]
+    if body.reasoning_effort is None:
+        return None
+    if body.reasoning_effort not in _EFFORT_THINKS:
+        raise GatewayError("bad_request", "reasoning_effort: one of " + ", ".join(_EFFORT_THINKS),
+                           param="reasoning_effort")
+    return _EFFORT_THINKS[body.reasoning_effort]
 
 
 async def _disconnected(request: Request) -> None:

@@ -1,5 +1,6 @@
-"""The HTTP gateway's request bodies as pydantic models: their shape only (types, OpenAI's names);
-the values are checked by `daemon.wire`, as for the SDK. What each field does is the handlers'.
+"""The HTTP gateway's request bodies as pydantic models: OpenAI's names and the fields only HTTP
+has. A field the gateway hands on to a generate request is `Wire`: its type and bounds are the
+request schema's (daemon/wire/schema.py), judged there once, as for the SDK.
 """
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
+
+Wire = Any  # judged by daemon.wire.schema, with the protocol's texts, on both fronts alike
 
 
 class _Body(BaseModel):
@@ -33,23 +36,23 @@ class _StreamOptions(_Body):
 
 class Sampling(_Body):
     model: str
-    max_tokens: int | None = None
-    n: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None  # -1: a fresh random seed (llama.cpp's clients send it)
+    max_tokens: Wire = None
+    n: Wire = None
+    temperature: Wire = None
+    top_p: Wire = None
+    stop: Wire = None
+    seed: Wire = None  # -1: a fresh random seed (llama.cpp's clients send it)
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
-    user: str | None = None  # any string up to 256 characters (protocol.internal_user)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    user: Wire = None  # any string up to 256 characters (protocol.internal_user)
+    frequency_penalty: Wire = None
+    presence_penalty: Wire = None
+    logit_bias: Wire = None
     # Extensions (send them with the client's extra_body).
-    top_k: int | None = None
-    ignore_eos: bool | None = None
-    adapter: str | int | None = None  # "latest" (default with `user`), "base", or a version
-    record: bool | None = None  # store the interaction for feedback (default: when `user` consented)
+    top_k: Wire = None
+    ignore_eos: Wire = None
+    adapter: Wire = None  # "latest" (default with `user`), "base", or a version
+    record: Wire = None  # store the interaction for feedback (default: when `user` consented)
 
     def unsupported(self) -> list[str]:
         """Known OpenAI parameters set to something this daemon cannot do."""
@@ -58,19 +61,23 @@ class Sampling(_Body):
 
 class ChatRequest(Sampling):
     messages: list[_Message]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Wire = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    top_logprobs: Wire = None
+    tools: Wire = None
+    tool_choice: Wire = None
     parallel_tool_calls: bool | None = None  # accepted: a forced call is one call; auto may give several
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: Wire = None
     # vLLM's prefill switches: by default a final assistant message is continued (as llama.cpp's
     # server does); continue_final_message=false or add_generation_prompt=true close it instead.
     continue_final_message: bool | None = None
     add_generation_prompt: bool | None = None
+    # Thinking models (docs/thinking.md): OpenAI's `reasoning_effort` ("none"/"minimal": off,
+    # "low"/"medium"/"high": on) and vLLM's `chat_template_kwargs` ({"enable_thinking": bool}).
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         # The legacy function-calling fields: `tools` and `tool_choice` replace them.
@@ -82,8 +89,8 @@ class CompletionRequest(Sampling):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
-    response_format: dict[str, Any] | None = None  # extension: as for chat
+    logprobs: Wire = None
+    response_format: Wire = None  # extension: as for chat
 
     def unsupported(self) -> list[str]:
         bad = ["suffix"] if self.suffix else []

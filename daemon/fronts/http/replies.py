@@ -76,7 +76,11 @@ class Reply:
             choice = {"index": index, "text": text, "finish_reason": None,
                       "logprobs": self._legacy_logprobs(index, logprobs) if logprobs else None}
             return self._chunk([choice])
-        delta: dict[str, Any] = {"content": text} if text or not (extra or {}).get("tool_calls") else {}
+        thought = (extra or {}).get("reasoning")
+        delta: dict[str, Any] = ({"content": text} if text or not ((extra or {}).get("tool_calls") or thought)
+                                 else {})
+        if thought:  # vLLM's and llama.cpp's name for the thinking, beside `content`
+            delta["reasoning_content"] = thought
         if index not in self._started:
             self._started.add(index)
             delta = {"role": "assistant", **delta}
@@ -115,6 +119,8 @@ class Reply:
                 message: dict[str, Any] = {"role": "assistant", "content": c["text"]}
                 if c.get("tool_calls"):
                     message = {"role": "assistant", "content": c["text"] or None, "tool_calls": c["tool_calls"]}
+                if c.get("reasoning") is not None:
+                    message["reasoning_content"] = c["reasoning"]
                 choices.append({"index": index, "message": message, "finish_reason": _finish(c),
                                 "logprobs": {"content": [_chat_logprob(x) for x in logprobs]} if logprobs is not None
                                 else None})
