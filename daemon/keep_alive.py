@@ -239,10 +239,14 @@ class ModelSlot:
 
 def model_facts(engine: Engine) -> dict[str, Any]:
     """Facts about the loaded model that never change (read once, on the engine thread)."""
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    weights += sum(b.numel() * b.element_size() for b in engine.model.buffers())
+    from edge_runtime.memory import MemoryKind
+    from edge_runtime.sizing import parameter_count
+
+    # The ledger's weights: the model as this process holds it (a GGUF's blocks, read a layer at a
+    # time where a graph serves) plus the backend's own copy (ONNX Runtime's pre-packed weights).
+    weights = engine.ledger.held(MemoryKind.WEIGHTS)
     choice = engine.backend_choice
-    return {"weights_bytes": int(weights), "parameters": int(sum(p.numel() for p in engine.model.parameters())),
+    return {"weights_bytes": int(weights), "parameters": parameter_count(engine.model),
             "backend_requested": choice.requested, "quantization": choice.quantization,
             "backend_reason": choice.reason}
 

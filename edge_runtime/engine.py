@@ -39,6 +39,7 @@ from edge_runtime.lora.registry import FLEET, AdapterRef, AdapterRegistry
 from edge_runtime.lora.weights import LoraWeights
 from edge_runtime.memory import MemoryKind, MemoryLedger, ShedReport
 from edge_runtime.model.llama import LlamaModel
+from edge_runtime.model.mapped_weights import read_per_layer, serving_elsewhere
 from edge_runtime.model.tokenizer import Tokenizer
 from edge_runtime.outputs import RequestMetrics, RequestOutput, TokenEvent
 from edge_runtime.runner import ForwardRunner
@@ -85,7 +86,9 @@ class Engine:
         self.adapters.preload()
         prompts = ([tokenizer.hf.encode(text)[: config.block_size * 2] for text in SELF_CHECK_PROMPTS]
                    if config.backend == "auto" else [])
+        per_layer = read_per_layer(model)  # a block cache's pages: the self-check reads them per layer
         backend, self.backend_choice = choose_backend(config, model, self.cache, self.adapters, self.pool, prompts)
+        self.mapped = serving_elsewhere(per_layer, backend.runs_onnx_weights)
         self.kv_pruning = PruningSettings.from_config(config)
         if self.kv_pruning is not None and (not backend.reads_pruned_kv or any(w is not None for w in cfg.layer_windows)
                                             or cfg.attn_softcap is not None):
@@ -100,8 +103,9 @@ class Engine:
             cfg, model.dtype, model.device, self._costs_key, backend.execute, self.pool, per_block,
             mode=config.cost_profile, cache_dir=config.cost_cache_dir)
         self.runner = ForwardRunner(backend, self.costs, self.pool, cfg.vocab_size, tokenizer.stream_decoder, clock)
-        self.ledger = MemoryLedger(sizing.ledger_budget_bytes(config, model, self.cache, self.adapters, self.costs, backend))
-        self.ledger.set(MemoryKind.WEIGHTS, "model", sizing.weights_bytes(model))
+        self.ledger = MemoryLedger(sizing.ledger_budget_bytes(config, model, self.cache, self.adapters, self.costs,
+                                                              backend, self.mapped))
+        self.ledger.set(MemoryKind.WEIGHTS, "model", sizing.resident_weights_bytes(model, self.mapped))
         self._note_backend_memory()
         self.ledger.register_shedder(MemoryKind.ADAPTERS, self._shed_adapters)
         kv_relief = None
@@ -383,6 +387,8 @@ class Engine:
         self.scheduler.commit_inference(batch, self.clock())
         finished = forward.failed + self._commit_tokens(forward.seqs, forward.logits)
         self.finetune.run(batch, before=self.on_tokens_emitted if forward.seqs else None)
+        if batch.finetune and self.mapped is not None:
+            self.mapped.release_all()  # the head's and any layer's pages a stage left resident
         self.iterations += 1
         self.last_iteration_s = self.clock() - start
         return finished

@@ -17,7 +17,7 @@ from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.llama import LlamaModel
 from edge_runtime.model.tokenizer import Tokenizer
 from edge_runtime.model.weights import load_llama
-from edge_runtime.sizing import check_memory_budget, weights_bytes
+from edge_runtime.sizing import available_memory_bytes, check_memory_budget, stored_weights_bytes
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +33,12 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer, str]:
             and first_candidate(device) != "torch":
         dtype_name = "float32"  # ONNX Runtime's CPU kernels and the dense KV rows are float32
     dtype = pick_dtype(dtype_name, device)
-    if config.memory_budget_bytes:  # refuse before reading gigabytes of weights
-        cfg = ModelConfig.from_dir(path)
-        with torch.device("meta"):
-            shell = LlamaModel(cfg)
-        check_memory_budget(config, cfg, dtype, weights_bytes(shell, dtype))
+    # Refuse before reading gigabytes of weights: against the configured budget, else against
+    # what this machine has available now (a model that cannot fit is never loaded to the OOM).
+    cfg = ModelConfig.from_dir(path)
+    weights = stored_weights_bytes(path, cfg, dtype)
+    check_memory_budget(config, cfg, dtype, weights, None if config.memory_budget_bytes else available_memory_bytes())
+    log.info("loading %s: %.0f MiB of weights", name, weights / 2**20)
     return load_llama(path, dtype=dtype, device=device), Tokenizer(path), name
 
 

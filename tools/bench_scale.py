@@ -716,7 +716,7 @@ def serve_run(name: str, server: Any, sampler: TreeSampler, args: argparse.Names
         sampler.start_phase(pid)
         decode_streams(server, 1, args.prompt, 8, 1)  # a first request, not timed
         out["decode"] = {}
-        for streams in (1, 8):
+        for streams in args.streams:
             out["decode"][str(streams)] = decode_streams(server, streams, args.prompt, args.tokens, args.repeats)
             log(f"{name}: {streams} stream(s): {out['decode'][str(streams)]}")
         out["serving"] = sampler.end_phase()
@@ -746,7 +746,9 @@ def run_gguf(args: argparse.Namespace) -> dict[str, Any]:
     threads = args.threads or os.cpu_count() or 1
     work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MACE_")}
-    env.update(PYTHONUNBUFFERED="1", MACE_CACHE_DIR=str(work / "cache"))  # empty for the first start
+    # Empty for the first start; --warm-cache: a cache an earlier first start built (one start).
+    env.update(PYTHONUNBUFFERED="1", MACE_CACHE_DIR=str(Path(args.warm_cache).resolve() if args.warm_cache
+                                                         else work / "cache"))
     result: dict[str, Any] = {
         "command": " ".join(["python tools/bench_scale.py", *args.argv]), "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -754,6 +756,7 @@ def run_gguf(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_mib": round(tensor_bytes / MiB, 1), "file_type": file_type, "threads": threads,
         "tokens": args.tokens, "repeats": args.repeats, "dpo_tokens": args.dpo_tokens, "prompt": args.prompt,
         "maced_settings": args.set, "loadavg_start": Path("/proc/loadavg").read_text().strip(),
+        "warm_cache": bool(args.warm_cache),
         "memory_method": "summed VmRSS of the server and its descendants sampled every 0.1 s (peak per "
                          "phase), and their summed VmHWM reset at each phase's start via clear_refs",
     }
@@ -797,7 +800,7 @@ def run_maced(args: argparse.Namespace, gguf_path: Path, threads: int, work: Pat
     for item in args.set:
         cmd += ["--set", item]
     maced = Server("maced", cmd, port, work / "maced.log", env)
-    out = serve_run("maced", maced, sampler, args, starts=2, socket=socket)
+    out = serve_run("maced", maced, sampler, args, starts=1 if args.warm_cache else 2, socket=socket)
     out["log_tail"] = maced.log.read_text(errors="replace")[-4000:]
     return out
 
@@ -829,6 +832,8 @@ def write_gguf_table(result: dict[str, Any], path: Path) -> None:
             continue
         starts = run.get("starts", [])
         first, cached = (starts[0] if starts else {}), (starts[-1] if len(starts) > 1 else {})
+        if name == "maced" and result.get("warm_cache"):
+            first, cached = {}, starts[0] if starts else {}  # the first start was an earlier run's
         if name == "llama":
             first, cached = {}, starts[0] if starts else {}  # nothing to convert: every start is the same
         start_peak = max([s.get("peak_rss_mib", 0) for s in starts] + [0]) or "-"
@@ -881,6 +886,10 @@ def main(argv: list[str] | None = None) -> None:
                        help="interpreter with llama-cpp-python[server]; '' to leave llama out")
     serve.add_argument("--n-ctx", type=int, default=2048, help="llama-server's context")
     serve.add_argument("--prompt", default="Give me a tip for cooking rice, and explain why it works.")
+    serve.add_argument("--warm-cache", default="", help="a model cache (MACE_CACHE_DIR) an earlier first start "
+                       "built: maced starts once, on it")
+    serve.add_argument("--streams", default="1,8", type=lambda v: [int(x) for x in v.split(",") if x],
+                       help="stream counts to time ('' for none)")
     serve.add_argument("--servers", default="maced,llama", help="which of maced, llama to run")
     serve.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="more maced settings")
     args = ap.parse_args(argv)

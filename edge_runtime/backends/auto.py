@@ -34,13 +34,16 @@ PERPLEXITY_INCREASE = {"none": 0.0, "q4_1": 0.0007, "int8": 0.013, "int4": 0.185
 # Fastest first at one stream (docs/onnx.md, "Results on this machine").
 FORMATS_BY_SPEED = ("int4-compact", "int4", "q4_1", "int8", "none")
 
-# The self-check: greedy tokens of each prompt must match the torch reference's, and the first
+# The self-check: greedy tokens of each prompt must match the torch reference's, and each
 # step's logits may differ by at most this share of the reference logits' range. Weight-only
 # int8 stays within ~2 % on the default model; a wrong graph (a convention the kernels count
-# differently, a broken export) is off by the whole range.
+# differently, a broken export) is off by the whole range. A token may differ only at a near
+# tie: where the reference ranks it within SELF_CHECK_NEAR_TIE of the range below its best
+# (random-weight models at real sizes have near-flat logits over 128k tokens: issue #28).
 SELF_CHECK_PROMPTS = ("The capital of France is", "def fibonacci(n):")
 SELF_CHECK_TOKENS = 4
 SELF_CHECK_TOLERANCE = {"none": 0.01, "q4_1": 0.08, "int8": 0.08, "int4": 0.3, "int4-compact": 0.3}
+SELF_CHECK_NEAR_TIE = 0.01
 
 
 @dataclass(frozen=True)
@@ -61,12 +64,16 @@ class SelfCheck:
     ok: bool
     tokens: list[list[int]]
     reference_tokens: list[list[int]]
-    relative_error: float  # max |logits - reference| / range of the reference logits, first step
+    relative_error: float  # max |logits - reference| / range of the reference logits, any step
     tolerance: float
+    near_ties: int = 0  # positions where the tokens differ within the measured error
 
     def describe(self) -> str:
         agree = "greedy tokens equal" if self.tokens == self.reference_tokens else (
             f"greedy tokens differ ({self.tokens} vs torch {self.reference_tokens})")
+        if self.near_ties and self.ok:
+            agree = (f"greedy tokens equal but for {self.near_ties} near tie(s) within "
+                     f"{SELF_CHECK_NEAR_TIE:.0%} of the range ({self.tokens} vs torch {self.reference_tokens})")
         return f"{agree}, logits within {self.relative_error:.3f} of torch's range (tolerance {self.tolerance})"
 
 
@@ -156,21 +163,25 @@ def self_check(backend: Backend, reference: Backend, pool: BlockPool, prompts: l
     and the same verdict as decoding it, since equal choices after every prefix are equal
     greedy outputs."""
     tolerance = SELF_CHECK_TOLERANCE[quantization]
-    ours, firsts = [], []
+    ours, steps = [], []
     for prompt in prompts:
-        got, first = greedy(backend, pool, prompt, tokens)
+        got, rows = greedy(backend, pool, prompt, tokens)
         ours.append(got)
-        firsts.append(first)
+        steps.extend(rows)
     prefixes = [prompt + got[:j] for prompt, got in zip(prompts, ours, strict=True) for j in range(tokens)]
     with one_torch_thread():
         logits = prefill_rows(reference, pool, prefixes)
     theirs = [[int(row.argmax()) for row in logits[i * tokens:(i + 1) * tokens]] for i in range(len(prompts))]
-    error = 0.0
-    for i, first in enumerate(firsts):
-        want = logits[i * tokens]
+    error, agree, near_ties = 0.0, True, 0
+    mine = [token for got in ours for token in got]
+    for row, (got, want) in enumerate(zip(steps, logits, strict=True)):
         spread = float(want.max() - want.min()) or 1.0
-        error = max(error, float((first - want).abs().max()) / spread)
-    return SelfCheck(ours == theirs and error <= tolerance, ours, theirs, round(error, 5), tolerance)
+        error = max(error, float((got - want).abs().max()) / spread)
+        if int(want.argmax()) != mine[row]:
+            tie = float(want.max() - want[mine[row]]) <= SELF_CHECK_NEAR_TIE * spread
+            near_ties += tie
+            agree = agree and tie
+    return SelfCheck(agree and error <= tolerance, ours, theirs, round(error, 5), tolerance, near_ties)
 
 
 @contextlib.contextmanager
@@ -201,8 +212,8 @@ def prefill_rows(backend: Backend, pool: BlockPool, prompts: list[list[int]]) ->
             pool.release(block)
 
 
-def greedy(backend: Backend, pool: BlockPool, prompt: list[int], tokens: int) -> tuple[list[int], torch.Tensor]:
-    """`tokens` greedy tokens after `prompt` (prefill, then one decode step each) and the first
+def greedy(backend: Backend, pool: BlockPool, prompt: list[int], tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """`tokens` greedy tokens after `prompt` (prefill, then one decode step each) and each
     step's logits, through `backend.execute` on probe sequences."""
     size = pool.block_size
     blocks = -(-(len(prompt) + tokens) // size)
@@ -211,13 +222,12 @@ def greedy(backend: Backend, pool: BlockPool, prompt: list[int], tokens: int) ->
     table = [pool.allocate() for _ in range(blocks)]
     seq = ProbeSeq(list(prompt), 0, table)
     out: list[int] = []
-    first: torch.Tensor | None = None
+    rows: list[torch.Tensor] = []
     try:
         while len(out) < tokens:
             new = seq.num_tokens - seq.num_computed
             logits = backend.execute(Batch([ScheduledSeq(seq, new)], []))[-1].float().cpu()  # type: ignore[arg-type]
-            if first is None:
-                first = logits
+            rows.append(logits)
             token = int(logits.argmax())
             out.append(token)
             seq.num_computed = seq.num_tokens
@@ -225,5 +235,4 @@ def greedy(backend: Backend, pool: BlockPool, prompt: list[int], tokens: int) ->
     finally:
         for block in table:
             pool.release(block)
-    assert first is not None
-    return out, first
+    return out, rows

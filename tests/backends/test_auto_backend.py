@@ -99,3 +99,29 @@ def test_candidates_follow_the_device_and_what_is_installed(monkeypatch):
     assert auto.candidates(cuda) == ["tensorrt"]  # a CPU-only onnxruntime cannot read a CUDA cache
     have.discard("tensorrt")
     assert auto.candidates(cuda) == [] and auto.first_candidate(cuda) == "torch"
+
+
+class _Scripted:
+    """A backend whose logits are a function of the tokens so far: token 1 leads token 2 by
+    `gap` (of a 10-wide range); `lift` raises token 2 above token 1 (a flipped choice)."""
+
+    def __init__(self, gap: float, lift: bool) -> None:
+        self.gap, self.lift = gap, lift
+
+    def execute(self, batch, lora=None):
+        row = torch.linspace(0.0, 10.0 - 2 * self.gap, 16)
+        row[1], row[2] = 10.0, 10.0 + 0.001 if self.lift else 10.0 - self.gap
+        return torch.stack([row] * len(batch.items))
+
+
+def test_self_check_lets_a_near_tie_differ_but_not_a_clear_choice(tmp_path):
+    from edge_runtime.kv.block_pool import BlockPool
+
+    pool = BlockPool(64, 16, False)
+    prompts = [[5, 6, 7]]
+    tie = auto.self_check(_Scripted(0.05, True), _Scripted(0.05, False), pool, prompts, "int4", tokens=2)
+    assert tie.ok and tie.tokens != tie.reference_tokens and tie.near_ties == 2
+    assert "near tie" in tie.describe()
+    clear = auto.self_check(_Scripted(0.5, True), _Scripted(0.5, False), pool, prompts, "int4", tokens=2)
+    assert not clear.ok and clear.relative_error <= 0.3  # within the logits' tolerance, still refused
+    assert auto.self_check(_Scripted(0.05, False), _Scripted(0.05, False), pool, prompts, "int4", tokens=2).ok

@@ -1,0 +1,180 @@
+"""The memory-mapped pages under a model's quantised blocks (a block cache is read through its
+file's map, so its blocks are page-cache pages, not memory of the process's own), and giving them
+back: while another backend serves, the torch copy is read a layer at a time and dropped after.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from edge_runtime.model.qweights import QuantWeight
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from edge_runtime.model.llama import LlamaModel
+
+log = logging.getLogger(__name__)
+
+_MADV_DONTNEED = 4
+_PAGE = mmap.PAGESIZE
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """One read-only file mapping of /proc/self/maps: [start, end) and the file."""
+
+    start: int
+    end: int
+    path: str
+
+
+def file_mappings() -> list[Mapping]:
+    """The process's mappings of regular files (none where /proc is not there)."""
+    out = []
+    try:
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                parts = line.split(None, 5)
+                if len(parts) < 6 or not parts[5].startswith("/"):
+                    continue
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append(Mapping(lo, hi, parts[5].strip()))
+    except OSError:
+        return []
+    return out
+
+
+def _ranges(tensors: list[torch.Tensor], maps: list[Mapping]) -> list[tuple[int, int]]:
+    """Page-aligned [start, end) of each tensor that lies inside a file mapping, merged."""
+    spans = []
+    for t in tensors:
+        lo = t.data_ptr()
+        hi = lo + t.numel() * t.element_size()
+        if hi > lo and any(m.start <= lo and hi <= m.end for m in maps):
+            spans.append((lo - lo % _PAGE, hi + (-hi % _PAGE)))
+    spans.sort()
+    merged: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _block_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [b for m in module.modules() if isinstance(m, QuantWeight) for b in m.buffers()]
+
+
+class MappedWeights:
+    """The file-mapped pages of a model's blocks, per layer and the rest (embedding, head).
+    `release_*` drops them from this process (madvise DONTNEED): clean pages of a file, so the
+    next read faults them back from the page cache (or the disk, if the kernel evicted them).
+    Nothing writes the base weights, so no page of theirs is ever a private copy to lose."""
+
+    def __init__(self, layers: list[list[tuple[int, int]]], rest: list[tuple[int, int]]) -> None:
+        self.layers = layers
+        self.rest = rest
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.releases = 0
+
+    @classmethod
+    def of(cls, model: LlamaModel) -> MappedWeights | None:
+        """The model's mapped block pages; None when no block lies in a file mapping (a float
+        model, blocks read into memory, or no /proc)."""
+        if os.name != "posix":
+            return None
+        maps = file_mappings()
+        if not maps:
+            return None
+        layers = [_ranges(_block_tensors(layer), maps) for layer in model.layers]
+        in_layers = {id(b) for layer in model.layers for b in _block_tensors(layer)}
+        rest = _ranges([b for b in _block_tensors(model) if id(b) not in in_layers], maps)
+        if not rest and not any(layers):
+            return None
+        return cls(layers, rest)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the mapped pages (what a full pass reads back)."""
+        return sum(hi - lo for span in [*self.layers, self.rest] for lo, hi in span)
+
+    @property
+    def peak_resident_bytes(self) -> int:
+        """The most a pass that releases each layer after use keeps resident: the largest layer,
+        the one after it, and the embedding and head."""
+        sizes = sorted((sum(hi - lo for lo, hi in span) for span in self.layers), reverse=True)
+        return sum(sizes[:2]) + sum(hi - lo for lo, hi in self.rest)
+
+    def _drop(self, spans: list[tuple[int, int]]) -> None:
+        for lo, hi in spans:
+            if self._libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) != 0:
+                err = ctypes.get_errno()
+                log.debug("madvise(DONTNEED) of %d bytes failed: %s", hi - lo, os.strerror(err))
+
+    def release_layer(self, index: int) -> None:
+        self._drop(self.layers[index])
+
+    def release_all(self) -> None:
+        for spans in self.layers:
+            self._drop(spans)
+        self._drop(self.rest)
+        self.releases += 1
+
+    def release_after_each_layer(self, model: LlamaModel) -> list:
+        """Hooks that drop each layer's pages once its forward has run, and, in training, once
+        its backward has (when the gradient of its input arrives). Returns the handles."""
+        handles = []
+        for i, layer in enumerate(model.layers):
+            def after_forward(module: nn.Module, args: tuple, output: object, i: int = i) -> None:
+                self.release_layer(i)
+
+            def before_forward(module: nn.Module, args: tuple, i: int = i) -> None:
+                x = args[0] if args else None
+                if isinstance(x, torch.Tensor) and x.requires_grad:
+                    x.register_hook(lambda grad, i=i: self._after_backward(i, grad))
+
+            handles.append(layer.register_forward_hook(after_forward))
+            handles.append(layer.register_forward_pre_hook(before_forward))
+        return handles
+
+    def _after_backward(self, index: int, grad: torch.Tensor) -> None:
+        self.release_layer(index)
+
+
+def read_per_layer(model: LlamaModel) -> tuple[MappedWeights, list] | None:
+    """Before a backend is chosen: the self-check's torch reference reads the mapped blocks a
+    layer at a time, so they never sit resident beside a graph's own copy. Returns the pages
+    and the hooks (for `serving_elsewhere`), None when no block is mapped."""
+    mapped = MappedWeights.of(model)
+    if mapped is None:
+        return None
+    mapped.release_all()
+    return mapped, mapped.release_after_each_layer(model)
+
+
+def serving_elsewhere(per_layer: tuple[MappedWeights, list] | None, runs_onnx_weights: bool) -> MappedWeights | None:
+    """Where a backend with weights of its own serves (ONNX Runtime's pre-packed graph), the
+    model's mapped blocks are read only by training and the publish guard: their pages stay
+    given back and are read a layer at a time. Where torch serves, they are its only copy: the
+    hooks go and the pages stay. None: nothing is given back."""
+    if per_layer is None:
+        return None
+    mapped, hooks = per_layer
+    if not runs_onnx_weights:
+        for hook in hooks:
+            hook.remove()
+        return None
+    mapped.release_all()
+    log.info("the torch copy of the weights (%.0f MiB of mapped blocks) is read a layer at a time while "
+             "the graph serves: at most %.0f MiB of it resident", mapped.nbytes / 2**20,
+             mapped.peak_resident_bytes / 2**20)
+    return mapped
