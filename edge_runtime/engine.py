@@ -117,7 +117,6 @@ class Engine:
             max_batched_tokens=config.max_batched_tokens, max_num_seqs=config.max_num_seqs,
             slo_ttft_factor=config.slo_ttft_factor, rope_switch=cfg.rope_switch, kv_relief=kv_relief,
         )
-        # The prefix cache's disk tier (kv/prefix_tier.py; erasure: `prefixes.forget(user)`).
         self.scheduler.prefix_tier = self.prefixes = PrefixTier.open(
             config.prefix_store_dir, config.prefix_store_bytes, self.cache, self.pool, lambda: {
                 "model": name, "weights": weights_digest(backend, model), "format": self._costs_key})
@@ -126,6 +125,7 @@ class Engine:
         self.committer = TokenCommitter(self.grammars, tokenizer.eos_ids, cfg.vocab_size, self.max_context,
                                         self.scheduler, self.requests, self._end_request, self._fail_request, clock)
         self.finetune = FineTuneSupervisor(self.scheduler, self.ledger, self.costs, clock)
+        self.finetune.after_stages = self.mapped.release_all if self.mapped is not None else None
         self.scheduler.finetune.max_restarts = config.finetune_max_restarts
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
@@ -141,9 +141,7 @@ class Engine:
     @classmethod
     def load(cls, model: str | Path | None = None, config: EngineConfig | None = None, **overrides: Any) -> Engine:
         """Load a model (None = the default SmolLM2-135M-Instruct) and build an engine for it."""
-        config = (config or EngineConfig()).replace(**overrides) if overrides else (config or EngineConfig())
-        if model is not None:
-            config = config.replace(model=str(model))
+        config = (config or EngineConfig()).replace(**overrides, **({} if model is None else {"model": str(model)}))
         net, tokenizer, name = load_model(config)
         return cls(net, tokenizer, config, name=name)
 
@@ -387,8 +385,6 @@ class Engine:
         self.scheduler.commit_inference(batch, self.clock())
         finished = forward.failed + self._commit_tokens(forward.seqs, forward.logits)
         self.finetune.run(batch, before=self.on_tokens_emitted if forward.seqs else None)
-        if batch.finetune and self.mapped is not None:
-            self.mapped.release_all()  # the head's and any layer's pages a stage left resident
         self.iterations += 1
         self.last_iteration_s = self.clock() - start
         return finished

@@ -133,14 +133,12 @@ class OnnxRuntimeBackend(Backend):
         self._sessions: dict[bool, OrtSession] = {}
         # The export key's digest of every weight, taken once (~1 CPU second for the default
         # model): the LoRA graph, opened when a first adapter is served, reuses it.
-        self._digest = model_hash(model)
-        self.weights_digest = self._digest  # the prefix store keys its KV blocks by it too
+        self.weights_digest = model_hash(model)  # the prefix store keys its KV blocks by it too
         self._decode_inputs: DecodeInputs | None = None  # the dense layout's steady decode step
         self.model_path = self._session(lora=False).path
 
     def determinism(self) -> tuple[bool, str]:
-        names = [p[0] if isinstance(p, tuple) else p for p in self.providers]
-        gpu = [n for n in names if n in GPU_PROVIDERS]
+        gpu = [n for n in (p[0] if isinstance(p, tuple) else p for p in self.providers) if n in GPU_PROVIDERS]
         if gpu:
             return False, (f"ONNX Runtime on {gpu[0]}: GPU kernels and TensorRT engines are chosen by the "
                            "step's shapes, so a row's rounding can follow its batch")
@@ -152,7 +150,7 @@ class OnnxRuntimeBackend(Backend):
     def _session(self, lora: bool) -> OrtSession:
         session = self._sessions.get(lora)
         if session is None:
-            path = export_step(self.model, replace(self.spec, lora=lora), self.cache_dir, self._digest)
+            path = export_step(self.model, replace(self.spec, lora=lora), self.cache_dir, self.weights_digest)
             before = resident_bytes()
             session = open_session(path, self._providers_for(path), self.num_threads, has_lora_inputs=lora)
             after = resident_bytes()

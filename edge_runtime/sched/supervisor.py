@@ -33,6 +33,9 @@ class FineTuneSupervisor:
         self.costs = costs
         self.clock = clock
         self._job_ids = itertools.count()
+        # Called after an iteration's stages ran (the engine gives back the pages of weights a
+        # stage read from a memory-mapped block cache).
+        self.after_stages: Callable[[], None] | None = None
 
     @property
     def queue(self) -> FineTuneQueue:
@@ -161,6 +164,8 @@ class FineTuneSupervisor:
             if before is not None:
                 before()
             self._run_stages(batch)
+            if self.after_stages is not None:
+                self.after_stages()
         self.scheduler.commit_finetune(batch)
 
     def _run_stages(self, batch: Batch) -> None:
