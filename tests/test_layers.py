@@ -46,7 +46,16 @@ def test_maced_never_imports_the_off_device_fleet() -> None:
     assert bad == []
 
 
-def test_no_source_file_of_the_daemon_passes_500_lines() -> None:
-    long = sorted((m, n) for m, p in MODULES.items() if under(m, "daemon")
+def test_no_source_file_of_the_daemon_or_the_runtime_passes_500_lines() -> None:
+    long = sorted((m, n) for m, p in MODULES.items() if under(m, "daemon", "edge_runtime")
                   and (n := len(p.read_text().splitlines())) > 500)
     assert long == []
+
+
+def test_the_engines_step_reads_as_the_algorithm_in_at_most_15_lines() -> None:
+    import ast
+
+    tree = ast.parse(MODULES["edge_runtime.engine"].read_text())
+    step = next(f for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "Engine"
+                for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "step")
+    assert step.end_lineno - step.lineno + 1 <= 15
