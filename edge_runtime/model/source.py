@@ -158,7 +158,8 @@ def _known_sha256(path: Path, models: Path) -> str:
     read all 4.9 GB to hash it (9 minutes on a busy machine) before finding its cache."""
     st = path.stat()
     identity = f"{path.resolve()}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
-    memo = models / ".sha256" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    # A hidden file beside the caches (not a folder: the folders there are the caches themselves).
+    memo = models / f".sha256-{hashlib.sha256(identity.encode()).hexdigest()[:32]}"
     try:
         known = memo.read_text().strip()
         if re.fullmatch(r"[0-9a-f]{64}", known):
@@ -168,7 +169,7 @@ def _known_sha256(path: Path, models: Path) -> str:
     logger.info("hashing %s (%.0f MiB) to find its model cache", path.name, st.st_size / 2**20)
     sha = _sha256(path)
     try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
+        models.mkdir(parents=True, exist_ok=True)
         write_text(memo, sha + "\n")
     except OSError as exc:  # a read-only cache still serves; the next start hashes again
         logger.debug("cannot remember the hash of %s: %s", path, exc)
