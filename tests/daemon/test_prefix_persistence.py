@@ -4,6 +4,7 @@ from disk, checked byte for byte."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from edge_runtime.kv.prefix_store import SUFFIX, owner_folder
@@ -56,6 +57,10 @@ def test_a_reused_prefix_survives_a_restart_and_leaves_with_its_user(tmp_path: P
         left = [p for p in (root / "state").rglob("*") if p.is_file()]
         assert not any(piece in p.read_bytes() for p in left for piece in payloads)
         assert bob_files and all(p.exists() for p in bob_files)  # nothing of bob's went
+        # status reads the engine thread's snapshot, published every 0.5 s: wait for one after the erasure
+        deadline = time.monotonic() + 10
+        while _engine(again)["prefix_store_blocks"] != len(bob_files) and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert _engine(again)["prefix_store_blocks"] == len(bob_files)
     finally:
         code, _ = again.stop()
