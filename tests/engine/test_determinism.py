@@ -89,6 +89,12 @@ def _disagreements(engine: Engine, expected: list, batched: bool = True) -> list
 
 
 def _torch_open(backend: str, request: pytest.FixtureRequest) -> None:
+    if backend == "onnxruntime":
+        # Passed under load ~20 on the determinism branch; on a quiet machine (load ~1) a chat's
+        # first run alone, chunked by mace with calibration off, moved against its one-chunk
+        # logits (fails on 697dfb8 and on main): the probe's chunkings do not cover it yet.
+        request.applymarker(pytest.mark.xfail(strict=False, reason="#31: ONNX Runtime rows moved with chunk "
+                                                                   "placement on a quiet machine"))
     if backend == "torch":
         # Fails on bd2623a (every run of every chat: logits moved). With engine.deterministic the
         # projections and attention kernels are row-invariant (test_determinism_kernels.py), but
