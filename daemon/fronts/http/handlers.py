@@ -354,15 +354,9 @@ class Gateway:
             task.add_done_callback(lambda _: feed.ready.set())
             calls.append(call)
             tasks.append(task)
-        first = asyncio.ensure_future(feed.ready.wait())
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            first.cancel()
+        gone = await first_item_or_gone(request, feed)
         if not feed.items:
-            if gone.done() and not all(t.done() for t in tasks):  # the client went away while waiting
+            if gone and not all(t.done() for t in tasks):  # the client went away while waiting
                 for call in calls:
                     self.service.cancel(call, "client_gone")
                 await asyncio.wait(tasks)
@@ -469,6 +463,19 @@ def _thinking_switch(body: ChatRequest) -> bool | None:
         raise GatewayError("bad_request", "reasoning_effort: one of " + ", ".join(_EFFORT_THINKS),
                            param="reasoning_effort")
     return _EFFORT_THINKS[body.reasoning_effort]
+
+
+async def first_item_or_gone(request: Request, feed: TokenFeed) -> bool:
+    """Wait for a stream's first item (or its generations' end: they set `feed.ready` too) or the
+    client hanging up, whichever comes first; True if the client went away."""
+    first = asyncio.ensure_future(feed.ready.wait())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        first.cancel()
+    return gone.done()  # read before the cancellations take effect: done only if it had returned
 
 
 async def _disconnected(request: Request) -> None:

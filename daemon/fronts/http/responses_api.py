@@ -19,8 +19,8 @@ from daemon.fronts.http.errors import GatewayError, as_sent
 from daemon.fronts.http.handlers import (
     OPENAI_DEFAULT_TEMPERATURE,
     Gateway,
-    _disconnected,
     _http_client,
+    first_item_or_gone,
 )
 from daemon.fronts.http.replies import SSE_HEADERS, TokenFeed, adapter_header, json_response
 from daemon.fronts.http.responses_models import ResponsesRequest
@@ -157,15 +157,9 @@ class ResponsesApi:
         task = asyncio.ensure_future(self.service.generate(args, call))
         task.add_done_callback(self.gateway._generation_ended)
         task.add_done_callback(lambda _: feed.ready.set())
-        first = asyncio.ensure_future(feed.ready.wait())
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            first.cancel()
+        gone = await first_item_or_gone(request, feed)
         if not feed.items:
-            if gone.done() and not task.done():  # the client went away while waiting
+            if gone and not task.done():  # the client went away while waiting
                 self.service.cancel(call, "client_gone")
                 await asyncio.wait({task})
             if task.done() and task.exception() is not None:  # before any token: its own HTTP status
