@@ -251,16 +251,17 @@ class EngineThread:
             calibrating = getattr(engine, "calibrating", False)
             quiet_s = time.monotonic() - busy_at
             if engine.has_unfinished() or not calibrating:
-                self._drain(engine, block=not engine.has_unfinished())
+                ran = self._drain(engine, block=not engine.has_unfinished())
             else:
-                self._drain(engine, block=quiet_s < self._calibration_quiet_s,
-                            timeout_s=self._calibration_quiet_s - quiet_s)
+                ran = self._drain(engine, block=quiet_s < self._calibration_quiet_s,
+                                  timeout_s=self._calibration_quiet_s - quiet_s)
             if engine.has_unfinished():  # commands that start no generation (status...) keep it quiet
                 busy_at = used_at = time.monotonic()
             elif calibrating and not engine.requests and not self._stopping \
                     and time.monotonic() - busy_at >= self._calibration_quiet_s:
                 engine.calibrate_step(interrupted=lambda: not self._commands.empty())
             if engine.has_unfinished() and not self._stopping:
+                ran += 1
                 try:
                     finished = engine.step()
                 except Exception as exc:
@@ -281,10 +282,12 @@ class EngineThread:
             self.snapshot = EngineSnapshot(
                 len(engine.scheduler.waiting), len(engine.scheduler.running), len(engine.requests),
                 engine.iterations, engine.last_iteration_s)
-            # Going idle publishes at once: the loop may now block on its queue, and a status read
-            # meanwhile must not pair the tuner's fresh counts with a snapshot from mid-work.
+            # Idle after work (a step, or commands such as a publication) publishes at once: the
+            # loop may now block on its queue, and a status read meanwhile must not pair the
+            # tuner's fresh counts with a snapshot from before the work (a tiny model's whole
+            # fine-tune job can start and finish inside one iteration).
             idle = not engine.has_unfinished()
-            self._publish_stats(engine, force=idle and not was_idle)
+            self._publish_stats(engine, force=idle and (not was_idle or ran > 0))
             was_idle = idle
             self._flush()
             if not engine.has_unfinished() and self._commands.empty() and not self._stopping \
@@ -344,20 +347,22 @@ class EngineThread:
                 log.exception("reading engine stats failed")
             self.stats_latencies_s = list(self.latencies_s)
 
-    def _drain(self, engine: Engine, block: bool, timeout_s: float | None = None) -> None:
+    def _drain(self, engine: Engine, block: bool, timeout_s: float | None = None) -> int:
         """Run the queued commands, waiting for a first one when `block` (at most `timeout_s`,
-        and never longer than `idle_wait_s`, so the watchdog keeps beating)."""
+        and never longer than `idle_wait_s`, so the watchdog keeps beating); how many ran."""
         wait_s = self._idle_wait_s if timeout_s is None else max(0.0, min(timeout_s, self._idle_wait_s))
         try:
             command = self._commands.get(timeout=wait_s) if block else self._commands.get_nowait()
         except queue.Empty:
-            return
+            return 0
+        ran = 0
         while True:
             self._execute(engine, command)
+            ran += 1
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return ran
 
     def _execute(self, engine: Engine | ParkedEngine | None, command: _Command) -> None:
         fn, future, parked = command

@@ -358,6 +358,14 @@ def test_the_published_stats_are_current_once_the_engine_goes_idle(tiny_model: P
         assert aborted is None and error is None
         # The reply leaves the engine thread after the idle publish, so it is visible by now.
         assert thread.stats["tokens_generated"] == 5
+        # Work that starts and ends inside one loop turn (a one-token request here; on a tiny
+        # model, a whole fine-tune job) never shows the engine busy at a turn's end: it must
+        # publish all the same (CI saw a published pair with stage_s 0.0).
+        sink = Sink()
+        await thread.submit("r1", "hello", SamplingParams(max_tokens=1, ignore_eos=True), sink)
+        output, aborted, error = await sink.done
+        assert aborted is None and error is None
+        assert thread.stats["tokens_generated"] == 6
         thread.stop()
         assert await thread.join(5)
 
