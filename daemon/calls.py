@@ -61,6 +61,12 @@ class GenerateCall:
         self.streamed_content: dict[int, list[str]] = {}
         self.streamed_calls: dict[int, list[Any]] = {}
 
+    @property
+    def cache_scope(self) -> str:
+        """The prefix cache this call may share: its app's own (the default app's is everyone's
+        from before apps existed), so a faster first token never tells one app another's prompt."""
+        return "" if self.principal.app == DEFAULT_APP else self.principal.app
+
     def on_tokens(self, events: list[TokenEvent]) -> None:
         """One message per candidate per delivery: when the loop falls behind the engine, the
         tokens of several iterations travel together instead of as a backlog of messages."""

@@ -128,13 +128,15 @@ class EngineThread:
         return self._thread.is_alive()
 
     def submit(self, request_id: str, prompt: Prompt, params: SamplingParams, sink: GenerationSink,
-               adapter: Any = None, owner: str = "") -> asyncio.Future[None]:
-        """Queue a request (`owner`: whose prompt it is); the future fails with the engine's
-        BadRequest if it is refused."""
+               adapter: Any = None, owner: str = "", scope: str = "") -> asyncio.Future[None]:
+        """Queue a request (`owner`: whose prompt it is; `scope`: whose prefix cache it shares);
+        the future fails with the engine's BadRequest if it is refused."""
         def command(engine: Engine) -> None:
             kwargs: dict[str, Any] = {"adapter": adapter} if adapter is not None else {}
             if owner:
                 kwargs["owner"] = owner
+            if scope:
+                kwargs["scope"] = scope
             engine.add_request(prompt, params, request_id=request_id, on_token=self._collect, **kwargs)
             self._sinks[request_id] = sink
 

@@ -353,7 +353,8 @@ class Service:
         self.calls.add(call)
         self.counters["generate"] += 1
         try:
-            await self.engine.submit(interaction_id, prompt, params, call, adapter, owner=args.user or "")
+            await self.engine.submit(interaction_id, prompt, params, call, adapter, owner=args.user or "",
+                                     scope=call.cache_scope)
             output, aborted, error = await call.done
         except MaceError:
             self.counters["generate_failed"] += 1

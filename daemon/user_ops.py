@@ -82,20 +82,22 @@ class UserOps:
         with own_names(stored, args.user):
             # The engine stops serving the user's adapters before their files go.
             removed = await self.service.fine_tuner.forget(stored)
-            elsewhere = {"prefix_blocks": await self._forget_prefixes(stored)}
+            in_memory, on_disk = await self._forget_prefixes(stored)
+            elsewhere = {"prefix_blocks": on_disk, "prefix_blocks_in_memory": in_memory}
             elsewhere.update({kind: erase(stored) for kind, erase in self.erasers.items()})
             report = await store.forget(stored, adapters_removed=removed, elsewhere=elsewhere)
         erased = asdict(report)
         erased.update(erased.pop("elsewhere"))
         return {"user": args.user, "erased": _renamed(erased, stored, args.user)}
 
-    async def _forget_prefixes(self, stored: str) -> int:
-        """The user's prompt blocks in the prefix cache's disk tier (their prompts, so their data)."""
+    async def _forget_prefixes(self, stored: str) -> tuple[int, int]:
+        """The user's prompt blocks (their prompts, so their data): (dropped from the in-memory
+        prefix cache, files removed from its disk tier)."""
         engine = self.service.engine
-        live = (await engine.call(lambda e: e.prefixes.forget(stored), parked=lambda p: 0)  # unloaded: all on disk
-                if engine is not None and engine.alive else 0)
+        in_memory, on_disk = (await engine.call(lambda e: e.prefixes.forget(stored), parked=lambda p: (0, 0))
+                              if engine is not None and engine.alive else (0, 0))  # unloaded: all on disk
         # Then every model's and format's folder, the live one included (whatever a writer raced in).
-        return live + forget_stored_prefixes(self.service.config.prefix_store_dir, stored)
+        return in_memory, on_disk + forget_stored_prefixes(self.service.config.prefix_store_dir, stored)
 
     async def adapters_list(self, args: AdaptersListArgs, who: Principal) -> dict[str, Any]:
         tuner = self.service.fine_tuner

@@ -216,14 +216,14 @@ class Engine:
         request_id: str | None = None,
         on_token: Callable[[TokenEvent], None] | None = None,
         adapter: str | AdapterRef | None = None,
-        fleet: bool = True,
-        owner: str = "",
+        fleet: bool = True, owner: str = "", scope: str = "",
     ) -> str:
         """Queue a prompt (text or chat messages); returns its request id. `adapter`: a user id
         (that user's newest adapter version, pinned until the request ends; the base model if
         the user has none yet), a specific `AdapterRef`, or None for the base model. Beneath it
         the fleet adapter's newest version is pinned likewise when one is published (`fleet=False`:
-        the base model's own weights only). `owner`: whose prompt it is (`prefixes.forget`)."""
+        the base model's own weights only). `owner`: whose prompt it is (`prefixes.forget`);
+        `scope`: whose prefix cache it shares (an app's own, so no hit tells one app another's)."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{next(self._req_ids)}"
@@ -239,7 +239,7 @@ class Engine:
         try:
             request = Request(request_id, text, ids, params, now, on_token=on_token, adapter=pinned,
                               adapter_key=pinned.key if pinned is not None else "", fleet=pinned_fleet,
-                              owner=owner, thinking=intake.reply_thinking(prompt, text, self.tokenizer, params))
+                              owner=owner, scope=scope, thinking=intake.reply_thinking(prompt, text, self.tokenizer, params))
             request.metrics = RequestMetrics(arrival_time=now, prompt_tokens=len(ids))
             always = self.kv_pruning is not None and self.kv_pruning.when == "always"
             intake.add_candidates(request, matcher, self._seq_ids, self.tokenizer.stream_decoder,

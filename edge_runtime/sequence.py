@@ -54,6 +54,7 @@ class Request:
     adapter: AdapterRef | None = None  # the version pinned at admission (None = base model)
     fleet: AdapterRef | None = None  # the fleet version pinned at admission, beneath `adapter`
     owner: str = ""  # the user the prompt belongs to (the prefix cache's disk tier erases by it)
+    scope: str = ""  # who may share its prefix-cache blocks (the daemon: the app; "" everyone)
     on_token: Callable[[TokenEvent], None] | None = None
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
@@ -73,9 +74,11 @@ class Request:
 
     @property
     def cache_salt(self) -> str:
-        """Separates this request's prefix-cache blocks from those of other adapter versions."""
+        """Separates this request's prefix-cache blocks from those of other adapter versions and
+        other scopes: a prefix hit is faster, so a shared block would tell one app another's prompt."""
         served = self.served
-        return "" if served is None else served.key
+        key = "" if served is None else served.key
+        return f"{self.scope}|{key}" if self.scope else key
 
     def output(self) -> RequestOutput:
         return RequestOutput(

@@ -2,7 +2,8 @@
 
 A full block is identified by a chain hash of (previous block's hash, its tokens, the adapter
 that produced its keys/values). Freed blocks keep their hash and stay reusable until a new
-allocation evicts them, least recently freed first. Knows nothing about tensors or scheduling.
+allocation evicts them, least recently freed first; a cached block also records whose prompts it
+holds, so an erasure drops it. Knows nothing about tensors or scheduling.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ class BlockPool:
         self.ref_count = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}
+        # Cached blocks' owners: the users whose prompts registered or reused them (their data).
+        self.owners: dict[int, set[str]] = {}
         # Free blocks in eviction order: never-used first, then least recently freed.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.stats = PrefixCacheStats()
@@ -75,6 +78,7 @@ class BlockPool:
             if self.cached.get(old) == block:
                 del self.cached[old]
             self.hash_of[block] = None
+            self.owners.pop(block, None)
             self.stats.evictions += 1
         self.ref_count[block] = 1
         return block
@@ -125,7 +129,32 @@ class BlockPool:
         if self.cached.get(h) == block:
             del self.cached[h]
         self.hash_of[block] = None
+        self.owners.pop(block, None)
         self.stats.evictions += 1
+
+    def claim(self, block: int, owner: str) -> None:
+        """Record that `owner`'s prompt holds the cached block `block` (it registered or reused it)."""
+        if owner and self.hash_of[block] is not None:
+            self.owners.setdefault(block, set()).add(owner)
+
+    def forget(self, owner: str) -> int:
+        """Erase `owner` from the prefix cache: a cached block no other user's prompt holds stops
+        being reusable (a free one is handed out first and its memory may be given back; a held
+        one stays with its holders until they release it). Returns how many blocks left the cache."""
+        if not owner:
+            return 0
+        dropped = []
+        for block, owners in list(self.owners.items()):
+            owners.discard(owner)
+            if not owners:
+                self.uncache(block)
+                dropped.append(block)
+        idle = [b for b in dropped if self.ref_count[b] == 0]
+        for block in idle:
+            self.free.move_to_end(block, last=False)
+        if idle and self.on_idle is not None:
+            self.on_idle(idle)
+        return len(dropped)
 
     def evict_cached(self, count: int) -> int:
         """Drop up to `count` cached-but-free prefixes (memory pressure). Returns how many."""
@@ -140,6 +169,7 @@ class BlockPool:
             if self.cached.get(h) == block:
                 del self.cached[h]
             self.hash_of[block] = None
+            self.owners.pop(block, None)
             self.stats.evictions += 1
             dropped += 1
             evicted.append(block)

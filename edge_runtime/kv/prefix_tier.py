@@ -42,7 +42,7 @@ class PrefixTier:
         only when the tier is on); a tier that keeps nothing when `root` is "" or the bound is 0,
         or the folder cannot be used."""
         if not root or limit_bytes <= 0 or not pool.enable_prefix_cache:
-            return NoPrefixTier()
+            return NoPrefixTier(pool)
         key = hashlib.blake2b(json.dumps(identity(), sort_keys=True).encode(), digest_size=12).hexdigest()
         layers, kinds, _, heads, dim = cache.data.shape
         shape = (layers, kinds, pool.block_size, heads, dim)
@@ -50,7 +50,7 @@ class PrefixTier:
             store = PrefixStore(Path(root), key, shape, str(cache.data.dtype).removeprefix("torch."), limit_bytes)
         except OSError as exc:
             log.warning("prefix store at %s unavailable (%s): prefixes stay in memory only", root, exc)
-            return NoPrefixTier()
+            return NoPrefixTier(pool)
         return cls(store, cache, pool)
 
     def _slots(self, block: int) -> slice:
@@ -96,8 +96,10 @@ class PrefixTier:
             if not self.store.holds(owner, digest):
                 self.store.save(owner, digest, parent, tokens, salt, self.read_block(block))
 
-    def forget(self, owner: str) -> int:
-        return self.store.erase(owner)
+    def forget(self, owner: str) -> tuple[int, int]:
+        """Erase `owner`'s prefixes: the blocks only their prompts hold leave the in-memory cache,
+        and their files the disk. Returns (blocks dropped from memory, files removed)."""
+        return self.pool.forget(owner), self.store.erase(owner)
 
     def close(self) -> None:
         self.store.close()
@@ -110,10 +112,11 @@ class PrefixTier:
 
 
 class NoPrefixTier(PrefixTier):
-    """The tier switched off: nothing is kept, nothing is read back."""
+    """The tier switched off: nothing is kept, nothing is read back (the pool's in-memory cache
+    still answers an erasure)."""
 
-    def __init__(self) -> None:  # no store, no slab
-        pass
+    def __init__(self, pool: BlockPool) -> None:  # no store, no slab
+        self.pool = pool
 
     def restore(self, owner: str, digest: bytes, parent: bytes | None, tokens: Sequence[int], salt: str) -> int | None:
         return None
@@ -121,8 +124,8 @@ class NoPrefixTier(PrefixTier):
     def remember(self, owner: str, blocks: Sequence[tuple[int, bytes, bytes | None, Sequence[int], str]]) -> None:
         pass
 
-    def forget(self, owner: str) -> int:
-        return 0
+    def forget(self, owner: str) -> tuple[int, int]:
+        return self.pool.forget(owner), 0
 
     def close(self) -> None:
         pass

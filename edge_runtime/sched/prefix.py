@@ -41,6 +41,7 @@ def match_prefix(seq: Sequence, pool: BlockPool, salt: str, tier: PrefixTier | N
             block = tier.restore(owner, h, parent, tokens, salt)
         if block is None:
             break
+        pool.claim(block, owner)
         seq.block_table.append(block)
         seq.block_hashes.append(h)
         seq.num_computed += size
@@ -62,4 +63,5 @@ def register_full_blocks(seq: Sequence, pool: BlockPool, salt: str) -> None:
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         h = block_hash(parent, seq.token_ids[i * size : (i + 1) * size], salt)
         pool.register(seq.block_table[i], h)
+        pool.claim(seq.block_table[i], seq.request.owner)
         seq.block_hashes.append(h)

@@ -54,6 +54,7 @@ def test_a_reused_prefix_survives_a_restart_and_leaves_with_its_user(tmp_path: P
         with again.client() as c:
             erased = c.forget("alice")
         assert erased["prefix_blocks"] == len(alice_files)
+        assert erased["prefix_blocks_in_memory"] >= len(alice_files)  # read back: in the slab too
         left = [p for p in (root / "state").rglob("*") if p.is_file()]
         assert not any(piece in p.read_bytes() for p in left for piece in payloads)
         assert bob_files and all(p.exists() for p in bob_files)  # nothing of bob's went

@@ -80,3 +80,30 @@ def test_disabled_prefix_cache_never_matches() -> None:
     pool.register(b, h)
     pool.release(b)
     assert pool.match(h) is None
+
+
+def test_an_erasure_drops_the_blocks_only_that_users_prompts_hold() -> None:
+    """GDPR: a cached block holds the prompts of those who registered or reused it; erasing one of
+    them drops the blocks no one else's prompt holds (free ones handed out first and reported
+    idle; a held one stays with its holder but is no longer matched), and keeps shared ones."""
+    idle: list[int] = []
+    pool = BlockPool(4, 4, on_idle=idle.extend)
+    mine, shared, held = pool.allocate(), pool.allocate(), pool.allocate()
+    h_mine, h_shared, h_held = (block_hash(None, [t] * 4) for t in (1, 2, 3))
+    for block, h in ((mine, h_mine), (shared, h_shared), (held, h_held)):
+        pool.register(block, h)
+        pool.claim(block, "alice")
+    pool.claim(shared, "bob")  # bob's prompt reused it: his data too
+    pool.release(mine)
+    pool.release(shared)  # `held` stays held by a running request of alice's
+    idle.clear()
+
+    assert pool.forget("") == 0  # nobody: nothing
+    assert pool.forget("alice") == 2
+    assert pool.match(h_mine) is None and pool.match(h_held) is None
+    assert idle == [mine]  # free and holding nothing now: its memory may go back
+    assert pool.allocate() == mine  # handed out before the block still caching bob's prefix
+    assert pool.match(h_shared) == shared
+    pool.release(held)  # alice's request ends: the block goes back holding nothing
+    assert pool.hash_of[held] is None and pool.forget("bob") == 1
+    assert pool.forget("alice") == 0 and not pool.owners

@@ -120,5 +120,31 @@ def test_a_restarted_engine_reads_a_reused_prefix_back_and_answers_as_before(tin
     assert cold[0].metrics.cached_prompt_tokens == 0
 
     # Erasure (requests without a user are the anonymous owner's): gone from the tier and the disk.
-    assert again.prefixes.forget("") == stored
+    assert again.prefixes.forget("") == (0, stored)  # the anonymous owner's blocks stay in memory
     assert not list(Path(store_dir).rglob(f"*{SUFFIX}"))
+
+
+def test_an_erased_users_prefix_leaves_memory_and_apps_do_not_share_prefixes(tiny_model_dir: Path) -> None:
+    """In memory (the disk tier off): after `forget`, the user's prompt prefix is computed again
+    rather than served from the cache; and a request of another app's scope never hits blocks an
+    app's requests left (a faster first token would tell it that app's prompt)."""
+    engine = make_engine(tiny_model_dir)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    system = " ".join(f"word{i % 37}" for i in range(60))
+
+    def cached(prompt: str, owner: str = "", scope: str = "") -> int:
+        rid = engine.add_request(prompt, params, owner=owner, scope=scope)
+        while True:
+            for out in engine.step():
+                if out.request_id == rid:
+                    return out.metrics.cached_prompt_tokens
+
+    assert cached(system + " one", owner="alice") == 0
+    assert cached(system + " two", owner="alice") > 0
+    in_memory, on_disk = engine.prefixes.forget("alice")
+    assert in_memory > 0 and on_disk == 0
+    assert cached(system + " three", owner="bob") == 0  # computed again: alice's blocks are gone
+    assert cached(system + " four", owner="bob") > 0
+
+    assert cached(system + " five", owner="carol", scope="app-b") == 0  # another app's scope
+    assert cached(system + " six", owner="dave", scope="app-b") > 0  # its own app's prefix is shared
