@@ -49,3 +49,15 @@ def test_bar_met_and_not_met():
     assert met["tok/s at 8 clients >= 2x llama-server"] is None  # level not run
     assert met["TTFT p50 at 1 client <= llama-server's"] is False
     assert met["maced time to ready <= 15 s"] is False
+
+
+def test_trees_table_names_each_run_and_the_ratio_to_the_first_tree():
+    lv = lambda t: {"tokens_per_s": t}  # noqa: E731
+    result = {"meta": {"command": "c", "machine": "m", "date": "d", "max_tokens": 8, "per_client": {1: 1},
+                       "trees": {"before": "/a", "after": "/b"}},
+              "runs": [{"tree": "before", "round": 1, "loadavg_start": "1", "ready_s": 5.0, "levels": {"1": lv(10.0)}},
+                       {"tree": "after", "round": 1, "loadavg_start": "1", "ready_s": 5.0, "levels": {"1": lv(9.0)}}],
+              "tokens_per_s": {"1": {"before": {"mean": 10.0, "runs": [10.0], "vs_before": 1.0},
+                                     "after": {"mean": 9.0, "runs": [9.0], "vs_before": 0.9}}}}
+    text = bench.render_trees(result)
+    assert "| 1 | after | 1 | 5.0 | 9.0 |" in text and "| 1 | after | 9.0 (9.0) | 0.9x |" in text

@@ -13,6 +13,13 @@ at a time. Every request is streamed (TTFT = until the first chunk with text), g
 server has none, so tok/s counts the tokens each server reports in `usage.completion_tokens`.
 Peak RSS: VmHWM of the server process plus its children, from /proc, at the end.
 Writes tools/results/bench_e2e.{json,md,png}.
+
+    python tools/bench_e2e.py --trees before=/work/wt-a,after=/work/wt-b --rounds 3 --name grid
+
+compares maced alone across source trees (a change's cost, e.g. an issue's "within 10% of
+before" bar): each round starts a fresh `maced --model default` from each tree in turn (its
+ready time, one warm request, then each concurrency level), so load drifts hit every tree alike.
+Writes tools/results/bench_e2e_<name>.{json,md}.
 """
 
 from __future__ import annotations
@@ -124,8 +131,9 @@ def peak_rss_mib(pid: int) -> float | None:
 
 
 class Server:
-    def __init__(self, name: str, cmd: list[str], port: int, log: Path, env: dict[str, str]):
-        self.name, self.cmd, self.port, self.log, self.env = name, cmd, port, log, env
+    def __init__(self, name: str, cmd: list[str], port: int, log: Path, env: dict[str, str],
+                 cwd: Path = REPO):
+        self.name, self.cmd, self.port, self.log, self.env, self.cwd = name, cmd, port, log, env, cwd
         self.base_url = f"http://127.0.0.1:{port}/v1"
         self.proc: subprocess.Popen[bytes] | None = None
         self.ready_s: float | None = None
@@ -137,7 +145,7 @@ class Server:
 
         started = time.monotonic()
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
                                          env=self.env)
         client = OpenAI(base_url=self.base_url, api_key="bench", max_retries=0, timeout=600)
         while time.monotonic() - started < timeout_s:
@@ -303,6 +311,83 @@ def plot(result: dict[str, Any], path: Path) -> None:
     save_figure(fig, path, dpi=100)
 
 
+def maced_server(tree: Path, work: Path, env: dict[str, str]) -> Server:
+    port = free_port()
+    return Server("maced", [sys.executable, "-m", "daemon.main", "--model", "default",
+                            "--state-dir", str(work / "state"), "--ipc", str(work / "maced.sock"),
+                            "--http", f"127.0.0.1:{port}", "--log-format", "text"],
+                  port, work / "maced.log", {**env, "PYTHONPATH": str(tree)}, cwd=tree)
+
+
+def compare_trees(args: argparse.Namespace, trees: dict[str, Path], levels: list[int],
+                  per_client: dict[int, int]) -> dict[str, Any]:
+    """maced from each tree, a fresh daemon per tree and round, the trees in turn each round."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MACE_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    runs: list[dict[str, Any]] = []
+    for rnd in range(1, args.rounds + 1):
+        for name, tree in trees.items():
+            work = Path(tempfile.mkdtemp(prefix="bench-e2e-tree-"))
+            server = maced_server(tree, work, env)
+            run = {"tree": name, "path": str(tree), "round": rnd, "loadavg_start": loadavg(), "levels": {}}
+            try:
+                server.start(args.ready_timeout_s)
+                run["ready_s"] = server.ready_s
+                asyncio.run(run_level(server, 1, 1, args.max_tokens, 0))  # warm, at the bench's length
+                for c in levels:
+                    got, wall = asyncio.run(run_level(server, c, per_client[c], args.max_tokens, rnd))
+                    run["levels"][str(c)] = summarise(got, wall)
+            finally:
+                server.stop()
+                shutil.rmtree(work, ignore_errors=True)
+            run["loadavg_end"] = loadavg()
+            runs.append(run)
+            print(json.dumps({k: run[k] for k in ("tree", "round", "loadavg_start", "ready_s")} |
+                             {c: lv["tokens_per_s"] for c, lv in run["levels"].items()}), flush=True)
+    first = next(iter(trees))
+    summary: dict[str, dict[str, Any]] = {}
+    for c in map(str, levels):
+        means = {}
+        for name in trees:
+            vals = [r["levels"][c]["tokens_per_s"] for r in runs if r["tree"] == name and c in r["levels"]]
+            means[name] = {"mean": round(sum(vals) / len(vals), 2) if vals else None, "runs": vals}
+        for name in trees:
+            means[name]["vs_" + first] = ratio(means[name]["mean"], means[first]["mean"])
+        summary[c] = means
+    return {"meta": {"command": " ".join(["python tools/bench_e2e.py", *sys.argv[1:]]),
+                     "machine": f"{cpu_name(platform.processor())}, {os.cpu_count()} CPUs, {platform.machine()}",
+                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     "max_tokens": args.max_tokens, "per_client": per_client,
+                     "trees": {n: str(t) for n, t in trees.items()}},
+            "runs": runs, "tokens_per_s": summary}
+
+
+def render_trees(result: dict[str, Any]) -> str:
+    m = result["meta"]
+    first = next(iter(m["trees"]))
+    lines = ["# End to end, maced across source trees (bench_e2e --trees)", "",
+             f"- command: `{m['command']}`", f"- machine: {m['machine']}; measured {m['date']}",
+             f"- trees: {', '.join(f'{n} = `{t}`' for n, t in m['trees'].items())}",
+             "- workload: `/v1/chat/completions`, official openai client, streamed, greedy, `ignore_eos`, "
+             f"max_tokens {m['max_tokens']} (requests per client: {m['per_client']}); a fresh `maced "
+             "--model default` per tree and round, the trees in turn", "",
+             "| round | tree | load avg at start | ready s | " +
+             " | ".join(f"tok/s, {c} clients" for c in result["tokens_per_s"]) + " |",
+             "|---:|---|---|---:|" + "---:|" * len(result["tokens_per_s"])]
+    for r in result["runs"]:
+        cells = " | ".join(str(r["levels"].get(c, {}).get("tokens_per_s")) for c in result["tokens_per_s"])
+        lines.append(f"| {r['round']} | {r['tree']} | {r['loadavg_start']} | {r.get('ready_s')} | {cells} |")
+    lines += ["", f"| clients | tree | mean tok/s (runs) | vs {first} |", "|---:|---|---|---:|"]
+    for c, means in result["tokens_per_s"].items():
+        for name, v in means.items():
+            lines.append(f"| {c} | {name} | {v['mean']} ({', '.join(map(str, v['runs']))}) | {v['vs_' + first]}x |")
+    return "\n".join(lines) + "\n"
+
+
+def loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-python", default="/tmp/llamavenv/bin/python",
@@ -317,9 +402,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-ctx", type=int, default=2048)
     p.add_argument("--ready-timeout-s", type=float, default=600)
     p.add_argument("--out", type=Path, default=REPO / "tools" / "results")
+    p.add_argument("--trees", help="NAME=PATH,...: compare maced alone across these source trees")
+    p.add_argument("--name", default="trees", help="with --trees: results as bench_e2e_<name>.*")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     per_client = dict(zip(levels, (int(x) for x in args.per_client.split(",")), strict=True))
+    if args.trees:
+        trees = {n: Path(t).resolve() for n, _, t in (x.partition("=") for x in args.trees.split(","))}
+        result = compare_trees(args, trees, levels, per_client)
+        write_json(args.out / f"bench_e2e_{args.name}.json", result)
+        (args.out / f"bench_e2e_{args.name}.md").write_text(render_trees(result))
+        print(render_trees(result))
+        return 0
 
     llama_version = check_llama(args.llama_python)
     if llama_version is None:
