@@ -123,3 +123,22 @@ def test_previous_response_id_does_not_feed_the_thinking_back(gw: Gateway) -> No
                       max_output_tokens=4, text=None)
     turns = [*CHAT, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "Are you sure?"}]
     assert second.usage.input_tokens == _prompt_tokens(gw.model, turns, thinking=True)
+
+
+def test_the_sdk_carries_the_switch_and_feedback_pairs_hold_the_unwrapped_answers(gw: Gateway) -> None:
+    with gw.daemon.client() as client:
+        client.consent("granite-user")
+        result = client.generate(messages=CHAT, max_tokens=80, n=2, temperature=1.0, seed=5, thinking=True,
+                                 response_format=BLOCK, user="granite-user")
+        assert result.recorded and all(c.reasoning and c.text and "<" not in c.text for c in result.candidates)
+        tokens = list(client.stream(messages=CHAT, max_tokens=80, thinking=True, response_format=BLOCK))
+        assert "".join(t.reasoning or "" for t in tokens) and "<" not in "".join(t.text for t in tokens)
+        client.choose("granite-user", result.interaction_id, 1)
+        data = client.export("granite-user")
+    [interaction] = data["interactions"]
+    hf = AutoTokenizer.from_pretrained(str(gw.model))
+    # The prompt Granite writes with thinking off: the answers follow it, whatever each one thought.
+    assert interaction["prompt"] == hf.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False,
+                                                           thinking=False)
+    [pair] = data["preference_pairs"]
+    assert (pair["chosen"], pair["rejected"]) == (result.candidates[1].text, result.candidates[0].text)
