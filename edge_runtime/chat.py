@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from edge_runtime.constraints import JSON_WHITESPACE, Constraint
 from edge_runtime.errors import BadRequest
-from edge_runtime.reasoning import SWITCH, template_thinks
+from edge_runtime.reasoning import template_style
 
 if TYPE_CHECKING:
     from edge_runtime.model.tokenizer import Tokenizer
@@ -184,8 +184,9 @@ def render(hf_tokenizer: Any, prompt: ChatPrompt) -> str:
         kwargs["continue_final_message"] = True
     else:
         kwargs["add_generation_prompt"] = True
-    if prompt.thinking is not None and template_thinks(template if isinstance(template, str) else None):
-        kwargs[SWITCH] = prompt.thinking
+    style = template_style(template if isinstance(template, str) else None)
+    if prompt.thinking is not None and style is not None:
+        kwargs[style.switch] = prompt.thinking
     if prompt.offers_tools and native:
         kwargs["tools"] = [{"type": "function", "function": function_of(t)} for t in prompt.tools]
     messages = template_messages(prompt, native)

@@ -19,6 +19,7 @@ from edge_runtime.chat import (
     ChatPrompt,
     encode_prompt,
     forced_call_constraint,
+    render,
     tool_style,
 )
 from edge_runtime.errors import BadRequest
@@ -31,7 +32,8 @@ from edge_runtime.reasoning import (
     Phase,
     ReasoningSplitter,
     opening_phase,
-    template_thinks,
+    prompt_without_thinking,
+    template_style,
 )
 from edge_runtime.sampling import SamplingParams
 from edge_runtime.sequence import Request, Sequence, Thinking
@@ -78,10 +80,17 @@ def reply_thinking(prompt: Prompt, text: str, tokenizer: Tokenizer, params: Samp
     """How the replies to a rendered chat prompt think (None: they do not, or thinking is off).
     JSON answers and forced tool calls are constrained after the think block; a `regex` or
     `grammar` constraint shapes the whole reply, thinking included (docs/thinking.md)."""
-    if not isinstance(prompt, ChatPrompt) or not template_thinks(tokenizer.chat_template):
+    style = template_style(tokenizer.chat_template) if isinstance(prompt, ChatPrompt) else None
+    if style is None:
         return None
+    if not style.off_in_prompt and not (style.default_on if prompt.thinking is None else prompt.thinking):
+        return None  # Granite: thinking off does not show in every prompt, but the request says so
     if prompt.continue_final:  # a prefill: inside the block if it opened one and did not close it
-        phase = Phase.THINKING if text.rfind(OPEN) > text.rfind(CLOSE) else None
+        # Granite's thinking system message names the tags itself: read the prefill alone.
+        tail = text if style.off_in_prompt else str(prompt.messages[-1].get("content") or "")
+        phase = Phase.THINKING if tail.rfind(OPEN) > tail.rfind(CLOSE) else None
+        if phase is None and not style.off_in_prompt and OPEN not in tail:
+            phase = Phase.BEFORE  # Granite: a prefill before any block may still open one
     else:
         phase = opening_phase(text)
     if phase is None:
@@ -89,7 +98,11 @@ def reply_thinking(prompt: Prompt, text: str, tokenizer: Tokenizer, params: Samp
     constraint = params.constraint
     after = constraint is not None and (constraint.kind in ("json", "json_schema")
                                         or forced_call_constraint(prompt, tool_style(tokenizer)) is not None)
-    return Thinking(phase, after)
+    if style.off_in_prompt:
+        answer_prompt = prompt_without_thinking(text, phase)
+    else:  # the prompt the template writes with thinking off (Granite's other system message)
+        answer_prompt = render(tokenizer.hf, dataclasses.replace(prompt, thinking=False))
+    return Thinking(phase, after, answer_prompt, style.answer_tags)
 
 
 def pin_adapters(adapters: AdapterRegistry, adapter: str | AdapterRef | None,
@@ -129,7 +142,7 @@ def add_candidates(request: Request, matcher: Any, seq_ids: Iterator[int],
             start_pruning(seq)
         thinking = request.thinking
         if thinking is not None:
-            seq.reasoning = ReasoningSplitter(thinking.phase)
+            seq.reasoning = ReasoningSplitter(thinking.phase, thinking.answer_tags)
         if matcher is not None:
             own = matcher if index == 0 else matcher.deep_copy()
             if thinking is not None and thinking.grammar_after:

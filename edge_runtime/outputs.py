@@ -77,8 +77,9 @@ class RequestOutput:
     adapter: str | None = None  # adapter id (user) and version used, e.g. "alice@3"
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the engine failed this request alone (finish reason "error")
-    # With thinking: the prompt followed by an empty think block, what the answers follow once
-    # their thinking is dropped (edge_runtime.reasoning.prompt_without_thinking); else None.
+    # With thinking: what the answers follow once their thinking is dropped (the prompt followed
+    # by an empty think block, edge_runtime.reasoning.prompt_without_thinking; Granite: the
+    # prompt its template writes with thinking off); else None.
     answer_prompt: str | None = None
 
     @property

@@ -1,17 +1,41 @@
 """Thinking models: which chat templates have a thinking switch and how their models mark the
-thinking (`<think>` ... `</think>`), where a reply starts (the prompt may open or close the
-block), and the split of generated text into the thinking and the answer, token by token.
-Knows nothing of sampling, grammars or the wire.
+thinking (`<think>` ... `</think>`, Granite's answer in `<response>` ... `</response>`), where a
+reply starts (the prompt may open or close the block), and the split of generated text into the
+thinking and the answer, token by token. Knows nothing of sampling, grammars or the wire.
 """
 
 from __future__ import annotations
 
 import enum
+import re
+from dataclasses import dataclass
 
 OPEN, CLOSE = "<think>", "</think>"
-# The template variable that turns thinking on or off: Qwen3's and SmolLM3's templates read
-# `enable_thinking` (both default to thinking when it is undefined).
-SWITCH = "enable_thinking"
+ANSWER_OPEN, ANSWER_CLOSE = "<response>", "</response>"  # Granite 3.3 wraps its answer in these
+
+
+@dataclass(frozen=True)
+class ThinkingStyle:
+    """How a family's chat template switches thinking and how its replies mark it."""
+
+    switch: str  # the template variable that turns thinking on or off
+    default_on: bool  # whether the template thinks when the switch is not passed
+    answer_tags: tuple[str, str] | None = None  # a wrapper around the answer after the block
+
+    @property
+    def off_in_prompt(self) -> bool:
+        """Whether thinking off shows in the prompt itself (an empty, closed block after the
+        assistant's header), so that where a reply starts can be read off the rendered prompt."""
+        return self.answer_tags is None
+
+
+# Qwen3 and SmolLM3 read `enable_thinking` (both think when it is undefined) and write an empty,
+# closed block when it is false. Granite 3.2/3.3 read `thinking` (off when undefined): it only
+# changes the default system message, and the model then answers `<think>…</think>` followed by
+# `<response>…</response>`.
+ENABLE_THINKING = ThinkingStyle("enable_thinking", default_on=True)
+GRANITE = ThinkingStyle("thinking", default_on=False, answer_tags=(ANSWER_OPEN, ANSWER_CLOSE))
+_GRANITE_SWITCH = re.compile(r"\{%-?\s*(?:el)?if\s+thinking\s*-?%\}")
 
 
 class Phase(enum.Enum):
@@ -20,9 +44,20 @@ class Phase(enum.Enum):
     ANSWER = "answer"  # after the block (or it never opened): text is the answer
 
 
+def template_style(template: str | None) -> ThinkingStyle | None:
+    """The thinking style of a chat template (None: it has no thinking switch)."""
+    if not template or CLOSE not in template:
+        return None
+    if ENABLE_THINKING.switch in template:
+        return ENABLE_THINKING
+    if ANSWER_CLOSE in template and _GRANITE_SWITCH.search(template):
+        return GRANITE
+    return None
+
+
 def template_thinks(template: str | None) -> bool:
-    """Whether a chat template has the thinking switch and writes the `<think>` block."""
-    return bool(template) and SWITCH in template and CLOSE in template  # type: ignore[operator]
+    """Whether a chat template has a thinking switch and its model writes the `<think>` block."""
+    return template_style(template) is not None
 
 
 def opening_phase(prompt_text: str) -> Phase | None:
@@ -51,14 +86,20 @@ class ReasoningSplitter:
     """Splits one reply's text, fed piece by piece as it is decoded, into (thinking, answer)
     pieces. A tag split across pieces is held back until it is whole or cannot be one; the
     newlines that frame the block (`<think>\\n ... \\n</think>\\n\\n`) belong to neither part.
-    A reply cut inside the block (max_tokens) is all thinking and has an empty answer."""
+    With `answer_tags` (Granite's `<response>`, `</response>`), an answer that opens with the
+    first tag is given out without the pair. A reply cut inside the block (max_tokens) is all
+    thinking and has an empty answer."""
 
-    def __init__(self, phase: Phase = Phase.BEFORE) -> None:
+    def __init__(self, phase: Phase = Phase.BEFORE, answer_tags: tuple[str, str] | None = None) -> None:
         self.phase = phase
+        self.answer_tags = answer_tags
         self.held = ""  # text not yet given out: a partial tag, or newlines that may frame one
         self.trim_answer = False  # drop the newlines right after the closing tag
         self.trim_thinking = phase is Phase.THINKING  # drop the newlines right after the opening tag
-        self.opened = phase is Phase.THINKING  # whether the reply had a think block
+        # Whether a tag came before the answer (a think block, or the answer's wrapper): the
+        # answer's first token is then the first after it.
+        self.opened = phase is Phase.THINKING
+        self.wrap = ""  # the answer's wrapper: "maybe" (it may open now), "inside" it, or "" (none)
 
     @property
     def answering(self) -> bool:
@@ -72,11 +113,15 @@ class ReasoningSplitter:
         while self.held:
             if self.phase is Phase.BEFORE:
                 start = self.held.lstrip()
+                wrapper = self.answer_tags[0] if self.answer_tags else None
                 if start.startswith(OPEN):
                     self.held = start[len(OPEN):]
                     self.phase, self.trim_thinking, self.opened = Phase.THINKING, True, True
-                elif OPEN.startswith(start):
-                    break  # whitespace, or a part of the opening tag: wait for more
+                elif wrapper and start.startswith(wrapper):  # an answer with no thinking before it
+                    self.held = start[len(wrapper):]
+                    self.phase, self.wrap, self.trim_answer, self.opened = Phase.ANSWER, "inside", True, True
+                elif OPEN.startswith(start) or (wrapper and wrapper.startswith(start)):
+                    break  # whitespace, or a part of an opening tag: wait for more
                 else:
                     self.phase = Phase.ANSWER
             elif self.phase is Phase.THINKING:
@@ -85,44 +130,66 @@ class ReasoningSplitter:
                     if not self.held:
                         break
                     self.trim_thinking = False
-                end = self.held.find(CLOSE)
-                if end >= 0:
-                    thinking.append(self.held[:end].rstrip("\n"))
-                    self.held = self.held[end + len(CLOSE):]
-                    self.phase, self.trim_answer = Phase.ANSWER, True
-                    continue
-                # Hold what could start the closing tag, and newlines that may precede it.
-                keep = _partial_suffix(self.held, CLOSE)
-                body = self.held[: len(self.held) - keep]
-                out = body.rstrip("\n")
+                out, closed = self._until(CLOSE)
                 thinking.append(out)
-                self.held = self.held[len(out):]
-                break
+                if not closed:
+                    break
+                self.phase, self.trim_answer = Phase.ANSWER, True
+                self.wrap = "maybe" if self.answer_tags else ""
             else:
                 if self.trim_answer:
                     self.held = self.held.lstrip("\n")
                     if not self.held:
                         break
                     self.trim_answer = False
+                if self.wrap == "maybe":
+                    start, wrapper = self.held.lstrip(), self.answer_tags[0]  # type: ignore[index]
+                    if start.startswith(wrapper):
+                        self.held, self.wrap, self.trim_answer = start[len(wrapper):], "inside", True
+                        continue
+                    if wrapper.startswith(start):
+                        break  # whitespace, or a part of the wrapper's tag: wait for more
+                    self.wrap = ""
+                if self.wrap == "inside":
+                    out, closed = self._until(self.answer_tags[1])  # type: ignore[index]
+                    answer.append(out)
+                    if not closed:
+                        break
+                    self.wrap, self.trim_answer = "", True
+                    continue
                 answer.append(self.held)
                 self.held = ""
         return "".join(thinking), "".join(answer)
 
+    def _until(self, tag: str) -> tuple[str, bool]:
+        """The held text up to `tag` and whether `tag` was there (then it is dropped). Without
+        it, what could start the tag, and newlines that may precede it, stay held."""
+        end = self.held.find(tag)
+        if end >= 0:
+            out = self.held[:end].rstrip("\n")
+            self.held = self.held[end + len(tag):]
+            return out, True
+        keep = _partial_suffix(self.held, tag)
+        out = self.held[: len(self.held) - keep].rstrip("\n")
+        self.held = self.held[len(out):]
+        return out, False
+
     def finish(self) -> tuple[str, str]:
         """What is still held, at the end of the reply: unfinished thinking stays thinking; text
-        that was waiting to see whether it opens a block is answer."""
+        that was waiting to see whether it opens a block or the answer's wrapper is answer."""
         held, self.held = self.held, ""
         if self.phase is Phase.THINKING:
             return held.rstrip("\n"), ""
-        if self.phase is Phase.BEFORE:
-            self.phase = Phase.ANSWER
-            return "", held
+        if self.wrap == "inside":
+            held = held.rstrip("\n")
+        self.phase, self.wrap = Phase.ANSWER, ""
         return "", held
 
 
-def split_reasoning(text: str, phase: Phase = Phase.BEFORE) -> tuple[str, str]:
+def split_reasoning(text: str, phase: Phase = Phase.BEFORE,
+                    answer_tags: tuple[str, str] | None = None) -> tuple[str, str]:
     """(thinking, answer) of a whole reply: the same split as streaming it."""
-    splitter = ReasoningSplitter(phase)
+    splitter = ReasoningSplitter(phase, answer_tags)
     a, b = splitter.feed(text)
     c, d = splitter.finish()
     return a + c, b + d

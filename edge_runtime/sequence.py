@@ -20,7 +20,7 @@ from edge_runtime.outputs import (
     TokenEvent,
     TokenLogprob,
 )
-from edge_runtime.reasoning import Phase, prompt_without_thinking
+from edge_runtime.reasoning import Phase
 from edge_runtime.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -40,6 +40,8 @@ class Thinking:
 
     phase: Phase
     grammar_after: bool = False
+    answer_prompt: str = ""  # the prompt the answer follows once the thinking is dropped (feedback)
+    answer_tags: tuple[str, str] | None = None  # a wrapper around the answer (Granite's <response>)
 
 
 @dataclass(eq=False)
@@ -95,7 +97,7 @@ class Request:
             adapter=self.adapter_key or None,
             metrics=self.metrics,
             error=self.error,
-            answer_prompt=prompt_without_thinking(self.prompt, self.thinking.phase) if self.thinking else None,
+            answer_prompt=self.thinking.answer_prompt if self.thinking else None,
         )
 
 

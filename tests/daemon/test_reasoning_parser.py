@@ -1,27 +1,35 @@
 """The thinking/answer split (edge_runtime/reasoning.py) at its edges: tags split across pieces,
 a block the prompt opened, thinking off (a closed empty block in the prompt), a reply cut inside
-the thinking, and streaming that always adds up to the whole split."""
+the thinking, Granite's `<response>` wrapper, and streaming that always adds up to the whole
+split."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
 from edge_runtime.reasoning import (
+    ANSWER_CLOSE,
+    ANSWER_OPEN,
+    ENABLE_THINKING,
+    GRANITE,
     Phase,
     ReasoningSplitter,
     opening_phase,
     prompt_without_thinking,
     split_reasoning,
+    template_style,
     template_thinks,
 )
 
 QWEN3_REPLY = "<think>\nThe user greets me.\nI greet back.\n</think>\n\nHello there!"
 
 
-def streamed(text: str, cuts: list[int], phase: Phase = Phase.BEFORE) -> tuple[str, str]:
-    splitter = ReasoningSplitter(phase)
+def streamed(text: str, cuts: list[int], phase: Phase = Phase.BEFORE,
+             tags: tuple[str, str] | None = None) -> tuple[str, str]:
+    splitter = ReasoningSplitter(phase, tags)
     thinking, answer = [], []
     for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
         t, s = splitter.feed(text[a:b])
@@ -101,3 +109,57 @@ def test_templates_with_the_switch() -> None:
     assert template_thinks("{% if enable_thinking is false %}<think>\n\n</think>{% endif %}")
     assert not template_thinks("{{ messages }}")
     assert not template_thinks(None)
+
+
+# Granite 3.3 (thinking=True): the thinking in <think>, then the answer in <response>.
+GRANITE_TAGS = (ANSWER_OPEN, ANSWER_CLOSE)
+GRANITE_REPLY = "<think>I'm\nthinking</think><response>Hello, world!\nWhat's up?</response>"
+
+
+def test_a_granite_reply_gives_the_answer_without_its_response_wrapper() -> None:
+    assert split_reasoning(GRANITE_REPLY, answer_tags=GRANITE_TAGS) == ("I'm\nthinking", "Hello, world!\nWhat's up?")
+    framed = "<think>\nI'm thinking\n</think>\n\n<response>\nHello\n</response>\n"
+    assert split_reasoning(framed, answer_tags=GRANITE_TAGS) == ("I'm thinking", "Hello")
+    # No thinking before it, or no wrapper after it: the answer is still the answer.
+    assert split_reasoning("<response>Hi</response>", answer_tags=GRANITE_TAGS) == ("", "Hi")
+    assert split_reasoning("<think>a</think>Hi", answer_tags=GRANITE_TAGS) == ("a", "Hi")
+    assert split_reasoning("Hi <response>x</response>", answer_tags=GRANITE_TAGS) == ("", "Hi <response>x</response>")
+    # Without answer tags (Qwen3), the wrapper is answer text like any other.
+    assert split_reasoning(GRANITE_REPLY)[1] == "<response>Hello, world!\nWhat's up?</response>"
+
+
+def test_a_granite_reply_cut_inside_its_answer_keeps_what_was_written() -> None:
+    assert split_reasoning("<think>a</think><response>half an ans", answer_tags=GRANITE_TAGS) == ("a", "half an ans")
+    assert split_reasoning("<think>a</think><resp", answer_tags=GRANITE_TAGS) == ("a", "<resp")
+
+
+def test_granite_tags_split_across_any_pieces_give_the_whole_split() -> None:
+    rng = random.Random(11)
+    texts = [GRANITE_REPLY, "<think>\nx\n</think>\n\n<response>\ny\n</response>\n", "<response>only</response>",
+             "<think>a</think> <resp</response>", "<think>a</think><response>b</resp", "<thi", "\n<respon",
+             "<think>a</think><response>b</response>c"]
+    for text in texts:
+        whole = split_reasoning(text, answer_tags=GRANITE_TAGS)
+        for size in (1, 2, 3):
+            assert streamed(text, list(range(size, len(text), size)), tags=GRANITE_TAGS) == whole, (text, size)
+        for _ in range(40):
+            cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(6, len(text) - 1))))
+            assert streamed(text, cuts, tags=GRANITE_TAGS) == whole, (text, cuts)
+
+
+def test_nothing_of_the_response_tags_leaks_while_they_are_incomplete() -> None:
+    splitter = ReasoningSplitter(answer_tags=GRANITE_TAGS)
+    assert splitter.feed("<think>plan</think>") == ("plan", "")
+    assert splitter.answering and splitter.feed("<resp") == ("", "")
+    assert splitter.feed("onse>Hel") == ("", "Hel")
+    assert splitter.feed("lo</resp") == ("", "lo")
+    assert splitter.feed("onse>") == ("", "")
+    assert splitter.finish() == ("", "")
+
+
+def test_the_granite_template_is_known_by_its_switch() -> None:
+    granite = (Path(__file__).parents[1] / "families" / "templates" / "granite3.jinja").read_text()
+    assert template_style(granite) is GRANITE and GRANITE.switch == "thinking" and not GRANITE.default_on
+    assert template_style("{% if enable_thinking is false %}<think>\n\n</think>{% endif %}") is ENABLE_THINKING
+    # A template that only mentions the tags, with no switch, does not think.
+    assert template_style("{%- if tools %}<think></think><response></response>{%- endif %}") is None

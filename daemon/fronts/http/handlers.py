@@ -445,18 +445,19 @@ _EFFORT_THINKS = {"none": False, "minimal": False, "low": True, "medium": True, 
 
 
 def _thinking_switch(body: ChatRequest) -> bool | None:
-    """The request's thinking switch: chat_template_kwargs' enable_thinking, else reasoning_effort;
-    None leaves the model's default (docs/thinking.md)."""
+    """The request's thinking switch: chat_template_kwargs' enable_thinking (or Granite's name,
+    thinking: either drives the model's switch), else reasoning_effort; None leaves the model's
+    default (docs/thinking.md)."""
     kwargs = body.chat_template_kwargs or {}
-    unknown = sorted(set(kwargs) - {"enable_thinking"})
+    unknown = sorted(set(kwargs) - {"enable_thinking", "thinking"})
     if unknown:
-        raise GatewayError("bad_request", f"chat_template_kwargs: only 'enable_thinking' is supported; got "
-                           f"{', '.join(map(repr, unknown))}", param="chat_template_kwargs")
-    if "enable_thinking" in kwargs:
-        if not isinstance(kwargs["enable_thinking"], bool):
-            raise GatewayError("bad_request", "chat_template_kwargs.enable_thinking: true or false",
+        raise GatewayError("bad_request", f"chat_template_kwargs: only 'enable_thinking' or 'thinking' is "
+                           f"supported; got {', '.join(map(repr, unknown))}", param="chat_template_kwargs")
+    if kwargs:
+        if any(not isinstance(v, bool) for v in kwargs.values()) or len(set(kwargs.values())) > 1:
+            raise GatewayError("bad_request", "chat_template_kwargs: enable_thinking or thinking, true or false",
                                param="chat_template_kwargs")
-        return kwargs["enable_thinking"]
+        return next(iter(kwargs.values()))
     if body.reasoning_effort is None:
         return None
     if body.reasoning_effort not in _EFFORT_THINKS:

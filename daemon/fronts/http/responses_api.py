@@ -17,6 +17,7 @@ from starlette.responses import Response, StreamingResponse
 
 from daemon.fronts.http.errors import GatewayError, as_sent
 from daemon.fronts.http.handlers import (
+    _EFFORT_THINKS,
     OPENAI_DEFAULT_TEMPERATURE,
     Gateway,
     _http_client,
@@ -35,6 +36,8 @@ from daemon.wire import GenerateArgs, internal_user
 SENT_NAMES = {"max_tokens": "max_output_tokens", "prompt": "input", "messages": "input",
               "response_format": "text.format"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# `reasoning.effort`: chat's reasoning_effort values, and the Responses API's two above "high".
+EFFORT_THINKS = {**_EFFORT_THINKS, "xhigh": True, "max": True}
 
 
 class ResponsesApi:
@@ -129,7 +132,7 @@ class ResponsesApi:
                    "user": body.user, "top_k": body.top_k, "ignore_eos": body.ignore_eos,
                    "adapter": body.adapter, "record": body.record, "tools": chat_tools(body.tools),
                    "tool_choice": chat_tool_choice(body.tool_choice),
-                   "response_format": chat_response_format(body.text)}
+                   "response_format": chat_response_format(body.text), "thinking": thinking_switch(body.reasoning)}
         return self.gateway._parse(message, SENT_NAMES)
 
     def _keeper(self, who: Principal, args: GenerateArgs, body: ResponsesRequest,
@@ -239,6 +242,23 @@ def input_messages(value: str | list[dict[str, Any]], history: list[dict[str, An
                                "message, function_call, function_call_output (or reasoning, dropped)",
                                param=f"input.{i}.type")
     return turns
+
+
+def thinking_switch(reasoning: dict[str, Any] | None) -> bool | None:
+    """`reasoning.effort` as chat's `reasoning_effort` turns a thinking model's switch (None: the
+    template's default). Thinking is never fed back to later turns: `reasoning.context` can only
+    be the current turn's."""
+    reasoning = reasoning or {}
+    if reasoning.get("context") not in (None, "auto", "current_turn"):
+        raise GatewayError("bad_request", "reasoning.context: only 'current_turn' (thinking is not carried to "
+                           "later turns)", param="reasoning.context")
+    effort = reasoning.get("effort")
+    if effort is None:
+        return None
+    if not isinstance(effort, str) or effort not in EFFORT_THINKS:
+        raise GatewayError("bad_request", "reasoning.effort: one of " + ", ".join(EFFORT_THINKS),
+                           param="reasoning.effort")
+    return EFFORT_THINKS[effort]
 
 
 def _string(item: dict[str, Any], key: str, i: int) -> str:

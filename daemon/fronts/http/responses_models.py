@@ -29,7 +29,7 @@ class ResponsesRequest(BaseModel):
     store: bool | None = True  # OpenAI's default: kept for previous_response_id (in memory here)
     user: str | None = None
     metadata: dict[str, str] | None = None  # echoed back
-    reasoning: dict[str, Any] | None = None  # accepted; the chat template's default applies
+    reasoning: dict[str, Any] | None = None  # effort turns a thinking model's switch; summary ignored
     include: list[str] | None = None  # accepted; no item we produce has optional parts
     truncation: str | None = None
     background: bool | None = None

@@ -1,6 +1,6 @@
 """`/v1/responses` replies: the `response` object built from the daemon's generate result, and
 the typed server-sent events of a streamed one (`response.created` ... `response.completed`),
-with the output items (`message`, `function_call`) both carry.
+with the output items (`reasoning`, `message`, `function_call`) both carry.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class ResponseReply:
         self.output: list[dict[str, Any]] = []
         self._sequence = 0
         self._open: int | None = None  # output index of the message item text streams into
+        self._thinking: int | None = None  # output index of the reasoning item thinking streams into
         self._calls = 0
 
     # -- the response object --------------------------------------------------------------------
@@ -76,6 +77,9 @@ class ResponseReply:
         candidate = result["candidates"][0]
         status = _status(candidate)
         calls = candidate.get("tool_calls") or []
+        if candidate.get("reasoning"):  # a thinking model's think block, before its answer
+            cut = status if not candidate["text"] and not calls else "completed"
+            self.output.append(self._reasoning(candidate["reasoning"], cut))
         if candidate["text"] or not calls:
             self.output.append(self._message(candidate["text"], status))
         self.output.extend(self._function_call(call) for call in calls)
@@ -84,6 +88,11 @@ class ResponseReply:
     def _message(self, text: str, status: str) -> dict[str, Any]:
         return {"id": f"msg_{self.id}_{len(self.output)}", "type": "message", "role": "assistant",
                 "status": status, "content": [_text_part(text)] if status != "in_progress" else []}
+
+    def _reasoning(self, text: str, status: str) -> dict[str, Any]:
+        # The model's own thinking is the item's content (reasoning_text); no summary is written.
+        return {"id": f"rs_{self.id}_{len(self.output)}", "type": "reasoning", "summary": [], "status": status,
+                "content": [_reasoning_part(text)] if status != "in_progress" else []}
 
     def _function_call(self, call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
         self._calls += 1
@@ -104,7 +113,17 @@ class ResponseReply:
         yield self._event("response.in_progress", response=self.response("in_progress", output=[]))
 
     def delta(self, text: str, extra: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
+        thought = (extra or {}).get("reasoning")
+        if thought:
+            if self._thinking is None:
+                yield from self._open_reasoning()
+            assert self._thinking is not None
+            item = self.output[self._thinking]
+            item["content"][0]["text"] += thought
+            yield self._event("response.reasoning_text.delta", item_id=item["id"], output_index=self._thinking,
+                              content_index=0, delta=thought)
         if text:
+            yield from self._close_reasoning("completed")
             if self._open is None:
                 yield from self._open_message()
             assert self._open is not None
@@ -113,6 +132,7 @@ class ResponseReply:
             yield self._event("response.output_text.delta", item_id=item["id"], output_index=self._open,
                               content_index=0, delta=text, logprobs=[])
         for call in (extra or {}).get("tool_calls") or ():
+            yield from self._close_reasoning("completed")
             yield from self._close_message("completed")
             yield from self._stream_call(call)
 
@@ -124,6 +144,28 @@ class ResponseReply:
         self.output.append(item)
         yield self._event("response.content_part.added", item_id=item["id"], output_index=self._open,
                           content_index=0, part=_text_part(""))
+
+    def _open_reasoning(self) -> Iterator[dict[str, Any]]:
+        item = self._reasoning("", "in_progress")
+        self._thinking = len(self.output)
+        yield self._event("response.output_item.added", output_index=self._thinking, item=dict(item, content=[]))
+        item["content"].append(_reasoning_part(""))
+        self.output.append(item)
+        yield self._event("response.content_part.added", item_id=item["id"], output_index=self._thinking,
+                          content_index=0, part=_reasoning_part(""))
+
+    def _close_reasoning(self, status: str) -> Iterator[dict[str, Any]]:
+        if self._thinking is None:
+            return
+        index, self._thinking = self._thinking, None
+        item = self.output[index]
+        part = item["content"][0]
+        yield self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                          text=part["text"])
+        yield self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                          part=dict(part))
+        item["status"] = status
+        yield self._event("response.output_item.done", output_index=index, item=json.loads(json.dumps(item)))
 
     def _close_message(self, status: str) -> Iterator[dict[str, Any]]:
         if self._open is None:
@@ -154,8 +196,9 @@ class ResponseReply:
 
     def finals(self, result: dict[str, Any]) -> Iterator[dict[str, Any]]:
         status = _status(result["candidates"][0])
-        if not self.output:  # an empty answer is still one (empty) message, as in the whole reply
-            yield from self._open_message()
+        yield from self._close_reasoning(status)  # still open: the reply ended inside the thinking
+        if all(item["type"] == "reasoning" for item in self.output):
+            yield from self._open_message()  # an empty answer is still one (empty) message, as when whole
         yield from self._close_message(status)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         yield self._event(kind, response=self.response(status, result))
@@ -168,6 +211,10 @@ class ResponseReply:
 
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _status(candidate: dict[str, Any]) -> str:
