@@ -158,6 +158,7 @@ def candidate_record(c: Any, tools: tuple[dict[str, Any], ...], call: GenerateCa
         candidate["logprobs"] = [logprob_record(lp) for lp in c.logprobs]
     if c.reasoning is not None:  # the thinking, apart from `text` (the answer)
         candidate["reasoning"] = c.reasoning
+        candidate["reasoning_tokens"] = c.reasoning_tokens
     if tools:
         if c.index in call.streamers:
             content = "".join(call.streamed_content.get(c.index, ()))
@@ -189,7 +190,8 @@ def generate_result(interaction_id: str, model: str, adapter: str | None, output
         "candidates": candidates,
         "usage": {"prompt_tokens": len(output.prompt_token_ids),
                   "completion_tokens": sum(c["completion_tokens"] for c in candidates),
-                  "cached_prompt_tokens": metrics.cached_prompt_tokens if metrics else 0},
+                  "cached_prompt_tokens": metrics.cached_prompt_tokens if metrics else 0,
+                  "reasoning_tokens": sum(c.get("reasoning_tokens", 0) for c in candidates)},
         "timing": timing,
         "recorded": False,
     }

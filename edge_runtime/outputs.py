@@ -49,6 +49,7 @@ class CandidateOutput:
     # A thinking model's think block, apart from `text` (the answer); None when the reply had no
     # thinking to split (a model without it, or thinking turned off).
     reasoning: str | None = None
+    reasoning_tokens: int = 0  # tokens of `reasoning`, its tags included (usage's reasoning_tokens)
 
 
 @dataclass

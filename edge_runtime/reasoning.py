@@ -88,7 +88,11 @@ class ReasoningSplitter:
     newlines that frame the block (`<think>\\n ... \\n</think>\\n\\n`) belong to neither part.
     With `answer_tags` (Granite's `<response>`, `</response>`), an answer that opens with the
     first tag is given out without the pair. A reply cut inside the block (max_tokens) is all
-    thinking and has an empty answer."""
+    thinking and has an empty answer.
+
+    Fed one token's text at a time, it also counts the thinking's tokens (`thinking_tokens`, the
+    usage's `reasoning_tokens`): each token that falls in the block, its opening and closing tags
+    included, and whitespace tokens held before an opening tag."""
 
     def __init__(self, phase: Phase = Phase.BEFORE, answer_tags: tuple[str, str] | None = None) -> None:
         self.phase = phase
@@ -100,6 +104,9 @@ class ReasoningSplitter:
         # answer's first token is then the first after it.
         self.opened = phase is Phase.THINKING
         self.wrap = ""  # the answer's wrapper: "maybe" (it may open now), "inside" it, or "" (none)
+        self.thinking_tokens = 0  # tokens fed that belong to the think block
+        self._undecided = 0  # tokens fed while it was not yet known whether a block opens
+        self._blocks = 0  # think blocks opened by what was fed (a prompt's own opening not counted)
 
     @property
     def answering(self) -> bool:
@@ -107,7 +114,19 @@ class ReasoningSplitter:
         return self.phase is Phase.ANSWER
 
     def feed(self, text: str) -> tuple[str, str]:
-        """(thinking, answer) that `text` completes."""
+        """(thinking, answer) that `text` (one token's text, when counting) completes."""
+        before, blocks = self.phase, self._blocks
+        out = self._split(text)
+        if Phase.THINKING in (before, self.phase) or self._blocks != blocks:
+            self.thinking_tokens += 1 + self._undecided
+            self._undecided = 0
+        elif self.phase is Phase.BEFORE:
+            self._undecided += 1
+        else:
+            self._undecided = 0
+        return out
+
+    def _split(self, text: str) -> tuple[str, str]:
         self.held += text
         thinking, answer = [], []
         while self.held:
@@ -117,6 +136,7 @@ class ReasoningSplitter:
                 if start.startswith(OPEN):
                     self.held = start[len(OPEN):]
                     self.phase, self.trim_thinking, self.opened = Phase.THINKING, True, True
+                    self._blocks += 1
                 elif wrapper and start.startswith(wrapper):  # an answer with no thinking before it
                     self.held = start[len(wrapper):]
                     self.phase, self.wrap, self.trim_answer, self.opened = Phase.ANSWER, "inside", True, True

@@ -90,7 +90,8 @@ class Request:
             candidates=[
                 CandidateOutput(s.index, s.text, s.output_ids, s.finish_reason,
                                 s.logprobs if self.params.logprobs is not None else None,
-                                s.thought if s.reasoning is not None else None)
+                                s.thought if s.reasoning is not None else None,
+                                s.reasoning.thinking_tokens if s.reasoning is not None else 0)
                 for s in self.seqs
             ],
             finished=self.finished,

@@ -145,3 +145,38 @@ def test_feedback_pairs_hold_the_answers_the_user_saw_never_the_thinking(gw: Gat
     [pair] = data["preference_pairs"]
     assert (pair["chosen"], pair["rejected"]) == (result.candidates[1].text, result.candidates[0].text)
     assert pair["prompt"] == interaction["prompt"]
+
+
+def _thinking_token_count(logprobs: list) -> int:
+    """Tokens of the reply up to and including the one that completes `</think>`, read off the
+    bytes each generated token spelled (chat's `logprobs.content`)."""
+    spelled = b""
+    for i, entry in enumerate(logprobs):
+        spelled += bytes(entry.bytes)
+        if b"</think>" in spelled:
+            return i + 1
+    raise AssertionError(f"no closing tag in {spelled!r}")
+
+
+def test_usage_counts_the_thinking_tokens_whole_streamed_and_through_responses(gw: Gateway) -> None:
+    whole = _create(gw, reasoning_effort="high", logprobs=True)
+    expected = _thinking_token_count(whole.choices[0].logprobs.content)
+    assert 2 < expected < whole.usage.completion_tokens  # the tags and words; an answer after them
+    assert whole.usage.completion_tokens_details.reasoning_tokens == expected
+    stream = _create(gw, reasoning_effort="high", stream=True, stream_options={"include_usage": True})
+    [usage] = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert usage.completion_tokens_details.reasoning_tokens == expected
+    off = _create(gw, reasoning_effort="none")
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0  # the tags are answer text then
+    client = gw.openai()
+    kwargs = {"model": "default", "input": CHAT[0]["content"], "temperature": 0, "max_output_tokens": 48,
+              "reasoning": {"effort": "high"}, "text": {"format": BLOCK}}
+    response = client.responses.create(**kwargs)
+    assert response.usage.output_tokens_details.reasoning_tokens == expected
+    assert response.output[0].type == "reasoning"
+    events = list(client.responses.create(stream=True, **kwargs))
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == expected
+    with gw.daemon.client() as sdk:
+        result = sdk.generate(messages=CHAT, max_tokens=48, thinking=True, response_format=BLOCK)
+    assert result.usage["reasoning_tokens"] == expected

@@ -163,3 +163,30 @@ def test_the_granite_template_is_known_by_its_switch() -> None:
     assert template_style("{% if enable_thinking is false %}<think>\n\n</think>{% endif %}") is ENABLE_THINKING
     # A template that only mentions the tags, with no switch, does not think.
     assert template_style("{%- if tools %}<think></think><response></response>{%- endif %}") is None
+
+
+def _count(tokens: list[str], phase: Phase = Phase.BEFORE, answer_tags: tuple[str, str] | None = None) -> int:
+    splitter = ReasoningSplitter(phase, answer_tags)
+    for token in tokens:
+        splitter.feed(token)
+    splitter.finish()
+    return splitter.thinking_tokens
+
+
+@pytest.mark.parametrize(("tokens", "phase", "expected"), [
+    (["<think>", "\n", "a", "b", "\n", "</think>", "\n\n", "ok"], Phase.BEFORE, 6),  # tags and framing in
+    (["\n", "<th", "ink>", "x", "</th", "ink>", "y"], Phase.BEFORE, 6),  # tags split; whitespace before
+    (["hi", "<think>", "x", "</think>"], Phase.BEFORE, 0),  # no block before the answer: all answer
+    (["x", "y", "</think>", "z"], Phase.THINKING, 3),  # the prompt opened the block
+    (["<think>", "x", "y"], Phase.BEFORE, 3),  # cut inside the block: all thinking
+    (["\n", "a"], Phase.BEFORE, 0),
+    (["<think>x</think>answer"], Phase.BEFORE, 1),  # one token holding the whole block counts once
+])
+def test_the_thinking_tokens_are_counted_as_they_are_fed(tokens: list[str], phase: Phase, expected: int) -> None:
+    assert _count(tokens, phase) == expected
+
+
+def test_granite_counts_the_block_not_the_answer_wrapper() -> None:
+    tags = ("<response>", "</response>")
+    assert _count(["<think>", "x", "</think>", "<resp", "onse>", "a", "</response>"], answer_tags=tags) == 3
+    assert _count(["<response>", "a", "</response>"], answer_tags=tags) == 0

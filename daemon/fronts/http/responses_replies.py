@@ -17,7 +17,7 @@ def usage(result: dict[str, Any]) -> dict[str, Any]:
     used = result["usage"]
     prompt, completion = used["prompt_tokens"], used["completion_tokens"]
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": used.get("cached_prompt_tokens", 0)},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": used.get("reasoning_tokens", 0)},
             "total_tokens": prompt + completion}
 
 
