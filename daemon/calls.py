@@ -191,6 +191,7 @@ def generate_result(interaction_id: str, model: str, adapter: str | None, output
         "usage": {"prompt_tokens": len(output.prompt_token_ids),
                   "completion_tokens": sum(c["completion_tokens"] for c in candidates),
                   "cached_prompt_tokens": metrics.cached_prompt_tokens if metrics else 0,
+                  "cache_write_tokens": metrics.cache_write_tokens if metrics else 0,
                   "reasoning_tokens": sum(c.get("reasoning_tokens", 0) for c in candidates)},
         "timing": timing,
         "recorded": False,

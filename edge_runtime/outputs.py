@@ -59,6 +59,7 @@ class RequestMetrics:
     finish_time: float | None = None
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    cache_write_tokens: int = 0  # prompt tokens this request added to the prefix cache (full blocks)
     generated_tokens: int = 0
 
     @property

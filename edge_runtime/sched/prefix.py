@@ -63,5 +63,8 @@ def register_full_blocks(seq: Sequence, pool: BlockPool, salt: str) -> None:
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         h = block_hash(parent, seq.token_ids[i * size : (i + 1) * size], salt)
         pool.register(seq.block_table[i], h)
+        metrics = seq.request.metrics
+        if metrics is not None and (i + 1) * size <= seq.num_prompt and pool.cached.get(h) == seq.block_table[i]:
+            metrics.cache_write_tokens += size  # a prompt block this request put in the cache
         pool.claim(seq.block_table[i], seq.request.owner)
         seq.block_hashes.append(h)

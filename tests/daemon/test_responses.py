@@ -244,3 +244,38 @@ def test_an_erasure_over_zeromq_drops_the_users_stored_responses_too(apps: Apps)
     assert erased["responses"] == 1 and erased["prefix_blocks"] == 0
     with pytest.raises(openai.NotFoundError):
         a.responses.retrieve(kept.id)
+
+
+def _raw_stream(client: openai.OpenAI, **kwargs: object) -> list[dict]:
+    with client.responses.with_streaming_response.create(stream=True, **kwargs) as raw:
+        return [json.loads(line[len("data: "):]) for line in raw.iter_lines() if line.startswith("data: ")]
+
+
+def test_real_replies_validate_strictly_and_count_the_prefix_cache_truly(apps: Apps) -> None:
+    from tests.daemon.test_responses_strict import strict_event, strict_response
+
+    client = apps.openai()
+    # A prompt no other test sent: its first reply writes the prompt's full blocks to the prefix
+    # cache (but those of a start other tests sent, read back), the second reads them all back
+    # (all but the last token, which must run).
+    question = "Strictly count these words please: " + " ".join(f"w{i}" for i in range(40))
+    kwargs = dict(input=question, tools=[WEATHER], **GREEDY)
+    first = client.responses.with_raw_response.create(**kwargs).http_response.json()
+    usage = strict_response(first).usage
+    block = 16  # engine.block_size's default
+    prompt = usage.input_tokens
+    details = usage.input_tokens_details
+    assert details.cached_tokens + details.cache_write_tokens == prompt // block * block
+    assert details.cache_write_tokens >= 32
+    events = _raw_stream(client, **kwargs)
+    parsed = [strict_event(e) for e in events]
+    usage = parsed[-1].response.usage
+    assert usage.input_tokens_details.cached_tokens == (prompt - 1) // block * block
+    assert usage.input_tokens_details.cache_write_tokens == 0
+    calls = dict(model="tiny", input=QUESTION, tools=[WEATHER], max_output_tokens=600, temperature=1.0,
+                 extra_body={"seed": 7})
+    forced = client.responses.with_raw_response.create(
+        tool_choice={"type": "function", "name": "get_weather"}, **calls).http_response.json()
+    assert strict_response(forced).output[-1].type == "function_call"
+    streamed = [strict_event(e) for e in _raw_stream(client, tool_choice="required", **calls)]
+    assert streamed[-1].type == "response.completed" and streamed[-1].response.output[-1].type == "function_call"

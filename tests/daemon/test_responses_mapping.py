@@ -105,7 +105,7 @@ def test_an_error_after_the_first_token_is_an_error_event_then_response_failed()
               *reply.failed(GatewayError("shutting_down", "the daemon is stopping"))]
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2]["code"] == "shutting_down" and events[-1]["response"]["status"] == "failed"
-    assert events[-1]["response"]["error"]["code"] == "shutting_down" and events[-1]["response"]["id"] == "ix-3"
+    assert events[-1]["response"]["error"]["type"] == "shutting_down" and events[-1]["response"]["id"] == "ix-3"
 
 
 def test_the_store_is_per_principal_and_user_and_bounded() -> None:

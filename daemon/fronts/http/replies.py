@@ -170,9 +170,10 @@ def _usage(results: list[dict[str, Any]]) -> dict[str, Any]:
     prompt = sum(r["usage"]["prompt_tokens"] for r in results)
     completion = sum(r["usage"]["completion_tokens"] for r in results)
     cached = sum(r["usage"].get("cached_prompt_tokens", 0) for r in results)
+    written = sum(r["usage"].get("cache_write_tokens", 0) for r in results)
     reasoning = sum(r["usage"].get("reasoning_tokens", 0) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
             "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 

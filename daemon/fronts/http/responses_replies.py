@@ -16,7 +16,9 @@ from daemon.fronts.http.errors import GatewayError
 def usage(result: dict[str, Any]) -> dict[str, Any]:
     used = result["usage"]
     prompt, completion = used["prompt_tokens"], used["completion_tokens"]
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": used.get("cached_prompt_tokens", 0)},
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": used.get("cached_prompt_tokens", 0),
+                                     "cache_write_tokens": used.get("cache_write_tokens", 0)},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": used.get("reasoning_tokens", 0)},
             "total_tokens": prompt + completion}
 
@@ -64,7 +66,7 @@ class ResponseReply:
         body: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "model": self.model, "output": self.output if output is None else output,
-            "error": {"code": error.code, "message": error.message} if error else None,
+            "error": response_error(error) if error else None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             **self.echo, "usage": usage(result) if result else None}
         if result is not None:
@@ -207,6 +209,15 @@ class ResponseReply:
         """Headers are gone: the error travels as an `error` event, then `response.failed`."""
         yield self._event("error", code=error.code, message=error.message, param=error.param)
         yield self._event("response.failed", response=self.response("failed", error=error))
+
+
+def response_error(error: GatewayError) -> dict[str, Any]:
+    """A failed response's `error`: its `code` is one of the few OpenAI's Responses API defines
+    (clients validate it): a refused request is `invalid_prompt`, a busy daemon
+    `rate_limit_exceeded`, anything else `server_error`; the daemon's own code is its `type`."""
+    status = error.status
+    code = "rate_limit_exceeded" if status == 429 else "invalid_prompt" if status in (400, 413, 422) else "server_error"
+    return {"code": code, "message": error.message, "param": error.param, "type": error.code}
 
 
 def _text_part(text: str) -> dict[str, Any]:
