@@ -30,7 +30,7 @@ from daemon.fronts.http.responses_store import ResponseStore
 from daemon.inference_gate import check_sequences
 from daemon.principals import Principal
 from daemon.service import GenerateCall
-from daemon.wire import GenerateArgs, internal_user
+from daemon.wire import GenerateArgs
 
 # Protocol field -> the Responses request's own name, for error messages and `param`.
 SENT_NAMES = {"max_tokens": "max_output_tokens", "prompt": "input", "messages": "input",
@@ -62,10 +62,13 @@ class ResponsesApi:
             raise GatewayError("bad_request", f"not supported by this server: {', '.join(bad)}", param=bad[0])
         self.gateway._check_model(body.model)
         who: Principal = request.state.principal
-        history = self._history(who, body)
-        turns = history + input_messages(body.input, history)  # what a later response continues
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        args = self._args(body, system + turns)
+        turns = input_messages(body.input, [])
+        args = self._args(body, system + turns)  # every field judged once, before any is used
+        if body.previous_response_id is not None:
+            history = self._history(who, body, args.user)
+            turns = history + input_messages(body.input, history)  # what a later response continues
+            args = self._args(body, system + turns)
         check_sequences(args.n, self.gateway.config.limits)
         limit = self.gateway.config.server.max_inflight
         if self.gateway.in_flight + 1 > limit:
@@ -111,18 +114,16 @@ class ResponsesApi:
                                "docs/gateway.md#responses-api)", param=param)
         return entry
 
-    def _history(self, who: Principal, body: ResponsesRequest) -> list[dict[str, Any]]:
+    def _history(self, who: Principal, body: ResponsesRequest, user: str | None) -> list[dict[str, Any]]:
         """The earlier turns `previous_response_id` names, for the same principal and `user`
-        only (their instructions are not carried over, as in OpenAI's API)."""
-        if body.previous_response_id is None:
-            return []
-        user = self.service.users.stored(who, None, internal_user(body.user)) if body.user is not None else ""
+        (the validated request's) only (their instructions are not carried over, as in OpenAI's API)."""
+        user = self.service.users.stored(who, None, user) if user is not None else ""
         entry = self._stored(who, body.previous_response_id, user, "previous_response_id")
         return [dict(m) for m in entry.messages]
 
     def _args(self, body: ResponsesRequest, messages: list[dict[str, Any]]) -> GenerateArgs:
         seed = body.seed
-        if seed is not None and seed < 0:
+        if type(seed) is int and seed < 0:  # any other type is the schema's to refuse
             if seed != -1:
                 raise GatewayError("bad_request", "seed: an integer >= 0, or -1 for a random seed", param="seed")
             seed = None

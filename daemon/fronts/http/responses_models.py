@@ -1,6 +1,8 @@
 """The `/v1/responses` request body as a pydantic model: its shape only (OpenAI's names and
 types); what each field does, and the refusal of values this daemon cannot honour, is
-`responses_api`'s; the values themselves are checked by `daemon.wire`, as for chat.
+`responses_api`'s; the values themselves are checked by `daemon.wire`, as for chat: a field handed
+on to the generate request is `Wire` (not coerced here: `"5"` or `true` for an integer is refused
+by the schema with chat's text, code and `param`).
 """
 
 from __future__ import annotations
@@ -8,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
+
+from daemon.fronts.http.models import Wire
 
 
 class ResponsesRequest(BaseModel):
@@ -22,12 +26,12 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # accepted: a forced call is one call; auto may give several
     text: dict[str, Any] | None = None  # {"format": {...}}: structured output
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    max_output_tokens: Wire = None
+    temperature: Wire = None
+    top_p: Wire = None
     stream: bool | None = False
     store: bool | None = True  # OpenAI's default: kept for previous_response_id (in memory here)
-    user: str | None = None
+    user: Wire = None
     metadata: dict[str, str] | None = None  # echoed back
     reasoning: dict[str, Any] | None = None  # effort turns a thinking model's switch; summary ignored
     include: list[str] | None = None  # accepted; no item we produce has optional parts
@@ -37,12 +41,12 @@ class ResponsesRequest(BaseModel):
     conversation: Any = None
     prompt: Any = None
     # Extensions (send them with the client's extra_body), as on chat.
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    top_k: int | None = None
-    ignore_eos: bool | None = None
-    adapter: str | int | None = None
-    record: bool | None = None
+    seed: Wire = None
+    stop: Wire = None
+    top_k: Wire = None
+    ignore_eos: Wire = None
+    adapter: Wire = None
+    record: Wire = None
 
     def unsupported(self) -> list[str]:
         """Known OpenAI parameters set to something this daemon cannot do."""
