@@ -1,135 +1,150 @@
-"""The arguments of the small ops (cancel, feedback, embed, users, adapters) and their validation.
+"""The arguments of the small ops (cancel, feedback, embed, users, adapters), declared as msgspec
+`Struct`s with their bounds and checked once by `fields.convert`; the few rules that tie fields
+together follow each conversion. docs/protocol.md is their prose.
 
-Pure standard library.
+msgspec and the standard library.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta, Struct
 
 from daemon.wire.fields import (
+    APP_USER,
     INTERACTION_ID,
     MAX_EMBED_INPUTS,
     MAX_FEEDBACK_FIELDS,
+    MAX_ID_CHARS,
     MAX_PROMPT_TOKEN_IDS,
-    Fields,
-    is_token,
-    request_id_of,
+    MAX_USER_CHARS,
+    anchored,
+    convert,
+    internal_user,
+    refusal,
 )
 
 # The app whose user an operator's request names (docs/security.md); an app may name only itself.
 APP_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 
+AppName = Annotated[str, Meta(pattern=anchored(APP_NAME))]
+AppUser = Annotated[str, Meta(max_length=MAX_USER_CHARS, pattern=anchored(APP_USER))]
+TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
+MAX_EMBED_CHARS = 1 << 24
 
-def _app(f: Fields) -> str | None:
-    return f.text("app", max_chars=32, pattern=APP_NAME, what="an app's name from the daemon's [[apps]]")
-
-
-@dataclass(frozen=True)
-class CancelArgs:
-    target: str | int  # the id of one of this client's requests in flight
-
-
-def parse_cancel(f: Fields) -> CancelArgs:
-    target = request_id_of({"id": f.values.get("target")})
-    if target is None:
-        raise f._fail("target", "the id of one of your requests in flight")
-    return CancelArgs(target)
-
-
-@dataclass(frozen=True)
-class FeedbackArgs:
-    user: str
-    interaction_id: str
-    feedback: dict[str, Any]  # {"kind": "choice"|"thumbs"|"rating"|"edit", ...}; the store parses it
+WANT = {
+    "user": f"a user: 1-{MAX_USER_CHARS} printable characters (an app's own id)",
+    "app": "an app's name from the daemon's [[apps]]",
+    "target": "the id of one of your requests in flight",
+    "interaction_id": "the interaction_id a generate reply gave",
+    "feedback": "a map with 'kind' (choice, thumbs, rating or edit) and its fields",
+    "input": (f"a string, a list of 1-{MAX_EMBED_INPUTS} strings, a list of token ids, or a list of "
+              "token-id lists"),
+}
+WANT["input[]"] = WANT["input"] + " (none empty)"  # one of the inputs refused
 
 
-def parse_feedback(f: Fields) -> FeedbackArgs:
-    user = f.user()
-    interaction = f.text("interaction_id", max_chars=128, required=True, pattern=INTERACTION_ID,
-                        what="the interaction_id a generate reply gave")
-    feedback = f.values.get("feedback")
-    if (not isinstance(feedback, dict) or not isinstance(feedback.get("kind"), str)
-            or len(feedback) > MAX_FEEDBACK_FIELDS):
-        raise f._fail("feedback", "a map with 'kind' (choice, thumbs, rating or edit) and its fields")
-    assert user is not None and interaction is not None
-    return FeedbackArgs(user, interaction, feedback)
-
-
-@dataclass(frozen=True)
-class EmbedArgs:
-    inputs: tuple[str | list[int], ...]  # texts or token-id lists
-
-
-def parse_embed(f: Fields) -> EmbedArgs:
-    value = f.values.get("input")
-    want = (f"a string, a list of 1-{MAX_EMBED_INPUTS} strings, a list of token ids, or a list of "
-            "token-id lists")
-    if isinstance(value, str) or (isinstance(value, list) and value and all(is_token(t) for t in value)):
-        value = [value]
-    if not isinstance(value, list) or not 1 <= len(value) <= MAX_EMBED_INPUTS:
-        raise f._fail("input", want)
-    for item in value:
-        ok = (isinstance(item, str) and 0 < len(item) <= 1 << 24) or (
-            isinstance(item, list) and 0 < len(item) <= MAX_PROMPT_TOKEN_IDS and all(is_token(t) for t in item))
-        if not ok:
-            raise f._fail("input", want + " (none empty)")
-    return EmbedArgs(tuple(value))
-
-
-@dataclass(frozen=True)
-class NoArgs:
+class _Args(Struct, frozen=True):
     pass
 
 
-@dataclass(frozen=True)
-class UserArgs:
-    user: str
-    app: str | None = None
+class NoArgs(_Args):
+    pass
 
 
-@dataclass(frozen=True)
-class ConsentArgs:
-    user: str
-    granted: bool | None  # consent to feedback collection; None: leave as it is
+class CancelArgs(_Args):
+    target: Annotated[str, Meta(min_length=1, max_length=MAX_ID_CHARS)] | Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+
+
+class FeedbackArgs(_Args):
+    user: AppUser
+    interaction_id: Annotated[str, Meta(max_length=MAX_ID_CHARS, pattern=anchored(INTERACTION_ID))]
+    # {"kind": "choice"|"thumbs"|"rating"|"edit", ...}; the store parses it
+    feedback: Annotated[dict[Any, Any], Meta(max_length=MAX_FEEDBACK_FIELDS)]
+
+
+class EmbedArgs(_Args):
+    # Texts or token-id lists; a flat list of token ids is one input (made a 1-tuple).
+    inputs: (str | Annotated[list[Annotated[str, Meta(min_length=1, max_length=MAX_EMBED_CHARS)] | TokenId
+                                  | Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]],
+                             Meta(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)]) = msgspec.field(name="input")
+
+
+class UserArgs(_Args):
+    user: AppUser
+    app: AppName | None = None
+
+
+class ConsentArgs(_Args):
+    user: AppUser
+    granted: bool | None = None  # consent to feedback collection; None: leave as it is
     fleet: bool | None = None  # consent to training the shared fleet adapter; None: leave as it is
-    app: str | None = None
+    app: AppName | None = None
 
 
-@dataclass(frozen=True)
-class AdaptersListArgs:
-    user: str | None = None
-    app: str | None = None
+class AdaptersListArgs(_Args):
+    user: AppUser | None = None
+    app: AppName | None = None
 
 
-@dataclass(frozen=True)
-class RollbackArgs:
-    user: str
-    version: int
-    app: str | None = None
+class RollbackArgs(_Args):
+    user: AppUser
+    version: Annotated[int, Meta(ge=0, le=2**31 - 1)]
+    app: AppName | None = None
 
 
-def user_args(f: Fields) -> UserArgs:
-    return UserArgs(f.user() or "", _app(f))
+def _with_user(args: Any) -> Any:
+    """The app's `user` string as the id the daemon keys the user's data on."""
+    return args if args.user is None else msgspec.structs.replace(args, user=internal_user(args.user))
 
 
-def consent_args(f: Fields) -> ConsentArgs:
-    user = f.user() or ""
-    fleet = f.flag("fleet")
+def parse_cancel(op: str, values: dict[str, Any]) -> CancelArgs:
+    return convert(op, values, CancelArgs, WANT)
+
+
+def parse_feedback(op: str, values: dict[str, Any]) -> FeedbackArgs:
+    args = convert(op, values, FeedbackArgs, WANT)
+    if not isinstance(args.feedback.get("kind"), str):
+        raise refusal(op, values, "feedback", WANT["feedback"])
+    return _with_user(args)
+
+
+def parse_embed(op: str, values: dict[str, Any]) -> EmbedArgs:
+    args = convert(op, values, EmbedArgs, WANT)
+    inputs = args.inputs
+    tokens = [isinstance(item, int) for item in inputs]
+    if isinstance(inputs, str) or all(tokens):
+        inputs = [inputs]  # one text, or one list of token ids
+    elif any(tokens):
+        raise refusal(op, values, "input", WANT["input"] + " (none empty)")  # ids beside inputs
+    if len(inputs) > MAX_EMBED_INPUTS:
+        raise refusal(op, values, "input", WANT["input"])
+    if any(isinstance(item, str) and not 0 < len(item) <= MAX_EMBED_CHARS for item in inputs):
+        raise refusal(op, values, "input", WANT["input"] + " (none empty)")
+    return msgspec.structs.replace(args, inputs=tuple(inputs))
+
+
+def user_args(op: str, values: dict[str, Any]) -> UserArgs:
+    return _with_user(convert(op, values, UserArgs, WANT))
+
+
+def consent_args(op: str, values: dict[str, Any]) -> ConsentArgs:
+    args = convert(op, values, ConsentArgs, WANT)
     # `granted` alone is the original form; `fleet` alone changes only the fleet consent.
-    granted = f.flag("granted", required=fleet is None)
-    if granted is False and fleet is True:
-        raise f._fail("fleet", "false or absent when withdrawing consent to feedback collection "
+    if args.granted is None and args.fleet is None:
+        raise refusal(op, values, "granted", "true or false")
+    if args.granted is False and args.fleet is True:
+        raise refusal(op, values, "fleet", "false or absent when withdrawing consent to feedback collection "
                       "(fleet consent needs it)")
-    return ConsentArgs(user, granted, fleet, _app(f))
+    return _with_user(args)
 
 
-def adapters_list_args(f: Fields) -> AdaptersListArgs:
-    return AdaptersListArgs(f.user(required=False), _app(f))
+def adapters_list_args(op: str, values: dict[str, Any]) -> AdaptersListArgs:
+    return _with_user(convert(op, values, AdaptersListArgs, WANT))
 
 
-def rollback_args(f: Fields) -> RollbackArgs:
-    return RollbackArgs(f.user() or "", f.integer("version", lo=0, hi=2**31 - 1, required=True) or 0, _app(f))
-
+def rollback_args(op: str, values: dict[str, Any]) -> RollbackArgs:
+    return _with_user(convert(op, values, RollbackArgs, WANT))

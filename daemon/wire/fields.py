@@ -1,18 +1,22 @@
-"""The bounds every request shares (ids, users, feedback) and the typed getters that check one
-request's fields, raising `bad_request` with the field's name.
+"""The bounds every request shares (ids, users, feedback), and `convert`: one op's fields checked
+once as its msgspec Struct, a refusal raising `bad_request` with the field's name and the
+protocol's text for it.
 
-Pure standard library.
+msgspec and the standard library.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
 
 from daemon.wire.errors import ProtocolError
+
+S = TypeVar("S")
 
 MAX_EMBED_INPUTS = 256
 MAX_ID_CHARS = 128
@@ -37,60 +41,51 @@ def request_id_of(message: Mapping[str, Any]) -> str | int | None:
     return None
 
 
-class Fields:
-    """Typed getters over one request's fields, raising `bad_request` with the field's name."""
+def anchored(pattern: re.Pattern[str]) -> str:
+    """`pattern` for a msgspec `Meta(pattern=...)`, which searches: the whole string must match
+    (`\\Z`, not `$`, which also matches before a trailing newline)."""
+    return rf"^(?:{pattern.pattern})\Z"
 
-    def __init__(self, op: str, values: Mapping[str, Any]) -> None:
-        self.op = op
-        self.values = values
 
-    def _fail(self, name: str, want: str) -> ProtocolError:
-        got = self.values.get(name)
-        shown = repr(got) if isinstance(got, (int, float, bool)) or got is None else type(got).__name__
-        return ProtocolError("bad_request", f"{self.op}: '{name}' must be {want}; got {shown}", param=name)
+def refusal(op: str, values: Mapping[str, Any], name: str, want: str) -> ProtocolError:
+    """`bad_request` naming the field, what it must be and what it was."""
+    got = values.get(name)
+    shown = repr(got) if isinstance(got, (int, float, bool)) or got is None else type(got).__name__
+    return ProtocolError("bad_request", f"{op}: '{name}' must be {want}; got {shown}", param=name)
 
-    def text(self, name: str, *, max_chars: int, default: str | None = None, required: bool = False,
-            pattern: re.Pattern[str] | None = None, what: str = "a string") -> str | None:
-        value = self.values.get(name)
-        if value is None:
-            if required:
-                raise self._fail(name, what)
-            return default
-        if not isinstance(value, str) or len(value) > max_chars or (pattern and not pattern.fullmatch(value)):
-            raise self._fail(name, what)
-        return value
 
-    def integer(self, name: str, *, lo: int, hi: int, default: int | None = None,
-            required: bool = False) -> int | None:
-        value = self.values.get(name)
-        if value is None and not required:
-            return default
-        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
-            raise self._fail(name, f"an integer in [{lo}, {hi}]")
-        return value
+def bounds_want(schema: type, name: str) -> str:
+    """'an integer in [lo, hi]', 'a number in (lo, hi]' (read off a Struct field's own bounds),
+    'true or false' or 'a string'."""
+    info = next(f for f in msgspec.inspect.type_info(schema).fields if f.encode_name == name)  # type: ignore[attr-defined]
+    kinds = [t for t in getattr(info.type, "types", (info.type,)) if not isinstance(t, msgspec.inspect.NoneType)]
+    t = kinds[0]
+    if isinstance(t, msgspec.inspect.IntType):
+        return f"an integer in [{t.ge}, {t.le if t.le is not None else t.lt - 1}]"
+    if isinstance(t, msgspec.inspect.BoolType):
+        return "true or false"
+    if isinstance(t, msgspec.inspect.StrType):
+        return "a string"
+    lo = t.ge if t.ge is not None else t.gt
+    return f"a number in {'[' if t.ge is not None else '('}{lo}, {t.le}]"
 
-    def number(self, name: str, *, lo: float, hi: float, default: float | None = None,
-              lo_open: bool = False) -> float | None:
-        value = self.values.get(name)
-        if value is None:
-            return default
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok or value > hi or value < lo or (lo_open and value == lo):
-            raise self._fail(name, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
-        return float(value)
 
-    def flag(self, name: str, *, default: bool | None = None, required: bool = False) -> bool | None:
-        value = self.values.get(name)
-        if value is None and not required:
-            return default
-        if not isinstance(value, bool):
-            raise self._fail(name, "true or false")
-        return value
+_AT = re.compile(r" - at `\$\.(?P<name>\w+)(?P<part>[.\[])?")  # where msgspec refused, or what was missing:
+_MISSING = re.compile(r"missing required field `(?P<name>\w+)`")
 
-    def user(self, name: str = "user", *, required: bool = True) -> str | None:
-        value = self.text(name, max_chars=MAX_USER_CHARS, required=required, pattern=APP_USER,
-                          what=f"a user: 1-{MAX_USER_CHARS} printable characters (an app's own id)")
-        return None if value is None else internal_user(value)
+
+def convert(op: str, values: Mapping[str, Any], schema: type[S], want: Mapping[str, str]) -> S:
+    """`values` (nil means absent, as everywhere in the protocol) as the Struct `schema`, checked
+    once; a refusal names the first field msgspec refused, with what it must be: `want[field]`
+    (`want[field + "[]"]` when a part of it was refused, if given), else its bounds."""
+    present = {k: v for k, v in values.items() if v is not None}
+    try:
+        return msgspec.convert(present, schema)
+    except msgspec.ValidationError as exc:
+        where = _AT.search(str(exc)) or _MISSING.search(str(exc))
+        name = where["name"] if where else ""
+        text = (want.get(name + "[]") if where and where.groupdict().get("part") else None) or want.get(name)
+        raise refusal(op, present, name, text or bounds_want(schema, name)) from None
 
 
 def internal_user(app_user: str) -> str:
@@ -102,8 +97,4 @@ def internal_user(app_user: str) -> str:
     if USER_ID.fullmatch(app_user):
         return app_user
     return "h-" + hashlib.sha256(app_user.encode("utf-8", "surrogatepass")).hexdigest()[:40]
-
-
-def is_token(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
 

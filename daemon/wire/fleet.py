@@ -1,43 +1,51 @@
 """The fleet ops' arguments (fleet.publish, fleet.rollback, fleet.round, fleet.evaluate): adapter
-tensors as they travel, the LoRA shape, a round's settings, and their validation.
+tensors as they travel, the LoRA shape, a round's settings, declared as msgspec `Struct`s with
+their bounds and checked once by `fields.convert`; the tensors' bytes are checked against their
+shapes after.
 
-Pure standard library.
+msgspec and the standard library.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
 
 from daemon.wire.errors import ProtocolError
-from daemon.wire.fields import ABSOLUTE_PATH, Fields
+from daemon.wire.fields import ABSOLUTE_PATH, anchored, bounds_want, convert, refusal
+
+Uint31 = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+OperatorKey = Annotated[str, Meta(max_length=256)]
 
 
-@dataclass(frozen=True)
-class FleetPublishArgs:
-    path: str  # an absolute path, on the daemon's machine, of a PEFT LoRA adapter folder
-    operator_key: str | None = None  # publishing is the operator's (docs/fleet.md)
-    run_id: str | None = None  # the aggregator's run and round it signed: a replay is refused
-    round: int | None = None
+class FleetPublishArgs(Struct, frozen=True):
+    # An absolute path, on the daemon's machine, of a PEFT LoRA adapter folder.
+    path: Annotated[str, Meta(max_length=4096, pattern=anchored(ABSOLUTE_PATH))]
+    operator_key: OperatorKey | None = None  # publishing is the operator's (docs/fleet.md)
+    run_id: Annotated[str, Meta(max_length=128)] | None = None  # the aggregator's run and round it
+    round: Uint31 | None = None  # signed: a replay is refused
 
 
-@dataclass(frozen=True)
-class FleetRollbackArgs:
-    version: int | None = None  # serve this version again (0: no fleet adapter); None: drop the newest
-    operator_key: str | None = None
+class FleetRollbackArgs(Struct, frozen=True):
+    version: Uint31 | None = None  # serve this version again (0: no fleet adapter); None: drop the newest
+    operator_key: OperatorKey | None = None
 
 
-def fleet_publish(f: Fields) -> FleetPublishArgs:
-    path = f.text("path", max_chars=4096, required=True, pattern=ABSOLUTE_PATH,
-                  what="the absolute path of a PEFT LoRA adapter folder on the daemon's machine")
-    assert path is not None
-    run_id = f.text("run_id", max_chars=128)
-    round_number = f.integer("round", lo=0, hi=2**31 - 1, required=run_id is not None)
-    return FleetPublishArgs(path, f.text("operator_key", max_chars=256), run_id, round_number)
+WANT = {"path": "the absolute path of a PEFT LoRA adapter folder on the daemon's machine"}
 
 
-def fleet_rollback(f: Fields) -> FleetRollbackArgs:
-    return FleetRollbackArgs(f.integer("version", lo=0, hi=2**31 - 1), f.text("operator_key", max_chars=256))
+def fleet_publish(op: str, values: dict[str, Any]) -> FleetPublishArgs:
+    args = convert(op, values, FleetPublishArgs, WANT)
+    if args.run_id is not None and args.round is None:  # a signed publish names its round
+        raise refusal(op, values, "round", bounds_want(FleetPublishArgs, "round"))
+    return args
+
+
+def fleet_rollback(op: str, values: dict[str, Any]) -> FleetRollbackArgs:
+    return convert(op, values, FleetRollbackArgs, WANT)
 
 
 # Adapter tensors on the wire: name -> {"dtype": "float32", "shape": [..], "data": raw
@@ -45,132 +53,117 @@ def fleet_rollback(f: Fields) -> FleetRollbackArgs:
 MAX_TENSORS = 4096
 MAX_TENSOR_NAME_CHARS = 256
 TENSOR_DTYPES = {"float32": 4}
+TensorName = Annotated[str, Meta(min_length=1, max_length=MAX_TENSOR_NAME_CHARS)]
 
 
-@dataclass(frozen=True)
-class WireTensor:
-    dtype: str
-    shape: tuple[int, ...]
+class WireTensor(Struct, frozen=True, forbid_unknown_fields=True):
+    dtype: Literal["float32"]
+    shape: Annotated[tuple[Annotated[int, Meta(ge=0, lt=2**31)], ...], Meta(min_length=1, max_length=4)]
     data: bytes
 
 
-@dataclass(frozen=True)
-class FleetLoraConfig:
-    r: int
-    lora_alpha: float
-    target_modules: tuple[str, ...]
+class FleetLoraConfig(Struct, frozen=True):
+    r: Annotated[int, Meta(ge=1, le=4096)]
+    lora_alpha: Annotated[float, Meta(gt=0.0, le=1.7976931348623157e308)]  # finite
+    target_modules: Annotated[tuple[Annotated[str, Meta(min_length=1, max_length=64)], ...],
+                              Meta(min_length=1, max_length=16)]
 
 
-@dataclass(frozen=True)
-class FleetRoundConfig:
-    steps: int = 1  # optimizer steps, each over all of the round's training examples
-    lr: float = 5e-4
-    beta: float = 0.1
-    clip: float = 1.0  # L2 bound C of the whole delta
-    noise_multiplier: float = 0.0  # sigma: the noise's std is sigma * C
-    seed: int = 0  # the order examples are drawn in (never the noise: the server knows it)
-    max_pairs: int = 64  # training examples per round at most
-    heldout_fraction: float = 0.2  # share of the train split kept for evaluation, by example id
+class FleetRoundConfig(Struct, frozen=True):
+    steps: Annotated[int, Meta(ge=1, le=10_000)] = 1  # optimizer steps, each over all of the round's examples
+    lr: Annotated[float, Meta(gt=0.0, le=1.0)] = 5e-4
+    beta: Annotated[float, Meta(gt=0.0, le=100.0)] = 0.1
+    clip: Annotated[float, Meta(gt=0.0, le=1e6)] = 1.0  # L2 bound C of the whole delta
+    noise_multiplier: Annotated[float, Meta(ge=0.0, le=1e6)] = 0.0  # sigma: the noise's std is sigma * C
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] = 0  # the order examples are drawn in (never the noise)
+    max_pairs: Annotated[int, Meta(ge=1, le=1_000_000)] = 64  # training examples per round at most
+    heldout_fraction: Annotated[float, Meta(ge=0.0, le=0.95)] = 0.2  # of the train split, by example id
 
 
-@dataclass(frozen=True)
-class FleetRoundArgs:
-    round: int
-    adapter: dict[str, WireTensor]
+class _EvaluateConfig(Struct, frozen=True):
+    heldout_fraction: Annotated[float, Meta(ge=0.0, le=0.95)] | None = None  # None: the daemon's setting
+    max_pairs: Annotated[int, Meta(ge=1, le=1_000_000)] | None = None
+
+
+Tensors = Annotated[dict[Any, Any], Meta(min_length=1, max_length=MAX_TENSORS)]  # each checked by _tensors
+
+
+class FleetRoundArgs(Struct, frozen=True):
+    round: Uint31
+    adapter: Tensors
     lora_config: FleetLoraConfig
-    config: FleetRoundConfig
+    config: FleetRoundConfig = FleetRoundConfig()
 
 
-@dataclass(frozen=True)
-class FleetEvaluateArgs:
-    adapter: dict[str, WireTensor]
+class FleetEvaluateArgs(Struct, frozen=True):
+    adapter: Tensors
     lora_config: FleetLoraConfig
     heldout_fraction: float | None = None  # None: the daemon's fleet.heldout_fraction
     max_pairs: int | None = None
 
 
-def _parse_tensors(f: Fields, name: str) -> dict[str, WireTensor]:
-    value = f.values.get(name)
-    want = (f"a map of at most {MAX_TENSORS} PEFT tensor names to {{'dtype': 'float32', 'shape': [ints], "
-            "'data': raw little-endian bytes (msgpack bin) of that shape}")
-    if not isinstance(value, dict) or not 0 < len(value) <= MAX_TENSORS:
-        raise f._fail(name, want)
+ROUND_WANT = {
+    "adapter": (f"a map of at most {MAX_TENSORS} PEFT tensor names to {{'dtype': 'float32', 'shape': [ints], "
+                "'data': raw little-endian bytes (msgpack bin) of that shape}"),
+    "lora_config": "{'r': int >= 1, 'lora_alpha': number > 0, 'target_modules': [projection names]}",
+}
+_ROUND_CONFIG_FIELDS = frozenset(FleetRoundConfig.__struct_fields__)
+
+
+def _tensors(op: str, values: dict[str, Any]) -> dict[str, WireTensor]:
     out: dict[str, WireTensor] = {}
-    for key, spec in value.items():
+    for key, spec in values["adapter"].items():
         if not isinstance(key, str) or not 0 < len(key) <= MAX_TENSOR_NAME_CHARS or not isinstance(spec, dict) \
                 or set(spec) != {"dtype", "shape", "data"}:
-            raise f._fail(name, want)
-        dtype, shape, data = spec["dtype"], spec["shape"], spec["data"]
-        if (dtype not in TENSOR_DTYPES or not isinstance(shape, list) or not 1 <= len(shape) <= 4
-                or any(not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < 2**31 for n in shape)
-                or not isinstance(data, bytes)):
-            raise ProtocolError("bad_request", f"{f.op}: tensor {key[:80]!r} must be {{'dtype': 'float32', "
-                                "'shape': [1-4 ints], 'data': bytes}", param=f"{name}.{key[:80]}")
-        count = math.prod(shape)
-        if len(data) != count * TENSOR_DTYPES[dtype]:
-            raise ProtocolError("bad_request", f"{f.op}: tensor {key[:80]!r} has {len(data)} bytes of data; shape "
-                                f"{shape} in {dtype} needs {count * TENSOR_DTYPES[dtype]}", param=f"{name}.{key[:80]}")
-        out[key] = WireTensor(dtype, tuple(shape), data)
+            raise refusal(op, values, "adapter", ROUND_WANT["adapter"])
+        param = f"adapter.{key[:80]}"
+        try:
+            tensor = msgspec.convert(spec, WireTensor, builtin_types=(bytes,))  # no base64 text for bytes
+        except msgspec.ValidationError:
+            raise ProtocolError("bad_request", f"{op}: tensor {key[:80]!r} must be {{'dtype': 'float32', "
+                                "'shape': [1-4 ints], 'data': bytes}", param=param) from None
+        count, width = math.prod(tensor.shape), TENSOR_DTYPES[tensor.dtype]
+        if len(tensor.data) != count * width:
+            raise ProtocolError("bad_request", f"{op}: tensor {key[:80]!r} has {len(tensor.data)} bytes of data; shape "
+                                f"{list(tensor.shape)} in {tensor.dtype} needs {count * width}", param=param)
+        out[key] = tensor
     return out
 
 
-def _parse_lora_config(f: Fields) -> FleetLoraConfig:
-    value = f.values.get("lora_config")
-    want = "{'r': int >= 1, 'lora_alpha': number > 0, 'target_modules': [projection names]}"
-    if not isinstance(value, dict) or not {"r", "lora_alpha", "target_modules"} <= set(value) or len(value) > 8:
-        raise f._fail("lora_config", want)
-    rank, alpha, targets = value["r"], value["lora_alpha"], value["target_modules"]
-    ok = (isinstance(rank, int) and not isinstance(rank, bool) and 1 <= rank <= 4096
-          and isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and math.isfinite(alpha) and alpha > 0
-          and isinstance(targets, list) and 0 < len(targets) <= 16
-          and all(isinstance(t, str) and 0 < len(t) <= 64 for t in targets))
-    if not ok:
-        raise f._fail("lora_config", want)
-    return FleetLoraConfig(rank, float(alpha), tuple(targets))
+def _lora_config(op: str, values: dict[str, Any]) -> None:
+    """The LoRA shape may carry a few more of PEFT's keys (ignored), not many."""
+    if len(values["lora_config"]) > 8:
+        raise refusal(op, values, "lora_config", ROUND_WANT["lora_config"])
 
 
-def fleet_round(f: Fields) -> FleetRoundArgs:
-    value = f.values.get("config") or {}
+def _without_config(values: dict[str, Any]) -> dict[str, Any]:
+    """The op's fields but `config`, which is checked first, as its own map."""
+    return {k: v for k, v in values.items() if k != "config"}
+
+
+def fleet_round(op: str, values: dict[str, Any]) -> FleetRoundArgs:
+    value = values.get("config") or {}
     if not isinstance(value, dict):
-        raise f._fail("config", "a map of round settings (steps, lr, beta, clip, noise_multiplier, seed, "
-                      "max_pairs, heldout_fraction)")
+        raise refusal(op, values, "config", "a map of round settings (steps, lr, beta, clip, noise_multiplier, "
+                      "seed, max_pairs, heldout_fraction)")
     unknown = sorted(str(k)[:64] for k in value if k not in _ROUND_CONFIG_FIELDS)
     if unknown:
         raise ProtocolError("bad_request", f"fleet.round: 'config' has no field(s) {', '.join(unknown)}; allowed: "
                             f"{', '.join(sorted(_ROUND_CONFIG_FIELDS))}", param="config")
-    c = Fields("fleet.round config", value)
-    d = FleetRoundConfig()
     try:
-        config = _round_config(c, d)
+        config = convert("fleet.round config", value, FleetRoundConfig, {})
     except ProtocolError as exc:
         raise ProtocolError("bad_request", exc.message, param=f"config.{exc.param}") from None
-    round_number = f.integer("round", lo=0, hi=2**31 - 1, required=True)
-    assert round_number is not None
-    return FleetRoundArgs(round_number, _parse_tensors(f, "adapter"), _parse_lora_config(f), config)
+    args = convert(op, _without_config(values), FleetRoundArgs, ROUND_WANT)
+    _lora_config(op, values)
+    return msgspec.structs.replace(args, adapter=_tensors(op, values), config=config)
 
 
-def _round_config(c: Fields, d: FleetRoundConfig) -> FleetRoundConfig:
-    return FleetRoundConfig(
-        steps=c.integer("steps", lo=1, hi=10_000, default=d.steps),
-        lr=c.number("lr", lo=0.0, hi=1.0, default=d.lr, lo_open=True),
-        beta=c.number("beta", lo=0.0, hi=100.0, default=d.beta, lo_open=True),
-        clip=c.number("clip", lo=0.0, hi=1e6, default=d.clip, lo_open=True),
-        noise_multiplier=c.number("noise_multiplier", lo=0.0, hi=1e6, default=d.noise_multiplier),
-        seed=c.integer("seed", lo=0, hi=2**63 - 1, default=d.seed),
-        max_pairs=c.integer("max_pairs", lo=1, hi=1_000_000, default=d.max_pairs),
-        heldout_fraction=c.number("heldout_fraction", lo=0.0, hi=0.95, default=d.heldout_fraction),
-    )
-
-
-def fleet_evaluate(f: Fields) -> FleetEvaluateArgs:
-    value = f.values.get("config") or {}
+def fleet_evaluate(op: str, values: dict[str, Any]) -> FleetEvaluateArgs:
+    value = values.get("config") or {}
     if not isinstance(value, dict) or not set(value) <= {"heldout_fraction", "max_pairs"}:
-        raise f._fail("config", "a map with 'heldout_fraction' and/or 'max_pairs'")
-    c = Fields("fleet.evaluate config", value)
-    return FleetEvaluateArgs(_parse_tensors(f, "adapter"), _parse_lora_config(f),
-                             c.number("heldout_fraction", lo=0.0, hi=0.95),
-                             c.integer("max_pairs", lo=1, hi=1_000_000))
-
-
-_ROUND_CONFIG_FIELDS = frozenset(f.name for f in fields(FleetRoundConfig))
-
+        raise refusal(op, values, "config", "a map with 'heldout_fraction' and/or 'max_pairs'")
+    config = convert("fleet.evaluate config", value, _EvaluateConfig, {})
+    args = convert(op, _without_config(values), FleetEvaluateArgs, ROUND_WANT)
+    _lora_config(op, values)
+    return msgspec.structs.replace(args, adapter=_tensors(op, values), heldout_fraction=config.heldout_fraction, max_pairs=config.max_pairs)

@@ -21,7 +21,7 @@ from daemon.wire.args import (
     user_args,
 )
 from daemon.wire.errors import ProtocolError
-from daemon.wire.fields import MAX_ID_CHARS, Fields, request_id_of
+from daemon.wire.fields import MAX_ID_CHARS, request_id_of
 from daemon.wire.fleet import fleet_evaluate, fleet_publish, fleet_rollback, fleet_round
 from daemon.wire.frames import SUPPORTED_VERSIONS
 from daemon.wire.schema import GENERATE_FIELDS, parse_generate
@@ -70,15 +70,15 @@ def parse_request(message: Mapping[str, Any]) -> Request:
     if unknown:
         raise ProtocolError("bad_request", f"op {op!r} has no field(s) {', '.join(unknown)}; "
                             f"allowed: {', '.join(sorted(allowed)) or 'none'}")
-    return Request(request_id, op, parser(Fields(op, fields)))
+    return Request(request_id, op, parser(op, fields))
 
 
 _PARSERS: dict[str, tuple[Any, frozenset[str]]] = {
-    "generate": (lambda f: parse_generate(f.op, dict(f.values)), GENERATE_FIELDS),
+    "generate": (parse_generate, GENERATE_FIELDS),
     "cancel": (parse_cancel, frozenset({"target"})),
     "feedback": (parse_feedback, frozenset({"user", "interaction_id", "feedback"})),
-    "status": (lambda f: NoArgs(), frozenset()),
-    "health": (lambda f: NoArgs(), frozenset()),
+    "status": (lambda op, values: NoArgs(), frozenset()),
+    "health": (lambda op, values: NoArgs(), frozenset()),
     "adapters.list": (adapters_list_args, frozenset({"user", "app"})),
     "adapters.rollback": (rollback_args, frozenset({"user", "version", "app"})),
     "users.consent": (consent_args, frozenset({"user", "granted", "fleet", "app"})),
@@ -87,7 +87,7 @@ _PARSERS: dict[str, tuple[Any, frozenset[str]]] = {
     "embed": (parse_embed, frozenset({"input"})),
     "fleet.publish": (fleet_publish, frozenset({"path", "operator_key", "run_id", "round"})),
     "fleet.rollback": (fleet_rollback, frozenset({"version", "operator_key"})),
-    "fleet.status": (lambda f: NoArgs(), frozenset()),
+    "fleet.status": (lambda op, values: NoArgs(), frozenset()),
     "fleet.round": (fleet_round, frozenset({"round", "adapter", "lora_config", "config"})),
     "fleet.evaluate": (fleet_evaluate, frozenset({"adapter", "lora_config", "config"})),
 }
