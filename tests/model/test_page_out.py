@@ -45,3 +45,26 @@ def test_a_mapped_files_pages_are_given_back_and_read_again_unchanged(tmp_path):
         assert page_out_file(tmp_path / "not-mapped") == 0
     finally:
         view.close()
+
+
+def test_the_digest_and_the_export_give_a_block_caches_pages_back(tmp_path, monkeypatch):
+    """What the export key's digest and the export read of a block cache leaves resident memory
+    before ONNX Runtime packs its own copy (the 8B start had held all of it beside the session)."""
+    pytest.importorskip("onnx")
+    from edge_runtime.backends.onnx_export import export_step, model_hash
+    from edge_runtime.backends.onnx_spec import GraphSpec, weight_format
+    from edge_runtime.model import source
+    from edge_runtime.model.block_cache import BLOCKS_FILE
+    from edge_runtime.model.weights import load_llama
+    from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
+
+    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv(source.BLOCKS_ENV, raising=False)
+    _, gguf = tiny_quant_gguf(tmp_path, Q4_K_M_LIKE, num_layers=2)
+    cached = source.resolve_model(gguf, cache_dir=tmp_path / "cache", progress=False).path
+    model = load_llama(cached)
+    blocks = cached / BLOCKS_FILE
+    digest = model_hash(model)
+    assert _resident(blocks) <= 4 * 4096  # the header and the float norms' page or two
+    export_step(model, GraphSpec(**weight_format("q4_1")), tmp_path / "onnx", digest)
+    assert _resident(blocks) <= 4 * 4096
