@@ -19,7 +19,7 @@ import torch
 from edge_runtime.backends.base import Backend
 from edge_runtime.backends.dense_kv import DenseKV
 from edge_runtime.backends.lora_stack import LoraStackCache
-from edge_runtime.backends.onnx_export import export_step, model_hash
+from edge_runtime.backends.onnx_export import DATA_FILE, export_step, model_hash
 from edge_runtime.backends.onnx_spec import (
     TORCH_KV_DTYPES,
     GraphSpec,
@@ -49,19 +49,16 @@ from edge_runtime.errors import ModelNotAvailable
 from edge_runtime.kv.cache import KVCache
 from edge_runtime.lora.registry import AdapterRegistry
 from edge_runtime.model.llama import LlamaModel, LoraApplier
+from edge_runtime.model.mapped_weights import page_out_file, resident_bytes
 
 if TYPE_CHECKING:
     from edge_runtime.sched.scheduler import Batch
 
 
-def resident_bytes() -> tuple[int, int]:
-    """This process's resident memory now, (RssAnon, RssFile) in bytes; zeros where /proc cannot say."""
-    try:
-        with open("/proc/self/status") as fh:
-            fields = dict(line.split(":", 1) for line in fh if line.startswith(("RssAnon", "RssFile")))
-    except OSError:
-        return 0, 0
-    return tuple(int(fields.get(k, "0 kB").split()[0]) * 1024 for k in ("RssAnon", "RssFile"))  # type: ignore[return-value]
+# A base graph holding more than this is closed when the LoRA graph opens, which then serves base
+# rows too (an empty stack: their delta is exactly 0): one pre-packed copy of the weights, not two
+# (an 8B graph holds ~7 GB). Smaller graphs keep both: base steps skip the LoRA nodes (~1.8 ms).
+ONE_GRAPH_BYTES = 256 << 20
 
 
 class OnnxRuntimeBackend(Backend):
@@ -114,8 +111,8 @@ class OnnxRuntimeBackend(Backend):
         # A sliding window's GroupQueryAttention attribute, as the kernels these providers run count it
         # (TensorRT takes no contrib op, so its EP is left out of the probe).
         self.spec = with_gqa_window(spec, model, tuple(n for n in names if n != "TensorrtExecutionProvider"))
-        # Dense layout: per-sequence rows beside the paged cache (dense_kv.py), at most
-        # `dense_kv_bytes` (0 = as many token positions as the paged cache has, in float32).
+        # Dense layout: per-sequence rows beside the paged cache (dense_kv.py), at most `dense_kv_bytes`
+        # (0 = as many token positions as the paged cache has, in float32).
         self.dense: DenseKV | None = None
         if kv_layout == "dense":
             limit = dense_kv_bytes or cache.data.shape[2] * DenseKV(cache, None, 0).token_bytes
@@ -124,15 +121,12 @@ class OnnxRuntimeBackend(Backend):
         self.num_threads = num_threads
         self.max_batch, self.max_tokens, self.max_context = max_batch, max_tokens, max_context
         self.stacks = LoraStackCache(self.cfg)
-        # The "ort" graph takes each token's rotary table row (LongRoPE, partial rotary); the
-        # "standard" one always reads its `positions` as rows.
+        # Rotary table rows as an input: the "ort" graph's for LongRoPE / partial rotary ("standard": always).
         self.rope_rows = flavour == "ort" and rope_by_row(self.cfg)
-        # Two graphs of one export family: without LoRA nodes (batches where no row has an
-        # adapter; 16 fewer nodes per layer, ~1.8 ms a step on 2 cores) and with them. Each is
-        # opened on first use, so an engine that never serves adapters never loads the second.
+        # The graphs without LoRA nodes (16 fewer a layer) and with them, each opened on first use
+        # (an engine that never serves adapters never loads the second; ONE_GRAPH_BYTES).
         self._sessions: dict[bool, OrtSession] = {}
-        # The export key's digest of every weight, taken once (~1 CPU second for the default
-        # model): the LoRA graph, opened when a first adapter is served, reuses it.
+        # The export key's digest of every weight, taken once: the LoRA graph's export reuses it.
         self.weights_digest = model_hash(model)  # the prefix store keys its KV blocks by it too
         self._decode_inputs: DecodeInputs | None = None  # the dense layout's steady decode step
         self.model_path = self._session(lora=False).path
@@ -148,16 +142,17 @@ class OnnxRuntimeBackend(Backend):
     # -- sessions and binding -------------------------------------------------------------------
 
     def _session(self, lora: bool) -> OrtSession:
-        session = self._sessions.get(lora)
+        session = self._sessions.get(lora) or self._sessions.get(True)  # base rows fit the LoRA graph
         if session is None:
+            if lora and self._one_graph:
+                del self._sessions[False]  # freed before the LoRA graph packs the same weights again
             path = export_step(self.model, replace(self.spec, lora=lora), self.cache_dir, self.weights_digest)
             before = resident_bytes()
             session = open_session(path, self._providers_for(path), self.num_threads, has_lora_inputs=lora)
+            page_out_file(path.with_name(DATA_FILE))  # what pre-packing read and no kernel reads again
             after = resident_bytes()
-            # What the session holds, not what its file is: the kernels' pre-packed weights
-            # (anonymous) plus the initializers they did not pack (still mapped from the data
-            # file). Each kind counts its own growth: under memory pressure the kernel drops other
-            # file pages meanwhile (the 8B start: the ledger read 3.4 GB for 7 GB held).
+            # What the session holds (pre-packed weights, initializers still mapped), each kind's
+            # own growth: under pressure the kernel drops other file pages meanwhile (8B: 3.4 of 7 GB).
             grown = sum(max(0, a - b) for a, b in zip(after, before, strict=True))
             if sum(before) and grown:
                 session.weights_bytes = grown
@@ -183,18 +178,22 @@ class OnnxRuntimeBackend(Backend):
 
     @property
     def held_bytes(self) -> int:
-        """Memory this backend holds beside the engine's model and paged KV cache, for the
-        ledger: the weights of each opened graph (what opening it added to the process's
-        resident memory: ONNX Runtime's pre-packed copies and the initializers still mapped;
-        the data file's size where /proc cannot say) and the dense KV rows at their byte limit (they grow inside a run, where the ledger
-        cannot look, so it counts the most they may take)."""
+        """Memory beside the engine's model and paged KV cache, for the ledger: what opening each
+        graph added to resident memory (pre-packed weights, initializers still mapped; the data
+        file's size where /proc cannot say) and the dense KV rows at their byte limit (they grow
+        inside a run, where the ledger cannot look)."""
         return sum(s.weights_bytes for s in self._sessions.values()) + self._dense_limit()
+
+    @property
+    def _one_graph(self) -> bool:
+        return getattr(self._sessions.get(False), "weights_bytes", -1) >= ONE_GRAPH_BYTES
 
     @property
     def reserved_bytes(self) -> int:
         """The most `held_bytes` may become: the LoRA graph opens on the first adapter row and
-        holds the same weights again."""
-        return 2 * self._sessions[False].weights_bytes + self._dense_limit()
+        holds the same weights again, beside the base graph's below `ONE_GRAPH_BYTES`."""
+        graphs = 1 if self._one_graph or False not in self._sessions else 2
+        return graphs * next(iter(self._sessions.values())).weights_bytes + self._dense_limit()
 
     def _dense_limit(self) -> int:
         return 0 if self.dense is None else self.dense.limit_bytes or 0
@@ -313,13 +312,13 @@ class OnnxRuntimeBackend(Backend):
         for ref in refs:
             if ref is not None and ref not in adapters:
                 adapters[ref] = len(adapters)
-        lora = bool(adapters)
+        session = self._session_with_stack(tuple(adapters))
+        lora = session.has_lora_inputs
         inputs = self._decode_inputs
         if inputs is None or inputs.rows < n:
             inputs = self._decode_inputs = DecodeInputs(max(n, dense.rows_capacity))
         inputs.fill(rows, tokens, starts, slots, [-1 if r is None else adapters[r] for r in refs] if lora else None,
                     offsets)
-        session = self._session_with_stack(tuple(adapters))
         key = (inputs, n)  # holds the arrays: a pointer bound here never outlives them
         if session.inputs_key != key:  # bound by pointer: later steps only refill the arrays
             for name, array in inputs.views(n, lora, self.rope_rows).items():
@@ -386,7 +385,7 @@ class OnnxRuntimeBackend(Backend):
         """The session for this step (with LoRA inputs when any row has an adapter), its stacked
         adapter inputs bound to `key`'s versions in slot order (rebound only when they change)."""
         session = self._session(lora=bool(key))
-        if key and key != session.bound_stack:
+        if session.has_lora_inputs and key != session.bound_stack:  # () binds the no-adapter stack
             weights = [self.adapters.served_weights(ref) for ref in key]
             for name, array in self.stacks.get(key, weights).items():
                 session.binding.bind_cpu_input(name, array)
@@ -476,7 +475,7 @@ class OnnxRuntimeBackend(Backend):
         n = len(token_ids)
         blocks = -(-n // self.cache.block_size)
         item = StepItem(list(token_ids), 0, [0] * blocks, True, rope_offset=self.model.rope.offset(n))
-        session = self._session(lora=False)
+        session = self._session_with_stack(())
         if self.dense is None:
             plan = self.plan([item], pad_single_row=False)
         else:  # a scratch row: the engine's rows and paged cache stay untouched
@@ -485,7 +484,8 @@ class OnnxRuntimeBackend(Backend):
             plan = plan_dense_step([item], [False], self.cache.block_size, self.rope_rows)
             self._bind_dense(session, scratch, 0, 1)
         plan.inputs["logit_rows"] = np.arange(n, dtype=np.int64)
-        plan.inputs.pop("lora_index")
+        if not session.has_lora_inputs:
+            plan.inputs.pop("lora_index")
         bind_cpu_inputs(session, plan.inputs)
         if self.dense is None:
             session.binding.bind_output("new_kv", *self._ort_device())

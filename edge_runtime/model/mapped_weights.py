@@ -178,3 +178,33 @@ def serving_elsewhere(per_layer: tuple[MappedWeights, list] | None, runs_onnx_we
              "the graph serves: at most %.0f MiB of it resident", mapped.nbytes / 2**20,
              mapped.peak_resident_bytes / 2**20)
     return mapped
+
+
+def resident_bytes() -> tuple[int, int]:
+    """This process's resident memory now, (RssAnon, RssFile) in bytes; zeros where /proc cannot say."""
+    try:
+        with open("/proc/self/status") as fh:
+            fields = dict(line.split(":", 1) for line in fh if line.startswith(("RssAnon", "RssFile")))
+    except OSError:
+        return 0, 0
+    return tuple(int(fields.get(k, "0 kB").split()[0]) * 1024 for k in ("RssAnon", "RssFile"))  # type: ignore[return-value]
+
+
+_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim now; a private page it cannot write back is left alone
+
+
+def page_out_file(path: str | os.PathLike) -> int:
+    """Gives back this process's resident pages of every mapping of `path` (ONNX Runtime maps a
+    graph's external data and reads all of it to pre-pack the weights; the pages its kernels no
+    longer read stay resident beside the packed copy until reclaimed). PAGEOUT rather than
+    DONTNEED: a page another library wrote privately is never dropped, only clean file pages,
+    which a later read faults back. Returns the bytes advised (0 where nothing is mapped or the
+    kernel refuses the advice)."""
+    target = os.path.realpath(path)
+    libc = ctypes.CDLL(None, use_errno=True)
+    advised = 0
+    for m in file_mappings():
+        if m.path == target and libc.madvise(ctypes.c_void_p(m.start), ctypes.c_size_t(m.end - m.start),
+                                             _MADV_PAGEOUT) == 0:
+            advised += m.end - m.start
+    return advised

@@ -344,3 +344,30 @@ def test_decode_inputs_carry_rotary_rows_as_the_plan_does():
     assert "positions" not in plan_dense_step(by_row, [False] * 2, 16).inputs
     gqa = plan_gqa_step([StepItem([1, 2, 3], 0, [0], True, rope_offset=32)], 16, 2, rope_rows=True)
     assert gqa.inputs["positions"].tolist() == [[32, 33, 34]]
+
+
+def test_a_large_graph_is_held_once_the_lora_graph_serving_base_rows_too(tiny_model_dir, tmp_path, reference,
+                                                                         monkeypatch):
+    """Past `ONE_GRAPH_BYTES` the base session is closed when the LoRA graph opens, and that graph
+    serves base rows too (the no-adapter stack: their delta is exactly 0), so the weights are
+    pre-packed once, not twice (#28). Same tokens as the torch reference with two adapters and
+    base rows in one batch; base rows after it score as they did on the base graph."""
+    import edge_runtime.backends.onnxruntime_backend as backend_module
+
+    monkeypatch.setattr(backend_module, "ONE_GRAPH_BYTES", 0)
+    adapters, ref_logits, ref_tokens = reference
+    engine = make_engine(tiny_model_dir, "onnxruntime", adapters, onnx_cache_dir=str(tmp_path), **CONFIG)
+    backend = engine.backend
+    ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    on_base_graph = backend.score(ids)
+    limit = backend.dense.limit_bytes
+    assert backend.reserved_bytes == backend._sessions[False].weights_bytes + limit
+    logits, tokens = run_recording(engine, PROMPTS, USERS, SamplingParams(max_tokens=10, ignore_eos=True))
+    assert list(backend._sessions) == [True]  # the base session was closed, not kept beside it
+    assert tokens == ref_tokens
+    assert max((a - b).abs().max().item() for a, b in zip(logits, ref_logits, strict=True)) < 1e-3
+    assert torch.equal(backend.score(ids), on_base_graph)
+    assert backend.reserved_bytes == backend._sessions[True].weights_bytes + limit
+    base = USERS.index(None)  # a base row alone, after the adapters' steps
+    out = engine.generate(PROMPTS[base], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    assert out.candidates[0].token_ids == ref_tokens[base]

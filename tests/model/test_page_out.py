@@ -1,0 +1,70 @@
+"""Giving back a mapped file's pages (what the ONNX Runtime backend does with its graph's data
+file after the session opens, issue #28): the pages leave this process's resident memory, a
+later read gets the same bytes, and a privately written page is never lost."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+
+from edge_runtime.model.mapped_weights import page_out_file, resident_bytes
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc")
+
+
+def _resident(path: Path) -> int:
+    """Resident bytes of this process's mappings of `path` (smaps)."""
+    target, total, current = os.path.realpath(path), 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(None, 5)
+        if len(head) >= 5 and "-" in head[0] and ":" not in head[0]:
+            current = len(head) == 6 and head[5] == target
+        elif current and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_a_mapped_files_pages_are_given_back_and_read_again_unchanged(tmp_path):
+    path = tmp_path / "model.onnx.data"
+    data = os.urandom(8 << 20)
+    path.write_bytes(data)
+    with open(path, "rb") as fh:
+        view = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ | mmap.PROT_WRITE, flags=mmap.MAP_PRIVATE)
+    try:
+        assert view[:] == data  # every page read, as pre-packing reads them
+        view[:4] = b"mine"  # one page now a private copy, which must survive
+        assert _resident(path) > 4 << 20  # most of it (the kernel may reclaim some meanwhile)
+        assert sum(resident_bytes()) > 0
+        assert page_out_file(path) == len(view)
+        if _resident(path) > 1 << 20:
+            pytest.skip("this kernel ignores MADV_PAGEOUT (Linux < 5.4)")
+        assert view[:4] == b"mine" and view[4:] == data[4:]
+        assert page_out_file(tmp_path / "not-mapped") == 0
+    finally:
+        view.close()
+
+
+def test_the_digest_and_the_export_give_a_block_caches_pages_back(tmp_path, monkeypatch):
+    """What the export key's digest and the export read of a block cache leaves resident memory
+    before ONNX Runtime packs its own copy (the 8B start had held all of it beside the session)."""
+    pytest.importorskip("onnx")
+    from edge_runtime.backends.onnx_export import export_step, model_hash
+    from edge_runtime.backends.onnx_spec import GraphSpec, weight_format
+    from edge_runtime.model import source
+    from edge_runtime.model.block_cache import BLOCKS_FILE
+    from edge_runtime.model.weights import load_llama
+    from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
+
+    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv(source.BLOCKS_ENV, raising=False)
+    _, gguf = tiny_quant_gguf(tmp_path, Q4_K_M_LIKE, num_layers=2)
+    cached = source.resolve_model(gguf, cache_dir=tmp_path / "cache", progress=False).path
+    model = load_llama(cached)
+    blocks = cached / BLOCKS_FILE
+    digest = model_hash(model)
+    assert _resident(blocks) <= 4 * 4096  # the header and the float norms' page or two
+    export_step(model, GraphSpec(**weight_format("q4_1")), tmp_path / "onnx", digest)
+    assert _resident(blocks) <= 4 * 4096
