@@ -221,3 +221,31 @@ def test_sampled_outputs_follow_the_same_distribution(tiny_model_dir):
     # p < 0.001 critical value, approximated (Wilson-Hilferty)
     crit = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
     assert stat < crit, (stat, crit, pairs)
+
+
+# -- ONNX Runtime: the draft's rows run as a continuation chunk -----------------------------------
+
+@pytest.mark.parametrize("layout", ["dense", "paged"])
+def test_greedy_outputs_are_identical_on_onnxruntime(tiny_model_dir, tmp_path, layout):
+    """Real lookup drafts, then drafts wrong on purpose (rejections, rollback). ONNX Runtime on
+    the CPU was seen to move a row's logits with how its prompt was chunked (#31): were a verify
+    forward's rows to round differently from one-token decode, a near-tie could flip a token;
+    on the tiny model they agree."""
+    settings = dict(backend="onnxruntime", onnx_kv_layout=layout, onnx_cache_dir=str(tmp_path), deterministic=False)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, stop=("capital capital capital",))
+    off = _run(_engine(tiny_model_dir, **settings), PROMPTS, SamplingParams(**{**_fields(params), "speculation": "off"}))
+    engine = _engine(tiny_model_dir, **settings)
+    assert _texts(_run(engine, PROMPTS, params)) == _texts(off)
+    assert engine.stats()["speculation"]["accepted"] > 0
+    reference = {p: o.candidates[0].token_ids for p, o in zip(PROMPTS, off, strict=True)}
+    engine = _engine(tiny_model_dir, **settings)
+    engine.scheduler.drafter.propose = WrongDrafts(reference, engine)
+    assert _texts(_run(engine, PROMPTS, params)) == _texts(off)
+    stats = engine.stats()["speculation"]
+    assert 0 < stats["accepted"] < stats["drafted"]
+
+
+def _fields(params: SamplingParams) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
