@@ -249,3 +249,19 @@ def _fields(params: SamplingParams) -> dict:
     import dataclasses
 
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="#31: on ONNX Runtime q4_1 (int4, accuracy level 4) a position's logits in a "
+                   "5-row verify chunk differ from its one-row decode step's by max |dlogit| 0.47-1.36 on the default "
+                   "model (float32 graphs of the tiny model: identical), so a near-tie can flip a greedy token")
+def test_greedy_outputs_on_the_default_model_on_onnxruntime_q4_1(default_model_dir):
+    passage = ("Our support team answers emails within one working day. Orders placed before noon ship the same "
+               "day; later orders ship the next morning. Returns are free within thirty days if the item is unused.")
+    chats = [[{"role": "user", "content": f"Rewrite the following text, keeping everything the same:\n\n{passage}"}]]
+    outs = []
+    for mode in ("off", "on"):
+        engine = Engine.load(None, backend="onnxruntime", onnx_quantization="q4_1", cost_profile="off", speculation="on")
+        params = SamplingParams(max_tokens=64, speculation=mode)
+        outs.append([o.candidates[0].token_ids for o in engine.generate(chats, params)])
+    assert outs[0] == outs[1]
