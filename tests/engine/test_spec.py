@@ -265,3 +265,22 @@ def test_greedy_outputs_on_the_default_model_on_onnxruntime_q4_1(default_model_d
         params = SamplingParams(max_tokens=64, speculation=mode)
         outs.append([o.candidates[0].token_ids for o in engine.generate(chats, params)])
     assert outs[0] == outs[1]
+
+
+def test_a_verify_step_streams_its_tokens_in_order(tiny_model_dir):
+    """Several tokens committed in one step reach the callback one event each, in order, and
+    their text adds up to the answer (a stop string's held tail included)."""
+    engine = _engine(tiny_model_dir)
+    events = []
+    params = SamplingParams(max_tokens=20, ignore_eos=True, stop=("capital!",))  # never met: holds a tail back
+    rid = engine.add_request(PROMPTS[1], params, on_token=events.append)
+    out = None
+    while engine.has_unfinished():
+        for done in engine.step():
+            out = done
+    assert out is not None and out.request_id == rid
+    assert engine.stats()["speculation"]["accepted"] > 0
+    cand = out.candidates[0]
+    assert [e.token_id for e in events] == cand.token_ids
+    assert "".join(e.text for e in events) == cand.text
+    assert [e.finished for e in events] == [False] * (len(events) - 1) + [True]
