@@ -6,6 +6,7 @@ whose token cannot be committed fails alone. Owns no request lifecycle: it asks 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,12 @@ from edge_runtime.sampling import (
 )
 from edge_runtime.sched.scheduler import Scheduler
 from edge_runtime.sequence import Request, SeqStatus, Sequence
+from edge_runtime.spec.drafter import drafter_for
+from edge_runtime.spec.verify import Verifier
+
+if TYPE_CHECKING:
+    from edge_runtime.backends.base import Backend
+    from edge_runtime.config import EngineConfig
 
 EndRequest = Callable[[Request, str, float], RequestOutput]
 FailRequest = Callable[[Request, str], RequestOutput]
@@ -29,7 +36,8 @@ FailRequest = Callable[[Request, str], RequestOutput]
 class TokenCommitter:
     def __init__(self, grammars: GrammarCompiler, eos_ids: set[int] | frozenset[int], vocab_size: int,
                  max_context: int, scheduler: Scheduler, requests: dict[str, Request],
-                 end_request: EndRequest, fail_request: FailRequest, clock: Callable[[], float]) -> None:
+                 end_request: EndRequest, fail_request: FailRequest, clock: Callable[[], float],
+                 speculation: tuple[EngineConfig, Backend] | None = None) -> None:
         self.grammars = grammars
         self.eos_ids = eos_ids
         self.vocab_size = vocab_size
@@ -40,6 +48,11 @@ class TokenCommitter:
         self.fail_request = fail_request
         self.clock = clock
         self.tokens_generated = 0
+        # Speculative decoding (edge_runtime.spec): the engine's settings and backend give the
+        # scheduler's drafter, whose decode rows' drafts this step verifies.
+        if speculation is not None:
+            scheduler.drafter = drafter_for(*speculation, max_context, scheduler.rope_switch)
+        self.verifier = Verifier(self.commit_token, scheduler.pool, scheduler.drafter)
 
     def commit(self, seqs: list[Sequence], logits: torch.Tensor | None) -> list[RequestOutput]:
         """Each sampling sequence's next token from its row of `logits` (None: the forward ran
@@ -48,43 +61,52 @@ class TokenCommitter:
             return []
         done: list[RequestOutput] = []
         now = self.clock()
-        logits = self.apply_grammars(seqs, logits)
+        first = first_rows(seqs)  # a sequence's first logits row (a draft adds rows after it)
+        logits = self.apply_grammars(seqs, logits, first)
         greedy = greedy_tokens(logits) if any(seq.params.greedy for seq in seqs) else None
-        for row, seq in enumerate(seqs):
+        for j, seq in enumerate(seqs):
             if seq.status is SeqStatus.FINISHED:
                 continue  # its request failed on an earlier row of this step
+            row = first[j]
             try:
-                output = self.commit_token(seq, logits[row], greedy[row] if greedy is not None else None, now)
+                if seq.spec is not None and seq.spec.pending:
+                    output = self.verifier.commit(seq, logits, row, greedy, now)
+                else:
+                    output = self.commit_token(seq, logits[row], greedy[row] if greedy is not None else None, now)
             except Exception as exc:  # sampling, stop check, detokenising, the callback: this request's
                 output = self.fail_request(seq.request, f"{type(exc).__name__}: {exc}")
             if output is not None:
                 done.append(output)
         return done
 
-    def apply_grammars(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def apply_grammars(self, seqs: list[Sequence], logits: torch.Tensor, first: list[int]) -> torch.Tensor:
         """The step's logits with every constrained row's disallowed tokens at -inf (a float32
         copy; `logits` itself when no row is constrained), the masks computed together; a
-        request whose grammar fails here fails alone."""
-        rows = [row for row, s in enumerate(seqs) if s.matcher is not None and s.status is not SeqStatus.FINISHED]
-        if not rows:
+        request whose grammar fails here fails alone. Constrained rows never carry drafts."""
+        constrained = [j for j, s in enumerate(seqs) if s.matcher is not None and s.status is not SeqStatus.FINISHED]
+        if not constrained:
             return logits
         try:
-            packed = self.grammars.masks([seqs[row].matcher for row in rows])
+            packed = self.grammars.masks([seqs[j].matcher for j in constrained])
         except Exception as exc:
-            for row in rows:
-                if seqs[row].request.request_id in self.requests:
-                    self.fail_request(seqs[row].request, f"the grammar's mask failed: {type(exc).__name__}: {exc}")
+            for j in constrained:
+                if seqs[j].request.request_id in self.requests:
+                    self.fail_request(seqs[j].request, f"the grammar's mask failed: {type(exc).__name__}: {exc}")
             return logits
-        return mask_rows(logits, rows, unpack_masks(packed, self.vocab_size))
+        return mask_rows(logits, [first[j] for j in constrained], unpack_masks(packed, self.vocab_size))
 
     def commit_token(self, seq: Sequence, logits: torch.Tensor, greedy: int | None,
-                     now: float) -> RequestOutput | None:
+                     now: float, chosen: Callable[[torch.Tensor], int] | None = None) -> RequestOutput | None:
         """Shape the row (its grammar's mask already applied), choose, stream and stop-check one
-        sequence's new token; its request's output when this token finished the request."""
+        sequence's new token; its request's output when this token finished the request.
+        `chosen`: picks the token from the shaped row instead (speculative verification)."""
         params = seq.params
         row = logits
         if params.shapes_logits:
             row = shape_logits(logits, params, seq.counts)
+        if chosen is not None:
+            token = chosen(row)
+        elif params.shapes_logits:
             token = choose(row, params, seq.generator)
         elif params.greedy and greedy is not None:
             token = greedy
@@ -148,6 +170,16 @@ class TokenCommitter:
         chosen, top = token_logprobs(row, token, k)
         spell = self.grammars.token_bytes
         return TokenLogprob(token, chosen, spell(token), [(t, lp, spell(t)) for t, lp in top])
+
+
+def first_rows(seqs: list[Sequence]) -> list[int]:
+    """Each sampling sequence's first row in the step's logits: one row each, plus one per
+    token of the draft its decode row carried."""
+    rows, at = [], 0
+    for seq in seqs:
+        rows.append(at)
+        at += 1 + (len(seq.spec.pending) if seq.spec is not None else 0)
+    return rows
 
 
 def releasable(seq: Sequence, finished: bool) -> str:

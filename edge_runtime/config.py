@@ -77,6 +77,12 @@ class EngineConfig:
     # kernels do not follow its batch (issue #31; not yet shown row-invariant end to end, so off;
     # ONNX Runtime on the CPU is row-invariant without it: docs/scheduler.md)
     deterministic: bool = False
+    # Prompt-lookup speculative decoding (docs/speculative.md): "on" = requests that leave it to
+    # the engine ("auto") speculate while their acceptance pays; "off" = they never do; "auto" =
+    # "on" where it was measured to pay (edge_runtime.spec.drafter.PAYS_ON). A request's own
+    # "on"/"off" wins. speculative_tokens: the most draft tokens a decode row carries.
+    speculation: str = "auto"
+    speculative_tokens: int = 4
     extra: dict[str, Any] = field(default_factory=dict)
 
     def replace(self, **overrides: Any) -> EngineConfig:

@@ -123,7 +123,7 @@ class Engine:
         self._set_slo()
         self.requests: dict[str, Request] = {}
         self.committer = TokenCommitter(self.grammars, tokenizer.eos_ids, cfg.vocab_size, self.max_context,
-                                        self.scheduler, self.requests, self._end_request, self._fail_request, clock)
+                                        self.scheduler, self.requests, self._end_request, self._fail_request, clock, (config, backend))
         self.finetune = FineTuneSupervisor(self.scheduler, self.ledger, self.costs, clock)
         self.finetune.after_stages = self.mapped.release_all if self.mapped is not None else None
         self.scheduler.finetune.max_restarts = config.finetune_max_restarts

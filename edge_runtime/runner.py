@@ -75,7 +75,7 @@ class ForwardRunner:
         `EngineBroken`) from requests that break the forward (they fail, the engine goes on)."""
         log.warning("the forward of %d sequence(s) failed (%s: %s); retrying in parts to find the cause",
                     len(batch.items), type(exc).__name__, exc)
-        rows: dict[int, torch.Tensor] = {}  # id(item) -> its logits row, for items that sample
+        rows: dict[int, torch.Tensor] = {}  # id(item) -> its logits rows [num_logits, vocab], for items that sample
         culprits: dict[int, Exception] = {}  # id(item) -> what it raised alone
 
         def attempt(items: list[ScheduledSeq], error: Exception | None) -> None:
@@ -85,8 +85,10 @@ class ForwardRunner:
                 except Exception as exc:
                     error = exc
                 else:
-                    for row, item in zip(out, (i for i in items if i.samples), strict=True):
-                        rows[id(item)] = row
+                    sampling = [i for i in items if i.samples]
+                    parts = out.split([i.num_logits for i in sampling])  # a draft's item has several
+                    for part, item in zip(parts, sampling, strict=True):
+                        rows[id(item)] = part
                     return
             if len(items) == 1:
                 culprits[id(items[0])] = error
@@ -110,7 +112,7 @@ class ForwardRunner:
         if not batch.items:
             return None
         sampled = [rows[id(item)] for item in batch.items if item.samples]
-        return torch.stack(sampled) if sampled else torch.empty(0, self.vocab_size)
+        return torch.cat(sampled) if sampled else torch.empty(0, self.vocab_size)
 
     def forward_works(self) -> bool:
         """One token of a scratch sequence on the base model, in a block of its own."""

@@ -45,6 +45,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), or a mapping
     constraint: Constraint | None = None  # structured output (constraints.py)
+    # Prompt-lookup speculation (docs/speculative.md): "auto" = as the engine decides from the
+    # request's acceptance, "on" = draft whenever a draft is found, "off" = never.
+    speculation: str = "auto"
 
     def __post_init__(self) -> None:
         # Only what keeps the sampler itself sound is checked here: a request's bounds (the
@@ -83,6 +86,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", pairs)
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise BadRequest("constraint must be a Constraint")
+        if self.speculation not in ("auto", "on", "off"):
+            raise BadRequest(f"speculation must be 'auto', 'on' or 'off', got {self.speculation!r}")
 
     @property
     def greedy(self) -> bool:
@@ -172,6 +177,14 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 
     if params.greedy:
         return int(torch.argmax(logits))
+    return int(torch.multinomial(sampling_probs(logits, params), 1, generator=generator))
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample_next` draws from (float64 [vocab]): temperature, then top-k and
+    top-p; what speculative verification accepts drafts against (edge_runtime.spec.verify)."""
+    import torch
+
     scores = logits.detach().to(torch.float64)
     best = scores.max()
     if not torch.isfinite(best) or torch.isnan(scores).any():
@@ -191,5 +204,4 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter_(-1, order, sorted_scores)
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.softmax(scores, dim=-1)

@@ -126,6 +126,7 @@ class Sequence:
     reasoning: Any = None  # its ReasoningSplitter when the request thinks: `text` is then the answer
     thought: str = ""  # the thinking so far, apart from `text`
     pending_matcher: Any = None  # the grammar's state, waiting for the think block to close
+    spec: Any = None  # its speculation state (edge_runtime.spec.SpecState), once a decode row asked
 
     @property
     def params(self) -> SamplingParams:

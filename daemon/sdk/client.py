@@ -165,7 +165,7 @@ class Client:
         """Whole answer(s). `params`: max_tokens, temperature, top_k, top_p, seed, n, stop,
         stop_token_ids, ignore_eos, user, record, adapter, logprobs, presence_penalty,
         frequency_penalty, logit_bias, response_format, tools, tool_choice,
-        continue_final_message, thinking (docs/protocol.md). The daemon stops the request itself once
+        continue_final_message, thinking, speculation (docs/protocol.md). The daemon stops the request itself once
         `timeout_s` has passed, since no one waits for it after that."""
         return self.call(ops.generate(prompt, messages, self.timeout_s if timeout_s is None else timeout_s, params))
 

@@ -176,6 +176,7 @@ class GenerateArgs(Struct, frozen=True, forbid_unknown_fields=True):
     continue_final_message: bool = False
     echo: bool = False  # the result also carries the prompt's text (`prompt_text`)
     thinking: bool | None = None  # a thinking model's think block on or off (None: the model's default)
+    speculation: Literal["auto", "on", "off"] = "auto"  # prompt-lookup speculative decoding (docs/speculative.md)
 
     @property
     def prompt(self) -> str | list[dict[str, Any]] | list[int]:
@@ -210,7 +211,8 @@ class GenerateArgs(Struct, frozen=True, forbid_unknown_fields=True):
                 "top_p": self.top_p, "seed": self.seed, "n": self.n, "stop": self.stop,
                 "stop_token_ids": self.stop_token_ids, "ignore_eos": self.ignore_eos,
                 "logprobs": self.logprobs, "presence_penalty": self.presence_penalty,
-                "frequency_penalty": self.frequency_penalty, "logit_bias": self.logit_bias}
+                "frequency_penalty": self.frequency_penalty, "logit_bias": self.logit_bias,
+                "speculation": self.speculation}
 
 
 GENERATE_FIELDS = frozenset(f.encode_name for f in msgspec.structs.fields(GenerateArgs))
@@ -299,6 +301,7 @@ WANT: dict[str, str] = {
     "stop_token_ids": f"a list of at most {MAX_STOP_TOKEN_IDS} token ids",
     "user": f"a user: 1-{MAX_USER_CHARS} printable characters (an app's own id)",
     "adapter": "'latest', 'base' or a version number >= 0",
+    "speculation": "'auto', 'on' or 'off'",
     "logit_bias": f"a map of at most {MAX_LOGIT_BIAS} token ids (integers, or their decimal strings) to "
                   f"numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]",
     "response_format": "a map with 'type' one of " + ", ".join(RESPONSE_FORMATS),

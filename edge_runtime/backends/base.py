@@ -25,6 +25,9 @@ class Backend(Protocol):
     # Whether the backend runs exported weights in `config.onnx_quantization`'s format (so the
     # format it serves is that one, not "none").
     runs_onnx_weights: bool = False
+    # Whether `execute` feeds a decode row's draft tokens (ScheduledSeq.draft) and returns the
+    # logits of each of its rows (speculative decoding, edge_runtime.spec).
+    verifies_drafts: bool = False
 
     @property
     def held_bytes(self) -> int:
@@ -38,8 +41,9 @@ class Backend(Protocol):
         return 0
 
     def execute(self, batch: Batch, lora: LoraApplier | None = None) -> torch.Tensor:
-        """Logits [rows that sample, vocab] in float32, in batch order; the batch's new keys and
-        values are written to the KV cache. `lora`: an explicit applier (torch only)."""
+        """Logits [rows that sample, vocab] in float32, in batch order (an item with a draft
+        yields `num_logits` rows, its fed rows' in order); the batch's new keys and values are
+        written to the KV cache. `lora`: an explicit applier (torch only)."""
         ...
 
     def determinism(self) -> tuple[bool, str]:

@@ -39,6 +39,7 @@ from edge_runtime.backends.step_inputs import (
     DecodeInputs,
     StepItem,
     StepPlan,
+    place_logits,
     plan_dense_step,
     plan_gqa_step,
     plan_step,
@@ -64,6 +65,7 @@ ONE_GRAPH_BYTES = 256 << 20
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     runs_onnx_weights = True
+    verifies_drafts = True  # a draft's rows run as a continuation chunk, each yielding logits
 
     def __init__(
         self,
@@ -236,13 +238,11 @@ class OnnxRuntimeBackend(Backend):
         else:
             groups = split_groups(q_lens)
         for group in groups:
-            rows = self.run_items([batch.items[i] for i in group], [refs[i] for i in group])
-            for pos, i in enumerate(j for j in group if batch.items[j].samples):
-                out[i] = rows[pos]
+            place_logits(out, group, batch.items, self.run_items([batch.items[i] for i in group], [refs[i] for i in group]))
         sampled = [t for t in out if t is not None]
         if not sampled:
             return torch.empty(0, self.cfg.vocab_size)
-        return torch.stack(sampled)
+        return torch.cat(sampled)
 
     def _execute_dense(self, batch: Batch, refs: list) -> torch.Tensor:
         """Dense layout: decode rows in one run over rows [first, last] of the per-sequence
@@ -272,12 +272,11 @@ class OnnxRuntimeBackend(Backend):
                 sampling = [i for i, _ in run if items[i].samples]
                 if len(sampling) == len(items) and sampling == list(range(len(items))):
                     return logits  # the usual decode step: one run, rows already in batch order
-                for pos, i in enumerate(sampling):
-                    out[i] = logits[pos]
+                place_logits(out, [i for i, _ in run], items, logits)
         sampled = [t for t in out if t is not None]
         if not sampled:
             return torch.empty(0, self.cfg.vocab_size)
-        return torch.stack(sampled)
+        return torch.cat(sampled)
 
     def _decode_step(self, items: list, refs: list) -> torch.Tensor | None:
         """The steady decode step of the dense layout, or None where it does not apply: every
@@ -353,8 +352,8 @@ class OnnxRuntimeBackend(Backend):
             item, ref = items[k], refs[k]
             seq, n = item.seq, item.num_tokens
             start = seq.num_computed
-            steps.append(StepItem(seq.token_ids[start : start + n], start, seq.block_table, item.samples,
-                                  -1 if ref is None else slots[ref], self.model.rope.offset(seq.num_tokens)))
+            steps.append(StepItem(item.tokens(), start, seq.block_table, item.samples, -1 if ref is None else slots[ref],
+                                  self.model.rope.offset(seq.num_tokens), item.num_logits))
             idle.append(False)
             real.append((row, seq.block_table, start, start + n))
         capacity = max(st.start + len(st.tokens) for st in steps)
@@ -415,10 +414,10 @@ class OnnxRuntimeBackend(Backend):
                 slots[ref] = len(slots)
         steps = []
         for item, ref in zip(items, refs, strict=True):
-            seq, n = item.seq, item.num_tokens
+            seq = item.seq
             start = seq.num_computed
-            steps.append(StepItem(seq.token_ids[start : start + n], start, seq.block_table, item.samples,
-                                  -1 if ref is None else slots[ref], self.model.rope.offset(seq.num_tokens)))
+            steps.append(StepItem(item.tokens(), start, seq.block_table, item.samples, -1 if ref is None else slots[ref],
+                                  self.model.rope.offset(seq.num_tokens), item.num_logits))
         key = tuple(slots)
         session = self._session_with_stack(key)
         logits, new_kv, plan = self._run(session, self.plan(steps))

@@ -24,6 +24,7 @@ class StepItem:
     samples: bool
     lora_slot: int = -1  # index into the step's stacked adapters; -1 = base model
     rope_offset: int = 0  # added to positions for rows of the rotary table (`RotaryTable.offset`)
+    num_logits: int = 1  # trailing rows that yield logits when it samples (a draft's rows: edge_runtime.spec)
 
 
 @dataclass
@@ -36,6 +37,20 @@ class StepPlan:
     real_rows: np.ndarray | None = None  # rows of new_kv that are real tokens (None: the first real_tokens)
     present: int = 0  # GroupQueryAttention's present length (the "ort" graph)
     real_positions: np.ndarray | None = None  # position of each real row (the dense layout)
+
+
+def sampling_rows(items: list[StepItem]) -> list[tuple[int, int]]:
+    """(item index, rows back from its last) of each logits row, in output order: one per
+    sampling item, `num_logits` for one whose rows carry a draft."""
+    return [(i, it.num_logits - j) for i, it in enumerate(items) if it.samples for j in range(it.num_logits)]
+
+
+def place_logits(out: list, indices: list[int], items: list, logits) -> None:
+    """Put each sampling item's logits rows ([num_logits, vocab] slices of one run's `logits`,
+    in `indices` order) at `out[item index]`."""
+    sampling = [i for i in indices if items[i].samples]
+    for i, part in zip(sampling, logits.split([items[i].num_logits for i in sampling]), strict=True):
+        out[i] = part
 
 
 def split_groups(q_lens: list[int], max_waste: float = 2.0) -> list[list[int]]:
@@ -136,8 +151,9 @@ def plan_step(
     h_kv, g_in = heads_all // group, heads_all % group
     out_index = ((seq_of[:, None] * num_kv_heads + h_kv[None, :]) * group + g_in[None, :]) * s + chunk_of[:, None]
 
-    sampling = [i for i, it in enumerate(items) if it.samples]
-    logit_rows = np.array([row0[i] + q_lens[i] - 1 for i in sampling], np.int64)
+    sampling = sampling_rows(items)
+    logit_rows = np.array([row0[i] + q_lens[i] - back for i, back in sampling], np.int64)
+    sampling = [i for i, _ in sampling]
     slot_mapping = np.concatenate([
         slots[i, starts[i] - first[i] : ctx[i] - first[i]] for i in range(b)
     ])
@@ -218,16 +234,17 @@ def plan_gqa_step(
     new_kv_index[..., 1] = heads[None, :]
     new_kv_index[..., 2] = pos[:, None]
     real_rows = np.nonzero((np.arange(s)[None, :] < q_lens[:, None]).reshape(-1))[0][:real_tokens]
-    sampling = [i for i, it in enumerate(items) if it.samples]
+    sampling = sampling_rows(items)
     inputs = {
         "input_ids": ids,
         "kv_index": past_slots[:, None, :] * num_kv_heads + heads[None, :, None],
         "seqlens_k": (ctx - 1).astype(np.int32),
         "total_sequence_length": np.array(total, np.int32),
         "new_kv_index": new_kv_index,
-        "logit_rows": np.array([i * s + q_lens[i] - 1 for i in sampling], np.int64),
+        "logit_rows": np.array([i * s + q_lens[i] - back for i, back in sampling], np.int64),
         "lora_index": lora_index,
     }
+    sampling = [i for i, _ in sampling]
     if rope_rows:
         inputs["positions"] = pos.reshape(b, s) + np.array([[it.rope_offset] for it in items], np.int64)
     slot_mapping = slots_at(row_seq[real_rows], pos[real_rows])
@@ -258,7 +275,7 @@ def plan_dense_step(items: list[StepItem], idle: list[bool], block_size: int, ro
     row_seq = np.repeat(np.arange(b), s)
     real = (np.arange(s)[None, :] < q_lens[:, None]) & ~np.asarray(idle, bool)[:, None]
     real_rows = np.nonzero(real.reshape(-1))[0]
-    sampling = [i for i, it in enumerate(items) if it.samples and not idle[i]]
+    sampling = [(i, back) for i, back in sampling_rows(items) if not idle[i]]
     width = max(1, max(len(it.block_table) for it in items))
     tables = np.zeros((b, width), np.int64)
     for i, it in enumerate(items):
@@ -269,12 +286,13 @@ def plan_dense_step(items: list[StepItem], idle: list[bool], block_size: int, ro
         "input_ids": ids,
         "seqlens_k": (ctx - 1).astype(np.int32),
         "total_sequence_length": np.array(int(ctx.max()), np.int32),
-        "logit_rows": np.array([i * s + q_lens[i] - 1 for i in sampling], np.int64),
+        "logit_rows": np.array([i * s + q_lens[i] - back for i, back in sampling], np.int64),
         "lora_index": np.repeat(np.array([[it.lora_slot] for it in items], np.int64), s, axis=1),
     }
     if rope_rows:  # as for plan_gqa_step
         inputs["positions"] = pos.reshape(b, s) + np.array([[it.rope_offset] for it in items], np.int64)
-    return StepPlan(inputs, slot_mapping, b * s, len(real_rows), sampling, real_rows, int(ctx.max()), at)
+    return StepPlan(inputs, slot_mapping, b * s, len(real_rows), [i for i, _ in sampling], real_rows, int(ctx.max()),
+                    at)
 
 
 class DecodeInputs:

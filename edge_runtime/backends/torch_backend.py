@@ -21,6 +21,7 @@ from edge_runtime.sched.scheduler import Batch
 class TorchBackend(Backend):
     name = "torch"
     reads_pruned_kv = True  # PagedContext reads each sequence's pruning state and compacted layout
+    verifies_drafts = True
 
     def __init__(self, model: LlamaModel, cache: KVCache, adapters: AdapterRegistry | None = None,
                  row_invariant: bool = False) -> None:
@@ -57,12 +58,12 @@ class TorchBackend(Backend):
             # Probe sequences (cost calibration) carry no pruning state.
             seqs.append(SeqAttention(len(ids), n, start + n, seq.block_table, getattr(seq, "kv_pruning", None),
                                      getattr(seq, "kv_layout", None)))
-            ids.extend(seq.token_ids[start : start + n])
+            ids.extend(item.tokens())
             # Rows of the rotary table: LongRoPE picks its factors by the sequence's whole length.
             offset = rope.offset(seq.num_tokens)
             positions.extend(range(start + offset, start + n + offset))
-            if item.samples:
-                logit_rows.append(len(ids) - 1)
+            # A decode row with a draft yields every fed row's logits (edge_runtime.spec).
+            logit_rows.extend(range(len(ids) - item.num_logits, len(ids)))
         device = self.device
         if lora is None and self.adapters is not None:
             runs = [(item.seq.request.served, item.num_tokens) for item in batch.items]

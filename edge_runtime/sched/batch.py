@@ -17,12 +17,26 @@ if TYPE_CHECKING:
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # new tokens fed this iteration
+    num_tokens: int  # new tokens fed this iteration (a decode row's drafts included)
+    # Speculative tokens fed after a decode row's own (edge_runtime.spec): each of its rows
+    # yields logits, so the model's choice after every draft token is checked in one forward.
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence, so its last row yields a token."""
-        return self.seq.num_computed + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed + self.num_tokens - len(self.draft) == self.seq.num_tokens
+
+    @property
+    def num_logits(self) -> int:
+        """Rows of logits this item yields: its last row's, plus one per draft token."""
+        return 1 + len(self.draft) if self.samples else 0
+
+    def tokens(self) -> list[int]:
+        """The token ids fed: the sequence's next ones, then the draft."""
+        start = self.seq.num_computed
+        fed = self.seq.token_ids[start : start + self.num_tokens - len(self.draft)]
+        return fed + list(self.draft) if self.draft else fed
 
 
 @dataclass

@@ -26,6 +26,7 @@ from edge_runtime.sched.prefix import cache_salt, match_prefix, register_full_bl
 from edge_runtime.sched.slo import budget_ms, headroom_budget, slo_budgets
 from edge_runtime.sched.task import Task, TaskKind
 from edge_runtime.sequence import SeqStatus, Sequence
+from edge_runtime.spec.drafter import Drafter
 
 __all__ = ["Batch", "ScheduledSeq", "ScheduledStages", "Scheduler"]
 
@@ -49,6 +50,7 @@ class Scheduler:
         kv_relief: PruneUnderPressure | None = None,
     ) -> None:
         self.pool = pool
+        self.drafter = Drafter(0)  # decode rows' drafts (edge_runtime.spec): none unless the engine sets one
         self.prefix_tier: Any = None  # kv.prefix_tier.PrefixTier: the prefix cache's disk tier, set by the engine
         self.policy = policy
         self.costs = costs
@@ -338,8 +340,8 @@ class Scheduler:
             if left > 1:
                 tasks.append(Task(prefill, s.arrival, s.arrival, seq=s, remaining=left, context=s.num_computed))
             else:
-                tasks.append(Task(decode, s.arrival, last_token.get(s.seq_id, s.arrival), seq=s, remaining=1,
-                                  context=s.num_computed))
+                tasks.append(Task(decode, s.arrival, last_token.get(s.seq_id, s.arrival), seq=s,
+                                  remaining=1 + self.drafter.plan(s), context=s.num_computed))
         for s in self.waiting:
             if self._ready(s):
                 tasks.append(Task(prefill, s.arrival, s.arrival, seq=s, remaining=s.num_tokens - s.num_computed,
@@ -444,7 +446,7 @@ class Scheduler:
             "iteration_budget_ms": budget_ms(self.latency_budget_s),
             # what the last iteration packed to (grows with the streams' TBT headroom under mace)
             "last_iteration_budget_ms": budget_ms(self.iteration_budget_s),
-            "policy_params": self.policy.params,
+            "policy_params": self.policy.params, "speculation": self.drafter.stats(),
         }
 
     def _admit(self, bin: Bin) -> list[ScheduledSeq]:
@@ -460,7 +462,8 @@ class Scheduler:
                 if metrics is not None and seq.index == 0 and seq.preemptions == 0:
                     metrics.cached_prompt_tokens = seq.num_computed
             n = min(placement.amount, seq.num_tokens - seq.num_computed)
-            need = self.blocks_needed(seq, n)
+            draft = self.drafter.admit(seq, n, placement.amount)
+            need = self.blocks_needed(seq, n + len(draft))
             if n <= 0 or need > self.pool.num_free:
                 if fresh:
                     self._release(seq)  # give back matched prefix blocks; retry later
@@ -471,7 +474,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
-            items.append(ScheduledSeq(seq, n))
+            items.append(ScheduledSeq(seq, n + len(draft), draft))
         return items
 
     def commit(self, batch: Batch, now: float) -> None:
@@ -484,7 +487,7 @@ class Scheduler:
         cache, note when each stream got its token (its decode task's re-queue time)."""
         for item in batch.items:
             seq = item.seq
-            seq.num_computed += item.num_tokens
+            seq.num_computed += item.num_tokens - len(item.draft)  # accepted drafts: at commit
             if item.samples:
                 self._last_token[seq.seq_id] = now
             register_full_blocks(seq, self.pool, cache_salt(seq, self.rope_switch))
