@@ -6,6 +6,9 @@ layout (start:rows of every forward that fed the prompt), so a moving case can b
 
     python tools/determinism_probe.py [--backend torch|onnxruntime] [--steps 8] [--deterministic]
 
+With --throughput, what the grid costs: tok/s (prefill included) at 1 and 8 concurrent chats of
+~200 prompt tokens under `mace` on the backend; run it on two trees, alternated, to compare.
+
 With --op, ONNX Runtime's GroupQueryAttention alone: a prompt's rows computed in one call
 against the same rows computed over a past (1 query row: the decode kernel; 2 or more: the
 prompt's).
@@ -122,6 +125,23 @@ def _cost(rounds: int) -> None:
         print(f"{name:28s} deterministic off {off:8.3f}  on {on:8.3f}  (on/off {on / off:.2f})")
 
 
+def _throughput(backend: str, rounds: int) -> None:
+    extra = {"onnx_quantization": "q4_1"} if backend == "onnxruntime" else {}
+    engine = Engine.load(None, backend=backend, dtype="float32", device="cpu", policy="mace", cost_profile="off",
+                         kv_cache_bytes=128 << 20, enable_prefix_cache=False, **extra)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    best: dict[int, float] = {}
+    for _ in range(rounds):
+        for streams in (1, 8):
+            prompts = [f"{PROMPT} {FILLER} ({i})" * 2 for i in range(streams)]
+            t = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            best[streams] = max(best.get(streams, 0.0),
+                                sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t))
+    print(f"load average {os.getloadavg()}; best of {rounds}: "
+          + "  ".join(f"{k} stream(s) {v:.2f} tok/s" for k, v in best.items()), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="torch")
@@ -130,7 +150,11 @@ def main() -> None:
     ap.add_argument("--deterministic", action="store_true", help="torch: engine.deterministic on")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--op", action="store_true", help="ONNX Runtime's GroupQueryAttention alone")
+    ap.add_argument("--throughput", action="store_true", help="tok/s at 1 and 8 chats under mace")
     args = ap.parse_args()
+    if args.throughput:
+        _throughput(args.backend, args.rounds)
+        return
     if args.op:
         _gqa_op()
         return
