@@ -13,6 +13,26 @@ from edge_runtime.sched.task import Task, TaskKind
 from edge_runtime.sequence import SeqStatus
 
 
+def grid_piece(start: int, n: int, end: int, grid: int, at_least_one: bool = False) -> int:
+    """How many of the `n` tokens a prefill chunk from `start` may take so that it ends on the
+    grid (a multiple of `grid`, the KV block size) or at the prompt's `end`, and never leaves a
+    single row for later (0: none). Chunk boundaries are thus a function of the request alone,
+    whatever the budget (#31): a policy decides how many grid chunks go into a bin, never where
+    one starts. A lone last row would run as a decode row, whose attention ONNX Runtime rounds
+    otherwise than a row of a longer chunk. With `at_least_one`, the smallest piece the grid
+    allows (the first grid point after `start`, or the end) when `n` reaches none."""
+    stop = min(start + n, end)
+    if stop < end:
+        stop -= stop % grid
+        if stop == end - 1:
+            stop -= grid
+    if stop <= start and at_least_one:
+        stop = min(end, start + grid - start % grid)
+        if stop == end - 1:
+            stop = end
+    return max(0, stop - start)
+
+
 @dataclass(slots=True)
 class Placement:
     task: Task
@@ -157,18 +177,26 @@ class Bin:
                     and (not check_latency or seconds <= self.free_latency_s))
 
         if fits(top):
-            return top
-        lo, hi = 0, top  # fits(lo) holds (vacuously for 0), fits(hi) does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
+            lo = top
+        else:
+            lo, hi = 0, top  # fits(lo) holds (vacuously for 0), fits(hi) does not
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    lo = mid
+                else:
+                    hi = mid
+        raw = lo
+        if task.kind is TaskKind.PREFILL:
+            lo = grid_piece(task.context, lo, task.context + task.remaining, self.block_size)
         if lo == 0 and self.empty:
-            smallest = min(top, self.block_size)
-            if fits(smallest, check_latency=False):
-                return smallest
+            end = task.context + task.remaining
+            # The grid's smallest chunk; else, where the token budget or memory cannot hold it,
+            # progress off the grid (a request's rows then depend on those limits too).
+            for smallest in (grid_piece(task.context, min(top, self.block_size), end, self.block_size, True), raw,
+                             min(top, self.block_size)):
+                if 0 < smallest <= top and fits(smallest, check_latency=False):
+                    return smallest
         return lo
 
     def _stages_fit(self, task: Task, max_stages: int | None, ignore_latency: bool) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from edge_runtime.kv.block_pool import BlockPool, block_hash
+from edge_runtime.sched.bins import grid_piece
 from edge_runtime.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -23,15 +24,19 @@ def cache_salt(seq: Sequence, rope_switch: int | None) -> str:
     return salt
 
 
-def match_prefix(seq: Sequence, pool: BlockPool, salt: str, tier: PrefixTier | None = None) -> None:
-    """Reuse cached full blocks of this sequence's tokens (never its last token: that one
-    must run through the model to produce logits): from the pool, else read back from the
-    disk tier; blocks reused from the pool are handed to the tier to keep."""
+def match_prefix(seq: Sequence, pool: BlockPool, salt: str, tier: PrefixTier | None = None,
+                 amount: int | None = None) -> None:
+    """Reuse cached full blocks of this sequence's tokens (never its last two: the last must
+    run through the model to produce logits, and a lone row would run as a decode row, whose
+    attention ONNX Runtime rounds otherwise than a chunk's: #31): from the pool, else read back
+    from the disk tier; blocks reused from the pool are handed to the tier to keep. With `amount`
+    (the tokens the scheduler planned for its first chunk), a hit whose next grid chunk is longer
+    than that gives its last blocks back, so the chunk still ends on the grid within its plan."""
     size = pool.block_size
     parent = None
     owner = seq.request.owner
     reused = []
-    for i in range((seq.num_tokens - 1) // size):
+    for i in range(max(0, seq.num_tokens - 2) // size):
         tokens = seq.token_ids[i * size : (i + 1) * size]
         h = block_hash(parent, tokens, salt)
         block = pool.match(h)
@@ -46,6 +51,12 @@ def match_prefix(seq: Sequence, pool: BlockPool, salt: str, tier: PrefixTier | N
         seq.block_hashes.append(h)
         seq.num_computed += size
         parent = h
+    if amount is not None:
+        while seq.block_table and not grid_piece(seq.num_computed, min(amount, seq.num_tokens - seq.num_computed),
+                                                 seq.num_tokens, size):
+            pool.release(seq.block_table.pop())
+            seq.block_hashes.pop()
+            seq.num_computed -= size
     if tier is not None and reused:
         tier.remember(owner, reused)
 

@@ -17,7 +17,7 @@ from edge_runtime.errors import AdmissionRejected
 from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.memory import MemoryKind, MemoryLedger
 from edge_runtime.sched.batch import Batch, ScheduledSeq, ScheduledStages
-from edge_runtime.sched.bins import Bin
+from edge_runtime.sched.bins import Bin, grid_piece
 from edge_runtime.sched.cost_model import CostModel
 from edge_runtime.sched.finetune import FineTuneJob, FineTuneQueue, must_finish
 from edge_runtime.sched.kv_relief import PruneUnderPressure
@@ -39,10 +39,8 @@ class Scheduler:
         costs: CostModel,
         ledger: MemoryLedger,
         *,
-        max_batched_tokens: int = 256,
-        max_num_seqs: int = 32,
-        latency_budget_s: float = math.inf,
-        slo_tbt_s: float = math.inf,
+        max_batched_tokens: int = 256, max_num_seqs: int = 32,
+        latency_budget_s: float = math.inf, slo_tbt_s: float = math.inf,
         slo_ttft_factor: float = 5.0,
         max_latency_budget_s: float | None = None,
         headroom_margin: float = 0.85,
@@ -457,11 +455,13 @@ class Scheduler:
             assert seq is not None
             fresh = seq.status is SeqStatus.WAITING
             if fresh and not seq.block_table:
-                match_prefix(seq, self.pool, cache_salt(seq, self.rope_switch), self.prefix_tier)
+                match_prefix(seq, self.pool, cache_salt(seq, self.rope_switch), self.prefix_tier, placement.amount)
                 metrics = seq.request.metrics
                 if metrics is not None and seq.index == 0 and seq.preemptions == 0:
                     metrics.cached_prompt_tokens = seq.num_computed
             n = min(placement.amount, seq.num_tokens - seq.num_computed)
+            if fresh:  # a prefix hit moved its start: the chunk ends on the grid again (#31)
+                n = grid_piece(seq.num_computed, n, seq.num_tokens, self.pool.block_size) or n
             draft = self.drafter.admit(seq, n, placement.amount)
             need = self.blocks_needed(seq, n + len(draft))
             if n <= 0 or need > self.pool.num_free:

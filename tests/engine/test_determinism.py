@@ -1,8 +1,9 @@
 """Greedy is greedy (issue #31), in-process on the default model: the same chat gets the same greedy
 tokens and logits, bit for bit, alone, repeated (the second time from the prefix cache), in batches of 3 and 16 beside
 other requests of other lengths, under the MACE policy with cost calibration off and with the cost
-estimates another machine would have (x0.25, x4), on torch and on ONNX Runtime (q4_1, the default
-backend's format). The reference is each chat alone, in one chunk, with no prefix cache."""
+estimates another machine would have (x0.25, x4), with a token budget one row short of the prompt,
+on torch and on ONNX Runtime (q4_1, the default backend's format). The reference is each chat
+alone, in one chunk, with no prefix cache."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ _WORDS = ("Rivers carry water from the mountains to the sea, shaping valleys, fe
 # Chats from a few tokens to a few hundred (the MACE policy chunks the long ones by estimated cost).
 SUBJECTS = ["What is the capital of Italy?", "Summarise: " + " ".join(_WORDS * 2),
             "Translate into French: " + " ".join(_WORDS * 6)]
+# 49 tokens once templated (16k + 1): a prefix hit, or a budget one row short, left its last row
+# to run alone (on ONNX Runtime through the decode path's attention, which rounds otherwise).
+GRID_PLUS_ONE = "Name three rivers in Europe and say where each one meets the sea, in one line each."
 OTHERS = ["Write a haiku about " + " ".join(_WORDS[i : i + 1 + i % 4]) for i in range(16)]
 # A TBT SLO of its own, so scaled estimates change how much prefill fits one iteration.
 SETTINGS = dict(dtype="float32", device="cpu", kv_cache_bytes=64 << 20, policy="mace", cost_profile="off",
@@ -89,12 +93,6 @@ def _disagreements(engine: Engine, expected: list, batched: bool = True) -> list
 
 
 def _torch_open(backend: str, request: pytest.FixtureRequest) -> None:
-    if backend == "onnxruntime":
-        # Passed under load ~20 on the determinism branch; on a quiet machine (load ~1) a chat's
-        # first run alone, chunked by mace with calibration off, moved against its one-chunk
-        # logits (fails on 697dfb8 and on main): the probe's chunkings do not cover it yet.
-        request.applymarker(pytest.mark.xfail(strict=False, reason="#31: ONNX Runtime rows moved with chunk "
-                                                                   "placement on a quiet machine"))
     if backend == "torch":
         # Fails on bd2623a (every run of every chat: logits moved). With engine.deterministic the
         # projections and attention kernels are row-invariant (test_determinism_kernels.py), but
@@ -123,3 +121,15 @@ def test_base_rows_do_not_depend_on_other_users_adapter_rows(backend, reference,
     engine.publish_adapter("alice", random_adapter(engine.model.cfg, settings, seed=1))
     got = _tokens(engine, OTHERS[:2] + SUBJECTS, ["alice"] * 2 + [None] * len(SUBJECTS))[2:]
     assert [k for k, t in enumerate(got) if not _same(t, reference[k])] == []
+
+
+def test_a_prompts_last_row_never_runs_alone(backend, default_model_dir, request):
+    """Fails on main before the grid (8dbd47d) on ONNX Runtime, at any load: a token budget one
+    row short of the prompt, or a repeat resuming from the prefix cache, left the last row to a
+    forward of its own."""
+    _torch_open(backend, request)
+    expected = _tokens(_engine(backend, policy="fcfs", max_batched_tokens=4096, enable_prefix_cache=False),
+                       [GRID_PLUS_ONE])[0]
+    short = _engine(backend, policy="fcfs", max_batched_tokens=48)
+    bad = [f"budget 48, run {rep}" for rep in range(2) if not _same(_tokens(short, [GRID_PLUS_ONE])[0], expected)]
+    assert bad == []
