@@ -34,8 +34,8 @@ class RegressionGuard:
     # Degeneration (docs/training.md, "Regression guard" for how the defaults were chosen): the
     # first `degeneration_prompts` held-out prompts are answered greedily, `degeneration_tokens`
     # tokens each, by the candidate and by the reference (the adapter off). 0 prompts: not judged.
-    degeneration_prompts: int = 4
-    degeneration_tokens: int = 24
+    degeneration_prompts: int = 12
+    degeneration_tokens: int = 16
     batch_prompts: int = 4  # held-out prompts answered together (one forward per token for all)
     kl_budget: float = 1.0  # mean KL(candidate || reference) per answer token allowed (nats)
     kl_skip_tokens: int = 2  # leading answer tokens left out of the KL: where a preference shows
