@@ -73,6 +73,10 @@ class FineTuneSettings:
     # Adapter versions a publish leaves on disk per user: the newest k, plus any rolled back to
     # and any a request is using (docs/training.md, "Retention"). Erasure removes all of them.
     keep_versions: int = 5
+    # The users' trainers (docs/training.md, "The daemon's learning rate and beta"): AdamW's rate,
+    # one step per trained example, and DPO's beta, chosen by tools/alignment_sweep.py (issue #32).
+    learning_rate: float = 3e-4
+    beta: float = 0.5
 
 
 @dataclass(frozen=True)

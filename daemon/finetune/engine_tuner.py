@@ -419,13 +419,15 @@ class EngineFineTuner(GuardedPublishing):
     def _trainer(self, engine: Engine, user: str) -> AdapterTrainer:
         trainer = self._trainers.get(user)
         if trainer is None:
-            from edge_runtime.train.trainer import AdapterTrainer
+            from edge_runtime.train.optim import OptimizerSettings
+            from edge_runtime.train.trainer import AdapterTrainer, DPOSettings
 
             if self._stage_costs is None:
                 # This machine's stage costs (profiled once, then cached in the state dir), so
                 # the scheduler prices stages as they really run here.
                 self._stage_costs = engine.stage_costs()
-            trainer = AdapterTrainer(engine.model, engine.tokenizer, costs=self._stage_costs)
+            trainer = AdapterTrainer(engine.model, engine.tokenizer, costs=self._stage_costs, dpo=DPOSettings(
+                beta=self.settings.beta, optimizer=OptimizerSettings(learning_rate=self.settings.learning_rate)))
             reset_trainer(engine, user, trainer)
             self._trainers[user] = trainer
         train_on_served_fleet(engine, trainer)
