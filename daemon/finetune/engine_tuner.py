@@ -96,6 +96,7 @@ class EngineFineTuner(GuardedPublishing):
         self.errors = 0
         self.publishing: str | None = None  # the user whose candidate is being guarded now
         self.guard_seconds = 0.0  # the guard's evaluations, stage time summed (background stages)
+        self._publish_tasks: dict[str, asyncio.Task[None]] = {}  # user -> its publish under way
         self._trainers: dict[str, AdapterTrainer] = {}  # touched on the engine thread only
         self._stage_costs: Any = None  # engine thread only
         self._progress: dict[str, _UserProgress] = {}
@@ -124,6 +125,7 @@ class EngineFineTuner(GuardedPublishing):
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
+        await self._cancel_publishing()
         if self.engine.alive:
             try:
                 await self.engine.call(cancel_all, parked=lambda parked: 0)
@@ -348,7 +350,7 @@ class EngineFineTuner(GuardedPublishing):
             progress = self._progress.get(user)
             if (progress is not None and not progress.in_flight and not self._stopping
                     and len(progress.trained) >= self.settings.pairs_per_version):
-                await self._publish(user)
+                self._publish_soon(user)
 
     async def _feed(self) -> None:
         """Hand pairs and unpaired examples ready for training to the engine: per user, a batch
@@ -357,7 +359,8 @@ class EngineFineTuner(GuardedPublishing):
         assert self.store is not None
         if self.paused_reason is not None:
             return
-        busy = {u for u, p in self._progress.items() if p.in_flight or p.publishing}
+        # A user whose publish is under way (or about to start) waits: no update mid-snapshot.
+        busy = {u for u, p in self._progress.items() if p.in_flight or p.publishing} | set(self._publish_tasks)
         pairs = await asyncio.to_thread(self.store.next_pairs, None, 64)
         unpaired = await asyncio.to_thread(self.store.next_unpaired, None, 64)
         records: list[tuple[Item, PreferencePair | UnpairedExample]] = sorted(
@@ -379,7 +382,7 @@ class EngineFineTuner(GuardedPublishing):
         for user, progress in list(self._progress.items()):
             if (user not in waiting and not progress.in_flight and not progress.publishing
                     and progress.trained):
-                await self._publish(user)  # nothing left to add: publish what there is
+                self._publish_soon(user)  # nothing left to add: publish what there is
 
     async def _queue(self, batches: dict[str, list[tuple[Item, PreferencePair | UnpairedExample]]]) -> None:
         loop = self._loop

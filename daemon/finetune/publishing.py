@@ -41,7 +41,34 @@ class GuardedPublishing:
     _stopping: bool
     _served_metrics: dict[str, tuple[tuple[Any, ...], Any]]
 
+    _look_at: float
+    _publish_tasks: dict[str, asyncio.Task[None]]
+
     async def forget(self, user: str) -> bool: ...
+
+    def _publish_soon(self, user: str) -> None:
+        """Publish `user`'s trained items in a task of its own: the guard's evaluation takes a
+        while beside serving, and meanwhile other users' finished items are recorded and their
+        next batches queued (the user's own wait: `publishing` marks them busy)."""
+        if user in self._publish_tasks:
+            return
+        task = asyncio.get_running_loop().create_task(self._publish(user), name="finetune-publish")
+        self._publish_tasks[user] = task
+
+        def done(task: asyncio.Task[None], user: str = user) -> None:
+            self._publish_tasks.pop(user, None)
+            self._look_at = 0.0  # the user's next batch may go now
+            if not task.cancelled() and task.exception() is not None:
+                self.errors += 1
+                log.error("publishing the adapter of %s failed", self.names.tag(user), exc_info=task.exception())
+        task.add_done_callback(done)
+
+    async def _cancel_publishing(self) -> None:
+        """Shutdown: stop the publishes under way (their items stay trained; checkpoint publishes them)."""
+        tasks = list(self._publish_tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _guard(self) -> RegressionGuard:
         from edge_runtime.train.guard import RegressionGuard
