@@ -66,13 +66,17 @@ class FineTuneSettings:
     # hold training back until inference had idled this long); kept so config files still load.
     idle_s: float = 1.0
     guard: bool = True  # publish only if held-out win rate / CLPD did not regress
-    guard_prompts: int = 4  # held-out prompts answered greedily to check degeneration (0: not checked)
-    guard_tokens: int = 24  # tokens per answer (docs/training.md, "Degeneration")
+    guard_prompts: int = 12  # held-out prompts answered greedily (in batches) to check degeneration (0: not checked)
+    guard_tokens: int = 16  # tokens per answer (docs/training.md, "Degeneration")
     guard_kl_budget: float = 1.0  # mean KL(candidate || base) per answer token allowed (nats)
     guard_distinct_2_drop: float = 0.10  # largest fraction distinct-2 may fall below the base's
     # Adapter versions a publish leaves on disk per user: the newest k, plus any rolled back to
     # and any a request is using (docs/training.md, "Retention"). Erasure removes all of them.
     keep_versions: int = 5
+    # The users' trainers (docs/training.md, "The daemon's learning rate and beta"): AdamW's rate,
+    # one step per trained example, and DPO's beta, chosen by tools/alignment_sweep.py (issue #32).
+    learning_rate: float = 3e-4
+    beta: float = 0.5
 
 
 @dataclass(frozen=True)

@@ -243,6 +243,7 @@ def guard_versions(state: Path, user: str) -> list[dict[str, Any]]:
                      "win_rate": after.get("win_rate"), "clpd": after.get("clpd"),
                      "kl_per_token": deg.get("kl_per_token"), "distinct_2": deg.get("distinct_2"),
                      "base_distinct_2": deg.get("base_distinct_2"), "max_word_repeats": deg.get("max_word_repeats"),
+                     "guard_s": e.get("guard_s"),  # the evaluation's background stages (seconds)
                      "reason": None if e["kind"] == "published" else e.get("reason")})
     return rows
 

@@ -906,9 +906,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--layers-per-group", type=int, default=6)
     p.add_argument("--guard-win-rate-tolerance", type=float, default=0.05)
     p.add_argument("--guard-clpd-tolerance", type=float, default=1.0)
-    p.add_argument("--guard-prompts", type=int, default=4, help="held-out prompts the guard answers greedily "
+    p.add_argument("--guard-prompts", type=int, default=12, help="held-out prompts the guard answers greedily "
                    "to check for degeneration (0: not checked)")
-    p.add_argument("--guard-tokens", type=int, default=24, help="tokens of each of those answers")
+    p.add_argument("--guard-tokens", type=int, default=16, help="tokens of each of those answers")
     p.add_argument("--guard-kl-budget", type=float, default=1.0, help="mean KL from the base per answer token (nats)")
     p.add_argument("--guard-distinct-2-drop", type=float, default=0.10,
                    help="largest fraction the answers' distinct-2 may fall below the base's")

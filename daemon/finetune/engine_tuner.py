@@ -7,7 +7,8 @@ becomes a staged fine-tune task (`AdapterTrainer.task(pair)`) handed to `Engine.
 and the engine's scheduler (MACE by default) packs its stages into iterations beside decode
 steps and prefill chunks, within the latency budget and the memory ledger. This module decides
 which pairs to hand over, records finished pairs in the store, and publishes a new adapter
-version through the regression guard once a user has `pairs_per_version` trained pairs.
+version through the regression guard once a user has `pairs_per_version` trained pairs (the
+guard's evaluation runs as background stages too: publishing.py).
 
 A user's pairs and unpaired examples (each an "item": one staged task, DPO or KTO) go to the
 engine in batches of at most `pairs_per_version` items; the next batch waits
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from daemon.config import FineTuneSettings
 from daemon.engine_thread import EngineThread
+from daemon.finetune.publishing import GuardedPublishing
 from daemon.finetune.trainers import cancel_all, reset_trainer, train_on_served_fleet
 from daemon.privacy import LogPseudonyms
 from daemon.wire import ProtocolError
@@ -69,7 +71,7 @@ class _Done:
     stepped: bool = False  # its optimizer stage applied an AdamW step
 
 
-class EngineFineTuner:
+class EngineFineTuner(GuardedPublishing):
     """FineTuner backed by the engine: its AdapterRegistry serves, its scheduler trains."""
 
     name = "engine"
@@ -93,6 +95,8 @@ class EngineFineTuner:
         self.last_decision: dict[str, Any] | None = None
         self.errors = 0
         self.publishing: str | None = None  # the user whose candidate is being guarded now
+        self.guard_seconds = 0.0  # the guard's evaluations, stage time summed (background stages)
+        self._publish_tasks: dict[str, asyncio.Task[None]] = {}  # user -> its publish under way
         self._trainers: dict[str, AdapterTrainer] = {}  # touched on the engine thread only
         self._stage_costs: Any = None  # engine thread only
         self._progress: dict[str, _UserProgress] = {}
@@ -121,6 +125,7 @@ class EngineFineTuner:
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
+        await self._cancel_publishing()
         if self.engine.alive:
             try:
                 await self.engine.call(cancel_all, parked=lambda parked: 0)
@@ -218,7 +223,7 @@ class EngineFineTuner:
                                 if job.get("restarts")} or None,
             "versions_published": self.versions_published, "versions_rejected": self.versions_rejected,
             "pairs_per_version": self.settings.pairs_per_version, "last_loss": self.last_loss,
-            "errors": self.errors, "last_guard": decision or None,
+            "errors": self.errors, "last_guard": decision or None, "guard_seconds": round(self.guard_seconds, 3),
             "alignment": (decision.get("after") or {}) if decision else {},
         }
 
@@ -345,7 +350,7 @@ class EngineFineTuner:
             progress = self._progress.get(user)
             if (progress is not None and not progress.in_flight and not self._stopping
                     and len(progress.trained) >= self.settings.pairs_per_version):
-                await self._publish(user)
+                self._publish_soon(user)
 
     async def _feed(self) -> None:
         """Hand pairs and unpaired examples ready for training to the engine: per user, a batch
@@ -354,7 +359,8 @@ class EngineFineTuner:
         assert self.store is not None
         if self.paused_reason is not None:
             return
-        busy = {u for u, p in self._progress.items() if p.in_flight or p.publishing}
+        # A user whose publish is under way (or about to start) waits: no update mid-snapshot.
+        busy = {u for u, p in self._progress.items() if p.in_flight or p.publishing} | set(self._publish_tasks)
         pairs = await asyncio.to_thread(self.store.next_pairs, None, 64)
         unpaired = await asyncio.to_thread(self.store.next_unpaired, None, 64)
         records: list[tuple[Item, PreferencePair | UnpairedExample]] = sorted(
@@ -376,7 +382,7 @@ class EngineFineTuner:
         for user, progress in list(self._progress.items()):
             if (user not in waiting and not progress.in_flight and not progress.publishing
                     and progress.trained):
-                await self._publish(user)  # nothing left to add: publish what there is
+                self._publish_soon(user)  # nothing left to add: publish what there is
 
     async def _queue(self, batches: dict[str, list[tuple[Item, PreferencePair | UnpairedExample]]]) -> None:
         loop = self._loop
@@ -416,85 +422,16 @@ class EngineFineTuner:
     def _trainer(self, engine: Engine, user: str) -> AdapterTrainer:
         trainer = self._trainers.get(user)
         if trainer is None:
-            from edge_runtime.train.trainer import AdapterTrainer
+            from edge_runtime.train.optim import OptimizerSettings
+            from edge_runtime.train.trainer import AdapterTrainer, DPOSettings
 
             if self._stage_costs is None:
                 # This machine's stage costs (profiled once, then cached in the state dir), so
                 # the scheduler prices stages as they really run here.
                 self._stage_costs = engine.stage_costs()
-            trainer = AdapterTrainer(engine.model, engine.tokenizer, costs=self._stage_costs)
+            trainer = AdapterTrainer(engine.model, engine.tokenizer, costs=self._stage_costs, dpo=DPOSettings(
+                beta=self.settings.beta, optimizer=OptimizerSettings(learning_rate=self.settings.learning_rate)))
             reset_trainer(engine, user, trainer)
             self._trainers[user] = trainer
         train_on_served_fleet(engine, trainer)
         return trainer
-
-    async def _publish(self, user: str) -> None:
-        assert self.store is not None
-        progress = self._progress.get(user)
-        if progress is None or not progress.trained or user in self._forgotten or progress.publishing:
-            return
-        items = list(progress.trained)
-        pair_ids = [row for kind, row in items if kind == PAIR]
-        unpaired_ids = [row for kind, row in items if kind == UNPAIRED]
-        progress.publishing = True
-        self.publishing = user
-        try:
-            heldout = await asyncio.to_thread(self.store.heldout_pairs, user)
-            heldout_unpaired = await asyncio.to_thread(self.store.heldout_unpaired, user)
-
-            def publish(engine: Engine) -> tuple[dict[str, Any], Any]:
-                from edge_runtime.train.guard import RegressionGuard, publish_guarded
-
-                trainer = self._trainers[user]
-                engine.adapters.set_retention(self.settings.keep_versions)  # applied by the publish
-                if self._stopping:  # only at shutdown does a publish step (docs/training.md)
-                    trainer.flush()
-                s = self.settings
-                guard = (RegressionGuard(degeneration_prompts=s.guard_prompts, degeneration_tokens=s.guard_tokens,
-                                         kl_budget=s.guard_kl_budget, distinct_2_drop=s.guard_distinct_2_drop)
-                         if s.guard else RegressionGuard(min_heldout_pairs=1 << 30, min_heldout_unpaired=1 << 30))
-                served = engine.adapters.newest(user)
-                key = (None if served is None else served.version, trainer.fleet_key, tuple(p.id for p in heldout))
-                known = self._served_metrics.get(user)
-                decision, ref = publish_guarded(engine.adapters, trainer, user, heldout, guard,
-                                                served_metrics=known[1] if known and known[0] == key else None,
-                                                heldout_unpaired=heldout_unpaired, pair_ids=pair_ids,
-                                                unpaired_ids=unpaired_ids)
-                if ref is not None and decision.after is not None:
-                    self._served_metrics[user] = ((ref.version, *key[1:]), decision.after)
-                elif decision.before is not None:
-                    self._served_metrics[user] = (key, decision.before)
-                path = engine.adapters.path(ref) if ref is not None else None
-                out = decision.as_dict()
-                if ref is None and decision.degeneration is not None and guard.degenerated(decision.degeneration):
-                    # Corrections drawn from a collapse answer the collapse: train on from the
-                    # served version, with fresh optimizer state, as after a rollback.
-                    reset_trainer(engine, user, trainer, base_if_none=True)
-                    out["trainer_reset"] = True
-                return out, (ref, path)
-
-            decision, (ref, path) = await self.engine.call(publish)
-        finally:
-            progress.publishing = False
-            self.publishing = None
-        del progress.trained[: len(items)]
-        self.last_decision = decision
-        if ref is None:
-            self.versions_rejected += 1
-            log.info("adapter candidate for %s rejected: %s", self.names.tag(user),
-                     self.names.scrub(decision["reason"], user))
-            return
-        log.info("published adapter %s trained on %d pair(s) and %d unpaired example(s)",
-                 self.names.adapter(user, ref.version), len(pair_ids), len(unpaired_ids))
-        if path is not None:
-            try:
-                await asyncio.to_thread(self.store.record_adapter_version, user, ref.version, path, pair_ids,
-                                        unpaired_ids)
-            except MaceError as exc:
-                # The user (or a pair) was erased while training: the store deleted the files;
-                # make sure the engine forgets the version too.
-                log.warning("adapter %s withdrawn: %s", self.names.adapter(user, ref.version), self.names.scrub(exc, user))
-                await self.forget(user)
-                return
-        self.versions_published += 1  # counted once the store knows it (what status reports)
-

@@ -146,36 +146,53 @@ class DegenerationMetrics:
 def degeneration_metrics(model: LlamaModel, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],
                          candidate: LoraApplier | None, reference: LoraApplier | None,
                          max_new_tokens: int = 24, skip_tokens: int = 2,
-                         reference_answers: Sequence[Sequence[int]] | None = None,
+                         reference_answers: Sequence[Sequence[int]] | None = None, batch_prompts: int = 4,
                          ) -> tuple[DegenerationMetrics, list[list[int]]]:
     """Greedy answers of the candidate and of the reference (or `reference_answers`, its answers
-    to these prompts computed before: the reference is frozen) on `prompts`; the KL on the
-    candidate's answers; distinct-1/2 and word repeats of both. Returns the reference's answers
-    for reuse. One prompt at a time, so at most one answer's logits are held."""
+    to these prompts computed before: the reference is frozen) on `prompts`, `batch_prompts` at a
+    time; the KL on the candidate's answers; distinct-1/2 and word repeats of both. Returns the
+    reference's answers for reuse. (The daemon runs the same steps as stages: train/guard_task.py.)"""
+    from edge_runtime.train.batch_decode import BatchDecode, batch_answer_logits
+
     start = time.monotonic()
     stop = tokenizer.eos_ids
     mine: list[list[int]] = []
-    kls = []
-    for prompt in prompts:
-        answer = greedy_answers(model, [prompt], candidate, max_new_tokens, stop)
-        ids, logits = answer.ids[0], answer.logits[0]
-        mine.append(ids)
-        if len(ids) > skip_tokens:
-            ref_logits = answer_logits(model, prompt, ids, reference)
-            kls.append(token_kl(logits[skip_tokens:], ref_logits[skip_tokens:]))
-    base = ([list(a) for a in reference_answers] if reference_answers is not None
-            else greedy_answers(model, prompts, reference, max_new_tokens, stop).ids)
-    kl = torch.cat(kls) if kls else torch.zeros(0, dtype=torch.float64)
+    base: list[list[int]] = []
+    kls: list[Tensor] = []
+    for i in range(0, len(prompts), max(1, batch_prompts)):
+        batch = [list(p) for p in prompts[i:i + max(1, batch_prompts)]]
+        run = BatchDecode(model, batch, candidate, max_new_tokens, stop)
+        run.prefill()
+        run.decode(max_new_tokens)
+        mine.extend(run.ids)
+        logits = [torch.stack(r) if r else torch.zeros(0, model.cfg.vocab_size) for r in run.logits]
+        ref = batch_answer_logits(model, batch, run.ids, reference, max_new_tokens)
+        kls.extend(token_kl(a[skip_tokens:], b[skip_tokens:]) for a, b in zip(logits, ref, strict=True)
+                   if a.shape[0] > skip_tokens)
+        if reference_answers is None:
+            run = BatchDecode(model, batch, reference, max_new_tokens, stop)
+            run.prefill()
+            run.decode(max_new_tokens)
+            base.extend(run.ids)
+    if reference_answers is not None:
+        base = [list(a) for a in reference_answers]
+    return summarize(tokenizer, len(prompts), max_new_tokens, mine, kls, base, time.monotonic() - start), base
+
+
+def summarize(tokenizer: Tokenizer, prompts: int, max_new_tokens: int, mine: Sequence[Sequence[int]],
+              kls: Sequence[Tensor], base: Sequence[Sequence[int]], seconds: float) -> DegenerationMetrics:
+    """The measures from the candidate's answers (`mine`), the per-token KL rows on them (`kls`) and
+    the reference's answers (`base`) to the same prompts."""
+    kl = torch.cat(list(kls)) if kls else torch.zeros(0, dtype=torch.float64)
     # Distinct-n over token ids as Li et al. count generated tokens ("indeed indeed" and "ssss"
     # both repeat); a word's repeats over lower-cased words ("Indeed, indeed" is one word twice).
-    mine_words = [words(tokenizer.decode(ids)) for ids in mine]
-    base_words = [words(tokenizer.decode(ids)) for ids in base]
-    metrics = DegenerationMetrics(
-        prompts=len(prompts), new_tokens=max_new_tokens,
+    mine_words = [words(tokenizer.decode(list(ids))) for ids in mine]
+    base_words = [words(tokenizer.decode(list(ids))) for ids in base]
+    return DegenerationMetrics(
+        prompts=prompts, new_tokens=max_new_tokens,
         kl_per_token=float(kl.mean()) if kl.numel() else 0.0, kl_tokens=int(kl.numel()),
         distinct_1=distinct_n(mine, 1), distinct_2=distinct_n(mine, 2),
         base_distinct_1=distinct_n(base, 1), base_distinct_2=distinct_n(base, 2),
         max_word_repeats=max_word_repeats(mine_words), base_max_word_repeats=max_word_repeats(base_words),
-        seconds=time.monotonic() - start,
+        seconds=seconds,
     )
-    return metrics, base

@@ -15,37 +15,13 @@ from typing import Any
 
 from edge_runtime.lora.registry import AdapterRef, AdapterRegistry
 from edge_runtime.lora.weights import LoraWeights
-from edge_runtime.train.degeneration import DegenerationMetrics, degeneration_metrics
+from edge_runtime.train.degeneration import DegenerationMetrics
 from edge_runtime.train.dpo import AlignmentMetrics
+from edge_runtime.train.guard_task import GuardDecision, GuardEvaluation
 from edge_runtime.train.kto import UnpairedMetrics
 from edge_runtime.train.pairs import PairLike, PairTokens
 from edge_runtime.train.trainer import AdapterTrainer
 from edge_runtime.train.unpaired import UnpairedLike
-
-
-@dataclass(frozen=True)
-class GuardDecision:
-    accepted: bool
-    reason: str
-    before: AlignmentMetrics | None  # the served version (or the base) on the held-out pairs
-    after: AlignmentMetrics | None  # the candidate
-    unpaired_before: UnpairedMetrics | None = None  # the same on held-out unpaired examples
-    unpaired_after: UnpairedMetrics | None = None
-    degeneration: DegenerationMetrics | None = None  # the candidate's greedy answers vs the reference's
-
-    def as_dict(self) -> dict[str, Any]:
-        out = {
-            "accepted": self.accepted,
-            "reason": self.reason,
-            "before": None if self.before is None else self.before.as_dict(),
-            "after": None if self.after is None else self.after.as_dict(),
-        }
-        if self.unpaired_before is not None or self.unpaired_after is not None:
-            out["unpaired_before"] = None if self.unpaired_before is None else self.unpaired_before.as_dict()
-            out["unpaired_after"] = None if self.unpaired_after is None else self.unpaired_after.as_dict()
-        if self.degeneration is not None:
-            out["degeneration"] = self.degeneration.as_dict()
-        return out
 
 
 @dataclass(frozen=True)
@@ -58,8 +34,9 @@ class RegressionGuard:
     # Degeneration (docs/training.md, "Regression guard" for how the defaults were chosen): the
     # first `degeneration_prompts` held-out prompts are answered greedily, `degeneration_tokens`
     # tokens each, by the candidate and by the reference (the adapter off). 0 prompts: not judged.
-    degeneration_prompts: int = 4
-    degeneration_tokens: int = 24
+    degeneration_prompts: int = 12
+    degeneration_tokens: int = 16
+    batch_prompts: int = 4  # held-out prompts answered together (one forward per token for all)
     kl_budget: float = 1.0  # mean KL(candidate || reference) per answer token allowed (nats)
     kl_skip_tokens: int = 2  # leading answer tokens left out of the KL: where a preference shows
     distinct_2_drop: float = 0.10  # largest fraction distinct-2 may fall below the reference's
@@ -127,78 +104,60 @@ def publish_guarded(
     **info: Any,
 ) -> tuple[GuardDecision, AdapterRef | None]:
     """Evaluate `candidate` (default: the trainer's current weights) against the user's served
-    version on `heldout`; publish it as the next version if the guard accepts. On rejection the
-    served version stays. Training goes on from the candidate by default: in online DPO the
-    pairs that correct a regression come from the regressed policy, so discarding it would also
-    discard the correction (`reset_on_reject=True` restarts from the served weights instead).
-    `served_metrics`: the served version's metrics on these same pairs, if already known (a
-    version is immutable, so callers publishing often can skip re-evaluating it).
-    `heldout_unpaired` (thumbs, ratings; `served_unpaired` likewise): judged by the margin."""
+    version on `heldout`, all at once; publish it as the next version if the guard accepts (see
+    `conclude`). `served_metrics`: the served version's metrics on these same pairs, if already
+    known (a version is immutable, so callers publishing often can skip re-evaluating it).
+    `heldout_unpaired` (thumbs, ratings; `served_unpaired` likewise): judged by the margin. The
+    daemon runs the same evaluation as stages beside serving instead (`guard_evaluation`)."""
+    evaluation = guard_evaluation(registry, trainer, user, heldout, guard, candidate, served_metrics,
+                                  heldout_unpaired, served_unpaired)
+    evaluation.run()
+    return conclude(registry, trainer, user, evaluation, reset_on_reject, **info)
+
+
+def guard_evaluation(
+    registry: AdapterRegistry,
+    trainer: AdapterTrainer,
+    user: str,
+    heldout: Sequence[PairLike | PairTokens],
+    guard: RegressionGuard | None = None,
+    candidate: LoraWeights | None = None,
+    served_metrics: AlignmentMetrics | None = None,
+    heldout_unpaired: Sequence[UnpairedLike] = (),
+    served_unpaired: UnpairedMetrics | None = None,
+) -> GuardEvaluation:
+    """The staged evaluation of `candidate` against the user's served version (not run yet)."""
     guard = guard or RegressionGuard()
     candidate = candidate if candidate is not None else trainer.snapshot()
     served = registry.newest(user)
-    served_weights = None if served is None else registry.weights(served)
-    pairs = len(heldout) >= guard.min_heldout_pairs
-    unpaired = guard.judges_unpaired(heldout_unpaired)
-    if not pairs and not unpaired:
-        decision = GuardDecision(True, f"only {len(heldout)} held-out pairs and {len(heldout_unpaired)} "
-                                 "unpaired examples (of one kind or none); published unguarded", None, None)
-    else:
-        before = after = u_before = u_after = None
-        if pairs:
-            before = served_metrics if served_metrics is not None else trainer.evaluate(heldout, served_weights)
-            after = trainer.evaluate(heldout, candidate)
-        if unpaired:
-            u_before = (served_unpaired if served_unpaired is not None
-                        else trainer.evaluate_unpaired(heldout_unpaired, served_weights))
-            u_after = trainer.evaluate_unpaired(heldout_unpaired, candidate)
-        degeneration = None
-        prompts = _heldout_prompts(trainer, heldout if pairs else (), heldout_unpaired if unpaired else (),
-                                   guard.degeneration_prompts)
-        if prompts:
-            # The reference is frozen: its answers are computed once per prompt, fleet and length.
-            keys = [(trainer.fleet_key, guard.degeneration_tokens, p) for p in prompts]
-            known = [trainer.reference_answers.get(k) for k in keys]
-            degeneration, base = degeneration_metrics(
-                trainer.model, trainer.tokenizer, prompts, trainer.policy(candidate), trainer.policy(None),
-                guard.degeneration_tokens, guard.kl_skip_tokens,
-                reference_answers=None if any(a is None for a in known) else known)
-            if len(trainer.reference_answers) > 16 * guard.degeneration_prompts:
-                trainer.reference_answers.clear()  # the held-out prompts changed many times over
-            for key, answer in zip(keys, base, strict=True):
-                trainer.reference_answers[key] = tuple(answer)
-        decision = guard.check(before, after, u_before, u_after, degeneration)
+    return GuardEvaluation(trainer, guard, candidate, heldout, heldout_unpaired,
+                           None if served is None else registry.weights(served), served_metrics, served_unpaired,
+                           batch_prompts=guard.batch_prompts)
+
+
+def conclude(registry: AdapterRegistry, trainer: AdapterTrainer, user: str, evaluation: GuardEvaluation,
+             reset_on_reject: bool = False, **info: Any) -> tuple[GuardDecision, AdapterRef | None]:
+    """Publish the evaluated candidate as the next version if the guard accepts it; on rejection
+    the served version stays and the rejection goes to the user's event log. Training goes on
+    from the candidate by default: in online DPO the pairs that correct a regression come from
+    the regressed policy, so discarding it would also discard the correction
+    (`reset_on_reject=True` restarts from the served weights instead)."""
+    decision = evaluation.decision()
+    served = registry.newest(user)
     if decision.accepted:
         metrics: dict[str, Any] = {} if decision.after is None else {"heldout": decision.after.as_dict()}
         if decision.unpaired_after is not None:
             metrics["heldout_unpaired"] = decision.unpaired_after.as_dict()
         if decision.degeneration is not None:
             metrics["degeneration"] = decision.degeneration.as_dict()
-        ref = registry.publish(user, candidate, **metrics, **info)
+        ref = registry.publish(user, evaluation.candidate, **metrics, guard_s=round(evaluation.seconds, 3), **info)
         return decision, ref
     registry.record_event(user, "rejected", serving=None if served is None else served.version,
-                          **decision.as_dict(), **info)
+                          **decision.as_dict(), guard_s=round(evaluation.seconds, 3), **info)
     if reset_on_reject:
+        served_weights = None if served is None else registry.weights(served)
         if served_weights is not None:
             trainer.reset(served_weights)
         else:
             trainer.reset(LoraWeights.init(trainer.model.cfg, trainer.weights.settings, seed=trainer.dpo.seed))
     return decision, None
-
-
-def _heldout_prompts(trainer: AdapterTrainer, pairs: Sequence[PairLike | PairTokens],
-                     unpaired: Sequence[UnpairedLike], limit: int) -> list[tuple[int, ...]]:
-    """The first `limit` distinct held-out prompts as ids, the pairs' before the unpaired examples'."""
-    out: list[tuple[int, ...]] = []
-    for item in (*pairs, *unpaired):
-        if len(out) >= limit:
-            break
-        if isinstance(item, PairTokens):
-            prompt = item.prompt
-        elif hasattr(item, "desirable"):
-            prompt = trainer.tokenize_unpaired(item, mismatched=False).tokens.prompt  # type: ignore[arg-type]
-        else:
-            prompt = trainer.tokenize(item).prompt  # type: ignore[arg-type]
-        if prompt not in out:
-            out.append(prompt)
-    return out

@@ -83,16 +83,16 @@ def test_the_guard_evaluates_a_served_version_once_per_held_out_set(tiny_model_d
     """A version is immutable: the fine-tuner keeps its held-out metrics from the decision that
     published it, so a guarded publish evaluates the candidate only (the served version again
     only when the held-out pairs or the fleet beneath changed; here they never do)."""
-    from edge_runtime.train.trainer import AdapterTrainer
+    from edge_runtime.train.guard_task import GuardEvaluation
 
     evaluations: list[object] = []
-    evaluate = AdapterTrainer.evaluate
+    stages = GuardEvaluation._pair_stages  # the held-out pairs' stages for one set of weights
 
-    def counted(self, pairs, weights):
+    def counted(self, tokens, weights, field):
         evaluations.append(weights)
-        return evaluate(self, pairs, weights)
+        return stages(self, tokens, weights, field)
 
-    monkeypatch.setattr(AdapterTrainer, "evaluate", counted)
+    monkeypatch.setattr(GuardEvaluation, "_pair_stages", counted)
     steps, trained, published, refused = _train(tiny_model_dir, tmp_path, 9, 1, guard=True, heldout_fraction=0.4)
     assert trained == steps and trained >= 3 and len(published) + refused == trained
     # One evaluation per candidate, plus the base's once (it was served before the first).

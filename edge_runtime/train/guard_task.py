@@ -1,0 +1,296 @@
+"""The publish guard's evaluation of one candidate adapter as no-grad stages the scheduler packs beside
+serving (a `FineTuneWork`, queued like a pair's update): held-out pairs' and unpaired examples'
+log-probs one item per stage, and the degeneration check's greedy answers in batches of prompts,
+a few tokens per stage, then the reference's logits on them. Nothing here waits on, or holds, the
+adapter a training job is updating: the candidate is a frozen snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from edge_runtime.lora.weights import LoraWeights
+from edge_runtime.train.batch_decode import BatchDecode, batch_answer_logits
+from edge_runtime.train.costs import StageEstimate
+from edge_runtime.train.degeneration import DegenerationMetrics, summarize, token_kl
+from edge_runtime.train.dpo import AlignmentMetrics, alignment_metrics
+from edge_runtime.train.kto import UnpairedMetrics, unpaired_metrics
+from edge_runtime.train.pairs import PairLike, PairTokens
+from edge_runtime.train.staged import Stage, StageKind
+from edge_runtime.train.unpaired import UnpairedLike
+
+if TYPE_CHECKING:
+    from edge_runtime.train.trainer import AdapterTrainer
+
+Rows = list[tuple[float, ...]]
+
+
+@dataclass(frozen=True)
+class GuardDecision:
+    accepted: bool
+    reason: str
+    before: AlignmentMetrics | None  # the served version (or the base) on the held-out pairs
+    after: AlignmentMetrics | None  # the candidate
+    unpaired_before: UnpairedMetrics | None = None  # the same on held-out unpaired examples
+    unpaired_after: UnpairedMetrics | None = None
+    degeneration: DegenerationMetrics | None = None  # the candidate's greedy answers vs the reference's
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {
+            "accepted": self.accepted,
+            "reason": self.reason,
+            "before": None if self.before is None else self.before.as_dict(),
+            "after": None if self.after is None else self.after.as_dict(),
+        }
+        if self.unpaired_before is not None or self.unpaired_after is not None:
+            out["unpaired_before"] = None if self.unpaired_before is None else self.unpaired_before.as_dict()
+            out["unpaired_after"] = None if self.unpaired_after is None else self.unpaired_after.as_dict()
+        if self.degeneration is not None:
+            out["degeneration"] = self.degeneration.as_dict()
+        return out
+
+
+class GuardRules(Protocol):
+    """What the evaluation asks of the guard's settings (`guard.RegressionGuard`)."""
+
+    min_heldout_pairs: int
+    degeneration_prompts: int
+    degeneration_tokens: int
+    kl_skip_tokens: int
+
+    def judges_unpaired(self, examples: Sequence[UnpairedLike]) -> bool: ...
+
+    def check(self, before: AlignmentMetrics | None, after: AlignmentMetrics | None,
+              unpaired_before: UnpairedMetrics | None = None, unpaired_after: UnpairedMetrics | None = None,
+              degeneration: DegenerationMetrics | None = None) -> GuardDecision: ...
+
+    def degenerated(self, d: DegenerationMetrics) -> list[str]: ...
+
+
+
+
+class GuardEvaluation:
+    """Stages of one candidate's evaluation; `decision()` once `done`. Run them in order
+    (`run_next()`), all at once (`run()`), or give the current batch's keys/values back under
+    memory pressure (`abandon()`: that batch's answers start again)."""
+
+    def __init__(self, source: AdapterTrainer, guard: GuardRules, candidate: LoraWeights,
+                 heldout: Sequence[PairLike | PairTokens] = (), heldout_unpaired: Sequence[UnpairedLike] = (),
+                 served: LoraWeights | None = None, served_metrics: AlignmentMetrics | None = None,
+                 served_unpaired: UnpairedMetrics | None = None, batch_prompts: int = 4,
+                 tokens_per_stage: int = 4) -> None:
+        # No adapter of the scheduler's to hold between stages (FineTuneQueue keys jobs by trainer).
+        self.trainer: Any = None
+        self.source = source
+        self.guard = guard
+        self.candidate = candidate
+        self.served = served
+        self.before, self.after = served_metrics, None
+        self.unpaired_before, self.unpaired_after = served_unpaired, None
+        self.degeneration: DegenerationMetrics | None = None
+        self.seconds = 0.0
+        self.pairs = len(heldout) >= guard.min_heldout_pairs
+        self.unpaired = guard.judges_unpaired(heldout_unpaired)
+        self.judged = self.pairs or self.unpaired
+        self.counts = (len(heldout), len(heldout_unpaired))
+        self.stages: list[Stage] = []
+        self._restart: list[int] = []  # per stage: where its batch begins again after `abandon`
+        self._cursor = 0
+        self._live: BatchDecode | None = None
+        if self.pairs:
+            tokens = [p if isinstance(p, PairTokens) else source.tokenize(p) for p in heldout]
+            self._pair_stages(tokens, candidate, "after")
+            if served_metrics is None:
+                self._pair_stages(tokens, served, "before")
+        if self.unpaired:
+            examples = [source.tokenize_unpaired(e, mismatched=False) for e in heldout_unpaired]
+            self._unpaired_stages(examples, candidate, "unpaired_after")
+            if served_unpaired is None:
+                self._unpaired_stages(examples, served, "unpaired_before")
+        self.prompts = heldout_prompts(source, heldout if self.pairs else (),
+                                       heldout_unpaired if self.unpaired else (), guard.degeneration_prompts)
+        if self.prompts:
+            self._degeneration_stages(max(1, batch_prompts), max(1, tokens_per_stage))
+
+    # -- driving (edge_runtime.sched.finetune.FineTuneWork) ---------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self._cursor >= len(self.stages)
+
+    def next_stage(self) -> Stage | None:
+        return None if self.done else self.stages[self._cursor]
+
+    def remaining(self) -> list[Stage]:
+        return self.stages[self._cursor:]
+
+    def run_next(self) -> Stage:
+        stage = self.stages[self._cursor]
+        self.seconds += stage.run()
+        self._cursor += 1
+        return stage
+
+    def run(self) -> GuardDecision:
+        while not self.done:
+            self.run_next()
+        return self.decision()
+
+    @property
+    def held_bytes(self) -> int:
+        return 0 if self._live is None else self._live.held_bytes
+
+    def abandon(self) -> None:
+        if self._live is not None:
+            self._live.reset()
+            self._live = None
+        if not self.done:
+            self._cursor = self._restart[self._cursor]
+
+    def decision(self) -> GuardDecision:
+        if not self.done:
+            raise RuntimeError("the guard's evaluation has stages left")
+        if not self.judged:
+            n, u = self.counts
+            return GuardDecision(True, f"only {n} held-out pairs and {u} unpaired examples (of one kind or none); "
+                                 "published unguarded", None, None)
+        return self.guard.check(self.before, self.after, self.unpaired_before, self.unpaired_after,
+                                self.degeneration)
+
+    # -- stages ------------------------------------------------------------------------------
+
+    def _add(self, kind: StageKind, name: str, estimate: Callable[[], StageEstimate], run: Callable[[], None],
+             restart: int | None = None) -> None:
+        self._restart.append(len(self.stages) if restart is None else restart)
+        self.stages.append(Stage(kind, name, estimate, run))
+
+    def _pair_stages(self, tokens: list[PairTokens], weights: LoraWeights | None, field: str) -> None:
+        rows: Rows = []
+        src, layers = self.source, self.source.model.cfg.num_layers
+        kind = StageKind.SCORE if weights is self.candidate else StageKind.REFERENCE
+        for i, t in enumerate(tokens):
+            def run(t: PairTokens = t, last: bool = i == len(tokens) - 1) -> None:
+                rows.append(src.policy_logps(t, weights) + src.reference_logps(t))
+                if last:
+                    m = torch.tensor(rows, dtype=torch.float64)
+                    setattr(self, field, alignment_metrics(m[:, 0], m[:, 1], m[:, 2], m[:, 3], src.dpo.beta))
+
+            def estimate(t: PairTokens = t) -> StageEstimate:
+                return src.costs.score(t.num_rows, layers, len(t.chosen) + len(t.rejected),
+                                       with_reference=not src.has_reference(t))
+            self._add(kind, f"guard {field}[pair {i}]", estimate, run)
+
+    def _unpaired_stages(self, examples: list[Any], weights: LoraWeights | None, field: str) -> None:
+        rows: Rows = []
+        labels: list[bool] = []
+        src, layers = self.source, self.source.model.cfg.num_layers
+        kind = StageKind.SCORE if weights is self.candidate else StageKind.REFERENCE
+        for i, ex in enumerate(examples):
+            def run(ex: Any = ex, last: bool = i == len(examples) - 1) -> None:
+                rows.append((src.policy_logps(ex.tokens, weights)[0], src.reference_logps(ex.tokens)[0]))
+                labels.append(bool(ex.desirable))
+                if last:
+                    m = torch.tensor(rows, dtype=torch.float64)
+                    setattr(self, field, unpaired_metrics(m[:, 0], m[:, 1], torch.tensor(labels, dtype=torch.bool)))
+
+            def estimate(ex: Any = ex) -> StageEstimate:
+                return src.costs.score(ex.tokens.num_rows, layers, ex.tokens.num_rows, with_reference=True)
+            self._add(kind, f"guard {field}[example {i}]", estimate, run)
+
+    def _degeneration_stages(self, batch_prompts: int, per_stage: int) -> None:
+        src, guard = self.source, self.guard
+        n_tokens, stop = guard.degeneration_tokens, src.tokenizer.eos_ids
+        keys = [(src.fleet_key, n_tokens, p) for p in self.prompts]
+        known = [src.reference_answers.get(k) for k in keys]
+        need_reference = any(a is None for a in known)
+        batches = [self.prompts[i:i + batch_prompts] for i in range(0, len(self.prompts), batch_prompts)]
+        mine: list[list[int]] = []
+        kls: list[torch.Tensor] = []
+        base: list[list[int]] = [] if need_reference else [list(a) for a in known if a is not None]
+        layers = src.model.cfg.num_layers
+        # The prefill chooses the first token; each decode stage `per_stage` more.
+        decode_stages = max(1, -(-(n_tokens - 1) // per_stage))
+        first_stage = len(self.stages)
+
+        def generate(prompts: list[tuple[int, ...]], lora: Any, label: str, finished: Callable[[BatchDecode], None],
+                     kind: StageKind) -> None:
+            width = max(len(p) for p in prompts)
+            first = len(self.stages)
+
+            def prefill() -> None:
+                self._live = BatchDecode(src.model, prompts, lora, n_tokens, stop)
+                self._live.prefill()
+
+            def decode(last: bool) -> None:
+                live = self._live
+                assert live is not None
+                live.decode(per_stage)
+                if last:
+                    self._live = None
+                    finished(live)
+            b = len(prompts)
+            self._add(kind, f"guard {label} prefill[{b} prompts]",
+                      lambda: src.costs.score(b * width, layers, b, with_reference=False), prefill, first)
+            for s in range(decode_stages):
+                self._add(kind, f"guard {label} decode[{b} prompts, {per_stage} tokens]",
+                          lambda: _times(src.costs.score(b, layers, b, with_reference=False), per_stage),
+                          lambda last=s == decode_stages - 1: decode(last), first)
+
+        for batch in batches:
+            logits: list[torch.Tensor] = []
+
+            def kept(live: BatchDecode, logits: list[torch.Tensor] = logits) -> None:
+                mine.extend(live.ids)
+                logits[:] = [torch.stack(r) if r else torch.zeros(0, src.model.cfg.vocab_size) for r in live.logits]
+
+            generate(batch, src.policy(self.candidate), "candidate", kept, StageKind.SCORE)
+
+            def kl(batch: list[tuple[int, ...]] = batch, logits: list[torch.Tensor] = logits) -> None:
+                ref = batch_answer_logits(src.model, batch, mine[-len(batch):], src.policy(None), n_tokens)
+                skip = guard.kl_skip_tokens
+                for mine_logits, reference in zip(logits, ref, strict=True):
+                    if mine_logits.shape[0] > skip:
+                        kls.append(token_kl(mine_logits[skip:], reference[skip:]))
+                logits.clear()
+            b = len(batch)
+            rows = b * (max(len(p) for p in batch) + n_tokens)
+            self._add(StageKind.REFERENCE, f"guard KL[{b} prompts]",
+                      lambda rows=rows, b=b: src.costs.score(rows, layers, b * n_tokens, with_reference=False), kl)
+        if need_reference:
+            for batch in batches:
+                generate(batch, src.policy(None), "reference", lambda live: base.extend(live.ids), StageKind.REFERENCE)
+        own = self.stages[first_stage:]
+
+        def conclude() -> None:
+            seconds = sum(s.seconds or 0.0 for s in own)
+            self.degeneration = summarize(src.tokenizer, len(self.prompts), n_tokens, mine, kls, base, seconds)
+            if len(src.reference_answers) > 16 * max(1, guard.degeneration_prompts):
+                src.reference_answers.clear()  # the held-out prompts changed many times over
+            for key, answer in zip(keys, base, strict=True):
+                src.reference_answers[key] = tuple(answer)
+        self._add(StageKind.REFERENCE, "guard verdict", lambda: StageEstimate(0.0, 0, 0), conclude)
+
+
+def _times(est: StageEstimate, n: int) -> StageEstimate:
+    return StageEstimate(est.seconds * n, est.peak_bytes, est.held_bytes)
+
+
+def heldout_prompts(trainer: AdapterTrainer, pairs: Sequence[PairLike | PairTokens],
+                    unpaired: Sequence[UnpairedLike], limit: int) -> list[tuple[int, ...]]:
+    """The first `limit` distinct held-out prompts as ids, the pairs' before the unpaired examples'."""
+    out: list[tuple[int, ...]] = []
+    for item in (*pairs, *unpaired):
+        if len(out) >= limit:
+            break
+        if isinstance(item, PairTokens):
+            prompt = item.prompt
+        elif hasattr(item, "desirable"):
+            prompt = trainer.tokenize_unpaired(item, mismatched=False).tokens.prompt  # type: ignore[arg-type]
+        else:
+            prompt = trainer.tokenize(item).prompt  # type: ignore[arg-type]
+        if prompt not in out:
+            out.append(prompt)
+    return out
