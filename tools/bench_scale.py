@@ -708,12 +708,30 @@ def start_measured(name: str, server: Any, sampler: TreeSampler, args: argparse.
             return out
         row = {"ready_s": server.ready_s, "loadavg": load, **sampler.end_phase()}
         if name == "maced":
+            row["background_calibration_wait_s"] = wait_background_calibration(server, args.timeout_s)
             row["log_phases"] = daemon_log_phases(server.log.read_text(errors="replace"))
         out["starts"].append(row)
         log(f"{name}: ready in {server.ready_s} s, peak RSS {row['peak_rss_mib']} MiB")
         if i + 1 < starts:
             server.stop()
     return out
+
+
+def wait_background_calibration(server: Any, timeout_s: float) -> float | None:
+    """Seconds from ready until maced's background cost calibration finished (None when this
+    start ran none: its log shows no quick calibration, so a cached one was loaded). It runs
+    whenever the engine is idle, so without this wait it would compete with the other server's
+    start and runs; and a daemon stopped before it finishes runs the quick one again at its next
+    start (it caches only the full one)."""
+    done = ("calibrated the forward cost model in the background", "background cost calibration failed")
+    if "quick forward cost calibration" not in server.log.read_text(errors="replace"):
+        return None
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s and server.proc.poll() is None:
+        if any(d in server.log.read_text(errors="replace") for d in done):
+            break
+        time.sleep(1.0)
+    return round(time.monotonic() - t0, 1)
 
 
 def serve_interleaved(running: dict[str, tuple[Any, TreeSampler, dict[str, Any]]],
@@ -975,7 +993,8 @@ def write_gguf_table(result: dict[str, Any], path: Path) -> None:
             f"{_cell(run, 'decode', '1', 'tok_s')} | {_cell(run, 'decode', '8', 'tok_s')} | {dpo_cell} |")
         if "error" in run:
             lines += ["", f"{name} failed: `{run['error'][-1500:]}`", ""]
-    phases = [s.get("log_phases") for s in result.get("maced", {}).get("starts", [])]
+    phases = [{**(s.get("log_phases") or {}), "waited after ready for the background calibration":
+               s.get("background_calibration_wait_s")} for s in result.get("maced", {}).get("starts", [])]
     if any(phases):
         lines += ["", "maced's start-up phases from its log (s): " + "; ".join(
             f"start {i + 1}: " + ", ".join(f"{k} {v}" for k, v in (p or {}).items() if v is not None)
