@@ -76,10 +76,14 @@ def _run(tiny_gguf: Path, tmp_path: Path, *extra: str) -> dict:
 
 
 def test_maced_starts_twice_serves_and_trains_one_pair_on_the_tiny_file(tiny_gguf: Path, tmp_path: Path) -> None:
-    result = _run(tiny_gguf, tmp_path, "--servers", "maced", "--set", "engine.backend=torch", "--dpo-copies", "1")
+    # No cost calibration (the tool would wait for the background one after each start): the
+    # suite's time, on a busy machine, is what the tiny file's test must keep small.
+    result = _run(tiny_gguf, tmp_path, "--servers", "maced", "--set", "engine.backend=torch",
+                  "--set", "engine.cost_profile=off", "--dpo-copies", "1")
     maced = result["maced"]
     assert "error" not in maced, maced.get("error")
     assert len(maced["starts"]) == 2 and all(s["ready_s"] > 0 and s["peak_rss_mib"] > 100 for s in maced["starts"])
+    assert [s["background_calibration_wait_s"] for s in maced["starts"]] == [None, None]
     assert maced["decode"]["1"]["tokens"] == 4 and maced["decode"]["8"]["tokens"] == 32
     pair = maced["dpo_pair"]
     assert pair["outcome"] in ("published", "rejected") and pair["stage_s"] > 0 and pair["peak_rss_mib"] > 100
@@ -107,3 +111,18 @@ def test_llama_server_serves_the_tiny_file(tiny_gguf: Path, tmp_path: Path) -> N
     assert "error" not in llama, llama.get("log_tail")
     assert llama["starts"][0]["ready_s"] > 0 and llama["decode"]["1"]["tokens"] > 0
     assert llama["serving"]["peak_rss_mib"] > 0
+
+
+def test_the_wait_for_the_background_calibration_follows_the_daemons_log(tmp_path: Path) -> None:
+    class Running:
+        def poll(self) -> None:
+            return None
+
+    class Fake:
+        log, proc = tmp_path / "maced.log", Running()
+
+    Fake.log.write_text("loaded the cached forward cost model\n")
+    assert bench.wait_background_calibration(Fake, timeout_s=5) is None  # no calibration to wait for
+    Fake.log.write_text("quick forward cost calibration in 1.0 s\n"
+                        "calibrated the forward cost model in the background, 2.0 s of forwards\n")
+    assert bench.wait_background_calibration(Fake, timeout_s=5) == 0.0

@@ -661,6 +661,7 @@ def train_one_pair(socket: Path, prompt: str, tokens: int, sampler: TreeSampler,
     return {"feedback": feedback, "outcome": outcome, "wall_s": round(wall, 1),
             "stage_s": round(ft["finetune_seconds"] - before["finetune_seconds"], 2),
             "stages_run": ft["stages_run"] - before["stages_run"], "last_loss": ft["last_loss"],
+            "finetune_state": ft.get("state"),
             **sampler.end_phase()}
 
 
@@ -708,7 +709,7 @@ def start_measured(name: str, server: Any, sampler: TreeSampler, args: argparse.
             return out
         row = {"ready_s": server.ready_s, "loadavg": load, **sampler.end_phase()}
         if name == "maced":
-            row["background_calibration_wait_s"] = wait_background_calibration(server, args.timeout_s)
+            row["background_calibration_wait_s"] = wait_background_calibration(server, args.calibration_wait_s)
             row["log_phases"] = daemon_log_phases(server.log.read_text(errors="replace"))
         out["starts"].append(row)
         log(f"{name}: ready in {server.ready_s} s, peak RSS {row['peak_rss_mib']} MiB")
@@ -747,6 +748,8 @@ def serve_interleaved(running: dict[str, tuple[Any, TreeSampler, dict[str, Any]]
     for r in range(args.repeats):
         for streams in args.streams:
             for name, (server, _, out) in list(running.items()):
+                if name == "llama" and args.llama_streams is not None and streams not in args.llama_streams:
+                    continue
                 try:
                     row = decode_streams(server, streams, args.prompt, args.tokens, 1)
                 except Exception as exc:  # noqa: BLE001 - one server's failure is a result, the others go on
@@ -781,6 +784,8 @@ def run_gguf(args: argparse.Namespace) -> dict[str, Any]:
     # Empty for the first start; --warm-cache: a cache an earlier first start built (one start).
     cache = Path(args.warm_cache).resolve() if args.warm_cache else work / "cache"
     env.update(PYTHONUNBUFFERED="1", MACE_CACHE_DIR=str(cache))
+    if args.warm_costs:  # the cost calibration an earlier run's daemon finished (its state's costs/)
+        shutil.copytree(args.warm_costs, work / "state" / "costs")
     result: dict[str, Any] = {
         "command": " ".join(["python tools/bench_scale.py", *args.argv]), "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -788,7 +793,7 @@ def run_gguf(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_mib": round(tensor_bytes / MiB, 1), "file_type": file_type, "threads": threads,
         "tokens": args.tokens, "repeats": args.repeats, "dpo_tokens": args.dpo_tokens, "prompt": args.prompt,
         "maced_settings": args.set, "loadavg_start": Path("/proc/loadavg").read_text().strip(),
-        "warm_cache": bool(args.warm_cache), "interleaved": True,
+        "warm_cache": bool(args.warm_cache), "warm_costs": bool(args.warm_costs), "interleaved": True,
         "memory_method": "summed VmRSS of the server and its descendants sampled every 0.1 s (peak per "
                          "phase), and their summed VmHWM reset at each phase's start via clear_refs",
     }
@@ -873,7 +878,7 @@ def maced_train(entry: tuple[Any, TreeSampler, dict[str, Any]], args: argparse.N
         pid = server.proc.pid
         if args.dpo:
             log("maced: one DPO pair ...")
-            out["dpo_pair"] = train_one_pair(socket, args.prompt, args.dpo_tokens, sampler, pid, args.timeout_s)
+            out["dpo_pair"] = train_one_pair(socket, args.prompt, args.dpo_tokens, sampler, pid, args.dpo_timeout_s)
             log(f"maced: {out['dpo_pair']}")
         out["whole_life_hwm_mib"] = round(tree_status(pid).get("VmHWM", 0) / MiB, 1)
     except Exception as exc:  # noqa: BLE001 - a failed pair is a result
@@ -944,13 +949,19 @@ def bar_ratios(result: dict[str, Any]) -> dict[str, Any]:
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a is not None and b else None
 
-    return {
+    out = {
         "train_peak_over_llama_serving": ratio(get("maced", "dpo_pair", "peak_rss_mib"),
                                                get("llama", "serving", "peak_rss_mib")),
         "tok_s_1_over_llama": ratio(get("maced", "decode", "1", "tok_s"), get("llama", "decode", "1", "tok_s")),
         "tok_s_8_over_llama": ratio(get("maced", "decode", "8", "tok_s"), get("llama", "decode", "8", "tok_s")),
         "dpo_blocks_over_two_copy": get("dpo_copies", "blocks_over_float"),
     }
+    if out["tok_s_8_over_llama"] is None and get("llama", "decode", "1", "tok_s"):
+        # --llama-streams 1: llama-server answers one request at a time, so its 8 streams would
+        # run one after another at about its 1-stream rate; the ratio says which it divides by.
+        out["tok_s_8_over_llama_1_stream"] = ratio(get("maced", "decode", "8", "tok_s"),
+                                                   get("llama", "decode", "1", "tok_s"))
+    return out
 
 
 def _cell(run: dict[str, Any], *keys: str) -> str:
@@ -1025,6 +1036,9 @@ def write_gguf_table(result: dict[str, Any], path: Path) -> None:
                   f"**{bar.get('train_peak_over_llama_serving')}** (bar <= 1.5); tok/s at 1 stream / llama-server "
                   f"**{bar.get('tok_s_1_over_llama')}** (>= 1.0); at 8 streams **{bar.get('tok_s_8_over_llama')}** "
                   f"(>= 2); DPO pair on the blocks / two-copy **{bar.get('dpo_blocks_over_two_copy')}** (<= 1.5)."]
+        if bar.get("tok_s_8_over_llama_1_stream") is not None:
+            lines[-1] += (" llama-server's 8 streams were not run (it answers one request at a time): maced's 8 "
+                          f"streams / llama-server's 1 stream **{bar['tok_s_8_over_llama_1_stream']}**.")
     lines += ["", "Peak RSS: the server process and its children, summed (sampled every 0.1 s, and the kernel's "
               "VmHWM reset per phase; the larger). llama-cpp-python's server answers one request at a time. "
               "Both servers are up together while decoding, and their runs alternate, so both see the "
@@ -1059,10 +1073,18 @@ def main(argv: list[str] | None = None) -> None:
                        help="interpreter with llama-cpp-python[server]; '' to leave llama out")
     serve.add_argument("--n-ctx", type=int, default=2048, help="llama-server's context")
     serve.add_argument("--prompt", default="Give me a tip for cooking rice, and explain why it works.")
+    serve.add_argument("--warm-costs", default="", help="a state dir's costs/ folder (an earlier run's finished "
+                       "cost calibration), copied into maced's fresh state")
+    serve.add_argument("--calibration-wait-s", type=float, default=900,
+                       help="longest wait after a maced start for its background cost calibration")
+    serve.add_argument("--dpo-timeout-s", type=float, default=900, help="longest wait for the pair to publish")
     serve.add_argument("--warm-cache", default="", help="a model cache (MACE_CACHE_DIR) an earlier first start "
                        "built: maced starts once, on it")
     serve.add_argument("--streams", default="1,8", type=lambda v: [int(x) for x in v.split(",") if x],
                        help="stream counts to time ('' for none)")
+    serve.add_argument("--llama-streams", default=None, type=lambda v: [int(x) for x in v.split(",") if x],
+                       help="llama-server's stream counts, if fewer (it answers one request at a time: its 8 "
+                            "streams run one after another)")
     serve.add_argument("--servers", default="maced,llama", help="which of maced, llama to run")
     serve.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="more maced settings")
     serve.add_argument("--dpo-copies", type=int, default=0, metavar="ROUNDS",
