@@ -826,7 +826,8 @@ def run_gguf(args: argparse.Namespace) -> dict[str, Any]:
             log("one DPO pair on the blocks against a float copy, interleaved (in-process) ...")
             servers["maced"][0].stop()
             spec = {"dpo_copies": True, "gguf": str(gguf_path), "threads": threads, "dpo_tokens": args.dpo_tokens,
-                    "prompt": args.prompt, "rounds": args.dpo_copies, "cache_dir": str(cache)}
+                    "prompt": args.prompt, "rounds": args.dpo_copies, "cache_dir": str(cache),
+                    "budget_s": args.dpo_copies_budget_s}
             result["dpo_copies"] = run_child(spec, args.timeout_s)
             log(f"dpo copies: {result['dpo_copies']}")
     finally:
@@ -886,6 +887,14 @@ def maced_train(entry: tuple[Any, TreeSampler, dict[str, Any]], args: argparse.N
         log(f"maced: {out['error']}")
 
 
+def mem_available() -> int:
+    """MemAvailable of /proc/meminfo, in bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def dpo_copies(spec: dict[str, Any]) -> dict[str, Any]:
     """One DPO pair's staged update timed on the file's quantised blocks (one copy: what serves
     is what trains, de-quantised a layer at a time) and on a float copy de-quantised from them
@@ -896,6 +905,7 @@ def dpo_copies(spec: dict[str, Any]) -> dict[str, Any]:
 
     from edge_runtime.loading import resolve
     from edge_runtime.model.gguf_load import dequantized_copy
+    from edge_runtime.model.qweights import QuantWeight
     from edge_runtime.model.tokenizer import Tokenizer
     from edge_runtime.model.weights import load_llama
     from edge_runtime.train.pairs import PreferenceRecord
@@ -908,6 +918,16 @@ def dpo_copies(spec: dict[str, Any]) -> dict[str, Any]:
     sampler.reset()
     blocks = load_llama(path, dtype=torch.float32)
     tokenizer = Tokenizer(path)
+    # The machine is shared: a float copy that would not fit what is available now is waited
+    # for (up to `wait_s`), then skipped with the figures, never left to the OOM killer.
+    need = 4 * sum(p.n * p.k for m in blocks.modules() if isinstance(m, QuantWeight) for p in m.parts) + (1 << 30)
+    t0 = time.monotonic()
+    while (available := mem_available()) < need:
+        if time.monotonic() - t0 > spec.get("wait_s", 300):
+            return {"error": f"skipped: a float32 copy needs {need / MiB:.0f} MiB with 1 GiB to spare and the "
+                             f"machine has {available / MiB:.0f} MiB available (shared; waited "
+                             f"{time.monotonic() - t0:.0f} s)", "loadavg": Path("/proc/loadavg").read_text().strip()}
+        time.sleep(5)
     floats = dequantized_copy(blocks)
     both_peak = sampler.peaks()["hwm"]
     n = spec["dpo_tokens"]
@@ -922,12 +942,18 @@ def dpo_copies(spec: dict[str, Any]) -> dict[str, Any]:
         return {"s": round(time.perf_counter() - t0, 3), "loss": round(float(result.loss), 4)}
 
     runs: dict[str, list[dict[str, float]]] = {"blocks": [], "float": []}
+    started = time.monotonic()
     for r in range(spec["rounds"]):
+        # A round that would end past the budget is not begun (a pair takes minutes on a busy
+        # machine); the first always runs.
+        if r and (time.monotonic() - started) * (r + 1) / r > spec.get("budget_s", 600):
+            log(f"dpo copies: round {r + 1} would pass the {spec.get('budget_s', 600)} s budget: stopping")
+            break
         for name, model in (("blocks", blocks), ("float", floats)):
             runs[name].append(one(model, r))
             log(f"dpo copies: {name} round {r + 1}: {runs[name][-1]}")
     best = {k: min(x["s"] for x in v) for k, v in runs.items()}
-    return {"runs": runs, "best_s": best, "blocks_over_float": round(best["blocks"] / best["float"], 3),
+    return {"runs": runs, "rounds_run": len(runs["float"]), "best_s": best, "blocks_over_float": round(best["blocks"] / best["float"], 3),
             "dtype": "float32", "both_copies_peak_rss_mib": round(both_peak / MiB, 1),
             "loadavg": Path("/proc/loadavg").read_text().strip()}
 
@@ -1013,6 +1039,7 @@ def write_gguf_table(result: dict[str, Any], path: Path) -> None:
     said = result.get("maced", {}).get("log_said") or [
         line.split(" ", 3)[-1] for line in result.get("maced", {}).get("log_tail", "").splitlines()
         if any(k in line for k in SAID)]
+    said = list(dict.fromkeys(said))  # each start and reload says the same
     if said:
         lines += ["", "maced's log on its backend and its fine-tuning:", ""] + [f"- `{line[:600]}`" for line in said]
     runs = {name: result.get(name, {}).get("decode_runs", []) for name in ("maced", "llama")}
@@ -1073,6 +1100,8 @@ def main(argv: list[str] | None = None) -> None:
                        help="interpreter with llama-cpp-python[server]; '' to leave llama out")
     serve.add_argument("--n-ctx", type=int, default=2048, help="llama-server's context")
     serve.add_argument("--prompt", default="Give me a tip for cooking rice, and explain why it works.")
+    serve.add_argument("--dpo-copies-budget-s", type=float, default=600,
+                       help="no further round of --dpo-copies once it would end past this")
     serve.add_argument("--warm-costs", default="", help="a state dir's costs/ folder (an earlier run's finished "
                        "cost calibration), copied into maced's fresh state")
     serve.add_argument("--calibration-wait-s", type=float, default=900,
