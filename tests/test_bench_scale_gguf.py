@@ -50,6 +50,15 @@ def test_table_shows_both_servers_and_why_one_was_skipped(tmp_path: Path) -> Non
     text = (tmp_path / "t.md").read_text()
     assert "| maced | 50.0 | 9.0 | 400.0 | 390.0 | 450.0 | 3.5 | 11.0 | 3.4 / 7.8 (published) |" in text
     assert "| llama | skipped: not installed |" in text and "start 1: ready_s 45.0" in text
+    assert "The bar's ratios" not in text  # nothing to compare against
+
+
+def test_the_bar_ratios_divide_maced_by_llama_and_blocks_by_the_float_copy() -> None:
+    result = {"maced": {"dpo_pair": {"peak_rss_mib": 3000.0}, "decode": {"1": {"tok_s": 2.0}, "8": {"tok_s": 9.0}}},
+              "llama": {"serving": {"peak_rss_mib": 1500.0}, "decode": {"1": {"tok_s": 4.0}, "8": {"tok_s": 3.0}}},
+              "dpo_copies": {"blocks_over_float": 1.6}}
+    assert bench.bar_ratios(result) == {"train_peak_over_llama_serving": 2.0, "tok_s_1_over_llama": 0.5,
+                                        "tok_s_8_over_llama": 3.0, "dpo_blocks_over_two_copy": 1.6}
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +76,26 @@ def _run(tiny_gguf: Path, tmp_path: Path, *extra: str) -> dict:
 
 
 def test_maced_starts_twice_serves_and_trains_one_pair_on_the_tiny_file(tiny_gguf: Path, tmp_path: Path) -> None:
-    result = _run(tiny_gguf, tmp_path, "--servers", "maced", "--set", "engine.backend=torch")
+    # No cost calibration (the tool would wait for the background one after each start): the
+    # suite's time, on a busy machine, is what the tiny file's test must keep small.
+    result = _run(tiny_gguf, tmp_path, "--servers", "maced", "--set", "engine.backend=torch",
+                  "--set", "engine.cost_profile=off", "--dpo-copies", "1")
     maced = result["maced"]
     assert "error" not in maced, maced.get("error")
     assert len(maced["starts"]) == 2 and all(s["ready_s"] > 0 and s["peak_rss_mib"] > 100 for s in maced["starts"])
+    assert [s["background_calibration_wait_s"] for s in maced["starts"]] == [None, None]
     assert maced["decode"]["1"]["tokens"] == 4 and maced["decode"]["8"]["tokens"] == 32
     pair = maced["dpo_pair"]
     assert pair["outcome"] in ("published", "rejected") and pair["stage_s"] > 0 and pair["peak_rss_mib"] > 100
     assert result["llama"] == {"skipped": "not asked for (--servers)"}
     assert "/" in result["loadavg_start"]  # the whole /proc/loadavg line
+    assert [(r["streams"], r["repeat"]) for r in maced["decode_runs"]] == [(1, 0), (8, 0)]
+    # The two-copy comparison ran on the block cache maced built, both representations once.
+    copies = result["dpo_copies"]
+    assert "error" not in copies, copies
+    assert len(copies["runs"]["blocks"]) == len(copies["runs"]["float"]) == 1
+    assert copies["blocks_over_float"] > 0 and result["bar"]["dpo_blocks_over_two_copy"] == copies["blocks_over_float"]
+    assert result["bar"]["tok_s_1_over_llama"] is None  # no llama column: no ratio
 
 
 def _llama_missing() -> str | None:
@@ -91,3 +111,18 @@ def test_llama_server_serves_the_tiny_file(tiny_gguf: Path, tmp_path: Path) -> N
     assert "error" not in llama, llama.get("log_tail")
     assert llama["starts"][0]["ready_s"] > 0 and llama["decode"]["1"]["tokens"] > 0
     assert llama["serving"]["peak_rss_mib"] > 0
+
+
+def test_the_wait_for_the_background_calibration_follows_the_daemons_log(tmp_path: Path) -> None:
+    class Running:
+        def poll(self) -> None:
+            return None
+
+    class Fake:
+        log, proc = tmp_path / "maced.log", Running()
+
+    Fake.log.write_text("loaded the cached forward cost model\n")
+    assert bench.wait_background_calibration(Fake, timeout_s=5) is None  # no calibration to wait for
+    Fake.log.write_text("quick forward cost calibration in 1.0 s\n"
+                        "calibrated the forward cost model in the background, 2.0 s of forwards\n")
+    assert bench.wait_background_calibration(Fake, timeout_s=5) == 0.0

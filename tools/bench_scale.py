@@ -264,6 +264,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
     if spec.get("export_only"):
         return export_graphs(spec)
+    if spec.get("dpo_copies"):
+        return dpo_copies(spec)
     path = Path(spec["model_dir"])
     config = EngineConfig(
         model=str(path), dtype=spec["dtype"], backend=spec["backend"], onnx_quantization=spec["quantization"],
@@ -659,6 +661,7 @@ def train_one_pair(socket: Path, prompt: str, tokens: int, sampler: TreeSampler,
     return {"feedback": feedback, "outcome": outcome, "wall_s": round(wall, 1),
             "stage_s": round(ft["finetune_seconds"] - before["finetune_seconds"], 2),
             "stages_run": ft["stages_run"] - before["stages_run"], "last_loss": ft["last_loss"],
+            "finetune_state": ft.get("state"),
             **sampler.end_phase()}
 
 
@@ -675,10 +678,10 @@ def daemon_log_phases(text: str) -> dict[str, float | None]:
     return out
 
 
-def serve_run(name: str, server: Any, sampler: TreeSampler, args: argparse.Namespace,
-              starts: int, socket: Path | None = None) -> dict[str, Any]:
+def start_measured(name: str, server: Any, sampler: TreeSampler, args: argparse.Namespace,
+                   starts: int) -> dict[str, Any]:
     """Start `server` `starts` times (the first on empty state and cache, the rest on what the
-    first left), measure the last one serving (and, for maced, training one pair), stop it."""
+    first left), each start's peak RSS measured; the last start is left running."""
     out: dict[str, Any] = {"starts": []}
     for i in range(starts):
         log(f"{name}: start {i + 1} of {starts} ...")
@@ -706,36 +709,68 @@ def serve_run(name: str, server: Any, sampler: TreeSampler, args: argparse.Names
             return out
         row = {"ready_s": server.ready_s, "loadavg": load, **sampler.end_phase()}
         if name == "maced":
+            row["background_calibration_wait_s"] = wait_background_calibration(server, args.calibration_wait_s)
             row["log_phases"] = daemon_log_phases(server.log.read_text(errors="replace"))
         out["starts"].append(row)
         log(f"{name}: ready in {server.ready_s} s, peak RSS {row['peak_rss_mib']} MiB")
         if i + 1 < starts:
             server.stop()
-    try:
-        pid = server.proc.pid
-        sampler.start_phase(pid)
-        decode_streams(server, 1, args.prompt, 8, 1)  # a first request, not timed
-        out["decode"] = {}
-        for streams in args.streams:
-            out["decode"][str(streams)] = decode_streams(server, streams, args.prompt, args.tokens, args.repeats)
-            log(f"{name}: {streams} stream(s): {out['decode'][str(streams)]}")
-        out["serving"] = sampler.end_phase()
-        if name == "maced" and args.dpo and socket is not None:
-            log(f"{name}: one DPO pair ...")
-            out["dpo_pair"] = train_one_pair(socket, args.prompt, args.dpo_tokens, sampler, pid, args.timeout_s)
-            log(f"{name}: {out['dpo_pair']}")
-        out["whole_life_hwm_mib"] = round(tree_status(pid).get("VmHWM", 0) / MiB, 1)
-    except Exception as exc:  # noqa: BLE001 - one server's failure is a result, the other still runs
-        out["error"] = f"{type(exc).__name__}: {exc}"
-        log(f"{name}: {out['error']}")
-    finally:
-        server.stop()
     return out
 
 
+def wait_background_calibration(server: Any, timeout_s: float) -> float | None:
+    """Seconds from ready until maced's background cost calibration finished (None when this
+    start ran none: its log shows no quick calibration, so a cached one was loaded). It runs
+    whenever the engine is idle, so without this wait it would compete with the other server's
+    start and runs; and a daemon stopped before it finishes runs the quick one again at its next
+    start (it caches only the full one)."""
+    done = ("calibrated the forward cost model in the background", "background cost calibration failed")
+    if "quick forward cost calibration" not in server.log.read_text(errors="replace"):
+        return None
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s and server.proc.poll() is None:
+        if any(d in server.log.read_text(errors="replace") for d in done):
+            break
+        time.sleep(1.0)
+    return round(time.monotonic() - t0, 1)
+
+
+def serve_interleaved(running: dict[str, tuple[Any, TreeSampler, dict[str, Any]]],
+                      args: argparse.Namespace) -> None:
+    """Decode on every running server, round-robin: for each repeat and stream count, one timed
+    run per server in turn, so a busy machine's load falls on all of them alike. Keeps each
+    server's best per stream count and every run (`decode_runs`); each server's serving peak
+    covers the whole interleaved phase (an idle server's RSS does not move)."""
+    for server, sampler, out in running.values():
+        sampler.start_phase(server.proc.pid)
+        decode_streams(server, 1, args.prompt, 8, 1)  # a first request, not timed
+        out["decode"], out["decode_runs"] = {}, []
+    for r in range(args.repeats):
+        for streams in args.streams:
+            for name, (server, _, out) in list(running.items()):
+                if name == "llama" and args.llama_streams is not None and streams not in args.llama_streams:
+                    continue
+                try:
+                    row = decode_streams(server, streams, args.prompt, args.tokens, 1)
+                except Exception as exc:  # noqa: BLE001 - one server's failure is a result, the others go on
+                    out["error"] = f"{type(exc).__name__}: {exc}"
+                    log(f"{name}: {out['error']}")
+                    running.pop(name)
+                    continue
+                out["decode_runs"].append({"repeat": r, "streams": streams, **row})
+                best = out["decode"].get(str(streams))
+                if best is None or row["tok_s"] > best["tok_s"]:
+                    out["decode"][str(streams)] = row
+                log(f"{name}: {streams} stream(s), repeat {r + 1}: {row}")
+    for _, (_, sampler, out) in running.items():
+        out["serving"] = sampler.end_phase()
+
+
 def run_gguf(args: argparse.Namespace) -> dict[str, Any]:
-    """maced and llama-cpp-python's server on one GGUF file, one after the other, same threads."""
-    from bench_e2e import Server, check_llama, free_port, llama_system_info
+    """maced and llama-cpp-python's server on one GGUF file, same threads: maced's starts, then
+    llama's start beside it, then both decoding interleaved, then maced's DPO pair, then (with
+    --dpo-copies) one pair timed on the blocks and on a float copy, interleaved."""
+    from bench_e2e import check_llama, llama_system_info
     from gguf import GGUFReader
 
     gguf_path = Path(args.gguf).resolve()
@@ -747,8 +782,10 @@ def run_gguf(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MACE_")}
     # Empty for the first start; --warm-cache: a cache an earlier first start built (one start).
-    env.update(PYTHONUNBUFFERED="1", MACE_CACHE_DIR=str(Path(args.warm_cache).resolve() if args.warm_cache
-                                                         else work / "cache"))
+    cache = Path(args.warm_cache).resolve() if args.warm_cache else work / "cache"
+    env.update(PYTHONUNBUFFERED="1", MACE_CACHE_DIR=str(cache))
+    if args.warm_costs:  # the cost calibration an earlier run's daemon finished (its state's costs/)
+        shutil.copytree(args.warm_costs, work / "state" / "costs")
     result: dict[str, Any] = {
         "command": " ".join(["python tools/bench_scale.py", *args.argv]), "machine": machine(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -756,40 +793,63 @@ def run_gguf(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_mib": round(tensor_bytes / MiB, 1), "file_type": file_type, "threads": threads,
         "tokens": args.tokens, "repeats": args.repeats, "dpo_tokens": args.dpo_tokens, "prompt": args.prompt,
         "maced_settings": args.set, "loadavg_start": Path("/proc/loadavg").read_text().strip(),
-        "warm_cache": bool(args.warm_cache),
+        "warm_cache": bool(args.warm_cache), "warm_costs": bool(args.warm_costs), "interleaved": True,
         "memory_method": "summed VmRSS of the server and its descendants sampled every 0.1 s (peak per "
                          "phase), and their summed VmHWM reset at each phase's start via clear_refs",
     }
-    sampler = TreeSampler()
+    servers: dict[str, tuple[Any, TreeSampler, dict[str, Any]]] = {}
+    socket = work / "maced.sock"
     try:
         if "maced" in args.servers:
-            result["maced"] = run_maced(args, gguf_path, threads, work, env, sampler)
+            maced, socket = maced_server(args, gguf_path, threads, work, env)
+            sampler = TreeSampler()
+            result["maced"] = start_measured("maced", maced, sampler, args, 1 if args.warm_cache else 2)
+            servers["maced"] = (maced, sampler, result["maced"])
         if "llama" not in args.servers:
             result["llama"] = {"skipped": "not asked for (--servers)"}
         elif (version := check_llama(args.llama_python) if args.llama_python else None) is None:
             result["llama"] = {"skipped": f"llama_cpp.server is not importable by {args.llama_python!r}: "
                                           f"install it with `{LLAMA_INSTALL}` and pass --llama-python"}
         else:
-            port = free_port()
-            llama = Server("llama", [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf_path),
-                                     "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
-                                     "--n_threads_batch", str(threads), "--n_ctx", str(args.n_ctx),
-                                     "--interrupt_requests", "False"], port, work / "llama.log", env)
-            result["llama"] = serve_run("llama", llama, sampler, args, starts=1)
+            llama = llama_server(args, gguf_path, threads, work, env)
+            sampler = TreeSampler()
+            result["llama"] = start_measured("llama", llama, sampler, args, 1)
             result["llama"].update(version=version, system_info=llama_system_info(args.llama_python))
-            if "error" in result["llama"]:
-                result["llama"]["log_tail"] = llama.log.read_text(errors="replace")[-3000:]
+            servers["llama"] = (llama, sampler, result["llama"])
+        running = {k: v for k, v in servers.items() if "error" not in v[2]}
+        serve_interleaved(running, args)
+        if "llama" in servers:
+            servers["llama"][0].stop()  # the pair is maced's alone: llama's memory and threads leave
+        if "maced" in running:
+            maced_train(servers["maced"], args, socket)
+        if args.dpo_copies and "maced" in servers:
+            log("one DPO pair on the blocks against a float copy, interleaved (in-process) ...")
+            servers["maced"][0].stop()
+            spec = {"dpo_copies": True, "gguf": str(gguf_path), "threads": threads, "dpo_tokens": args.dpo_tokens,
+                    "prompt": args.prompt, "rounds": args.dpo_copies, "cache_dir": str(cache),
+                    "budget_s": args.dpo_copies_budget_s}
+            result["dpo_copies"] = run_child(spec, args.timeout_s)
+            log(f"dpo copies: {result['dpo_copies']}")
     finally:
-        sampler.close()
+        for name, (server, sampler, out) in servers.items():
+            server.stop()
+            sampler.close()
+            text = server.log.read_text(errors="replace") if server.log.exists() else ""
+            if "error" in out or name == "maced":
+                out["log_tail"] = text[-4000:]
+            if name == "maced":  # what it said about its backend and its fine-tuning, from the whole log
+                out["log_said"] = [line.split(" ", 3)[-1][:600] for line in text.splitlines()
+                                   if any(k in line for k in SAID)]
         shutil.rmtree(work, ignore_errors=True)
     result["loadavg_end"] = Path("/proc/loadavg").read_text().strip()
+    result["bar"] = bar_ratios(result)
     return result
 
 
-def run_maced(args: argparse.Namespace, gguf_path: Path, threads: int, work: Path, env: dict[str, str],
-              sampler: TreeSampler) -> dict[str, Any]:
-    """`maced --model FILE` as a user starts it (defaults, but the threads and one pair per adapter
-    version), twice: on empty state and cache, then on what the first start left."""
+def maced_server(args: argparse.Namespace, gguf_path: Path, threads: int, work: Path,
+                 env: dict[str, str]) -> tuple[Any, Path]:
+    """`maced --model FILE` as a user starts it: defaults, but the threads and one pair per
+    adapter version."""
     from bench_e2e import Server, free_port
 
     port = free_port()
@@ -799,9 +859,134 @@ def run_maced(args: argparse.Namespace, gguf_path: Path, threads: int, work: Pat
            "--set", f"engine.num_threads={threads}", "--set", "finetune.pairs_per_version=1"]
     for item in args.set:
         cmd += ["--set", item]
-    maced = Server("maced", cmd, port, work / "maced.log", env)
-    out = serve_run("maced", maced, sampler, args, starts=1 if args.warm_cache else 2, socket=socket)
-    out["log_tail"] = maced.log.read_text(errors="replace")[-4000:]
+    return Server("maced", cmd, port, work / "maced.log", env), socket
+
+
+def llama_server(args: argparse.Namespace, gguf_path: Path, threads: int, work: Path, env: dict[str, str]) -> Any:
+    from bench_e2e import Server, free_port
+
+    port = free_port()
+    return Server("llama", [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf_path),
+                            "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(threads),
+                            "--n_threads_batch", str(threads), "--n_ctx", str(args.n_ctx),
+                            "--interrupt_requests", "False"], port, work / "llama.log", env)
+
+
+def maced_train(entry: tuple[Any, TreeSampler, dict[str, Any]], args: argparse.Namespace, socket: Path) -> None:
+    """maced's DPO pair through the SDK (peak RSS while it trains), then its whole-life VmHWM."""
+    server, sampler, out = entry
+    try:
+        pid = server.proc.pid
+        if args.dpo:
+            log("maced: one DPO pair ...")
+            out["dpo_pair"] = train_one_pair(socket, args.prompt, args.dpo_tokens, sampler, pid, args.dpo_timeout_s)
+            log(f"maced: {out['dpo_pair']}")
+        out["whole_life_hwm_mib"] = round(tree_status(pid).get("VmHWM", 0) / MiB, 1)
+    except Exception as exc:  # noqa: BLE001 - a failed pair is a result
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        log(f"maced: {out['error']}")
+
+
+def mem_available() -> int:
+    """MemAvailable of /proc/meminfo, in bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def dpo_copies(spec: dict[str, Any]) -> dict[str, Any]:
+    """One DPO pair's staged update timed on the file's quantised blocks (one copy: what serves
+    is what trains, de-quantised a layer at a time) and on a float copy de-quantised from them
+    (the two-copy design), alternating `rounds` times in this one process; a fresh trainer per
+    run, so each computes its reference log-probs as a first pair does. The model is the one
+    the daemon built (its block cache, found through the same model cache)."""
+    import torch
+
+    from edge_runtime.loading import resolve
+    from edge_runtime.model.gguf_load import dequantized_copy
+    from edge_runtime.model.qweights import QuantWeight
+    from edge_runtime.model.tokenizer import Tokenizer
+    from edge_runtime.model.weights import load_llama
+    from edge_runtime.train.pairs import PreferenceRecord
+    from edge_runtime.train.trainer import AdapterTrainer
+
+    os.environ["MACE_CACHE_DIR"] = spec["cache_dir"]
+    torch.set_num_threads(spec["threads"])
+    path, _ = resolve(spec["gguf"])
+    sampler = PeakSampler()
+    sampler.reset()
+    blocks = load_llama(path, dtype=torch.float32)
+    tokenizer = Tokenizer(path)
+    # The machine is shared: a float copy that would not fit what is available now is waited
+    # for (up to `wait_s`), then skipped with the figures, never left to the OOM killer.
+    need = 4 * sum(p.n * p.k for m in blocks.modules() if isinstance(m, QuantWeight) for p in m.parts) + (1 << 30)
+    t0 = time.monotonic()
+    while (available := mem_available()) < need:
+        if time.monotonic() - t0 > spec.get("wait_s", 300):
+            return {"error": f"skipped: a float32 copy needs {need / MiB:.0f} MiB with 1 GiB to spare and the "
+                             f"machine has {available / MiB:.0f} MiB available (shared; waited "
+                             f"{time.monotonic() - t0:.0f} s)", "loadavg": Path("/proc/loadavg").read_text().strip()}
+        time.sleep(5)
+    floats = dequantized_copy(blocks)
+    both_peak = sampler.peaks()["hwm"]
+    n = spec["dpo_tokens"]
+
+    def one(model: Any, r: int) -> dict[str, float]:
+        pair = PreferenceRecord(({"role": "user", "content": spec["prompt"]},),
+                                text_of_tokens(tokenizer, n, offset=3 + r), text_of_tokens(tokenizer, n, offset=11 + r),
+                                pair_id=f"copies-{r}")
+        trainer = AdapterTrainer(model, tokenizer)
+        t0 = time.perf_counter()
+        result = trainer.task(pair, score=False).run()
+        return {"s": round(time.perf_counter() - t0, 3), "loss": round(float(result.loss), 4)}
+
+    runs: dict[str, list[dict[str, float]]] = {"blocks": [], "float": []}
+    started = time.monotonic()
+    for r in range(spec["rounds"]):
+        # A round that would end past the budget is not begun (a pair takes minutes on a busy
+        # machine); the first always runs.
+        if r and (time.monotonic() - started) * (r + 1) / r > spec.get("budget_s", 600):
+            log(f"dpo copies: round {r + 1} would pass the {spec.get('budget_s', 600)} s budget: stopping")
+            break
+        for name, model in (("blocks", blocks), ("float", floats)):
+            runs[name].append(one(model, r))
+            log(f"dpo copies: {name} round {r + 1}: {runs[name][-1]}")
+    best = {k: min(x["s"] for x in v) for k, v in runs.items()}
+    return {"runs": runs, "rounds_run": len(runs["float"]), "best_s": best, "blocks_over_float": round(best["blocks"] / best["float"], 3),
+            "dtype": "float32", "both_copies_peak_rss_mib": round(both_peak / MiB, 1),
+            "loadavg": Path("/proc/loadavg").read_text().strip()}
+
+
+# The lines of maced's log the table quotes: its backend choice and fine-tuning failures.
+SAID = ("auto backend: ", "failed: ", "cannot run: ")
+
+
+def bar_ratios(result: dict[str, Any]) -> dict[str, Any]:
+    """The bar's ratios (#28, 1B and 3B): maced's peak RSS training one pair over llama-server's
+    peak serving; maced's tok/s over llama-server's at 1 and 8 streams; the pair on the blocks
+    over the two-copy time."""
+    def get(*keys: str) -> float | None:
+        value: Any = result
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value if isinstance(value, (int, float)) else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    out = {
+        "train_peak_over_llama_serving": ratio(get("maced", "dpo_pair", "peak_rss_mib"),
+                                               get("llama", "serving", "peak_rss_mib")),
+        "tok_s_1_over_llama": ratio(get("maced", "decode", "1", "tok_s"), get("llama", "decode", "1", "tok_s")),
+        "tok_s_8_over_llama": ratio(get("maced", "decode", "8", "tok_s"), get("llama", "decode", "8", "tok_s")),
+        "dpo_blocks_over_two_copy": get("dpo_copies", "blocks_over_float"),
+    }
+    if out["tok_s_8_over_llama"] is None and get("llama", "decode", "1", "tok_s"):
+        # --llama-streams 1: llama-server answers one request at a time, so its 8 streams would
+        # run one after another at about its 1-stream rate; the ratio says which it divides by.
+        out["tok_s_8_over_llama_1_stream"] = ratio(get("maced", "decode", "8", "tok_s"),
+                                                   get("llama", "decode", "1", "tok_s"))
     return out
 
 
@@ -845,17 +1030,46 @@ def write_gguf_table(result: dict[str, Any], path: Path) -> None:
             f"{_cell(run, 'decode', '1', 'tok_s')} | {_cell(run, 'decode', '8', 'tok_s')} | {dpo_cell} |")
         if "error" in run:
             lines += ["", f"{name} failed: `{run['error'][-1500:]}`", ""]
-    phases = [s.get("log_phases") for s in result.get("maced", {}).get("starts", [])]
+    phases = [{**(s.get("log_phases") or {}), "waited after ready for the background calibration":
+               s.get("background_calibration_wait_s")} for s in result.get("maced", {}).get("starts", [])]
     if any(phases):
         lines += ["", "maced's start-up phases from its log (s): " + "; ".join(
             f"start {i + 1}: " + ", ".join(f"{k} {v}" for k, v in (p or {}).items() if v is not None)
             for i, p in enumerate(phases))]
-    said = [line.split(" ", 3)[-1] for line in result.get("maced", {}).get("log_tail", "").splitlines()
-            if "auto backend: " in line or "failed: " in line or "cannot run: " in line]
+    said = result.get("maced", {}).get("log_said") or [
+        line.split(" ", 3)[-1] for line in result.get("maced", {}).get("log_tail", "").splitlines()
+        if any(k in line for k in SAID)]
+    said = list(dict.fromkeys(said))  # each start and reload says the same
     if said:
         lines += ["", "maced's log on its backend and its fine-tuning:", ""] + [f"- `{line[:600]}`" for line in said]
+    runs = {name: result.get(name, {}).get("decode_runs", []) for name in ("maced", "llama")}
+    if any(runs.values()):
+        lines += ["", "Every decode run, tok/s (streams x repeat; each repeat ran every stream count on maced, then "
+                  "on llama, in turn): " + "; ".join(
+                      f"{name} " + ", ".join(f"{r['streams']}x r{r['repeat'] + 1} {r['tok_s']}" for r in rows)
+                      for name, rows in runs.items() if rows)]
+    copies = result.get("dpo_copies")
+    if copies and "error" not in copies:
+        lines += ["", f"One DPO pair's staged update in one process, {copies['dtype']}, alternated: on the blocks "
+                  f"{[r['s'] for r in copies['runs']['blocks']]} s, on a float copy "
+                  f"{[r['s'] for r in copies['runs']['float']]} s; best {copies['best_s']['blocks']} / "
+                  f"{copies['best_s']['float']} s = **{copies['blocks_over_float']}x** (peak RSS holding both "
+                  f"{copies['both_copies_peak_rss_mib']} MiB; /proc/loadavg `{copies['loadavg']}`)."]
+    elif copies:
+        lines += ["", f"The two-copy DPO comparison failed: {copies['error']}"]
+    bar = result.get("bar") or {}
+    if any(v is not None for v in bar.values()):
+        lines += ["", "The bar's ratios (#28): peak RSS training one pair / llama-server's peak serving "
+                  f"**{bar.get('train_peak_over_llama_serving')}** (bar <= 1.5); tok/s at 1 stream / llama-server "
+                  f"**{bar.get('tok_s_1_over_llama')}** (>= 1.0); at 8 streams **{bar.get('tok_s_8_over_llama')}** "
+                  f"(>= 2); DPO pair on the blocks / two-copy **{bar.get('dpo_blocks_over_two_copy')}** (<= 1.5)."]
+        if bar.get("tok_s_8_over_llama_1_stream") is not None:
+            lines[-1] += (" llama-server's 8 streams were not run (it answers one request at a time): maced's 8 "
+                          f"streams / llama-server's 1 stream **{bar['tok_s_8_over_llama_1_stream']}**.")
     lines += ["", "Peak RSS: the server process and its children, summed (sampled every 0.1 s, and the kernel's "
-              "VmHWM reset per phase; the larger). llama-cpp-python's server answers one request at a time.", ""]
+              "VmHWM reset per phase; the larger). llama-cpp-python's server answers one request at a time. "
+              "Both servers are up together while decoding, and their runs alternate, so both see the "
+              "same load.", ""]
     path.write_text("\n".join(lines))
 
 
@@ -886,12 +1100,25 @@ def main(argv: list[str] | None = None) -> None:
                        help="interpreter with llama-cpp-python[server]; '' to leave llama out")
     serve.add_argument("--n-ctx", type=int, default=2048, help="llama-server's context")
     serve.add_argument("--prompt", default="Give me a tip for cooking rice, and explain why it works.")
+    serve.add_argument("--dpo-copies-budget-s", type=float, default=600,
+                       help="no further round of --dpo-copies once it would end past this")
+    serve.add_argument("--warm-costs", default="", help="a state dir's costs/ folder (an earlier run's finished "
+                       "cost calibration), copied into maced's fresh state")
+    serve.add_argument("--calibration-wait-s", type=float, default=900,
+                       help="longest wait after a maced start for its background cost calibration")
+    serve.add_argument("--dpo-timeout-s", type=float, default=900, help="longest wait for the pair to publish")
     serve.add_argument("--warm-cache", default="", help="a model cache (MACE_CACHE_DIR) an earlier first start "
                        "built: maced starts once, on it")
     serve.add_argument("--streams", default="1,8", type=lambda v: [int(x) for x in v.split(",") if x],
                        help="stream counts to time ('' for none)")
+    serve.add_argument("--llama-streams", default=None, type=lambda v: [int(x) for x in v.split(",") if x],
+                       help="llama-server's stream counts, if fewer (it answers one request at a time: its 8 "
+                            "streams run one after another)")
     serve.add_argument("--servers", default="maced,llama", help="which of maced, llama to run")
     serve.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="more maced settings")
+    serve.add_argument("--dpo-copies", type=int, default=0, metavar="ROUNDS",
+                       help="after the servers: one DPO pair on the blocks and on a float32 copy, alternated "
+                            "ROUNDS times in one process (the two-copy comparison; holds both copies)")
     args = ap.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
     if args.gguf:
