@@ -162,7 +162,8 @@ class Service:
 
     async def shutdown(self, reason: str = "shutting_down") -> None:
         """Stop admitting, let generations finish for drain_timeout_s, cancel the rest with a
-        reason, flush the store, checkpoint adapters, stop the engine thread."""
+        reason, stop fine-tuning (nothing unpublished is published), stop the engine thread,
+        flush the store."""
         if self.state in ("draining", "stopped"):
             return
         self.state = "draining"
@@ -177,7 +178,7 @@ class Service:
         try:
             await self.fine_tuner.checkpoint()
         except Exception:
-            log.exception("checkpointing adapters failed")
+            log.exception("stopping fine-tuning failed")
         if self.engine is not None:
             self.engine.stop(reason)
             if not await self.engine.join(5.0):

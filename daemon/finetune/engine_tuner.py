@@ -51,7 +51,10 @@ MAX_ATTEMPTS = 3
 
 @dataclass
 class _UserProgress:
-    trained: list[Item] = field(default_factory=list)  # since the last published version
+    # Trained since the last version, with their losses: still pending in the store until that
+    # version is published or refused, so a stop or a crash before then trains them again.
+    trained: list[Item] = field(default_factory=list)
+    losses: dict[Item, float] = field(default_factory=dict)
     in_flight: dict[Item, str] = field(default_factory=dict)  # item -> engine job id
     publishing: bool = False
 
@@ -119,8 +122,10 @@ class EngineFineTuner(GuardedPublishing):
             self._loop_task = asyncio.create_task(self._train_loop(), name="finetune")
 
     async def checkpoint(self) -> None:
-        """Shutdown: cancel the queued updates (their pairs stay pending in the store) and
-        publish what was trained since the last version, so no trained pair is lost."""
+        """Shutdown: cancel the queued updates and the publishes under way. Nothing is published
+        unguarded, and no guard runs against the stop's deadline: items trained since the last
+        version are still pending in the store and are trained again, from the served version,
+        after the restart (the cost: at most one batch of updates done twice)."""
         self._stopping = True
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -132,13 +137,10 @@ class EngineFineTuner(GuardedPublishing):
             except MaceError:
                 pass  # the engine is gone: nothing is queued any more
         await self._handle_done()
-        for user, progress in list(self._progress.items()):
+        for progress in self._progress.values():
             progress.in_flight.clear()
-            if progress.trained:
-                try:
-                    await self._publish(user)
-                except Exception:
-                    log.exception("checkpointing the adapter of %s failed", self.names.tag(user))
+            progress.trained.clear()
+            progress.losses.clear()
 
     # -- serving --------------------------------------------------------------------------------
 
@@ -186,9 +188,15 @@ class EngineFineTuner(GuardedPublishing):
             return {"user": user, "serving": None if now is None else now.version}
 
         try:
-            return await self.engine.call(roll, parked=roll)
+            out = await self.engine.call(roll, parked=roll)
         except AdapterError as exc:  # adapter_unavailable, or adapter_trimmed (retention)
             raise ProtocolError(exc.code, str(exc)) from None
+        progress = self._progress.get(user)
+        if progress is not None and not progress.publishing:
+            # Their updates went with the replaced weights; still pending, they are trained again.
+            progress.trained.clear()
+            progress.losses.clear()
+        return out
 
     def status(self) -> dict[str, Any]:
         decision = self.last_decision or {}
@@ -330,16 +338,10 @@ class EngineFineTuner(GuardedPublishing):
                     log.warning("fine-tuning %s %d of %s failed: %s", *item.item, self.names.tag(item.user),
                                 self.names.scrub(item.error, item.user))
                 continue
-            assert self.store is not None
-            try:
-                kind, row = item.item
-                mark = self.store.mark_trained if kind == PAIR else self.store.mark_unpaired_trained
-                await asyncio.to_thread(mark, row, item.loss)
-            except MaceError as exc:  # erased between the update and now
-                log.info("%s %d of %s not recorded as trained: %s", *item.item, self.names.tag(item.user),
-                         self.names.scrub(exc, item.user))
-                continue
+            # Recorded in the store with its version (publishing.py), not now: until then the
+            # update lives only in the trainer's weights.
             progress.trained.append(item.item)
+            progress.losses[item.item] = float(item.loss) if item.loss is not None else 0.0
             self.optimizer_steps += item.stepped
             if item.item[0] == PAIR:
                 self.pairs_trained += 1
@@ -372,13 +374,16 @@ class EngineFineTuner(GuardedPublishing):
             if user in busy or user in self._forgotten or self._attempts.get(key, 0) >= MAX_ATTEMPTS:
                 continue
             progress = self._progress.setdefault(user, _UserProgress())
+            if key in progress.losses:
+                continue  # trained, pending until its version is decided
             room = self.settings.pairs_per_version - len(progress.trained)
             batch = batches.setdefault(user, [])
             if len(batch) < max(1, room):
                 batch.append((key, record))
         if batches:
             await self._queue(batches)
-        waiting = {r.user_id for _, r in records}
+        waiting = {r.user_id for key, r in records
+                   if key not in self._progress.get(r.user_id, _UserProgress()).losses}
         for user, progress in list(self._progress.items()):
             if (user not in waiting and not progress.in_flight and not progress.publishing
                     and progress.trained):

@@ -39,6 +39,7 @@ class GuardedPublishing:
     _progress: dict[str, Any]
     _forgotten: set[str]
     _stopping: bool
+    _generation: dict[str, int]
     _served_metrics: dict[str, tuple[tuple[Any, ...], Any]]
 
     _look_at: float
@@ -88,15 +89,22 @@ class GuardedPublishing:
         unpaired_ids = [row for kind, row in items if kind == "unpaired"]
         progress.publishing = True
         self.publishing = user
+        generation = self._generation.get(user, 0)
         try:
             outcome = await self._guarded(user, pair_ids, unpaired_ids)
         finally:
             progress.publishing = False
             self.publishing = None
         if outcome is None:
-            return  # cancelled (rollback, erasure, shutdown): the items stay trained, published later
+            if self._generation.get(user, 0) != generation:  # a rollback replaced the weights:
+                progress.trained.clear()  # their updates are gone; still pending, trained again
+                progress.losses.clear()
+            return  # cancelled (erasure, shutdown) or failed: the items stay trained, published later
         decision, ref, path = outcome
         del progress.trained[: len(items)]
+        losses = [(item, progress.losses.pop(item, 0.0)) for item in items]
+        if not await self._record_trained(user, losses):
+            return
         self.last_decision = decision
         if ref is None:
             self.versions_rejected += 1
@@ -119,6 +127,23 @@ class GuardedPublishing:
                 return
         self.versions_published += 1  # counted once the store knows it (what status reports)
 
+    async def _record_trained(self, user: str, losses: list[tuple[tuple[str, int], float]]) -> bool:
+        """The candidate is decided (published or refused): its items leave the pending ones,
+        with their losses. False when the user was erased meanwhile."""
+        from edge_runtime.errors import MaceError
+
+        pairs = [(row, loss) for (kind, row), loss in losses if kind == "pair"]
+        unpaired = [(row, loss) for (kind, row), loss in losses if kind != "pair"]
+        try:
+            if pairs:
+                await asyncio.to_thread(self.store.mark_trained_batch, pairs)
+            for row, loss in unpaired:
+                await asyncio.to_thread(self.store.mark_unpaired_trained, row, loss)
+        except MaceError as exc:  # erased between the update and now
+            log.info("items of %s not recorded as trained: %s", self.names.tag(user), self.names.scrub(exc, user))
+            return False
+        return True
+
     async def _guarded(self, user: str, pair_ids: list[int], unpaired_ids: list[int]) -> tuple[Any, Any, Any] | None:
         """Evaluate the user's candidate in the background, then publish or refuse it. None: the
         evaluation was cancelled or failed (nothing published; the items stay trained)."""
@@ -140,16 +165,13 @@ class GuardedPublishing:
             from edge_runtime.train.guard import guard_evaluation
 
             trainer = self._trainers[user]
-            if self._stopping:  # only at shutdown does a publish step (docs/training.md)
-                trainer.flush()
             served = engine.adapters.newest(user)
             key = (None if served is None else served.version, trainer.fleet_key, tuple(p.id for p in heldout))
             known = self._served_metrics.get(user)
             evaluation = guard_evaluation(engine.adapters, trainer, user, heldout, self._guard(),
                                           served_metrics=known[1] if known and known[0] == key else None,
                                           heldout_unpaired=heldout_unpaired)
-            if self._stopping or evaluation.done:
-                evaluation.run()  # at shutdown the engine takes no more jobs: evaluate now
+            if evaluation.done:
                 return evaluation, key, False
             engine.add_finetune(evaluation, user=user, on_done=ended_with)
             return evaluation, key, True

@@ -97,3 +97,52 @@ def test_the_guard_evaluates_a_served_version_once_per_held_out_set(tiny_model_d
     assert trained == steps and trained >= 3 and len(published) + refused == trained
     # One evaluation per candidate, plus the base's once (it was served before the first).
     assert len(evaluations) == trained + 1
+
+
+def test_a_stop_before_the_publish_leaves_the_trained_pairs_pending_and_runs_no_guard(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A pair counts as trained in the store only with the version that carries its update
+    (published or refused): at every moment, and after a stop that came between its update and
+    that version, every other pair is still pending, so the restarted daemon trains it again
+    (its update lived only in the trainer's weights). The stop itself runs no guard: it must fit
+    systemd's stop timeout whatever the model's size (a guarded publish on an 8B model at stop
+    overran it)."""
+    store = FeedbackStore(tmp_path / "fb.sqlite3", config=FeedbackStoreConfig(heldout_fraction=0.0,
+                                                                             retention_interval_s=None))
+    store.set_consent("ada", True)
+    for i in range(6):
+        store.record_interaction("ada", f"r{i}", f"Question {i}?", [f"Answer {i}.", f"No {i}."], model="m")
+        store.record_feedback("ada", f"r{i}", Choice(0))
+
+    async def main() -> tuple[list[dict], float]:
+        thread = EngineThread(_loader(tiny_model_dir), asyncio.get_running_loop())
+        await thread.start()
+        settings = FineTuneSettings(pairs_per_version=4, guard=True, guard_prompts=1, guard_tokens=4)
+        tuner = EngineFineTuner(thread, store, settings, poll_s=0.05)
+        tuner.start()
+        deadline = time.monotonic() + 120
+        while tuner.pairs_trained < 2 and time.monotonic() < deadline:  # mid-batch: none decided
+            await asyncio.sleep(0.02)
+        assert tuner.pairs_trained >= 2
+        events = await thread.call(lambda e: e.adapters.events("ada"))
+        decided = {p for e in events if e["kind"] in ("published", "rejected") for p in e.get("pair_ids", [])}
+        marked = {p.id for p in await asyncio.to_thread(store.next_pairs, "ada", 64, status="trained")}
+        assert marked <= decided  # a crash now would lose no update the store calls trained
+        t0 = time.monotonic()
+        await tuner.checkpoint()
+        stop_s = time.monotonic() - t0
+        events = await thread.call(lambda e: e.adapters.events("ada"))
+        thread.stop()
+        await thread.join(10)
+        return events, stop_s
+
+    try:
+        events, stop_s = asyncio.run(main())
+        decided = {p for e in events if e["kind"] in ("published", "rejected") for p in e.get("pair_ids", [])}
+        trained = {p.id for p in store.next_pairs("ada", 64, status="trained")}
+        pending = {p.id for p in store.next_pairs("ada", 64)}
+    finally:
+        store.close()
+    assert trained == decided
+    assert len(pending) == 6 - len(decided) and len(pending) >= 2
+    assert stop_s < 10.0
