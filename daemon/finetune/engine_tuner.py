@@ -51,10 +51,9 @@ MAX_ATTEMPTS = 3
 
 @dataclass
 class _UserProgress:
-    # Trained since the last version, with their losses: still pending in the store until that
-    # version is published or refused, so a stop or a crash before then trains them again.
-    trained: list[Item] = field(default_factory=list)
-    losses: dict[Item, float] = field(default_factory=dict)
+    # Trained since the last version (in order), with their losses: still pending in the store
+    # until that version is published or refused, so a stop or a crash before then trains them again.
+    trained: dict[Item, float] = field(default_factory=dict)
     in_flight: dict[Item, str] = field(default_factory=dict)  # item -> engine job id
     publishing: bool = False
 
@@ -140,7 +139,6 @@ class EngineFineTuner(GuardedPublishing):
         for progress in self._progress.values():
             progress.in_flight.clear()
             progress.trained.clear()
-            progress.losses.clear()
 
     # -- serving --------------------------------------------------------------------------------
 
@@ -195,7 +193,6 @@ class EngineFineTuner(GuardedPublishing):
         if progress is not None and not progress.publishing:
             # Their updates went with the replaced weights; still pending, they are trained again.
             progress.trained.clear()
-            progress.losses.clear()
         return out
 
     def status(self) -> dict[str, Any]:
@@ -340,8 +337,7 @@ class EngineFineTuner(GuardedPublishing):
                 continue
             # Recorded in the store with its version (publishing.py), not now: until then the
             # update lives only in the trainer's weights.
-            progress.trained.append(item.item)
-            progress.losses[item.item] = float(item.loss) if item.loss is not None else 0.0
+            progress.trained[item.item] = float(item.loss) if item.loss is not None else 0.0
             self.optimizer_steps += item.stepped
             if item.item[0] == PAIR:
                 self.pairs_trained += 1
@@ -363,6 +359,7 @@ class EngineFineTuner(GuardedPublishing):
             return
         # A user whose publish is under way (or about to start) waits: no update mid-snapshot.
         busy = {u for u, p in self._progress.items() if p.in_flight or p.publishing} | set(self._publish_tasks)
+        trained = {key for p in self._progress.values() for key in p.trained}  # pending in the store
         pairs = await asyncio.to_thread(self.store.next_pairs, None, 64)
         unpaired = await asyncio.to_thread(self.store.next_unpaired, None, 64)
         records: list[tuple[Item, PreferencePair | UnpairedExample]] = sorted(
@@ -371,19 +368,17 @@ class EngineFineTuner(GuardedPublishing):
         batches: dict[str, list[tuple[Item, PreferencePair | UnpairedExample]]] = {}
         for key, record in records:
             user = record.user_id
-            if user in busy or user in self._forgotten or self._attempts.get(key, 0) >= MAX_ATTEMPTS:
-                continue
+            if (user in busy or user in self._forgotten or key in trained
+                    or self._attempts.get(key, 0) >= MAX_ATTEMPTS):
+                continue  # (trained: pending until its version is decided)
             progress = self._progress.setdefault(user, _UserProgress())
-            if key in progress.losses:
-                continue  # trained, pending until its version is decided
             room = self.settings.pairs_per_version - len(progress.trained)
             batch = batches.setdefault(user, [])
             if len(batch) < max(1, room):
                 batch.append((key, record))
         if batches:
             await self._queue(batches)
-        waiting = {r.user_id for key, r in records
-                   if key not in self._progress.get(r.user_id, _UserProgress()).losses}
+        waiting = {r.user_id for key, r in records if key not in trained}
         for user, progress in list(self._progress.items()):
             if (user not in waiting and not progress.in_flight and not progress.publishing
                     and progress.trained):

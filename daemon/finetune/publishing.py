@@ -98,11 +98,9 @@ class GuardedPublishing:
         if outcome is None:
             if self._generation.get(user, 0) != generation:  # a rollback replaced the weights:
                 progress.trained.clear()  # their updates are gone; still pending, trained again
-                progress.losses.clear()
             return  # cancelled (erasure, shutdown) or failed: the items stay trained, published later
         decision, ref, path = outcome
-        del progress.trained[: len(items)]
-        losses = [(item, progress.losses.pop(item, 0.0)) for item in items]
+        losses = [(item, progress.trained.pop(item, 0.0)) for item in items]
         if not await self._record_trained(user, losses):
             return
         self.last_decision = decision
