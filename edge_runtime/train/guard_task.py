@@ -20,7 +20,7 @@ from edge_runtime.train.degeneration import DegenerationMetrics, summarize, toke
 from edge_runtime.train.dpo import AlignmentMetrics, alignment_metrics
 from edge_runtime.train.kto import UnpairedMetrics, unpaired_metrics
 from edge_runtime.train.pairs import PairLike, PairTokens
-from edge_runtime.train.staged import Stage, StageKind
+from edge_runtime.train.staged import Stage, StageCursor, StageKind
 from edge_runtime.train.unpaired import UnpairedLike
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class GuardRules(Protocol):
 
 
 
-class GuardEvaluation:
+class GuardEvaluation(StageCursor):
     """Stages of one candidate's evaluation; `decision()` once `done`. Run them in order
     (`run_next()`), all at once (`run()`), or give the current batch's keys/values back under
     memory pressure (`abandon()`: that batch's answers start again)."""
@@ -118,20 +118,9 @@ class GuardEvaluation:
 
     # -- driving (edge_runtime.sched.finetune.FineTuneWork) ---------------------------------
 
-    @property
-    def done(self) -> bool:
-        return self._cursor >= len(self.stages)
-
-    def next_stage(self) -> Stage | None:
-        return None if self.done else self.stages[self._cursor]
-
-    def remaining(self) -> list[Stage]:
-        return self.stages[self._cursor:]
-
     def run_next(self) -> Stage:
-        stage = self.stages[self._cursor]
-        self.seconds += stage.run()
-        self._cursor += 1
+        stage = super().run_next()
+        self.seconds += stage.seconds or 0.0  # a re-run batch's stages count again
         return stage
 
     def run(self) -> GuardDecision:

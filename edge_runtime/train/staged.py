@@ -108,7 +108,31 @@ class _Activations:
     sums: Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
 
 
-class FineTuneTask:
+class StageCursor:
+    """Runs a work's `stages` in order, one per `run_next()` (the driving side of
+    edge_runtime.sched.finetune.FineTuneWork); `_cursor` is the next stage's index."""
+
+    stages: list[Stage]
+    _cursor: int
+
+    @property
+    def done(self) -> bool:
+        return self._cursor >= len(self.stages)
+
+    def next_stage(self) -> Stage | None:
+        return None if self.done else self.stages[self._cursor]
+
+    def remaining(self) -> list[Stage]:
+        return self.stages[self._cursor :]
+
+    def run_next(self) -> Stage:
+        stage = self.stages[self._cursor]
+        stage.run()
+        self._cursor += 1
+        return stage
+
+
+class FineTuneTask(StageCursor):
     """Stages of one example's update. Run them in order (`run_next()`), all at once (`run()`),
     or shed the held activations under memory pressure (`abandon()`) and redo the forward later.
     `windows` are the token windows of `tokens`, `groups` the (start, stop) layer groups."""
@@ -148,22 +172,6 @@ class FineTuneTask:
         self._cursor = 0
 
     # -- driving ---------------------------------------------------------------------------
-
-    @property
-    def done(self) -> bool:
-        return self._cursor >= len(self.stages)
-
-    def next_stage(self) -> Stage | None:
-        return None if self.done else self.stages[self._cursor]
-
-    def remaining(self) -> list[Stage]:
-        return self.stages[self._cursor :]
-
-    def run_next(self) -> Stage:
-        stage = self.stages[self._cursor]
-        stage.run()
-        self._cursor += 1
-        return stage
 
     def run(self) -> Score:
         while not self.done:
