@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from daemon.fronts.http.errors import GatewayError
@@ -139,44 +139,40 @@ class ResponseReply:
             yield from self._stream_call(call)
 
     def _open_message(self) -> Iterator[dict[str, Any]]:
-        item = self._message("", "in_progress")
         self._open = len(self.output)
-        yield self._event("response.output_item.added", output_index=self._open, item=dict(item, content=[]))
-        item["content"].append(_text_part(""))
-        self.output.append(item)
-        yield self._event("response.content_part.added", item_id=item["id"], output_index=self._open,
-                          content_index=0, part=_text_part(""))
+        yield from self._open_item(self._message("", "in_progress"), _text_part)
 
     def _open_reasoning(self) -> Iterator[dict[str, Any]]:
-        item = self._reasoning("", "in_progress")
         self._thinking = len(self.output)
-        yield self._event("response.output_item.added", output_index=self._thinking, item=dict(item, content=[]))
-        item["content"].append(_reasoning_part(""))
+        yield from self._open_item(self._reasoning("", "in_progress"), _reasoning_part)
+
+    def _open_item(self, item: dict[str, Any], part: Callable[[str], dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """An item with one content part, added to the output and announced, the part empty."""
+        index = len(self.output)
+        yield self._event("response.output_item.added", output_index=index, item=dict(item, content=[]))
+        item["content"].append(part(""))
         self.output.append(item)
-        yield self._event("response.content_part.added", item_id=item["id"], output_index=self._thinking,
-                          content_index=0, part=_reasoning_part(""))
+        yield self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                          content_index=0, part=part(""))
 
     def _close_reasoning(self, status: str) -> Iterator[dict[str, Any]]:
         if self._thinking is None:
             return
         index, self._thinking = self._thinking, None
-        item = self.output[index]
-        part = item["content"][0]
-        yield self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
-                          text=part["text"])
-        yield self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
-                          part=dict(part))
-        item["status"] = status
-        yield self._event("response.output_item.done", output_index=index, item=json.loads(json.dumps(item)))
+        yield from self._close_item(index, status, "response.reasoning_text.done", {})
 
     def _close_message(self, status: str) -> Iterator[dict[str, Any]]:
         if self._open is None:
             return
         index, self._open = self._open, None
+        yield from self._close_item(index, status, "response.output_text.done", {"logprobs": []})
+
+    def _close_item(self, index: int, status: str, text_done: str, extra: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The item's text done (`text_done`, with `extra`), its part done, then the item done."""
         item = self.output[index]
         part = item["content"][0]
-        yield self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0,
-                          text=part["text"], logprobs=[])
+        yield self._event(text_done, item_id=item["id"], output_index=index, content_index=0,
+                          text=part["text"], **extra)
         yield self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
                           part=dict(part))
         item["status"] = status
