@@ -320,7 +320,9 @@ def test_a_user_withdrawing_fleet_consent_during_a_round_stops_its_update_from_l
         async def round_while_withdrawing() -> dict:
             async with AsyncClient(d.endpoint, timeout_s=120) as ac:
                 running = asyncio.create_task(ac.fleet_round(1, given, LORA, {**CONFIG, "steps": 40}))
-                await asyncio.to_thread(wait_for, lambda: c.status()["fleet"]["round_in_flight"], 30, 0.05)
+                # Training, not merely holding the lock: before the round reads the store, a
+                # withdrawal only leaves the user out of it (the round then trains the other).
+                await asyncio.to_thread(wait_for, lambda: c.status()["fleet"]["round_phase"] == "training", 30, 0.05)
                 c.consent("fleet-max", granted=None, fleet=False)
                 return await running
 

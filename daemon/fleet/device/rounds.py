@@ -195,6 +195,7 @@ class FleetRounds:
         self.privacy = PrivacyRecord(state_dir / "fleet" / "privacy.json")
         self.terms = FleetTerms(self.privacy, terms, lambda: settings().delta)
         self._lock = asyncio.Lock()
+        self._phase: str | None = None  # of the running round: preparing, training, evaluating
         self.rounds_answered: dict[str, int] = {}
 
     @property
@@ -205,6 +206,7 @@ class FleetRounds:
     def status(self) -> dict[str, Any]:
         delta = self.settings().delta
         return {"enabled": self.settings().enabled, "round_in_flight": self._lock.locked(),
+                "round_phase": self._phase if self._lock.locked() else None,
                 "rounds_sent": len(self.privacy.rounds), "epsilon": self.privacy.epsilon(delta), "delta": delta,
                 "answers": dict(self.rounds_answered), **self.terms.status()}
 
@@ -239,7 +241,11 @@ class FleetRounds:
         if self._lock.locked():
             raise ProtocolError("busy", "a fleet round is already running on this device", retry_after_s=5.0)
         async with self._lock:
-            return await self._run(args)
+            self._phase = "preparing"
+            try:
+                return await self._run(args)
+            finally:
+                self._phase = None
 
     async def _run(self, args: FleetRoundArgs) -> dict[str, Any]:
         config = args.config
@@ -254,7 +260,9 @@ class FleetRounds:
         if not material.train or len(material.train) < terms.min_examples or material.users < terms.min_users:
             # Too few examples or users to hide one among them: nothing is trained or sent.
             return self._answer(args, NO_MATERIAL, counts)
+        self._phase = "training"
         outcome = await self._train(args, given, material)
+        self._phase = "evaluating"
         if outcome is None:
             return self._answer(args, SHED, counts)
         trained, losses = outcome
