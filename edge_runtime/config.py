@@ -66,6 +66,9 @@ class EngineConfig:
     # "off": nominal + online correction only
     cost_profile: str = "auto"
     cost_cache_dir: str | None = None  # None = <state dir>/costs; "" = calibrate at every start
+    # Multiplies the forward's cost estimates (calibrated, cached, quick or nominal; kept across a
+    # background calibration): a test's stand-in for the estimates another machine would have (#31)
+    cost_scale: float = 1.0
     max_prompt_chars: int = 200_000
     adapters_root: str = ""  # per-user LoRA versions (<root>/<user>/v<N>/); "" = in memory only
     adapter_cache_bytes: int = 256 << 20  # loaded adapter versions kept (Chameleon-style cache)

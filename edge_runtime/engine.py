@@ -101,7 +101,7 @@ class Engine:
         # nominal costs at once and calibrates while idle (`calibrate_step`).
         self.costs, self._calibration = load_cost_model(
             cfg, model.dtype, model.device, self._costs_key, backend.execute, self.pool, per_block,
-            mode=config.cost_profile, cache_dir=config.cost_cache_dir)
+            mode=config.cost_profile, cache_dir=config.cost_cache_dir, scale=config.cost_scale)
         self.runner = ForwardRunner(backend, self.costs, self.pool, cfg.vocab_size, tokenizer.stream_decoder, clock)
         self.ledger = MemoryLedger(sizing.ledger_budget_bytes(config, model, self.cache, self.adapters, self.costs,
                                                               backend, self.mapped))

@@ -14,7 +14,7 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,9 @@ class ForwardCoefficients:
 
     def seconds(self, tokens: int, attended: int, rows: int) -> float:
         return self.base_s + self.token_s * tokens + self.attend_s * attended + self.logit_s * rows
+
+    def scaled(self, factor: float) -> ForwardCoefficients:
+        return self if factor == 1.0 else ForwardCoefficients(*(factor * v for v in astuple(self)))
 
     @classmethod
     def nominal(cls, cfg: ModelConfig) -> ForwardCoefficients:
@@ -96,10 +99,12 @@ class CostModel:
     logits_bytes_per_row: int
     ema_alpha: float = 0.2
     source: str = "nominal"  # "calibrated", "cached", "quick" (before a background one) or "nominal"
+    estimate_scale: float = 1.0  # EngineConfig.cost_scale: multiplies the coefficients, kept by recalibrate
     forward_fix: Correction = field(init=False)
     stage_fix: dict[str, Correction] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.forward = self.forward.scaled(self.estimate_scale)
         self.forward_fix = Correction(self.ema_alpha)
         self.stage_fix = {}
 
@@ -128,7 +133,7 @@ class CostModel:
     def recalibrate(self, forward: ForwardCoefficients) -> None:
         """Coefficients measured while serving replace the nominal ones; the online correction
         starts over from them."""
-        self.forward, self.source = forward, "calibrated"
+        self.forward, self.source = forward.scaled(self.estimate_scale), "calibrated"
         self.forward_fix = Correction(self.ema_alpha)
 
     def observe_forward(self, planned_s: float, observed_s: float) -> None:
@@ -362,14 +367,16 @@ def load_cost_model(
     mode: str = "auto",
     cache_dir: str | None = None,
     ema_alpha: float = 0.2,
+    scale: float = 1.0,
 ) -> tuple[CostModel, BackgroundCalibration | None]:
     """The forward's cost model: `mode` "auto" loads this machine's cached calibration or runs
     one (~11 synthetic batches through the real backend, before any request: seconds on a quiet
     machine, minutes on a busy one); "background" loads the cached one or starts from a quick
     one (4 batches, each timed once; nominal figures if that fails) and returns the full
     calibration for the engine to run while idle; "off" starts from
-    nominal figures and relies on the online correction alone. Returns (model, calibration
-    still to run or None)."""
+    nominal figures and relies on the online correction alone. `scale` multiplies whichever
+    figures it starts from and any that replace them (the cache keeps them unscaled). Returns
+    (model, calibration still to run or None)."""
     per_token, per_row = activation_sizes(cfg, dtype)
     coefficients, source = ForwardCoefficients.nominal(cfg), "nominal"
     if mode not in ("auto", "background", "off"):
@@ -380,11 +387,11 @@ def load_cost_model(
         values = read_cached(path)
         if values is not None:
             return CostModel(ForwardCoefficients(**values), kv_block_bytes, pool.block_size, per_token, per_row,
-                             ema_alpha, "cached"), None
+                             ema_alpha, "cached", scale), None
         quick = quick_calibration(execute, pool, cfg)
         if quick is not None:
             coefficients, source = quick, "quick"
-        return (CostModel(coefficients, kv_block_bytes, pool.block_size, per_token, per_row, ema_alpha, source),
+        return (CostModel(coefficients, kv_block_bytes, pool.block_size, per_token, per_row, ema_alpha, source, scale),
                 BackgroundCalibration(cfg, execute, pool, path))
     if mode == "auto":
 
@@ -405,7 +412,8 @@ def load_cost_model(
 
         values, hit = cached(path, calibrate)
         coefficients, source = ForwardCoefficients(**values), "cached" if hit else "calibrated"
-    return CostModel(coefficients, kv_block_bytes, pool.block_size, per_token, per_row, ema_alpha, source), None
+    return CostModel(coefficients, kv_block_bytes, pool.block_size, per_token, per_row, ema_alpha, source,
+                     scale), None
 
 
 def load_stage_costs(model: Any, settings: Any, *, cache_dir: str | None = None, backend_name: str = "torch",
