@@ -19,11 +19,16 @@ from tests.daemon.conftest import DaemonProcess, wait_for
 
 pytest.importorskip("onnxruntime")
 
+# Everyday prompts; templated, they are 35-50 tokens long, some one or two rows past a 16-token KV
+# block (49, 50): the lengths that left one prompt row to a forward of its own before #31's grid.
 PROMPTS = ["What is the capital of Italy?", "How many days are there in a leap year?",
-           "Give me a tip for sleeping better.", "What should I cook for dinner tonight?",
-           "Explain what a rainbow is in one sentence.", "Write a short greeting for a birthday card.",
+           "Suggest a fun thing to do with my friends on a rainy Saturday afternoon in the city.",
+           "How can I keep my houseplants alive while I am away on holiday for two whole weeks?",
+           "Explain what a rainbow is in one sentence.",
+           "How can I keep my houseplants alive and healthy while I am away on holiday for two weeks?",
            "What is the boiling point of water?", "Name three fruits that are red.",
-           "How do I say thank you in Spanish?", "Why is the sky blue?"]
+           "How do I say thank you in Spanish?",
+           "Name three rivers in Europe and say where each one meets the sea, in one line each."]
 # Other users' rows in the same steps: two users with published adapters, then a third whose
 # adapter the daemon trains and publishes during the test.
 ADAPTER_USERS = ("alice", "bob")
@@ -44,10 +49,11 @@ _REFERENCE: dict[str, tuple] = {}
 
 
 def _answer(c: Client, prompt: str, user: str | None = None) -> tuple:
+    """(text, each token's id and log-probability, the adapter that served it)."""
     r = c.generate(messages=[{"role": "user", "content": prompt}], max_tokens=TOKENS, temperature=0.0,
                    ignore_eos=True, logprobs=1, user=user, timeout_s=600)
     cand = r.candidates[0]
-    return cand.text, tuple((p["token_id"], p["logprob"]) for p in cand.logprobs or ())
+    return cand.text, tuple((p["token_id"], p["logprob"]) for p in cand.logprobs or ()), r.adapter
 
 
 def _at_once(d: DaemonProcess, jobs: list[tuple[str, str | None]]) -> list[tuple]:
@@ -111,9 +117,6 @@ def test_greedy_answers_do_not_depend_on_load_batch_training_or_cost_estimates(
             model = c.status()["model"]
             assert (model["backend"], model["quantization"], model["deterministic"]) == ("onnxruntime", "q4_1", True)
             runs["alone"] = [_answer(c, p) for p in PROMPTS]
-            assert _answer(c, OTHERS[0], ADAPTER_USERS[0]) != _answer(c, OTHERS[0]), "alice's adapter is not served"
-            if costs == "off":  # the repeats, once each case is shown to agree with this one
-                runs["alone again"] = [_answer(c, p) for p in PROMPTS]
         request.getfixturevalue("cpu_hog")
         # A fine-tune job: the trainee's edited answers become preference pairs, trained beside
         # serving; its adapter is published every 2 pairs (guard included).
@@ -123,8 +126,8 @@ def test_greedy_answers_do_not_depend_on_load_batch_training_or_cost_estimates(
                 r = c.generate(prompt, max_tokens=8, ignore_eos=True, user=TRAINEE)
                 c.edit(TRAINEE, r.interaction_id, f"A plain, careful answer number {i}.")
             wait_for(lambda: (f := c.status()["finetune"])["state"] != "idle" or f["stages_run"] > 0, 300, 0.05)
-            if costs == "off":
-                runs["alone under load while training"] = [_answer(c, p) for p in PROMPTS]
+            if costs == "off":  # repeated alone (the other cases repeat it on other estimates)
+                runs["alone again, under load, while training"] = [_answer(c, p) for p in PROMPTS]
         # In batches of 3 (each prompt's neighbours differ from batch to batch), then of 16 with
         # the adapter users' rows and the trainee's.
         threes = [_at_once(d, [(PROMPTS[(k + j) % len(PROMPTS)], None) for j in range(3)])
@@ -133,6 +136,7 @@ def test_greedy_answers_do_not_depend_on_load_batch_training_or_cost_estimates(
         users = [*ADAPTER_USERS * 2, TRAINEE, TRAINEE]
         mixed = _at_once(d, [(p, None) for p in PROMPTS] + list(zip(OTHERS, users, strict=True)))
         runs["batch of 16 with adapter rows"] = mixed[: len(PROMPTS)]
+        assert [a for _, _, a in mixed[len(PROMPTS) : len(PROMPTS) + 4]] == ["alice@1", "bob@1"] * 2
         with d.client(timeout_s=600) as c:
             finetune = c.status()["finetune"]
         assert finetune["stages_run"] > 0 and finetune["errors"] == 0, finetune
@@ -157,3 +161,6 @@ def test_cost_scale_multiplies_the_estimates_and_outlives_a_recalibration() -> N
     costs.recalibrate(dataclasses.replace(f, token_s=2e-3))
     assert (costs.forward.token_s, costs.source) == (8e-3, "calibrated")
     assert CostModel(f, 1024, 16, 64, 128).forward is f
+    from daemon.config import load_config
+
+    assert load_config(None, {"MACE_ENGINE_COST_SCALE": "0.25"}).engine.cost_scale == 0.25
