@@ -252,18 +252,21 @@ def _fields(params: SamplingParams) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="#31: on ONNX Runtime q4_1 (int4, accuracy level 4) a position's logits in a "
-                   "5-row verify chunk differ from its one-row decode step's by max |dlogit| 0.47-1.36 on the default "
-                   "model (float32 graphs of the tiny model: identical), so a near-tie can flip a greedy token")
 def test_greedy_outputs_on_the_default_model_on_onnxruntime_q4_1(default_model_dir):
+    """With `engine.deterministic` each decode row is a two-row query, so it rounds as the same
+    position in a verify chunk (#31; without it a 5-row verify chunk's rows differed from one-row
+    decode steps by max |dlogit| 0.47-1.36 on this model, and greedy tokens changed)."""
     passage = ("Our support team answers emails within one working day. Orders placed before noon ship the same "
                "day; later orders ship the next morning. Returns are free within thirty days if the item is unused.")
     chats = [[{"role": "user", "content": f"Rewrite the following text, keeping everything the same:\n\n{passage}"}]]
     outs = []
     for mode in ("off", "on"):
-        engine = Engine.load(None, backend="onnxruntime", onnx_quantization="q4_1", cost_profile="off", speculation="on")
+        engine = Engine.load(None, backend="onnxruntime", onnx_quantization="q4_1", cost_profile="off", speculation="on",
+                             deterministic=True)
         params = SamplingParams(max_tokens=64, speculation=mode)
         outs.append([o.candidates[0].token_ids for o in engine.generate(chats, params)])
+        if mode == "on":
+            assert engine.stats()["speculation"]["accepted"] > 0
     assert outs[0] == outs[1]
 
 
