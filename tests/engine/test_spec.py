@@ -225,13 +225,15 @@ def test_sampled_outputs_follow_the_same_distribution(tiny_model_dir):
 
 # -- ONNX Runtime: the draft's rows run as a continuation chunk -----------------------------------
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("layout", ["dense", "paged"])
-def test_greedy_outputs_are_identical_on_onnxruntime(tiny_model_dir, tmp_path, layout):
+def test_greedy_outputs_are_identical_on_onnxruntime(tiny_model_dir, tmp_path, layout, deterministic):
     """Real lookup drafts, then drafts wrong on purpose (rejections, rollback). ONNX Runtime on
     the CPU was seen to move a row's logits with how its prompt was chunked (#31): were a verify
     forward's rows to round differently from one-token decode, a near-tie could flip a token;
-    on the tiny model they agree."""
-    settings = dict(backend="onnxruntime", onnx_kv_layout=layout, onnx_cache_dir=str(tmp_path), deterministic=False)
+    on the tiny model they agree. `deterministic`: each decode row a two-row query run alone."""
+    settings = dict(backend="onnxruntime", onnx_kv_layout=layout, onnx_cache_dir=str(tmp_path),
+                    deterministic=deterministic)
     params = SamplingParams(max_tokens=16, ignore_eos=True, stop=("capital capital capital",))
     off = _run(_engine(tiny_model_dir, **settings), PROMPTS, SamplingParams(**{**_fields(params), "speculation": "off"}))
     engine = _engine(tiny_model_dir, **settings)
