@@ -186,6 +186,16 @@ def test_auto_is_off_where_the_engine_does_not_speculate_and_off_wins(tiny_model
         SamplingParams(speculation="maybe")
 
 
+def test_auto_speculates_on_onnxruntime_only_where_decode_rows_are_row_invariant(tiny_model_dir, tmp_path):
+    """engine.speculation "auto" (PAYS_ON): on ONNX Runtime only with engine.deterministic, where a
+    verify chunk's rows round as decode rows, so greedy answers cannot change."""
+    for deterministic in (False, True):
+        engine = _engine(tiny_model_dir, backend="onnxruntime", onnx_cache_dir=str(tmp_path), speculation="auto",
+                         deterministic=deterministic)
+        _run(engine, PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
+        assert (engine.stats()["speculation"]["drafted"] > 0) is deterministic
+
+
 # -- sampling: the same distribution ------------------------------------------------------------
 
 def _sampled(tiny_model_dir, mode: str, draft, runs: int) -> list[tuple[int, ...]]:
