@@ -53,9 +53,13 @@ class StepPlan:
     real_positions: np.ndarray | None = None  # position of each real row (the dense layout)
 
 
-def pad_lone_row(steps: list[StepItem]) -> list[StepItem]:
-    """`steps` with a lone one-token item fed as two query rows (`query_pad`)."""
-    return [query_pad(steps[0])] if len(steps) == 1 and len(steps[0].tokens) == 1 else steps
+def pad_lone_row(steps: list[StepItem], table_rows: int) -> list[StepItem]:
+    """`steps` with a lone one-token item fed as two query rows (`query_pad`), where the rotary
+    table (`table_rows` rows) has a row for the copy's position: a context's very last position
+    has none, and runs as one query row."""
+    if len(steps) != 1 or len(steps[0].tokens) != 1 or steps[0].start + steps[0].rope_offset + 1 >= table_rows:
+        return steps
+    return [query_pad(steps[0])]
 
 
 def sampling_rows(items: list[StepItem]) -> list[tuple[int, int]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from edge_runtime import Engine, SamplingParams
+from edge_runtime.backends.step_inputs import StepItem, pad_lone_row, plan_dense_step, plan_gqa_step
 
 pytest.importorskip("onnxruntime")
 
@@ -49,6 +50,21 @@ def _greedy(engine: Engine, prompts: list, preempt_after: int | None = None) -> 
 
 def _tokens(outputs: list) -> list[list[int]]:
     return [o.candidates[0].token_ids for o in outputs]
+
+
+def test_a_lone_decode_row_becomes_two_query_rows_whose_copy_leaves_no_trace():
+    """The copy repeats the token one position on (where the rotary table has a row): it yields
+    no logits and its key/value is not kept, in either KV layout's plan."""
+    row = StepItem([7], 20, [0, 1], True)
+    (padded,) = pad_lone_row([row], table_rows=64)
+    assert (padded.tokens, padded.start, padded.pad) == ([7, 7], 20, 1)
+    assert pad_lone_row([row], table_rows=21) == [row]  # position 21 has no rotary row
+    assert pad_lone_row([row, row], table_rows=64) == [row, row]  # only a run of one sequence
+    paged = plan_gqa_step([padded], block_size=16, num_kv_heads=2)
+    assert paged.inputs["logit_rows"].tolist() == [0] and paged.real_rows.tolist() == [0]
+    assert paged.slot_mapping.tolist() == [16 + 4] and paged.inputs["seqlens_k"].tolist() == [21]
+    dense = plan_dense_step([padded], [False], block_size=16)
+    assert dense.inputs["logit_rows"].tolist() == [0] and dense.real_positions.tolist() == [20]
 
 
 @pytest.fixture(scope="module")
