@@ -235,8 +235,9 @@ def test_sampled_outputs_follow_the_same_distribution(tiny_model_dir):
 
 # -- ONNX Runtime: the draft's rows run as a continuation chunk -----------------------------------
 
-@pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("layout", ["dense", "paged"])
+# engine.deterministic in the dense layout: the default model's tests (this file's q4_1 one and
+# tests/engine/test_determinism_continuations.py).
+@pytest.mark.parametrize("layout, deterministic", [("dense", False), ("paged", False), ("paged", True)])
 def test_greedy_outputs_are_identical_on_onnxruntime(tiny_model_dir, tmp_path, layout, deterministic):
     """Real lookup drafts, then drafts wrong on purpose (rejections, rollback). ONNX Runtime on
     the CPU was seen to move a row's logits with how its prompt was chunked (#31): were a verify
