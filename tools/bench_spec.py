@@ -4,7 +4,7 @@ editing/summarising workload (the prompt holds most of the answer) and on plain 
 rate; whether the greedy outputs are identical. Modes: off, on (always draft), auto (the
 request's acceptance turns it off: edge_runtime.spec.acceptance). Writes tools/results/bench_spec.{json,md}.
 
-    python tools/bench_spec.py [--backends torch,onnxruntime] [--rounds 2] [--max-tokens 96]
+    python tools/bench_spec.py [--backends torch,onnxruntime,onnxruntime-deterministic] [--rounds 2] [--max-tokens 96]
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ CHAT = ["What are three good habits for a healthy morning?", "Explain what a rai
         "Give me a short plan for learning to cook."]
 WORKLOADS = {"editing": EDITING, "chat": CHAT}
 MODES = ("off", "on", "auto")  # "auto": drafts until the request's acceptance says it does not pay
-BACKENDS = {"torch": {"backend": "torch"}, "onnxruntime": {"backend": "onnxruntime", "onnx_quantization": "q4_1"}}
+BACKENDS = {"torch": {"backend": "torch"}, "onnxruntime": {"backend": "onnxruntime", "onnx_quantization": "q4_1"},
+            # Each decode row a two-row query of its own: decode rounds as the verify chunk (docs/onnx.md)
+            "onnxruntime-deterministic": {"backend": "onnxruntime", "onnx_quantization": "q4_1", "deterministic": True}}
 
 
 def run_one(engine: Engine, prompt: str, mode: str, max_tokens: int) -> dict[str, Any]:

@@ -35,6 +35,7 @@ def make_backend(config: EngineConfig, model: LlamaModel, cache: KVCache, adapte
             cache_dir=config.onnx_cache_dir or None, num_threads=config.num_threads,
             max_batch=config.max_num_seqs, max_tokens=config.max_batched_tokens, max_context=config.max_context,
             kv_layout=config.onnx_kv_layout, dense_kv_bytes=config.onnx_dense_kv_bytes,
+            row_invariant=config.deterministic,
         )
     if name == "tensorrt":
         from trt_plugins.backend import TensorRTBackend

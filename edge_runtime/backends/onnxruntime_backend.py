@@ -39,6 +39,7 @@ from edge_runtime.backends.step_inputs import (
     DecodeInputs,
     StepItem,
     StepPlan,
+    pad_lone_row,
     place_logits,
     plan_dense_step,
     plan_gqa_step,
@@ -84,6 +85,7 @@ class OnnxRuntimeBackend(Backend):
         max_context: int = 0,
         kv_layout: str = "dense",
         dense_kv_bytes: int = 0,
+        row_invariant: bool = False,
     ) -> None:
         self.model = model
         self.cfg = model.cfg
@@ -108,6 +110,8 @@ class OnnxRuntimeBackend(Backend):
             flavour = "standard" if "TensorrtExecutionProvider" in names else "ort"
         if flavour != "ort":
             kv_layout = "paged"  # the dense layout is GroupQueryAttention's shared buffer
+        # Decode rows as two-row queries, each in a run of its own (step_inputs.query_pad, #31).
+        self.row_invariant = row_invariant and flavour == "ort"
         spec = GraphSpec(**weight_format(quantization), flavour=flavour, kv_dtype=kv_dtype,  # type: ignore[arg-type]
                          kv_layout=kv_layout)
         # A sliding window's GroupQueryAttention attribute, as the kernels these providers run count it
@@ -138,8 +142,9 @@ class OnnxRuntimeBackend(Backend):
         if gpu:
             return False, (f"ONNX Runtime on {gpu[0]}: GPU kernels and TensorRT engines are chosen by the "
                            "step's shapes, so a row's rounding can follow its batch")
-        return True, ("ONNX Runtime on the CPU: prefill chunks on the block grid, never a prompt row alone (#31); "
-                      "not after a preemption or a reuse of cached generated tokens")
+        grid = "ONNX Runtime on the CPU: prefill chunks on the block grid, never a prompt row alone (#31)"
+        return True, grid + ("; each decode row a two-row query in a run of its own" if self.row_invariant else
+                             "; not a decode row against the same position in a chunk (engine.deterministic)")
 
     # -- sessions and binding -------------------------------------------------------------------
 
@@ -234,15 +239,16 @@ class OnnxRuntimeBackend(Backend):
         out: list[torch.Tensor | None] = [None] * len(batch.items)
         q_lens = [item.num_tokens for item in batch.items]
         if self.spec.flavour == "ort":
-            groups = split_groups_gqa(q_lens, [item.seq.num_computed for item in batch.items])
+            groups = split_groups_gqa(q_lens, [item.seq.num_computed for item in batch.items], 2.0, self.row_invariant)
         else:
             groups = split_groups(q_lens)
         for group in groups:
             place_logits(out, group, batch.items, self.run_items([batch.items[i] for i in group], [refs[i] for i in group]))
+        return self._joined(out)
+
+    def _joined(self, out: list[torch.Tensor | None]) -> torch.Tensor:
         sampled = [t for t in out if t is not None]
-        if not sampled:
-            return torch.empty(0, self.cfg.vocab_size)
-        return torch.cat(sampled)
+        return torch.cat(sampled) if sampled else torch.empty(0, self.cfg.vocab_size)
 
     def _execute_dense(self, batch: Batch, refs: list) -> torch.Tensor:
         """Dense layout: decode rows in one run over rows [first, last] of the per-sequence
@@ -257,7 +263,7 @@ class OnnxRuntimeBackend(Backend):
         dense.release_stale(id(item.seq) for item in items)
         q_lens = [item.num_tokens for item in items]
         out: list[torch.Tensor | None] = [None] * len(items)
-        for group in split_groups_gqa(q_lens, [item.seq.num_computed for item in items]):
+        for group in split_groups_gqa(q_lens, [item.seq.num_computed for item in items], 2.0, self.row_invariant):
             rows = dense.assign(items[i].seq for i in group)
             order = sorted(range(len(group)), key=rows.__getitem__)
             runs: list[list[tuple[int, int]]] = []
@@ -273,10 +279,7 @@ class OnnxRuntimeBackend(Backend):
                 if len(sampling) == len(items) and sampling == list(range(len(items))):
                     return logits  # the usual decode step: one run, rows already in batch order
                 place_logits(out, [i for i, _ in run], items, logits)
-        sampled = [t for t in out if t is not None]
-        if not sampled:
-            return torch.empty(0, self.cfg.vocab_size)
-        return torch.cat(sampled)
+        return self._joined(out)
 
     def _decode_step(self, items: list, refs: list) -> torch.Tensor | None:
         """The steady decode step of the dense layout, or None where it does not apply: every
@@ -289,7 +292,7 @@ class OnnxRuntimeBackend(Backend):
         dense = self.dense
         assert dense is not None
         n = len(items)
-        if n == 0 or n != len(dense.owners):
+        if n == 0 or n != len(dense.owners) or self.row_invariant:
             return None
         valid, row_of = dense.valid, dense.row_of
         capacity, size = dense.capacity, self.cache.block_size
@@ -307,10 +310,7 @@ class OnnxRuntimeBackend(Backend):
             starts.append(start)
             slots.append(seq.block_table[start // size] * size + start % size)
             offsets.append(rope.offset(start + 1))
-        adapters: dict[Hashable, int] = {}
-        for ref in refs:
-            if ref is not None and ref not in adapters:
-                adapters[ref] = len(adapters)
+        adapters = self._slots(refs)
         session = self._session_with_stack(tuple(adapters))
         lora = session.has_lora_inputs
         inputs = self._decode_inputs
@@ -336,10 +336,7 @@ class OnnxRuntimeBackend(Backend):
         in `items` order."""
         dense = self.dense
         assert dense is not None
-        slots: dict[Hashable, int] = {}
-        for ref in refs:
-            if ref is not None and ref not in slots:
-                slots[ref] = len(slots)
+        slots = self._slots(refs)
         first, last = rows[0], rows[-1]
         by_row = dict(zip(rows, range(len(items)), strict=True))
         steps, idle, real = [], [], []
@@ -356,6 +353,7 @@ class OnnxRuntimeBackend(Backend):
                                   self.model.rope.offset(seq.num_tokens), item.num_logits))
             idle.append(False)
             real.append((row, seq.block_table, start, start + n))
+        steps = pad_lone_row(steps, len(self.model.rope.cos)) if self.row_invariant else steps
         capacity = max(st.start + len(st.tokens) for st in steps)
         target, base = dense, first
         if not dense.ensure(last + 1, capacity):
@@ -379,6 +377,11 @@ class OnnxRuntimeBackend(Backend):
         width = plan.num_tokens // len(steps)
         target.copy_to_cache(base + plan.real_rows // width, plan.real_positions, plan.slot_mapping)
         return logits  # rows are sorted, so the sampling rows come in `items` order
+
+    @staticmethod
+    def _slots(refs: list) -> dict[Hashable, int]:
+        """Each adapter version's slot in the step's stacked adapters, in order of first use."""
+        return {ref: i for i, ref in enumerate(dict.fromkeys(r for r in refs if r is not None))}
 
     def _session_with_stack(self, key: tuple[Hashable, ...]) -> OrtSession:
         """The session for this step (with LoRA inputs when any row has an adapter), its stacked
@@ -408,16 +411,14 @@ class OnnxRuntimeBackend(Backend):
 
     def run_items(self, items: list, refs: list) -> torch.Tensor:
         """One graph run over scheduled items (all decode rows, or a group of prefill chunks)."""
-        slots: dict[Hashable, int] = {}
-        for ref in refs:
-            if ref is not None and ref not in slots:
-                slots[ref] = len(slots)
+        slots = self._slots(refs)
         steps = []
         for item, ref in zip(items, refs, strict=True):
             seq = item.seq
             start = seq.num_computed
             steps.append(StepItem(item.tokens(), start, seq.block_table, item.samples, -1 if ref is None else slots[ref],
                                   self.model.rope.offset(seq.num_tokens), item.num_logits))
+        steps = pad_lone_row(steps, len(self.model.rope.cos)) if self.row_invariant else steps
         key = tuple(slots)
         session = self._session_with_stack(key)
         logits, new_kv, plan = self._run(session, self.plan(steps))

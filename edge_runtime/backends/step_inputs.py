@@ -25,6 +25,20 @@ class StepItem:
     lora_slot: int = -1  # index into the step's stacked adapters; -1 = base model
     rope_offset: int = 0  # added to positions for rows of the rotary table (`RotaryTable.offset`)
     num_logits: int = 1  # trailing rows that yield logits when it samples (a draft's rows: edge_runtime.spec)
+    # Trailing rows that only repeat the last token so that GroupQueryAttention gets two query rows
+    # (`query_pad`): they yield no logits and their keys/values are not kept.
+    pad: int = 0
+
+
+def query_pad(item: StepItem) -> StepItem:
+    """`item` (one token) fed as two query rows: the token again at the next position, whose
+    key/value lands past the context and is dropped. ONNX Runtime's CPU GroupQueryAttention
+    forms probabilities x V with a matrix-vector kernel for one query row and a matrix kernel for
+    two or more, which round differently; with this, a decode row rounds as the same position
+    in a prefill or verify chunk (#31, docs/onnx.md "Row invariance"). The kernel takes two
+    query rows with a past only in a run of one sequence, so such an item runs alone."""
+    return StepItem([*item.tokens, item.tokens[-1]], item.start, item.block_table, item.samples, item.lora_slot,
+                    item.rope_offset, item.num_logits, item.pad + 1)
 
 
 @dataclass
@@ -39,10 +53,19 @@ class StepPlan:
     real_positions: np.ndarray | None = None  # position of each real row (the dense layout)
 
 
+def pad_lone_row(steps: list[StepItem], table_rows: int) -> list[StepItem]:
+    """`steps` with a lone one-token item fed as two query rows (`query_pad`), where the rotary
+    table (`table_rows` rows) has a row for the copy's position: a context's very last position
+    has none, and runs as one query row."""
+    if len(steps) != 1 or len(steps[0].tokens) != 1 or steps[0].start + steps[0].rope_offset + 1 >= table_rows:
+        return steps
+    return [query_pad(steps[0])]
+
+
 def sampling_rows(items: list[StepItem]) -> list[tuple[int, int]]:
-    """(item index, rows back from its last) of each logits row, in output order: one per
-    sampling item, `num_logits` for one whose rows carry a draft."""
-    return [(i, it.num_logits - j) for i, it in enumerate(items) if it.samples for j in range(it.num_logits)]
+    """(item index, rows back from its last row, padding included) of each logits row, in
+    output order: one per sampling item, `num_logits` for one whose rows carry a draft."""
+    return [(i, it.num_logits + it.pad - j) for i, it in enumerate(items) if it.samples for j in range(it.num_logits)]
 
 
 def place_logits(out: list, indices: list[int], items: list, logits) -> None:
@@ -174,12 +197,15 @@ def plan_step(
     return StepPlan(inputs, slot_mapping.astype(np.int64), t, real_tokens, sampling)
 
 
-def split_groups_gqa(q_lens: list[int], starts: list[int], max_waste: float = 2.0) -> list[list[int]]:
+def split_groups_gqa(q_lens: list[int], starts: list[int], max_waste: float = 2.0,
+                     single_alone: bool = False) -> list[list[int]]:
     """Groups for the GroupQueryAttention graph, whose rows must share one query length unless
-    none has a past: decode rows together, first chunks of prompts grouped (padded to the
-    longest within `max_waste`), and each continuation chunk alone."""
+    none has a past: decode rows together (`single_alone`: each alone, for `query_pad`), first
+    chunks of prompts grouped (padded to the longest within `max_waste`), and each continuation
+    chunk alone."""
     firsts = [i for i, n in enumerate(q_lens) if n > 1 and starts[i] == 0]
-    groups = [[i for i, n in enumerate(q_lens) if n == 1]]
+    singles = [i for i, n in enumerate(q_lens) if n == 1]
+    groups = [[i] for i in singles] if single_alone else [singles]
     groups += [[firsts[j] for j in g] for g in split_groups([q_lens[i] for i in firsts], max_waste)]
     groups += [[i] for i, n in enumerate(q_lens) if n > 1 and starts[i] > 0]
     return [g for g in groups if g]
@@ -191,12 +217,13 @@ def plan_gqa_step(
     """Inputs of the "ort" graph: rows [B, S] (shorter first chunks padded with their last
     token), each row's past slots for ONNX Runtime's GroupQueryAttention (see docs/onnx.md);
     with `rope_rows`, each token's rotary table row (`positions`, a `rope_by_row` graph's)."""
-    real_tokens = sum(len(it.tokens) for it in items)
-    if pad_single_row and real_tokens == 1:
+    real_tokens = sum(len(it.tokens) - it.pad for it in items)
+    if pad_single_row and real_tokens == 1 and not items[0].pad:
         items = [items[0], StepItem(items[0].tokens, items[0].start, items[0].block_table, False, items[0].lora_slot,
                                     items[0].rope_offset)]
     b = len(items)
     q_lens = np.array([len(it.tokens) for it in items])
+    real_lens = q_lens - np.array([it.pad for it in items])
     starts = np.array([it.start for it in items])
     s = int(q_lens.max())
     if s > 1 and b > 1 and starts.any():
@@ -220,7 +247,8 @@ def plan_gqa_step(
     heads = np.arange(num_kv_heads)
     grid = np.arange(past)[None, :]
     rows_b = np.arange(b)[:, None]
-    past_slots = np.where(grid < starts[:, None], slots_at(rows_b, np.minimum(grid, np.maximum(ctx[:, None] - 1, 0))), 0)
+    last = np.maximum(starts + real_lens - 1, 0)[:, None]  # a padding row's position has no slot
+    past_slots = np.where(grid < starts[:, None], slots_at(rows_b, np.minimum(grid, last)), 0)
     s_idx = np.minimum(np.arange(s)[None, :], q_lens[:, None] - 1)  # [B, S]
     if s == 1:
         ids = np.array([[it.tokens[0]] for it in items], np.int64)
@@ -233,7 +261,7 @@ def plan_gqa_step(
     new_kv_index[..., 0] = row_seq[:, None]
     new_kv_index[..., 1] = heads[None, :]
     new_kv_index[..., 2] = pos[:, None]
-    real_rows = np.nonzero((np.arange(s)[None, :] < q_lens[:, None]).reshape(-1))[0][:real_tokens]
+    real_rows = np.nonzero((np.arange(s)[None, :] < real_lens[:, None]).reshape(-1))[0][:real_tokens]
     sampling = sampling_rows(items)
     inputs = {
         "input_ids": ids,
@@ -273,7 +301,8 @@ def plan_dense_step(items: list[StepItem], idle: list[bool], block_size: int, ro
     s_idx = np.minimum(np.arange(s)[None, :], q_lens[:, None] - 1)
     pos = (starts[:, None] + s_idx).reshape(-1)
     row_seq = np.repeat(np.arange(b), s)
-    real = (np.arange(s)[None, :] < q_lens[:, None]) & ~np.asarray(idle, bool)[:, None]
+    real_lens = q_lens - np.array([it.pad for it in items])  # a padding row's key is not kept (`query_pad`)
+    real = (np.arange(s)[None, :] < real_lens[:, None]) & ~np.asarray(idle, bool)[:, None]
     real_rows = np.nonzero(real.reshape(-1))[0]
     sampling = [(i, back) for i, back in sampling_rows(items) if not idle[i]]
     width = max(1, max(len(it.block_table) for it in items))

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 
 MODES = ("auto", "on", "off")
 # Backends where speculation measurably pays with the default model (tools/bench_spec.py):
-# engine.speculation "auto" turns it on for requests' "auto" there only.
-PAYS_ON: tuple[str, ...] = ()
+# engine.speculation "auto" turns it on for requests' "auto" there only, and only where the
+# backend is row-invariant (`engine.deterministic`), so that greedy answers stay the same.
+PAYS_ON: tuple[str, ...] = ("onnxruntime",)
 
 
 @dataclass
@@ -126,5 +127,6 @@ def drafter_for(config: EngineConfig, backend: Backend, max_context: int, rope_s
     if config.speculation not in MODES:
         raise ValueError(f"engine.speculation must be one of {MODES}, got {config.speculation!r}")
     k = config.speculative_tokens if getattr(backend, "verifies_drafts", False) else 0
-    auto_on = config.speculation == "on" or (config.speculation == "auto" and backend.name in PAYS_ON)
+    pays = backend.name in PAYS_ON and getattr(backend, "row_invariant", False)
+    auto_on = config.speculation == "on" or (config.speculation == "auto" and pays)
     return Drafter(k, auto_on=auto_on, max_context=max_context, rope_switch=rope_switch)

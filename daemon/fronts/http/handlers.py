@@ -294,7 +294,7 @@ class Gateway:
                   "n": body.n, "stop": body.stop, "seed": seed, "user": body.user, "top_k": body.top_k,
                   "ignore_eos": body.ignore_eos, "adapter": body.adapter, "record": body.record,
                   "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
-                  "logit_bias": body.logit_bias}
+                  "logit_bias": body.logit_bias, "speculation": body.speculation}
         all_args: list[GenerateArgs] = [self._parse({**common, **extra}, names) for extra in prompts]
         check_sequences(sum(a.n for a in all_args), self.config.limits)  # before any is queued
         limit = self.config.server.max_inflight

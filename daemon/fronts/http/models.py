@@ -53,6 +53,7 @@ class Sampling(_Body):
     ignore_eos: Wire = None
     adapter: Wire = None  # "latest" (default with `user`), "base", or a version
     record: Wire = None  # store the interaction for feedback (default: when `user` consented)
+    speculation: Wire = None  # prompt-lookup speculative decoding: "auto", "on", "off" (docs/speculative.md)
 
     def unsupported(self) -> list[str]:
         """Known OpenAI parameters set to something this daemon cannot do."""

@@ -131,7 +131,8 @@ class ResponsesApi:
         message = {"op": "generate", "messages": messages, "max_tokens": body.max_output_tokens,
                    "temperature": temperature, "top_p": body.top_p, "seed": seed, "stop": body.stop,
                    "user": body.user, "top_k": body.top_k, "ignore_eos": body.ignore_eos,
-                   "adapter": body.adapter, "record": body.record, "tools": chat_tools(body.tools),
+                   "adapter": body.adapter, "record": body.record, "speculation": body.speculation,
+                   "tools": chat_tools(body.tools),
                    "tool_choice": chat_tool_choice(body.tool_choice),
                    "response_format": chat_response_format(body.text), "thinking": thinking_switch(body.reasoning)}
         return self.gateway._parse(message, SENT_NAMES)

@@ -47,6 +47,7 @@ class ResponsesRequest(BaseModel):
     ignore_eos: Wire = None
     adapter: Wire = None
     record: Wire = None
+    speculation: Wire = None
 
     def unsupported(self) -> list[str]:
         """Known OpenAI parameters set to something this daemon cannot do."""
