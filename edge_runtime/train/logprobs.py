@@ -6,20 +6,73 @@ pair's reference values never change and are computed once.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from edge_runtime.model.dense import dense_logits
-from edge_runtime.model.llama import LlamaModel, LoraApplier
+from edge_runtime.model.llama import LlamaModel, LoraApplier, linear, softcap
+from edge_runtime.model.qweights import float_row_chunks
 from edge_runtime.train.pairs import PairTokens
 from edge_runtime.train.windows import PairKV, pair_rope_offsets, plan_windows
 
 
 def token_logps(model: LlamaModel, hidden: Tensor, targets: Tensor) -> Tensor:
-    """log p(target | row) for hidden rows [n, hidden] -> [n], in float32."""
-    logits = model.logits(hidden).float()
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    """log p(target | row) for hidden rows [n, hidden] -> [n], in float32: `model.logits` read a
+    piece of the vocabulary at a time (`_TargetLogps`), so the [n, vocab] logits, their
+    exponentials and their gradient never exist whole (at a 128k vocabulary each is 0.5 MiB a
+    row in float32)."""
+    return _TargetLogps.apply(model.final_hidden(hidden), targets, model)
+
+
+def _head_pieces(model: LlamaModel, final: Tensor) -> Iterator[tuple[int, Tensor]]:
+    """(first vocabulary id, logits [n, piece] in float32) of final-norm rows, as `model.logits`
+    computes them (scaling, soft-cap), one head piece at a time; autograd flows into `final`."""
+    scaling, cap = model.cfg.logits_scaling, model.cfg.final_softcap
+    for lo, weight in float_row_chunks(model.lm_head_weight(), final.dtype):
+        z = linear(final, weight)
+        z = z if scaling == 1.0 else z / scaling
+        yield lo, softcap(z, cap).float()
+
+
+class _TargetLogps(torch.autograd.Function):
+    """log softmax(logits)[target] over the head's pieces: the forward keeps a running max and
+    sum of exponentials per row (an online logsumexp); the backward computes each piece's logits
+    again and adds its share of the gradient, (onehot - softmax) * grad through that piece. The
+    head is read twice either way (autograd over the whole logits de-quantises it in the forward
+    and again in the backward); what is saved is the rows, their targets and their logsumexp."""
+
+    @staticmethod
+    def forward(ctx, final: Tensor, targets: Tensor, model: LlamaModel) -> Tensor:  # noqa: ANN001
+        n = final.shape[0]
+        top = torch.full((n,), -torch.inf, dtype=torch.float32, device=final.device)
+        total = torch.zeros(n, dtype=torch.float32, device=final.device)
+        picked = torch.zeros(n, dtype=torch.float32, device=final.device)
+        for lo, z in _head_pieces(model, final):
+            here = (targets >= lo) & (targets < lo + z.shape[1])
+            picked[here] = z[here, targets[here] - lo]
+            new_top = torch.maximum(top, z.amax(dim=1))
+            total = total * torch.exp(top - new_top) + torch.exp(z - new_top[:, None]).sum(dim=1)
+            top = new_top
+        lse = top + torch.log(total)
+        ctx.save_for_backward(final, targets, lse)
+        ctx.model = model
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: ANN001
+        final, targets, lse = ctx.saved_tensors
+        grad = grad.float()
+        grad_final = torch.zeros_like(final)
+        with torch.enable_grad():
+            rows = final.detach().requires_grad_(True)
+            for lo, z in _head_pieces(ctx.model, rows):
+                seed = torch.exp(z.detach() - lse[:, None]).mul_(-grad[:, None])  # -softmax * grad
+                here = ((targets >= lo) & (targets < lo + z.shape[1])).nonzero().squeeze(-1)
+                seed[here, targets[here] - lo] += grad[here]
+                grad_final += torch.autograd.grad(z, rows, seed)[0]
+        return grad_final, None, None
 
 
 @torch.no_grad()
