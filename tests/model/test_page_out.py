@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,34 @@ def test_the_digest_and_the_export_give_a_block_caches_pages_back(tmp_path, monk
     assert _resident(blocks) <= 4 * 4096  # the header and the float norms' page or two
     export_step(model, GraphSpec(**weight_format("q4_1")), tmp_path / "onnx", digest)
     assert _resident(blocks) <= 4 * 4096
+
+
+def test_pages_are_given_back_while_a_block_reads_the_file(tmp_path):
+    """`paging_out` (around an ONNX Runtime session open): while the block reads the whole file,
+    its resident pages stay well below the file's size, every byte reads right, and none is
+    left resident after."""
+    from edge_runtime.model.mapped_weights import paging_out
+
+    path = tmp_path / "model.onnx.data"
+    size, chunk = 32 << 20, 1 << 20
+    data = os.urandom(size)
+    path.write_bytes(data)
+    with open(path, "rb") as fh:
+        view = mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        assert view[:chunk] == data[:chunk]
+        page_out_file(path)
+        if _resident(path) > chunk // 2:
+            pytest.skip("this kernel ignores MADV_PAGEOUT (Linux < 5.4)")
+        with paging_out(path, period_s=0.001):
+            for lo in range(0, size, chunk):
+                assert view[lo:lo + chunk] == data[lo:lo + chunk]
+                # Wait on the state (the thread has given back what was read), never on a time.
+                deadline = time.monotonic() + 30
+                while _resident(path) > 4 * chunk and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert _resident(path) <= 4 * chunk, f"{_resident(path)} bytes still resident after {lo + chunk} read"
+        assert _resident(path) <= 1 << 20
+        assert view[:] == data
+    finally:
+        view.close()
