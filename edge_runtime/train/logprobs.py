@@ -26,14 +26,20 @@ def token_logps(model: LlamaModel, hidden: Tensor, targets: Tensor) -> Tensor:
     return _TargetLogps.apply(model.final_hidden(hidden), targets, model)
 
 
-def _head_pieces(model: LlamaModel, final: Tensor) -> Iterator[tuple[int, Tensor]]:
-    """(first vocabulary id, logits [n, piece] in float32) of final-norm rows, as `model.logits`
-    computes them (scaling, soft-cap), one head piece at a time; autograd flows into `final`."""
-    scaling, cap = model.cfg.logits_scaling, model.cfg.final_softcap
+def _head_pieces(model: LlamaModel, final: Tensor) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """(first vocabulary id, head rows [piece, hidden], the piece's logits before `_post`) of
+    final-norm rows, one head piece at a time. The head rows may be this thread's de-quantisation
+    workspace (valid until the next piece; possibly made in inference mode, so autograd must
+    never save it: the backward multiplies by it outside autograd)."""
     for lo, weight in float_row_chunks(model.lm_head_weight(), final.dtype):
-        z = linear(final, weight)
-        z = z if scaling == 1.0 else z / scaling
-        yield lo, softcap(z, cap).float()
+        yield lo, weight, linear(final, weight)
+
+
+def _post(model: LlamaModel, y: Tensor) -> Tensor:
+    """What `model.logits` does after the head's matmul (Granite's scaling, Gemma's soft-cap), in float32."""
+    scaling = model.cfg.logits_scaling
+    y = y if scaling == 1.0 else y / scaling
+    return softcap(y, model.cfg.final_softcap).float()
 
 
 class _TargetLogps(torch.autograd.Function):
@@ -49,7 +55,8 @@ class _TargetLogps(torch.autograd.Function):
         top = torch.full((n,), -torch.inf, dtype=torch.float32, device=final.device)
         total = torch.zeros(n, dtype=torch.float32, device=final.device)
         picked = torch.zeros(n, dtype=torch.float32, device=final.device)
-        for lo, z in _head_pieces(model, final):
+        for lo, _, y in _head_pieces(model, final):
+            z = _post(model, y)
             here = (targets >= lo) & (targets < lo + z.shape[1])
             picked[here] = z[here, targets[here] - lo]
             new_top = torch.maximum(top, z.amax(dim=1))
@@ -63,15 +70,21 @@ class _TargetLogps(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: ANN001
         final, targets, lse = ctx.saved_tensors
+        model = ctx.model
         grad = grad.float()
         grad_final = torch.zeros_like(final)
-        with torch.enable_grad():
-            rows = final.detach().requires_grad_(True)
-            for lo, z in _head_pieces(ctx.model, rows):
-                seed = torch.exp(z.detach() - lse[:, None]).mul_(-grad[:, None])  # -softmax * grad
-                here = ((targets >= lo) & (targets < lo + z.shape[1])).nonzero().squeeze(-1)
-                seed[here, targets[here] - lo] += grad[here]
-                grad_final += torch.autograd.grad(z, rows, seed)[0]
+        plain = model.cfg.logits_scaling == 1.0 and model.cfg.final_softcap is None
+        for lo, weight, y in _head_pieces(model, final.detach()):
+            z = y.float() if plain else None
+            if not plain:  # only the elementwise post-processing goes through autograd
+                y = y.detach().requires_grad_(True)
+                with torch.enable_grad():
+                    z = _post(model, y)
+            seed = torch.exp(z.detach() - lse[:, None]).mul_(-grad[:, None])  # -softmax * grad
+            here = ((targets >= lo) & (targets < lo + z.shape[1])).nonzero().squeeze(-1)
+            seed[here, targets[here] - lo] += grad[here]
+            grad_y = seed if plain else torch.autograd.grad(z, y, seed)[0]
+            grad_final += grad_y.to(weight.dtype) @ weight
         return grad_final, None, None
 
 
