@@ -13,6 +13,7 @@ from torch import Tensor
 
 from edge_runtime.model.dense import dense_logits
 from edge_runtime.model.llama import LlamaModel, LoraApplier, linear, softcap
+from edge_runtime.model.mapped_weights import give_back_after_use
 from edge_runtime.model.qweights import float_row_chunks
 from edge_runtime.train.pairs import PairTokens
 from edge_runtime.train.windows import PairKV, pair_rope_offsets, plan_windows
@@ -31,7 +32,10 @@ def _head_pieces(model: LlamaModel, final: Tensor) -> Iterator[tuple[int, Tensor
     final-norm rows, one head piece at a time. The head rows may be this thread's de-quantisation
     workspace (valid until the next piece; possibly made in inference mode, so autograd must
     never save it: the backward multiplies by it outside autograd)."""
-    for lo, weight in float_row_chunks(model.lm_head_weight(), final.dtype):
+    # Where the engine serves from its own graph, a piece's block pages go once used: the tied
+    # table's 206 MiB at 1B had stayed resident until the iteration's stages ended.
+    for lo, weight in float_row_chunks(model.lm_head_weight(), final.dtype,
+                                       lambda tensors: give_back_after_use(model, tensors)):
         yield lo, weight, linear(final, weight)
 
 
