@@ -8,10 +8,13 @@ pages (`/proc/self/smaps_rollup`, the data file's own pages from `/proc/self/sma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,8 +29,30 @@ OPTIONS: dict[str, dict] = {
     "no-arena+own-alloc": {"arena": False, "config": {"session.use_device_allocator_for_initializers": "1"}},
     "no-prepack": {"config": {"session.disable_prepacking": "1"}},
     "parallel-prepack": {"config": {"session.prepack.enable_parallel": "1"}},
-    "pageout": {"pageout": True},  # what the backend does: the data file's pages given back after opening
+    "pageout": {"pageout": True},  # the data file's pages given back after opening
+    # what the backend does: given back while the session opens too (mapped_weights.paging_out)
+    "pageout-while-opening": {"pageout": True, "while_opening": True},
 }
+
+
+class PeakRss:
+    """The most resident bytes (anonymous + file) seen by a thread sampling every 5 ms."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, int(Path("/proc/self/statm").read_text().split()[1]) * page)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
 
 
 def rollup() -> dict[str, int]:
@@ -58,7 +83,7 @@ def probe(model: Path, option: str, threads: int) -> dict:
     import onnxruntime as ort
 
     # imported (torch with it) before counting, so every option's figures leave it out alike
-    from edge_runtime.model.mapped_weights import page_out_file
+    from edge_runtime.model.mapped_weights import page_out_file, paging_out
 
     spec = OPTIONS[option]
     before = rollup()
@@ -68,16 +93,19 @@ def probe(model: Path, option: str, threads: int) -> dict:
     options.enable_cpu_mem_arena = spec.get("arena", True)
     for key, value in spec.get("config", {}).items():
         options.add_session_config_entry(key, value)
+    data = model.with_name(model.name + ".data")
+    sampler = PeakRss()
     start = time.perf_counter()
-    session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+    with paging_out(data) if spec.get("while_opening") else contextlib.nullcontext():
+        session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
     seconds = time.perf_counter() - start
     if spec.get("pageout"):
-        page_out_file(model.with_name(model.name + ".data"))
+        page_out_file(data)
+    peak = sampler.stop()
     opened = rollup()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     trimmed = rollup()
-    data = model.with_name(model.name + ".data")
-    result = {"option": option, "open_s": round(seconds, 1),
+    result = {"option": option, "open_s": round(seconds, 1), "peak_rss_while_opening_mib": round((peak - before["rss"]) / MIB),
               "data_file_mib": round(data.stat().st_size / MIB) if data.exists() else 0,
               **{f"{k}_mib": round((opened[k] - before[k]) / MIB) for k in opened},
               **{f"trimmed_{k}_mib": round((trimmed[k] - before[k]) / MIB) for k in trimmed},

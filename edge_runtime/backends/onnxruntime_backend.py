@@ -51,7 +51,7 @@ from edge_runtime.errors import ModelNotAvailable
 from edge_runtime.kv.cache import KVCache
 from edge_runtime.lora.registry import AdapterRegistry
 from edge_runtime.model.llama import LlamaModel, LoraApplier
-from edge_runtime.model.mapped_weights import page_out_file, resident_bytes
+from edge_runtime.model.mapped_weights import paging_out, resident_bytes
 
 if TYPE_CHECKING:
     from edge_runtime.sched.scheduler import Batch
@@ -155,8 +155,8 @@ class OnnxRuntimeBackend(Backend):
                 del self._sessions[False]  # freed before the LoRA graph packs the same weights again
             path = export_step(self.model, replace(self.spec, lora=lora), self.cache_dir, self.weights_digest)
             before = resident_bytes()
-            session = open_session(path, self._providers_for(path), self.num_threads, has_lora_inputs=lora)
-            page_out_file(path.with_name(DATA_FILE))  # what pre-packing read and no kernel reads again
+            with paging_out(path.with_name(DATA_FILE)):  # what pre-packing read and no kernel reads again
+                session = open_session(path, self._providers_for(path), self.num_threads, has_lora_inputs=lora)
             after = resident_bytes()
             # What the session holds (pre-packed weights, initializers still mapped), each kind's
             # own growth: under pressure the kernel drops other file pages meanwhile (8B: 3.4 of 7 GB).

@@ -9,6 +9,10 @@ import ctypes
 import logging
 import mmap
 import os
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -150,6 +154,28 @@ class MappedWeights:
         self.release_layer(index)
 
 
+# Models whose mapped block pages are given back after use (read a layer at a time), and theirs.
+_GIVEN_BACK: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def give_back_after_use(model: LlamaModel, tensors: list[torch.Tensor]) -> None:
+    """Drops the pages of `tensors` (views of the model's blocks outside its layers: a piece of
+    the embedding table or the head) where the model's pages are given back after use; nothing
+    where they are its serving copy (torch serves) or not mapped at all. Only pages inside the
+    model's own file-mapped spans are dropped (never anonymous memory)."""
+    mapped = _GIVEN_BACK.get(model)
+    if mapped is None:
+        return
+    spans = []
+    for t in tensors:
+        lo = t.data_ptr()
+        hi = lo + t.numel() * t.element_size()
+        lo, hi = lo - lo % _PAGE, hi + (-hi % _PAGE)
+        if hi > lo and any(a <= lo and hi <= b for a, b in mapped.rest):
+            spans.append((lo, hi))
+    mapped._drop(spans)
+
+
 def read_per_layer(model: LlamaModel) -> tuple[MappedWeights, list] | None:
     """Before a backend is chosen: the self-check's torch reference reads the mapped blocks a
     layer at a time, so they never sit resident beside a graph's own copy. Returns the pages
@@ -158,6 +184,7 @@ def read_per_layer(model: LlamaModel) -> tuple[MappedWeights, list] | None:
     if mapped is None:
         return None
     mapped.release_all()
+    _GIVEN_BACK[model] = mapped
     return mapped, mapped.release_after_each_layer(model)
 
 
@@ -172,6 +199,8 @@ def serving_elsewhere(per_layer: tuple[MappedWeights, list] | None, runs_onnx_we
     if not runs_onnx_weights:
         for hook in hooks:
             hook.remove()
+        for model in [m for m, v in _GIVEN_BACK.items() if v is mapped]:
+            del _GIVEN_BACK[model]
         return None
     mapped.release_all()
     log.info("the torch copy of the weights (%.0f MiB of mapped blocks) is read a layer at a time while "
@@ -208,3 +237,26 @@ def page_out_file(path: str | os.PathLike) -> int:
                                              _MADV_PAGEOUT) == 0:
             advised += m.end - m.start
     return advised
+
+
+@contextmanager
+def paging_out(path: str | os.PathLike, period_s: float = 0.05) -> Iterator[None]:
+    """While the block runs, `page_out_file(path)` every `period_s` on a thread, and once more at
+    the end. ONNX Runtime reads a graph's whole data file while it pre-packs the weights at a
+    session open: given back only afterwards, the file's pages peak at its size (1.1 GB at 1B)
+    beside the packed copy being built; given back as it reads, they stay near what one period
+    reads. Only clean file pages go, so a page the open still needs faults back in."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(period_s):
+            page_out_file(path)
+
+    thread = threading.Thread(target=run, name="page-out", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        page_out_file(path)

@@ -361,6 +361,24 @@ def _forward(x: Tensor, weight: QuantWeight, bias: Tensor | None, op: LinearOp) 
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
+def float_row_chunks(weight: Tensor | QuantWeight, dtype: torch.dtype,
+                     used: Callable[[list[Tensor]], None] | None = None) -> Iterator[tuple[int, Tensor]]:
+    """(first row, float rows) of a weight [N, K], at most CHUNK_ELEMENTS elements each, in order:
+    a quantised weight's pieces de-quantised into this thread's workspace (so each is valid only
+    until the next is taken), a float weight's row slices (views). For readers that reduce over
+    N a piece at a time (the LM head's log-probs) and so never need the whole [rows, N] output.
+    `used`: called with a quantised piece's tensors once the reader has taken the next piece."""
+    if isinstance(weight, QuantWeight):
+        for lo, part in weight.row_chunks():
+            yield lo, part.dequantize(dtype, _workspace(part))
+            if used is not None:
+                used(part.tensors())
+        return
+    step = max(1, CHUNK_ELEMENTS // weight.shape[1])
+    for lo in range(0, weight.shape[0], step):
+        yield lo, weight[lo:lo + step].to(dtype)
+
+
 def quant_linear(x: Tensor, weight: QuantWeight, bias: Tensor | None = None, op: LinearOp = _linear) -> Tensor:
     """`op(x, W, bias)` (F.linear by default) over a quantised weight, de-quantised for this call
     only, CHUNK_ELEMENTS of it at a time."""

@@ -6,20 +6,90 @@ pair's reference values never change and are computed once.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from edge_runtime.model.dense import dense_logits
-from edge_runtime.model.llama import LlamaModel, LoraApplier
+from edge_runtime.model.llama import LlamaModel, LoraApplier, linear, softcap
+from edge_runtime.model.mapped_weights import give_back_after_use
+from edge_runtime.model.qweights import float_row_chunks
 from edge_runtime.train.pairs import PairTokens
 from edge_runtime.train.windows import PairKV, pair_rope_offsets, plan_windows
 
 
 def token_logps(model: LlamaModel, hidden: Tensor, targets: Tensor) -> Tensor:
-    """log p(target | row) for hidden rows [n, hidden] -> [n], in float32."""
-    logits = model.logits(hidden).float()
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    """log p(target | row) for hidden rows [n, hidden] -> [n], in float32: `model.logits` read a
+    piece of the vocabulary at a time (`_TargetLogps`), so the [n, vocab] logits, their
+    exponentials and their gradient never exist whole (at a 128k vocabulary each is 0.5 MiB a
+    row in float32)."""
+    return _TargetLogps.apply(model.final_hidden(hidden), targets, model)
+
+
+def _head_pieces(model: LlamaModel, final: Tensor) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """(first vocabulary id, head rows [piece, hidden], the piece's logits before `_post`) of
+    final-norm rows, one head piece at a time. The head rows may be this thread's de-quantisation
+    workspace (valid until the next piece; possibly made in inference mode, so autograd must
+    never save it: the backward multiplies by it outside autograd)."""
+    # Where the engine serves from its own graph, a piece's block pages go once used: the tied
+    # table's 206 MiB at 1B had stayed resident until the iteration's stages ended.
+    for lo, weight in float_row_chunks(model.lm_head_weight(), final.dtype,
+                                       lambda tensors: give_back_after_use(model, tensors)):
+        yield lo, weight, linear(final, weight)
+
+
+def _post(model: LlamaModel, y: Tensor) -> Tensor:
+    """What `model.logits` does after the head's matmul (Granite's scaling, Gemma's soft-cap), in float32."""
+    scaling = model.cfg.logits_scaling
+    y = y if scaling == 1.0 else y / scaling
+    return softcap(y, model.cfg.final_softcap).float()
+
+
+class _TargetLogps(torch.autograd.Function):
+    """log softmax(logits)[target] over the head's pieces: the forward keeps a running max and
+    sum of exponentials per row (an online logsumexp); the backward computes each piece's logits
+    again and adds its share of the gradient, (onehot - softmax) * grad through that piece. The
+    head is read twice either way (autograd over the whole logits de-quantises it in the forward
+    and again in the backward); what is saved is the rows, their targets and their logsumexp."""
+
+    @staticmethod
+    def forward(ctx, final: Tensor, targets: Tensor, model: LlamaModel) -> Tensor:  # noqa: ANN001
+        n = final.shape[0]
+        top = torch.full((n,), -torch.inf, dtype=torch.float32, device=final.device)
+        total = torch.zeros(n, dtype=torch.float32, device=final.device)
+        picked = torch.zeros(n, dtype=torch.float32, device=final.device)
+        for lo, _, y in _head_pieces(model, final):
+            z = _post(model, y)
+            here = (targets >= lo) & (targets < lo + z.shape[1])
+            picked[here] = z[here, targets[here] - lo]
+            new_top = torch.maximum(top, z.amax(dim=1))
+            total = total * torch.exp(top - new_top) + torch.exp(z - new_top[:, None]).sum(dim=1)
+            top = new_top
+        lse = top + torch.log(total)
+        ctx.save_for_backward(final, targets, lse)
+        ctx.model = model
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: ANN001
+        final, targets, lse = ctx.saved_tensors
+        model = ctx.model
+        grad = grad.float()
+        grad_final = torch.zeros_like(final)
+        plain = model.cfg.logits_scaling == 1.0 and model.cfg.final_softcap is None
+        for lo, weight, y in _head_pieces(model, final.detach()):
+            z = y.float() if plain else None
+            if not plain:  # only the elementwise post-processing goes through autograd
+                y = y.detach().requires_grad_(True)
+                with torch.enable_grad():
+                    z = _post(model, y)
+            seed = torch.exp(z.detach() - lse[:, None]).mul_(-grad[:, None])  # -softmax * grad
+            here = ((targets >= lo) & (targets < lo + z.shape[1])).nonzero().squeeze(-1)
+            seed[here, targets[here] - lo] += grad[here]
+            grad_y = seed if plain else torch.autograd.grad(z, y, seed)[0]
+            grad_final += grad_y.to(weight.dtype) @ weight
+        return grad_final, None, None
 
 
 @torch.no_grad()

@@ -1,0 +1,269 @@
+"""Where a block model's resident bytes go while it serves and trains one DPO pair (issue #28), in
+one process: the engine as `maced` builds it (defaults), a short generate, the stage-cost
+profile, then one pair's stages through the scheduler, with the resident set sampled every few
+milliseconds and tagged with what was running, and the file-backed pages split by file.
+
+    python tools/mem_training.py --gguf llama-3.2-1b-random-q4_k_m.gguf --out tools/results/mem_1b_training
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MIB = 1 << 20
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def statm() -> tuple[int, int]:
+    """(anonymous, file-backed) resident bytes now: /proc/self/statm's resident less shared, and shared."""
+    fields = Path("/proc/self/statm").read_text().split()
+    resident, shared = int(fields[1]) * PAGE, int(fields[2]) * PAGE
+    return resident - shared, shared
+
+
+def file_rss_by_file() -> Counter:
+    """Resident bytes of each mapped file (its basename), from /proc/self/smaps."""
+    out: Counter = Counter()
+    current = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(None, 5)
+        if len(head) >= 5 and "-" in head[0] and ":" not in head[0]:
+            current = head[5].strip() if len(head) == 6 and head[5].startswith("/") else None
+        elif current and line.startswith("Rss:"):
+            out[current] += int(line.split()[1]) * 1024
+    return out
+
+
+def file_groups(files: Counter, names: dict[str, str]) -> dict[str, float]:
+    """Resident file pages in MiB, grouped: each of `names` (label -> path suffix), shared
+    libraries, and the rest."""
+    groups: Counter = Counter()
+    for path, size in files.items():
+        label = next((k for k, suffix in names.items() if path.endswith(suffix)), None)
+        if label is None:
+            label = "shared libraries" if ".so" in Path(path).name else "other files"
+        groups[label] += size
+    return {k: round(v / MIB, 1) for k, v in sorted(groups.items())}
+
+
+class Sampler:
+    """Samples (anonymous, file) resident bytes every `period` seconds on a thread and keeps the
+    peak of each tag (what the caller says is running) and overall."""
+
+    def __init__(self, period: float = 0.002) -> None:
+        self.tag = "start"
+        self.peaks: dict[str, dict[str, int]] = {}
+        self._stop = threading.Event()
+        self._period = period
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def sample(self) -> None:
+        anon, file = statm()
+        peak = self.peaks.setdefault(self.tag, {"anon": 0, "file": 0, "total": 0})
+        peak["anon"] = max(peak["anon"], anon)
+        peak["file"] = max(peak["file"], file)
+        peak["total"] = max(peak["total"], anon + file)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            self.sample()
+
+    def set(self, tag: str) -> str:
+        self.sample()
+        previous, self.tag = self.tag, tag
+        self.sample()
+        return previous
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def text_of_tokens(tokenizer: Any, n: int, offset: int = 0) -> str:
+    """About `n` tokens of plain words (tools/bench_scale.py's pair text, so the figures compare)."""
+    words = ("the user asks and the assistant answers on the device while the model learns what each "
+             "user prefers from feedback ").split()
+    text, i = "", offset
+    while len(tokenizer.hf.encode(text)) < n:
+        text += words[i % len(words)] + " "
+        i += 1
+    return tokenizer.hf.decode(tokenizer.hf.encode(text)[:n])
+
+
+def whole_logits_logps(model: Any, hidden: Any, targets: Any) -> Any:
+    """token_logps before #28's cut: the [n, vocab] logits at once (what the pieces replace)."""
+    import torch
+
+    logits = model.logits(hidden).float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def mib(x: float) -> float:
+    return round(x / MIB, 1)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from daemon.config import load_config
+    from edge_runtime import Engine, SamplingParams
+    from edge_runtime.memory import MemoryKind
+    from edge_runtime.train import logprobs, staged
+    from edge_runtime.train.pairs import PreferenceRecord
+    from edge_runtime.train.trainer import AdapterTrainer
+
+    sampler = Sampler()
+    libc = ctypes.CDLL("libc.so.6")
+    points: dict[str, dict[str, Any]] = {}
+    names = {"ONNX data file": ".onnx.data", "block cache file": "model.blocks.safetensors"}
+
+    engine = None
+
+    def point(name: str) -> dict[str, Any]:
+        anon, file = statm()
+        points[name] = {"anon_mib": mib(anon), "file_mib": mib(file), "files": file_groups(file_rss_by_file(), names),
+                        "loadavg": Path("/proc/loadavg").read_text().strip()}
+        dense = getattr(getattr(engine, "backend", None), "dense", None)
+        if dense is not None:  # the ONNX Runtime backend's per-sequence K/V rows (dense_kv.py)
+            points[name]["dense_kv_mib"] = mib(0 if dense.buffer is None else dense.buffer.nbytes)
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: {points[name]}", file=sys.stderr, flush=True)
+        return points[name]
+
+    point("imports")
+    sampler.set("load")
+    t0 = time.perf_counter()
+    # maced's engine settings with no file, environment or flags: its defaults (auto backend, MACE)
+    config = load_config(environ={}).engine.replace(model=str(args.gguf), num_threads=args.threads)
+    engine = Engine.load(config=config)
+    load_s = time.perf_counter() - t0
+    point("loaded")
+    sampler.set("serve")
+    engine.add_request("Tell me about the sea." * 4, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    point("served")
+
+    sampler.set("stage cost profile")
+    costs = engine.stage_costs()
+    point("stage costs")
+
+    # Tags: the stage running, and inside it the LM head's log-probs (the 128k-wide logits).
+    original_run = staged.Stage.run
+
+    def tagged_run(self: staged.Stage) -> float:
+        previous = sampler.set(f"{sampler.tag.split(': ')[0]}: {self.kind.value}")
+        try:
+            return original_run(self)
+        finally:
+            sampler.set(previous)
+
+    staged.Stage.run = tagged_run  # type: ignore[method-assign]
+    heads = {"pieces": logprobs.token_logps, "whole": whole_logits_logps}
+    vocab = engine.tokenizer
+    model_bytes = {"block tensors (file-mapped)": 0, "float tensors": 0, "rotary tables": 0}
+    for name, t in [*engine.model.named_parameters(), *engine.model.named_buffers()]:
+        key = "block tensors (file-mapped)" if "_" in name.rsplit(".", 1)[-1] and t.dtype in (
+            torch.uint8, torch.int8, torch.float16) else "float tensors"
+        model_bytes[key] += t.numel() * t.element_size()
+    for rope in engine.model.ropes:
+        model_bytes["rotary tables"] += sum(t.numel() * t.element_size() for t in vars(rope).values()
+                                            if isinstance(t, torch.Tensor))
+    pairs = {}
+    for variant in args.head.split(","):
+        head = heads[variant]
+
+        def tagged_logps(*a: Any, head: Any = head, **k: Any) -> Any:
+            previous = sampler.set(f"{sampler.tag} / head log-probs")
+            try:
+                return head(*a, **k)
+            finally:
+                sampler.set(previous)
+
+        staged.token_logps = logprobs.token_logps = tagged_logps  # type: ignore[assignment]
+        libc.malloc_trim(0)
+        start_anon = statm()[0]
+        sampler.set(f"{variant}: dpo pair (scheduler)")
+        trainer = AdapterTrainer(engine.model, engine.tokenizer, costs=costs)
+        pair = PreferenceRecord(({"role": "user", "content": text_of_tokens(vocab, args.dpo_tokens)},),
+                                text_of_tokens(vocab, args.dpo_tokens, 3), text_of_tokens(vocab, args.dpo_tokens, 11),
+                                pair_id="mem")
+        task = trainer.task(pair, score=False)
+        engine.add_finetune(task, user=f"mem-{variant}")
+        held: Counter = Counter()
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+            for kind in (MemoryKind.ACTIVATIONS, MemoryKind.OPTIMIZER):
+                held[kind.value] = max(held[kind.value], engine.ledger.held(kind))
+        job = engine.scheduler.finetune.finished[-1]
+        sampler.set("between")
+        mine = {t: p for t, p in sampler.peaks.items() if t.startswith(f"{variant}:")}
+        pairs[variant] = {
+            "seconds": round(time.perf_counter() - t0, 1), "rows": task.tokens.num_rows,
+            "stages": len(task.stages), "loss": None if task.result is None else round(float(task.result.loss), 4),
+            "error": job.error, "start_anon_mib": mib(start_anon),
+            "peak_anon_over_start_mib": {t.split(": ", 1)[1]: mib(p["anon"] - start_anon) for t, p in mine.items()},
+            "ledger_peak_held_mib": {k: mib(v) for k, v in held.items()},
+        }
+        print(f"[{time.strftime('%H:%M:%S')}] pair {variant}: {pairs[variant]}", file=sys.stderr, flush=True)
+    point("trained")
+    if args.publish:
+        # What the daemon does next: the trained adapter serves, so the LoRA graph is exported
+        # (the first time) and opened, and the base graph closed (edge_runtime/backends).
+        sampler.set("publish: LoRA graph export, open and one generate")
+        engine.publish_adapter("mem-user", trainer.snapshot())
+        engine.add_request("Tell me about the sea." * 4, SamplingParams(max_tokens=args.tokens, ignore_eos=True),
+                           adapter="mem-user")
+        while engine.has_unfinished():
+            engine.step()
+        sampler.set("between")
+        point("published")
+    before_trim = statm()[0]
+    libc.malloc_trim(0)
+    point("trimmed")
+    sampler.close()
+    ledger = {kind.value: {k: mib(v) for k, v in engine.ledger.entries(kind).items()} for kind in MemoryKind}
+    return {
+        "gguf": str(args.gguf), "threads": args.threads, "backend": engine.backend.name, "load_s": round(load_s, 1),
+        "model_tensors_mib": {k: mib(v) for k, v in model_bytes.items()}, "pairs": pairs, "kv_cache_mib": mib(engine.cache.nbytes), "ledger_mib": ledger,
+        "allocator_slack_mib": mib(before_trim - statm()[0]),
+        "points": points,
+        "peaks_mib": {tag: {k: mib(v) for k, v in p.items()} for tag, p in sampler.peaks.items()},
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=8, help="tokens of the generate before training")
+    ap.add_argument("--dpo-tokens", type=int, default=64, help="tokens of the pair's prompt and each completion")
+    ap.add_argument("--head", default="whole,pieces",
+                    help="the LM head log-probs each pair uses, in order: whole (the [n, vocab] logits) and/or pieces")
+    ap.add_argument("--no-publish", dest="publish", action="store_false",
+                    help="skip serving the trained adapter (the LoRA graph's export and open)")
+    ap.add_argument("--out", type=Path, help="write <out>.json")
+    args = ap.parse_args(argv)
+    result = run(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.with_suffix(".json").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
