@@ -144,12 +144,12 @@ def choose_backend(config: EngineConfig, model: Any, cache: Any, adapters: Any, 
             tried.append(f"{name} failed to start ({type(exc).__name__}: {exc})")
             continue
         if check.ok:
-            reason = f"fastest passing backend on {model.device.type}; {why_format}; self-check{when}: {check.describe()}"
+            reason = f"fastest passing backend on {model.device.type}; {why_format}; self-check: {check.describe()}{when}"
             log.info("auto backend: %s (%s)", name, reason)
             return backend, BackendChoice("auto", name, quantization, reason)
-        log.warning("auto backend: %s failed the self-check%s against torch (%s); trying the next",
-                    name, when, check.describe())
-        tried.append(f"{name} failed the self-check{when} ({check.describe()})")
+        log.warning("auto backend: %s failed the self-check against torch (%s%s); trying the next",
+                    name, check.describe(), when)
+        tried.append(f"{name} failed the self-check ({check.describe()}{when})")
     reason = "; ".join(tried) if tried else "no faster backend installed for this device (onnxruntime, tensorrt)"
     log.info("auto backend: torch (%s)", reason)
     return reference, BackendChoice("auto", "torch", "none", reason)
@@ -159,7 +159,7 @@ def checked(config: EngineConfig, backend: Backend, reference: Backend, model: A
             prompts: list[list[int]], quantization: str) -> tuple[SelfCheck, str]:
     """The self-check of `backend`: remembered when this graph, these weights, this check and this
     software on this machine were checked before (check_memo), else run now and remembered.
-    Returns (check, "" or " (remembered from <when>)")."""
+    Returns (check, "" or "; remembered from <when>")."""
     from edge_runtime.backends.check_memo import check_memo
     from edge_runtime.backends.onnx_export import default_cache_dir
     from edge_runtime.kv.prefix_tier import weights_digest
@@ -174,7 +174,7 @@ def checked(config: EngineConfig, backend: Backend, reference: Backend, model: A
             fields, when = remembered
             check = SelfCheck(**fields)
             log.info("auto backend: %s's self-check remembered from %s (%s)", backend.name, when, memo.path)
-            return check, f" (remembered from {when})"
+            return check, f"; remembered from {when}"
         except TypeError as exc:  # another release's fields: check again
             log.warning("ignoring the self-check memo %s: %s", memo.path, exc)
     check = self_check(backend, reference, pool, prompts, quantization)
