@@ -41,3 +41,13 @@ def test_a_first_start_hashes_the_gguf_once_and_reads_no_cache_file_back(tmp_pat
     assert source.resolve_model(gguf, cache_dir=tmp_path / "c", progress=False).path == resolved.path
     assert hashed == []
     assert source.resolve_model(gguf, cache_dir=tmp_path / "c", progress=False, verify=True).path == resolved.path
+
+
+def test_a_long_hash_logs_how_far_it_got(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "big.gguf"
+    path.write_bytes(b"GGUF" + b"\0" * (3 << 22))  # four 4 MiB reads
+    monkeypatch.setattr(model_cache, "PROGRESS_EVERY_S", 0.0)
+    with caplog.at_level("INFO", logger=model_cache.__name__):
+        assert model_cache._sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    lines = [r.getMessage() for r in caplog.records if "hashing big.gguf" in r.getMessage()]
+    assert len(lines) == 4 and lines[-1].startswith("hashing big.gguf: 12 of 12 MiB (100%)")
