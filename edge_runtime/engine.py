@@ -44,7 +44,7 @@ from edge_runtime.model.tokenizer import Tokenizer
 from edge_runtime.outputs import RequestMetrics, RequestOutput, TokenEvent
 from edge_runtime.runner import ForwardRunner
 from edge_runtime.sampling import SamplingParams
-from edge_runtime.sched.cost_model import load_cost_model, load_stage_costs
+from edge_runtime.sched.cost_model import graph_version, load_cost_model, load_stage_costs
 from edge_runtime.sched.finetune import FineTuneJob, FineTuneWork
 from edge_runtime.sched.kv_relief import PruneUnderPressure
 from edge_runtime.sched.registry import make_policy
@@ -101,7 +101,7 @@ class Engine:
         # nominal costs at once and calibrates while idle (`calibrate_step`).
         self.costs, self._calibration = load_cost_model(
             cfg, model.dtype, model.device, self._costs_key, backend.execute, self.pool, per_block,
-            mode=config.cost_profile, cache_dir=config.cost_cache_dir, scale=config.cost_scale)
+            mode=config.cost_profile, cache_dir=config.cost_cache_dir, scale=config.cost_scale, graph=graph_version(backend))
         self.runner = ForwardRunner(backend, self.costs, self.pool, cfg.vocab_size, tokenizer.stream_decoder, clock)
         self.ledger = MemoryLedger(sizing.ledger_budget_bytes(config, model, self.cache, self.adapters, self.costs,
                                                               backend, self.mapped))

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from edge_runtime import paths
+from edge_runtime.backends import weights_memo
 from edge_runtime.backends.auto import first_candidate
 from edge_runtime.config import EngineConfig
 from edge_runtime.device import pick_device, pick_dtype
@@ -39,7 +41,10 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer, str]:
     weights = stored_weights_bytes(path, cfg, dtype)
     check_memory_budget(config, cfg, dtype, weights, None if config.memory_budget_bytes else available_memory_bytes())
     log.info("loading %s: %.0f MiB of weights", name, weights / 2**20)
-    return load_llama(path, dtype=dtype, device=device), Tokenizer(path), name
+    model = load_llama(path, dtype=dtype, device=device)
+    # Its digest (graph export key, prefix store) is then hashed once per set of files, not per start.
+    weights_memo.attach(model, path, Path(config.onnx_cache_dir) if config.onnx_cache_dir else paths.cache_dir() / "onnx")
+    return model, Tokenizer(path), name
 
 
 def engine_device(config: EngineConfig) -> torch.device:

@@ -11,6 +11,7 @@ import importlib.util
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -136,22 +137,49 @@ def choose_backend(config: EngineConfig, model: Any, cache: Any, adapters: Any, 
         try:
             backend = make_backend(config.replace(backend=name, onnx_quantization=quantization),
                                    model, cache, adapters)
-            check = self_check(backend, reference, pool, prompts, quantization)
+            check, when = checked(config, backend, reference, model, pool, prompts, quantization)
         except Exception as exc:  # noqa: BLE001 - any failure to build or run means: not this one
             log.warning("auto backend: %s could not start (%s: %s); trying the next", name,
                         type(exc).__name__, exc)
             tried.append(f"{name} failed to start ({type(exc).__name__}: {exc})")
             continue
         if check.ok:
-            reason = f"fastest passing backend on {model.device.type}; {why_format}; self-check: {check.describe()}"
+            reason = f"fastest passing backend on {model.device.type}; {why_format}; self-check: {check.describe()}{when}"
             log.info("auto backend: %s (%s)", name, reason)
             return backend, BackendChoice("auto", name, quantization, reason)
-        log.warning("auto backend: %s failed the self-check against torch (%s); trying the next",
-                    name, check.describe())
-        tried.append(f"{name} failed the self-check ({check.describe()})")
+        log.warning("auto backend: %s failed the self-check against torch (%s%s); trying the next",
+                    name, check.describe(), when)
+        tried.append(f"{name} failed the self-check ({check.describe()}{when})")
     reason = "; ".join(tried) if tried else "no faster backend installed for this device (onnxruntime, tensorrt)"
     log.info("auto backend: torch (%s)", reason)
     return reference, BackendChoice("auto", "torch", "none", reason)
+
+
+def checked(config: EngineConfig, backend: Backend, reference: Backend, model: Any, pool: BlockPool,
+            prompts: list[list[int]], quantization: str) -> tuple[SelfCheck, str]:
+    """The self-check of `backend`: remembered when this graph, these weights, this check and this
+    software on this machine were checked before (check_memo), else run now and remembered.
+    Returns (check, "" or "; remembered from <when>")."""
+    from edge_runtime.backends.check_memo import check_memo
+    from edge_runtime.backends.onnx_export import default_cache_dir
+    from edge_runtime.kv.prefix_tier import weights_digest
+
+    settings = {"tokens": SELF_CHECK_TOKENS, "tolerance": SELF_CHECK_TOLERANCE[quantization],
+                "near_tie": SELF_CHECK_NEAR_TIE}
+    root = Path(config.onnx_cache_dir) if config.onnx_cache_dir else default_cache_dir()
+    memo = check_memo(root, backend, model, weights_digest(backend, model), quantization, settings, prompts)
+    remembered = memo.recall()
+    if remembered is not None:
+        try:
+            fields, when = remembered
+            check = SelfCheck(**fields)
+            log.info("auto backend: %s's self-check remembered from %s (%s)", backend.name, when, memo.path)
+            return check, f"; remembered from {when}"
+        except TypeError as exc:  # another release's fields: check again
+            log.warning("ignoring the self-check memo %s: %s", memo.path, exc)
+    check = self_check(backend, reference, pool, prompts, quantization)
+    memo.remember(asdict(check))
+    return check, ""
 
 
 def self_check(backend: Backend, reference: Backend, pool: BlockPool, prompts: list[list[int]],

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from edge_runtime import paths
+from edge_runtime.backends import weights_memo
 from edge_runtime.backends.onnx_external import ExternalData
 from edge_runtime.backends.onnx_graph import build_step_graph
 from edge_runtime.backends.onnx_spec import GRAPH_VERSION, OPSET, GraphSpec, with_gqa_window
@@ -39,7 +40,12 @@ BLOCKS_GRAPH = 1
 
 def model_hash(model: LlamaModel) -> str:
     """Digest of the config and every weight's bytes: two models share an export only if their
-    numbers are identical (a bf16 copy of a model is a different model here)."""
+    numbers are identical (a bf16 copy of a model is a different model here). Remembered by the
+    loaded files' identity where the loader said so (weights_memo)."""
+    return weights_memo.remembered(model, _hash_weights)
+
+
+def _hash_weights(model: LlamaModel) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(model.cfg.hf_config.to_json_string(use_diff=False).encode())
     with torch.no_grad():

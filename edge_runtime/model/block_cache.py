@@ -7,6 +7,7 @@ copy of a quantised weight exists on disk or in memory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import struct
@@ -37,8 +38,9 @@ def is_block_cache(path: str | Path) -> bool:
     return (Path(path) / BLOCKS_FILE).is_file()
 
 
-def write_block_cache(gguf_path: Path, out_dir: Path, header: gguf_config.GgufHeader | None = None) -> None:
-    """Read a llama GGUF as blocks (`gguf_load`) and write it into `out_dir` as above."""
+def write_block_cache(gguf_path: Path, out_dir: Path, header: gguf_config.GgufHeader | None = None) -> dict[str, str]:
+    """Read a llama GGUF as blocks (`gguf_load`) and write it into `out_dir` as above. Returns
+    the sha256 of the files it hashed as it wrote them (the blocks file), by name."""
     from transformers import AutoTokenizer, GenerationConfig
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -57,7 +59,7 @@ def write_block_cache(gguf_path: Path, out_dir: Path, header: gguf_config.GgufHe
         if not 0 <= int(token_id) < len(tokenizer):
             raise ModelNotAvailable(f"{gguf_path.name}: tokenizer.ggml.{key} = {token_id} is outside the vocabulary")
         setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
-    save_blocks(model, out_dir / BLOCKS_FILE)
+    written = {BLOCKS_FILE: save_blocks(model, out_dir / BLOCKS_FILE)}
     settings = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "quantization_config"}
     settings["architectures"] = ["LlamaForCausalLM"]
     (out_dir / "config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
@@ -66,11 +68,13 @@ def write_block_cache(gguf_path: Path, out_dir: Path, header: gguf_config.GgufHe
     reloaded = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
     if reloaded.encode(_SAMPLE_TEXT) != tokenizer.encode(_SAMPLE_TEXT):
         raise ModelNotAvailable(f"the tokenizer saved in {out_dir} tokenizes differently from the GGUF's")
+    return written
 
 
-def save_blocks(model: LlamaModel, path: Path) -> None:
+def save_blocks(model: LlamaModel, path: Path) -> str:
     """safetensors of the model's persistent tensors, streamed one tensor at a time (the format:
-    an 8-byte little-endian header length, the JSON header, then each tensor's bytes)."""
+    an 8-byte little-endian header length, the JSON header, then each tensor's bytes). Returns
+    the file's sha256, taken as it is written (the cache's manifest lists it: no second read)."""
     state = model.state_dict()
     quant = {name: [list(f) for f in module.formats]
              for name, module in model.named_modules() if isinstance(module, QuantWeight)}
@@ -84,12 +88,17 @@ def save_blocks(model: LlamaModel, path: Path) -> None:
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
+    digest = hashlib.sha256()
     with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(text)))
-        fh.write(text)
+        for chunk in (struct.pack("<Q", len(text)), text):
+            fh.write(chunk)
+            digest.update(chunk)
         for t in state.values():
             data = t.detach().contiguous().cpu()
-            fh.write(memoryview(data.view(torch.uint8).numpy() if data.numel() else b""))
+            chunk = memoryview(data.view(torch.uint8).numpy() if data.numel() else b"")
+            fh.write(chunk)
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def load_block_cache(

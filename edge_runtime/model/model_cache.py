@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,11 +94,23 @@ def _exclusive(models: Path, name: str) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+PROGRESS_EVERY_S = 15.0
+
+
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+    """The file's sha256, logging how far it got every PROGRESS_EVERY_S: an 8B GGUF read cold
+    takes minutes, and `macectl status` says only "loading" meanwhile."""
+    digest, done = hashlib.sha256(), 0
+    started = last = time.monotonic()
     with open(path, "rb") as fh:
         while chunk := fh.read(1 << 22):
             digest.update(chunk)
+            done += len(chunk)
+            if time.monotonic() - last >= PROGRESS_EVERY_S:
+                last = time.monotonic()
+                size = max(path.stat().st_size, 1)
+                logger.info("hashing %s: %.0f of %.0f MiB (%.0f%%) in %.0f s", path.name, done / 2**20,
+                            size / 2**20, 100 * done / size, last - started)
     return digest.hexdigest()
 
 

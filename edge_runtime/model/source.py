@@ -286,10 +286,11 @@ def _convert_into_cache(
     tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=f".{name}.tmp-"))
     try:
         header = _keeps_blocks(gguf_path, name)
+        hashed: dict[str, str] = {}  # files hashed as they were written: not read back to hash
         if header is not None:
             from edge_runtime.model.block_cache import write_block_cache  # torch: only when used
 
-            write_block_cache(gguf_path, tmp, header)
+            hashed = write_block_cache(gguf_path, tmp, header)
         else:
             convert_gguf(gguf_path, tmp, progress=progress)
         manifest = {
@@ -299,7 +300,7 @@ def _convert_into_cache(
             "source": source,
             "gguf_sha256": sha,
             "files": {
-                f.name: {"size": f.stat().st_size, "sha256": _sha256(f)}
+                f.name: {"size": f.stat().st_size, "sha256": hashed.get(f.name) or _sha256(f)}
                 for f in sorted(tmp.iterdir())
             },
             "versions": _versions(),

@@ -98,7 +98,9 @@ class CostModel:
     activation_bytes_per_token: int  # transient activations of one token through the forward
     logits_bytes_per_row: int
     ema_alpha: float = 0.2
-    source: str = "nominal"  # "calibrated", "cached", "quick" (before a background one) or "nominal"
+    # "calibrated", "cached", "quick" or "stored" (an earlier start's quick or provisional fit:
+    # both until a background calibration lands) or "nominal"
+    source: str = "nominal"
     estimate_scale: float = 1.0  # EngineConfig.cost_scale: multiplies the coefficients, kept by recalibrate
     forward_fix: Correction = field(init=False)
     stage_fix: dict[str, Correction] = field(init=False)
@@ -333,6 +335,20 @@ def read_cached(path: Path | None) -> dict[str, Any] | None:
     return None
 
 
+def read_stored(path: Path | None) -> dict[str, Any] | None:
+    """The values at `path` even when provisional (a starting point, not a calibration)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") == CACHE_VERSION:
+            ForwardCoefficients(**data["values"])  # a file of another shape is no starting point
+            return data["values"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring unreadable cost cache %s: %s", path, exc)
+    return None
+
+
 def store(path: Path | None, values: dict[str, Any], provisional: bool) -> None:
     """Write a cost cache atomically (nothing when `path` is None)."""
     if path is None:
@@ -368,29 +384,43 @@ def load_cost_model(
     cache_dir: str | None = None,
     ema_alpha: float = 0.2,
     scale: float = 1.0,
+    graph: str = "",
 ) -> tuple[CostModel, BackgroundCalibration | None]:
     """The forward's cost model: `mode` "auto" loads this machine's cached calibration or runs
     one (~11 synthetic batches through the real backend, before any request: seconds on a quiet
     machine, minutes on a busy one); "background" loads the cached one or starts from a quick
-    one (4 batches, each timed once; nominal figures if that fails) and returns the full
-    calibration for the engine to run while idle; "off" starts from
+    one (4 batches, each timed once; nominal figures if that fails; an earlier start's stored
+    quick or provisional fit instead when there is one) and returns the full calibration for the
+    engine to run while idle; "off" starts from
     nominal figures and relies on the online correction alone. `scale` multiplies whichever
-    figures it starts from and any that replace them (the cache keeps them unscaled). Returns
-    (model, calibration still to run or None)."""
+    figures it starts from and any that replace them (the cache keeps them unscaled). `graph`:
+    which graph the backend runs, if any (`graph_version`), in the cache key beside the model's
+    shape, machine, dtype and backend. Returns (model, calibration still to run or None)."""
     per_token, per_row = activation_sizes(cfg, dtype)
     coefficients, source = ForwardCoefficients.nominal(cfg), "nominal"
     if mode not in ("auto", "background", "off"):
         raise ValueError(f"unknown cost profile mode {mode!r}; use 'auto', 'background' or 'off'")
-    key = fingerprint(cfg, device, dtype, backend_name, pool.block_size)
+    key = fingerprint(cfg, device, dtype, backend_name, pool.block_size, extra=graph)
     path = cache_path(cache_dir, f"forward-{key}.json")
     if mode == "background":
         values = read_cached(path)
         if values is not None:
             return CostModel(ForwardCoefficients(**values), kv_block_bytes, pool.block_size, per_token, per_row,
                              ema_alpha, "cached", scale), None
-        quick = quick_calibration(execute, pool, cfg)
-        if quick is not None:
-            coefficients, source = quick, "quick"
+        # No current full calibration (it runs while idle: a daemon stopped before it finished,
+        # or one measured on a busy machine at a quiet start, leaves none): start from the fit
+        # an earlier start stored under this same key, else measure the quick one and store it.
+        # Either way the background calibration runs and, once it lands, replaces it.
+        quick = path.with_name(f"quick-{path.name}") if path is not None else None
+        stored = read_stored(path) or read_stored(quick)
+        if stored is not None:
+            coefficients, source = ForwardCoefficients(**stored), "stored"
+            log.info("forward costs from an earlier start's calibration until this one's: %s", coefficients)
+        else:
+            fitted = quick_calibration(execute, pool, cfg)
+            if fitted is not None:
+                coefficients, source = fitted, "quick"
+                store(quick, asdict(fitted), provisional=True)
         return (CostModel(coefficients, kv_block_bytes, pool.block_size, per_token, per_row, ema_alpha, source, scale),
                 BackgroundCalibration(cfg, execute, pool, path))
     if mode == "auto":
@@ -414,6 +444,13 @@ def load_cost_model(
         coefficients, source = ForwardCoefficients(**values), "cached" if hit else "calibrated"
     return CostModel(coefficients, kv_block_bytes, pool.block_size, per_token, per_row, ema_alpha, source,
                      scale), None
+
+
+def graph_version(backend: Any) -> str:
+    """The kind and version of graph a backend runs (an ONNX export's name less its weights
+    digest: `onnx_export.export_key`), "" for one that runs none: a new graph is timed again."""
+    path = getattr(backend, "model_path", None)
+    return "" if path is None else Path(path).parent.name.split("-", 1)[-1]
 
 
 def load_stage_costs(model: Any, settings: Any, *, cache_dir: str | None = None, backend_name: str = "torch",
