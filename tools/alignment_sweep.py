@@ -1,4 +1,4 @@
-"""In-process sweep of the fine-tune defaults (learning rate, DPO beta) on `--feedback edit`'s task:
+"""In-process sweep of the fine-tune defaults (learning rate, DPO beta, RPO's NLL weight) on `--feedback edit`'s task:
 a user who wants answers that begin with "Indeed," edits every answer that does not, one AdamW step
 per pair (the daemon's rule), on the default model's fp32 torch weights; no daemon, no scheduler.
 
@@ -61,9 +61,9 @@ def judge(answers: Sequence[str], base: Sequence[str], user: EditingUser) -> dic
 
 
 def run_user(model: Any, tokenizer: Any, word: str, lr: float, beta: float, args: argparse.Namespace,
-             seed: int) -> dict[str, Any]:
-    trainer = AdapterTrainer(model, tokenizer, LoraSettings(), DPOSettings(
-        beta=beta, optimizer=OptimizerSettings(learning_rate=lr)))
+             seed: int, rpo_alpha: float = 0.0) -> dict[str, Any]:
+    trainer = AdapterTrainer(model, tokenizer, LoraSettings(rank=args.rank, alpha=2.0 * args.rank), DPOSettings(
+        beta=beta, rpo_alpha=rpo_alpha, optimizer=OptimizerSettings(learning_rate=lr)))
     user = EditingUser(f"u-{word.lower()}", word)
     pool, heldout = questions(seed, args.heldout)
     held_ids = [tuple(encode_prompt(tokenizer, chat(q))[1]) for q in heldout]
@@ -87,7 +87,7 @@ def run_user(model: Any, tokenizer: Any, word: str, lr: float, beta: float, args
             trainer.task(PreferenceRecord(tuple(chat(q)), edited, answer), score=False).run()
             train_s += time.perf_counter() - t1
             pairs += 1
-            print(f"{word} lr {lr:g}: pair {pairs} trained ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+            print(f"{word} lr {lr:g} beta {beta:g} rpo {rpo_alpha:g}: pair {pairs} trained ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
             if pairs % args.eval_every == 0 or pairs == args.pairs:
                 row: dict[str, Any] = {"pairs": pairs, "asks": asks,
                                        **judge(_answers(trainer, held_ids, True, args.eval_tokens), base, user)}
@@ -96,8 +96,8 @@ def run_user(model: Any, tokenizer: Any, word: str, lr: float, beta: float, args
                 row.update(guard_kl=round(d.kl_per_token, 3), guard_distinct_2_drop=round(d.distinct_2_drop, 3),
                            guard_accepts=not guard.degenerated(d))
                 history.append(row)
-                print(json.dumps({"word": word, "lr": lr, "beta": beta, **row}), flush=True)
-    return {"word": word, "lr": lr, "beta": beta, "pairs": pairs, "asks": asks, "history": history,
+                print(json.dumps({"word": word, "lr": lr, "beta": beta, "rpo_alpha": rpo_alpha, **row}), flush=True)
+    return {"word": word, "lr": lr, "beta": beta, "rpo_alpha": rpo_alpha, "rank": args.rank, "pairs": pairs, "asks": asks, "history": history,
             "train_s_per_pair": round(train_s / max(1, pairs), 3), "wall_s": round(time.perf_counter() - t0, 1)}
 
 
@@ -105,16 +105,16 @@ def markdown(result: dict[str, Any]) -> str:
     rows = []
     for r in result["runs"]:
         for h in r["history"]:
-            rows.append([f"{r['lr']:g}", f"{r['beta']:g}", r["word"], h["pairs"], f"{h['with_word']}/{h['n']}",
+            rows.append([f"{r['lr']:g}", f"{r['beta']:g}", f"{r.get('rpo_alpha', 0.0):g}", r.get("rank", 8), r["word"], h["pairs"], f"{h['with_word']}/{h['n']}",
                          f"{h['repeats_3plus']}/{h['n']}", f"{100 * (h['distinct_2_vs_base'] or 0):+.1f}%",
                          f"{h['guard_kl']:.3f}", f"{100 * h['guard_distinct_2_drop']:.0f}%",
                          "yes" if h["guard_accepts"] else "no"])
-    head = ["lr", "beta", "user", "pairs", "held-out with word", ">=3 repeats", "distinct-2 vs base",
+    head = ["lr", "beta", "rpo alpha", "rank", "user", "pairs", "held-out with word", ">=3 repeats", "distinct-2 vs base",
             f"guard KL ({result['settings']['guard_prompts']} prompts)", "guard distinct-2 drop", "guard accepts"]
     return "\n".join([
         "# Fine-tune defaults sweep (edit feedback, preferred opening word)", "",
         f"`{result['command']}`", "",
-        f"Default model, fp32 torch, one AdamW step per pair, LoRA defaults; held-out: {result['settings']['heldout']} "
+        f"Default model, fp32 torch, one AdamW step per pair, LoRA on the attention projections (alpha = 2 x rank); held-out: {result['settings']['heldout']} "
         f"questions, greedy, {result['settings']['eval_tokens']} tokens. Load average at start/end: "
         f"{result['load_start']} / {result['load_end']}.", "",
         *markdown_table(head, rows), ""])
@@ -124,6 +124,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lr", type=float, nargs="+", default=[1e-4, 2e-4, 3e-4])
     p.add_argument("--beta", type=float, nargs="+", default=[0.1])
+    p.add_argument("--rpo-alpha", type=float, nargs="+", default=[0.0],
+                   help="weight of the chosen answer's per-token NLL (RPO; 0: DPO alone)")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.add_argument("--words", nargs="+", default=["Indeed", "Honestly"])
     p.add_argument("--pairs", type=int, default=40)
     p.add_argument("--eval-every", type=int, default=10)
@@ -145,9 +148,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     result: dict[str, Any] = {"command": "python tools/alignment_sweep.py " + " ".join(sys.argv[1:]),
                               "settings": vars(args) | {"out": str(args.out)}, "load_start": load_average(),
                               "runs": []}
-    for lr, beta in itertools.product(args.lr, args.beta):
+    for lr, beta, rpo_alpha in itertools.product(args.lr, args.beta, args.rpo_alpha):
         for seed, word in enumerate(args.words):
-            result["runs"].append(run_user(model, tokenizer, word, lr, beta, args, seed))
+            result["runs"].append(run_user(model, tokenizer, word, lr, beta, args, seed, rpo_alpha))
             result["load_end"] = load_average()
             args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
             args.out.with_suffix(".md").write_text(markdown(result))
