@@ -77,6 +77,9 @@ class FineTuneSettings:
     # one step per trained example, and DPO's beta, chosen by tools/alignment_sweep.py (issue #32).
     learning_rate: float = 3e-4
     beta: float = 0.5
+    # Weight of the chosen answer's per-token NLL beside DPO (RPO; docs/training.md, "Learning
+    # without repeating"): teaches the edit in its context instead of the word in repetition.
+    rpo_alpha: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -89,15 +89,19 @@ def run_user(model: Any, tokenizer: Any, word: str, lr: float, beta: float, args
             pairs += 1
             print(f"{word} lr {lr:g} beta {beta:g} rpo {rpo_alpha:g}: pair {pairs} trained ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
             if pairs % args.eval_every == 0 or pairs == args.pairs:
-                row: dict[str, Any] = {"pairs": pairs, "asks": asks,
-                                       **judge(_answers(trainer, held_ids, True, args.eval_tokens), base, user)}
+                held = _answers(trainer, held_ids, True, args.eval_tokens)
+                row: dict[str, Any] = {"pairs": pairs, "asks": asks, **judge(held, base, user),
+                                       "answers": held[:4]}
                 d, _ = degeneration_metrics(model, tokenizer, guard_ids, trainer.policy(trainer.weights), None,
                                             args.guard_tokens, guard.kl_skip_tokens)
                 row.update(guard_kl=round(d.kl_per_token, 3), guard_distinct_2_drop=round(d.distinct_2_drop, 3),
                            guard_accepts=not guard.degenerated(d))
                 history.append(row)
                 print(json.dumps({"word": word, "lr": lr, "beta": beta, "rpo_alpha": rpo_alpha, **row}), flush=True)
-    return {"word": word, "lr": lr, "beta": beta, "rpo_alpha": rpo_alpha, "rank": args.rank, "pairs": pairs, "asks": asks, "history": history,
+                if len(history) == 1:
+                    print(json.dumps({"base_answers": base[:4]}), flush=True)
+    return {"word": word, "lr": lr, "beta": beta, "rpo_alpha": rpo_alpha, "rank": args.rank, "base_answers": base[:4],
+            "pairs": pairs, "asks": asks, "history": history,
             "train_s_per_pair": round(train_s / max(1, pairs), 3), "wall_s": round(time.perf_counter() - t0, 1)}
 
 
