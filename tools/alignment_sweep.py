@@ -124,6 +124,23 @@ def markdown(result: dict[str, Any]) -> str:
         *markdown_table(head, rows), ""])
 
 
+def from_logs(paths: Sequence[Path], args: argparse.Namespace) -> dict[str, Any]:
+    """The measurements runs printed (one JSON line each), for runs cut before they wrote their
+    results (a busy machine's runs can outlast the time there is)."""
+    runs: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            row = json.loads(line) if line.startswith("{") else {}
+            if "word" not in row:
+                continue
+            key = (str(path), row.pop("word"), row.pop("lr"), row.pop("beta"), row.pop("rpo_alpha", 0.0))
+            runs.setdefault(key, []).append(row)
+    return {"command": " ; ".join(args.note or []), "settings": vars(args) | {"out": str(args.out), "from_logs": [str(p) for p in paths]},
+            "load_start": args.load or "not recorded", "load_end": load_average(),
+            "runs": [{"word": w, "lr": lr, "beta": b, "rpo_alpha": a, "rank": args.rank, "log": p, "history": h}
+                     for (p, w, lr, b, a), h in runs.items()]}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lr", type=float, nargs="+", default=[1e-4, 2e-4, 3e-4])
@@ -142,7 +159,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--guard-tokens", type=int, default=24)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=RESULTS / "alignment_sweep")
+    p.add_argument("--from-logs", type=Path, nargs="+", help="write the results from these runs' printed lines")
+    p.add_argument("--note", nargs="+", help="with --from-logs: the commands that made the logs")
+    p.add_argument("--load", help="with --from-logs: the load average when they started")
     args = p.parse_args(argv)
+    if args.from_logs:
+        result = from_logs(args.from_logs, args)
+        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        args.out.with_suffix(".md").write_text(markdown(result))
+        print(markdown(result))
+        return
     torch.set_num_threads(args.threads)
     from edge_runtime.model.source import resolve_model
     from edge_runtime.model.tokenizer import Tokenizer
