@@ -75,6 +75,21 @@ def run_user(model: Any, tokenizer: Any, word: str, lr: float, beta: float, args
     # Questions are asked `--ask-batch` at a time under the adapter as it stands (as served
     # traffic is answered while earlier edits still train), then each edit trains in turn.
     questions_left = itertools.cycle(pool)
+
+    def measure() -> None:
+        held = _answers(trainer, held_ids, True, args.eval_tokens)
+        row: dict[str, Any] = {"pairs": pairs, "asks": asks, **judge(held, base, user), "answers": held[:4]}
+        d, _ = degeneration_metrics(model, tokenizer, guard_ids, trainer.policy(trainer.weights), None,
+                                    args.guard_tokens, guard.kl_skip_tokens)
+        row.update(guard_kl=round(d.kl_per_token, 3), guard_distinct_2_drop=round(d.distinct_2_drop, 3),
+                   guard_accepts=not guard.degenerated(d))
+        history.append(row)
+        print(json.dumps({"word": word, "lr": lr, "beta": beta, "rpo_alpha": rpo_alpha, **row}), flush=True)
+        if len(history) == 1:
+            print(json.dumps({"base_answers": base[:4]}), flush=True)
+
+    # Stops at `--pairs` edits, or after 4x that many questions: a user whose answers already
+    # begin with the word once gives no edit (the adapter has learned it), so edits run out.
     while pairs < args.pairs and asks < 4 * args.pairs:
         qs = [next(questions_left) for _ in range(args.ask_batch)]
         asks += len(qs)
@@ -89,17 +104,9 @@ def run_user(model: Any, tokenizer: Any, word: str, lr: float, beta: float, args
             pairs += 1
             print(f"{word} lr {lr:g} beta {beta:g} rpo {rpo_alpha:g}: pair {pairs} trained ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
             if pairs % args.eval_every == 0 or pairs == args.pairs:
-                held = _answers(trainer, held_ids, True, args.eval_tokens)
-                row: dict[str, Any] = {"pairs": pairs, "asks": asks, **judge(held, base, user),
-                                       "answers": held[:4]}
-                d, _ = degeneration_metrics(model, tokenizer, guard_ids, trainer.policy(trainer.weights), None,
-                                            args.guard_tokens, guard.kl_skip_tokens)
-                row.update(guard_kl=round(d.kl_per_token, 3), guard_distinct_2_drop=round(d.distinct_2_drop, 3),
-                           guard_accepts=not guard.degenerated(d))
-                history.append(row)
-                print(json.dumps({"word": word, "lr": lr, "beta": beta, "rpo_alpha": rpo_alpha, **row}), flush=True)
-                if len(history) == 1:
-                    print(json.dumps({"base_answers": base[:4]}), flush=True)
+                measure()
+    if not history or history[-1]["pairs"] != pairs:
+        measure()  # the edits ran out before the next measurement
     return {"word": word, "lr": lr, "beta": beta, "rpo_alpha": rpo_alpha, "rank": args.rank, "base_answers": base[:4],
             "pairs": pairs, "asks": asks, "history": history,
             "train_s_per_pair": round(train_s / max(1, pairs), 3), "wall_s": round(time.perf_counter() - t0, 1)}
