@@ -116,11 +116,12 @@ def markdown(result: dict[str, Any]) -> str:
     rows = []
     for r in result["runs"]:
         for h in r["history"]:
-            rows.append([f"{r['lr']:g}", f"{r['beta']:g}", f"{r.get('rpo_alpha', 0.0):g}", r.get("rank", 8), r["word"], h["pairs"], f"{h['with_word']}/{h['n']}",
+            rows.append([f"{r['lr']:g}", f"{r['beta']:g}", f"{r.get('rpo_alpha', 0.0):g}", r.get("rank", 8), r["word"], h["pairs"], h["asks"],
+                         f"{h['with_word']}/{h['n']}",
                          f"{h['repeats_3plus']}/{h['n']}", f"{100 * (h['distinct_2_vs_base'] or 0):+.1f}%",
                          f"{h['guard_kl']:.3f}", f"{100 * h['guard_distinct_2_drop']:.0f}%",
                          "yes" if h["guard_accepts"] else "no"])
-    head = ["lr", "beta", "rpo alpha", "rank", "user", "pairs", "held-out with word", ">=3 repeats", "distinct-2 vs base",
+    head = ["lr", "beta", "rpo alpha", "rank", "user", "pairs", "questions asked", "held-out with word", ">=3 repeats", "distinct-2 vs base",
             f"guard KL ({result['settings']['guard_prompts']} prompts)", "guard distinct-2 drop", "guard accepts"]
     return "\n".join([
         "# Fine-tune defaults sweep (edit feedback, preferred opening word)", "",
