@@ -430,7 +430,8 @@ class EngineFineTuner(GuardedPublishing):
                 # the scheduler prices stages as they really run here.
                 self._stage_costs = engine.stage_costs()
             trainer = AdapterTrainer(engine.model, engine.tokenizer, costs=self._stage_costs, dpo=DPOSettings(
-                beta=self.settings.beta, optimizer=OptimizerSettings(learning_rate=self.settings.learning_rate)))
+                beta=self.settings.beta, rpo_alpha=self.settings.rpo_alpha,
+                optimizer=OptimizerSettings(learning_rate=self.settings.learning_rate)))
             reset_trainer(engine, user, trainer)
             self._trainers[user] = trainer
         train_on_served_fleet(engine, trainer)

@@ -91,7 +91,7 @@ class GuardedPublishing:
         self.publishing = user
         generation = self._generation.get(user, 0)
         try:
-            outcome = await self._guarded(user, pair_ids, unpaired_ids)
+            outcome = await self._guarded(user, pair_ids, unpaired_ids, generation)
         finally:
             progress.publishing = False
             self.publishing = None
@@ -142,9 +142,11 @@ class GuardedPublishing:
             return False
         return True
 
-    async def _guarded(self, user: str, pair_ids: list[int], unpaired_ids: list[int]) -> tuple[Any, Any, Any] | None:
+    async def _guarded(self, user: str, pair_ids: list[int], unpaired_ids: list[int],
+                       generation: int) -> tuple[Any, Any, Any] | None:
         """Evaluate the user's candidate in the background, then publish or refuse it. None: the
-        evaluation was cancelled or failed (nothing published; the items stay trained)."""
+        evaluation was cancelled or failed, or a rollback (`generation` moved on) replaced the
+        weights it was trained on; nothing published."""
         heldout = await asyncio.to_thread(self.store.heldout_pairs, user)
         heldout_unpaired = await asyncio.to_thread(self.store.heldout_unpaired, user)
         loop = asyncio.get_running_loop()
@@ -185,9 +187,14 @@ class GuardedPublishing:
                 return None
         self.guard_seconds += evaluation.seconds
 
-        def finish(engine: Engine) -> tuple[Any, Any, Any]:
+        def finish(engine: Engine) -> tuple[Any, Any, Any] | None:
             from edge_runtime.train.guard import conclude
 
+            if self._generation.get(user, 0) != generation:
+                # A rollback landed after the evaluation ended: publishing now would put the
+                # candidate over the version rolled back to. Checked here, on the engine thread
+                # where the rollback itself runs, so nothing can land between check and publish.
+                return None
             trainer = self._trainers[user]
             engine.adapters.set_retention(self.settings.keep_versions)  # applied by the publish
             decision, ref = conclude(engine.adapters, trainer, user, evaluation, pair_ids=pair_ids,

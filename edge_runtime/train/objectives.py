@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from edge_runtime.train.dpo import DPOScore, dpo_loss
+from edge_runtime.train.dpo import DPOScore, rpo_loss
 from edge_runtime.train.kto import KTOScore, kto_loss
 from edge_runtime.train.unpaired import UnpairedTokens
 
@@ -38,12 +38,16 @@ class Objective(Protocol):
 
 @dataclass(frozen=True)
 class DPOObjective:
-    """Direct preference optimisation of one pair (train/dpo.py)."""
+    """Direct preference optimisation of one pair (train/dpo.py); with `rpo_alpha` > 0 plus the
+    chosen answer's per-token NLL (RPO), `chosen_tokens` being that answer's length."""
 
     beta: float
+    rpo_alpha: float = 0.0
+    chosen_tokens: int = 1
 
     def score(self, policy: tuple[float, float], reference: tuple[float, float]) -> DPOScore:
-        return DPOScore(policy[0], policy[1], reference[0], reference[1], self.beta)
+        return DPOScore(policy[0], policy[1], reference[0], reference[1], self.beta, self.rpo_alpha,
+                        self.chosen_tokens)
 
     def seed(self, result: Score, accumulation_steps: int) -> Tensor:
         """dL/d(sum log pi(chosen)), dL/d(sum log pi(rejected)): two scalars, so the top group's
@@ -52,7 +56,7 @@ class DPOObjective:
         r = result
         logps = torch.tensor([r.policy_chosen, r.policy_rejected], dtype=torch.float64, requires_grad=True)
         ref = torch.tensor([r.ref_chosen, r.ref_rejected], dtype=torch.float64)
-        loss = dpo_loss(logps[0], logps[1], ref[0], ref[1], r.beta) / accumulation_steps
+        loss = rpo_loss(logps[0], logps[1], ref[0], ref[1], r.beta, r.rpo_alpha, r.chosen_tokens) / accumulation_steps
         loss.backward()
         assert logps.grad is not None
         return logps.grad

@@ -43,6 +43,9 @@ class DPOSettings:
     max_prompt_tokens: int = 512
     max_completion_tokens: int = 256
     seed: int = 0  # LoRA A init
+    # Weight of the chosen answer's per-token NLL added to each pair's DPO loss (RPO, Pang et al.
+    # 2024; TRL's `rpo_alpha`). 0: DPO alone (docs/training.md, "Learning without repeating").
+    rpo_alpha: float = 0.0
     # KTO for unpaired feedback (train/kto.py; TRL's KTOConfig defaults). In a job mixing pairs
     # and unpaired examples each example adds its own loss / accumulation_steps: DPO for a pair,
     # KTO (weighted lambda_D / lambda_U inside) for an unpaired one, with equal weight per example.
@@ -140,7 +143,7 @@ class AdapterTrainer:
     def score_tokens(self, tokens: PairTokens) -> DPOScore:
         ref_c, ref_r = self.reference_logps(tokens)
         pol_c, pol_r = self.policy_logps(tokens, self.weights)
-        return DPOScore(pol_c, pol_r, ref_c, ref_r, self.dpo.beta)
+        return DPOScore(pol_c, pol_r, ref_c, ref_r, self.dpo.beta, self.dpo.rpo_alpha, max(1, len(tokens.chosen)))
 
     def score(self, pair: PairLike) -> DPOScore:
         """The no-grad score stage on its own: the pair's current DPO loss (its priority input)."""
@@ -177,7 +180,7 @@ class AdapterTrainer:
                                      s.kto_undesirable_weight)
         else:
             tokens = pair if isinstance(pair, PairTokens) else self.tokenize(pair)  # type: ignore[arg-type]
-            objective = DPOObjective(self.dpo.beta)
+            objective = DPOObjective(self.dpo.beta, self.dpo.rpo_alpha, max(1, len(tokens.chosen)))
         windows = plan_windows(tokens, self.dpo.window_tokens, self.pad_id, pair_rope_offsets(self.model, tokens))
         return FineTuneTask(self, tokens, objective, windows, self.layer_groups(), score=score, pair_id=key)
 
