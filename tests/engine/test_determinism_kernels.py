@@ -84,5 +84,8 @@ def test_a_decode_rows_attention_does_not_depend_on_the_padded_width(keys: int, 
     chunk = attend(chunk_q, k[:, :keys], v[:, :keys], mask.repeat(group, 1), min_rows=ATTEND_MIN_ROWS,
                    tiled_keys=True).view(kv_heads, group, rows, d)[:, :, -1]
     alone = decode(keys)
+    plain = attend(q.view(kv_heads, group, 16, d)[:, :, -1][None], k[None, :, :keys], v[None, :, :keys],
+                   torch.ones(1, 1, 1, keys, dtype=torch.bool))[0]
+    assert torch.allclose(alone, plain, atol=1e-5)  # the same attention, summed in tiles
     assert torch.equal(decode(width), alone)
     assert torch.equal(chunk, alone)
