@@ -13,6 +13,10 @@ With --op, ONNX Runtime's GroupQueryAttention alone: a prompt's rows computed in
 against the same rows computed over a past (1 query row: the decode kernel; 2 or more: the
 prompt's).
 
+With --beside, torch's decode rows beside a longer context (what the key tiles fixed): a
+2-token prompt beside a 57-token one and a 337-token one beside a 673-token one, max |dlogit|
+of the first prompt's every step against it alone, engine.deterministic off and on.
+
 With --cost, the price of torch's row-invariant path instead: decode tok/s at 1 and 16 streams
 and a long prompt's prefill, `engine.deterministic` on and off, round-robin in one process.
 """
@@ -125,6 +129,19 @@ def _cost(rounds: int) -> None:
         print(f"{name:28s} deterministic off {off:8.3f}  on {on:8.3f}  (on/off {on / off:.2f})")
 
 
+def _beside() -> None:
+    words = FILLER.split()
+    for on in (False, True):
+        DETERMINISTIC["deterministic"] = on
+        engine = _engine("torch", 1024)
+        for short, long_ in ((words[0], " ".join(words * 3)), (" ".join(words * 17), " ".join(words * 34))):
+            alone, _, _ = _logits(engine, [short], 3)
+            both, _, _ = _logits(engine, [short, long_], 3)
+            n = [len(engine.tokenizer.hf.encode(p)) for p in (short, long_)]
+            print(f"deterministic {on!s:5s}: {n[0]:4d} tokens beside {n[1]:4d}: max |d| "
+                  f"{(alone - both).abs().max().item():.3e}  (load {os.getloadavg()[0]:.1f})", flush=True)
+
+
 def _throughput(backend: str, rounds: int) -> None:
     extra = {"onnx_quantization": "q4_1"} if backend == "onnxruntime" else {}
     engine = Engine.load(None, backend=backend, dtype="float32", device="cpu", policy="mace", cost_profile="off",
@@ -147,6 +164,7 @@ def main() -> None:
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--cost", action="store_true")
+    ap.add_argument("--beside", action="store_true", help="torch decode rows beside a longer context")
     ap.add_argument("--deterministic", action="store_true", help="torch: engine.deterministic on")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--op", action="store_true", help="ONNX Runtime's GroupQueryAttention alone")
@@ -160,6 +178,9 @@ def main() -> None:
         return
     if args.cost:
         _cost(args.rounds)
+        return
+    if args.beside:
+        _beside()
         return
     DETERMINISTIC["deterministic"] = args.deterministic
     tok = _engine(args.backend, 512).tokenizer

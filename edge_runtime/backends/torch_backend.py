@@ -30,7 +30,7 @@ class TorchBackend(Backend):
         self.device = model.device
         self.adapters = adapters
         # `engine.deterministic`: projections in fixed row tiles, attention over at least
-        # ATTEND_MIN_ROWS query rows (edge_runtime.model.llama.tiled_linear).
+        # ATTEND_MIN_ROWS query rows and in KEY_TILE key tiles (edge_runtime.model.llama).
         self.row_invariant = row_invariant
 
     def determinism(self) -> tuple[bool, str]:
@@ -39,8 +39,8 @@ class TorchBackend(Backend):
         if self.device.type != "cpu":
             return False, (f"torch on {self.device.type}: the row-invariant path is checked on the CPU "
                            "only; GPU GEMMs may still pick kernels by the batch's shape")
-        return False, ("torch on the CPU with row-invariant projections and attention: the kernels are, but "
-                       "a row's logits were still seen to move with chunking and batching end to end (#31)")
+        return True, ("torch on the CPU with engine.deterministic: projections in 16-row tiles, attention over "
+                      "at least 4 query rows and 64-key tiles, prefill chunks on the block grid")
 
     @torch.inference_mode()
     def execute(self, batch: Batch, lora: LoraApplier | None = None) -> torch.Tensor:

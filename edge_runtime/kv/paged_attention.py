@@ -16,7 +16,14 @@ from torch import Tensor
 from edge_runtime.kv.cache import KVCache
 from edge_runtime.kv.compaction import CompactLayout, entry_rows, position_slots, slab_row
 from edge_runtime.kv.pruning import DecodePruning, HeadPruning
-from edge_runtime.model.llama import LoraApplier, layer_window, softcap, window_mask
+from edge_runtime.model.llama import (
+    KEY_TILE,
+    LoraApplier,
+    key_tiled_attention,
+    layer_window,
+    softcap,
+    window_mask,
+)
 
 
 @dataclass
@@ -98,7 +105,7 @@ class PagedContext:
             vh = v_cache.index_select(0, kv_index).transpose(0, 1)
             if mask is None:
                 mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            o = attend(qh, kh, vh, mask.repeat(group, 1), self.softcap, self._min_rows)
+            o = attend(qh, kh, vh, mask.repeat(group, 1), self.softcap, self._min_rows, self.row_invariant)
             out[start : start + n] = o.view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 
         if plan.decode_rows is not None:
@@ -115,7 +122,7 @@ class PagedContext:
                 kd = slab[entries].permute(0, 2, 1, 3)
                 vd = slab[entries + self.cache.data.shape[2] * kv_heads].permute(0, 2, 1, 3)
             if self.decode_pruning is None:
-                o = attend(qd, kd, vd, plan.decode_mask, self.softcap, self._min_rows)
+                o = attend(qd, kd, vd, plan.decode_mask, self.softcap, self._min_rows, self.row_invariant)
             else:
                 o = self.decode_pruning.attend(layer, qd, kd, vd)
             out.index_copy_(0, plan.decode_rows, o.reshape(b, heads * d))
@@ -179,7 +186,8 @@ class _WindowPlan:
 ATTEND_MIN_ROWS = 4
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cap: float | None = None, min_rows: int = 2) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cap: float | None = None, min_rows: int = 2,
+           tiled_keys: bool = False) -> Tensor:
     """softmax(q k^T / sqrt(d)) v with the softmax in fp32; q [..., rows, d], k/v [..., keys, d],
     mask (True = may attend) broadcastable to [..., rows, keys]; the scores soft-capped by `cap`
     (Gemma 2) before the mask.
@@ -191,6 +199,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cap: float | None = No
     get exact zero weights, which add nothing to the sums. Fewer than `min_rows` query rows are
     padded to that many (repeats of the first), so a one-token chunk and a lone decode row take
     the kernel the other rows take.
+
+    With `tiled_keys` (the row-invariant path), the keys are padded to a multiple of KEY_TILE
+    and the weighted sum goes tile by tile (`key_tiled_attention`): the softmax rounds a row of
+    under 16 keys otherwise than the same row padded past 16, and the weighted sum's GEMM splits
+    a long reduction by the whole key count, so a decode row's output followed the widest
+    context among the decode rows beside it (both measured on torch's CPU float32 kernels).
     """
     rows = q.shape[-2]
     if rows < min_rows:
@@ -198,8 +212,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cap: float | None = No
         q = torch.cat([q, pad], dim=-2)
         if mask.shape[-2] == rows and rows > 1:
             mask = torch.cat([mask, mask[..., :1, :].expand(*mask.shape[:-2], min_rows - rows, mask.shape[-1])], -2)
+    pad = -k.shape[-2] % KEY_TILE if tiled_keys else 0
+    if pad:  # padded keys are masked out: exact zero weights
+        k, v = (torch.cat([x, x.new_zeros(*x.shape[:-2], pad, x.shape[-1])], -2) for x in (k, v))
+        mask = torch.cat([mask, mask.new_zeros(*mask.shape[:-1], pad)], -1)
     scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5), cap)
     scores = scores.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(weights, v)
+    out = key_tiled_attention(weights, v) if tiled_keys else torch.matmul(weights, v)
     return out[..., :rows, :] if out.shape[-2] != rows else out

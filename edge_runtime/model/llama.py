@@ -314,6 +314,29 @@ def tiled_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     return out if bias is None else out + bias
 
 
+# Keys per tile of `key_tiled_attention`'s weighted sum.
+KEY_TILE = 64
+
+
+def key_tiled_attention(weights: Tensor, v: Tensor) -> Tensor:
+    """weights @ v over keys in fixed tiles of KEY_TILE, summed tile by tile in order (issue #31).
+
+    A lone GEMM picks its summation by the key count: MKL splits a long reduction into parts by
+    the whole length (measured on this float32 GEMM: a row's sum over its 300+ real keys moved
+    once zero-weight padding took the call past ~400 keys), so a decode row's output followed
+    the longest context among the decode rows beside it. Each tile here is one GEMM of a fixed
+    shape, and the tiles past a row's context hold exact zero weights, so their partial sums add
+    exact zeros. `weights` [..., rows, keys] and `v` [..., keys, d] with keys a multiple of
+    KEY_TILE (the caller pads both)."""
+    tiles = weights.shape[-1] // KEY_TILE
+    parts = torch.matmul(weights.unflatten(-1, (tiles, KEY_TILE)).movedim(-2, -3),
+                         v.unflatten(-2, (tiles, KEY_TILE)))  # [..., tiles, rows, d]
+    out = parts[..., 0, :, :]
+    for i in range(1, tiles):
+        out = out + parts[..., i, :, :]
+    return out
+
+
 def _float_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear that computes every row the same way whatever the batch size.
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from edge_runtime.kv.paged_attention import ATTEND_MIN_ROWS, attend
-from edge_runtime.model.llama import ROW_TILE, tiled_linear
+from edge_runtime.model.llama import KEY_TILE, ROW_TILE, tiled_linear
 
 # SmolLM2-135M: fused q/k/v, o, fused gate/up, down (K = 1536 has a GEMM path of its own for
 # 64..192 rows), and a slice of the LM head.
@@ -58,4 +58,34 @@ def test_attention_rows_do_not_depend_on_query_or_key_count() -> None:
 
 
 def test_row_tile_is_what_the_docs_say() -> None:
-    assert ROW_TILE == 16 and ATTEND_MIN_ROWS == 4
+    assert ROW_TILE == 16 and ATTEND_MIN_ROWS == 4 and KEY_TILE == 64
+
+
+@pytest.mark.parametrize(("keys", "width"), [(2, 57), (9, 16), (15, 80), (337, 673), (300, 420), (640, 700)])
+def test_a_decode_rows_attention_does_not_depend_on_the_padded_width(keys: int, width: int) -> None:
+    """A decode row's keys padded (masked) to the longest context beside it give the bits of the
+    same row alone and of the same row inside a prefill chunk, with the key tiles. Without them
+    (torch's CPU kernels here) a row under 16 keys and a 300+-key row beside a longer one moved."""
+    gen = torch.Generator().manual_seed(keys)
+    kv_heads, group, d = 3, 3, 64  # the default model's heads
+    k = torch.randn(kv_heads, width, d, generator=gen)
+    v = torch.randn(kv_heads, width, d, generator=gen)
+    q = torch.randn(kv_heads, group * 16, d, generator=gen)  # a 16-row chunk ending at `keys`, folded
+
+    def decode(w: int) -> torch.Tensor:
+        mask = torch.zeros(1, 1, 1, w, dtype=torch.bool)
+        mask[..., :keys] = True
+        row = q.view(kv_heads, group, 16, d)[:, :, -1][None]  # [1, kv_heads, group, d]
+        return attend(row, k[None, :, :w], v[None, :, :w], mask, min_rows=ATTEND_MIN_ROWS, tiled_keys=True)[0]
+
+    rows = min(16, keys)
+    chunk_q = q.view(kv_heads, group, 16, d)[:, :, 16 - rows :].reshape(kv_heads, group * rows, d)
+    mask = torch.arange(keys)[None, :] <= torch.arange(keys - rows, keys)[:, None]
+    chunk = attend(chunk_q, k[:, :keys], v[:, :keys], mask.repeat(group, 1), min_rows=ATTEND_MIN_ROWS,
+                   tiled_keys=True).view(kv_heads, group, rows, d)[:, :, -1]
+    alone = decode(keys)
+    plain = attend(q.view(kv_heads, group, 16, d)[:, :, -1][None], k[None, :, :keys], v[None, :, :keys],
+                   torch.ones(1, 1, 1, keys, dtype=torch.bool))[0]
+    assert torch.allclose(alone, plain, atol=1e-5)  # the same attention, summed in tiles
+    assert torch.equal(decode(width), alone)
+    assert torch.equal(chunk, alone)
