@@ -40,17 +40,21 @@ class Drafter:
     ("auto") speculate at all (engine.speculation); "on" always drafts, "off" never; "auto"
     drafts until its acceptance says it does not pay (Acceptance). `max_context`: drafts stop
     before the context's end; `rope_switch` (LongRoPE): such models do not speculate, since a
-    draft crossing the switch would be computed with the wrong factors."""
+    draft crossing the switch would be computed with the wrong factors. `greedy`: whether greedy
+    rows may draft, i.e. the backend's verify rows round as its decode rows (`row_invariant`);
+    elsewhere a verify could flip a near-tie, and greedy is greedy (#31), so only sampled rows
+    draft (their distribution is kept either way)."""
 
     def __init__(self, k: int = 4, max_n: int = 3, auto_on: bool = True, warmup: int = 16,
                  threshold: float = 0.3, cooldown: int = 64, max_context: int | None = None,
-                 rope_switch: int | None = None) -> None:
+                 rope_switch: int | None = None, greedy: bool = True) -> None:
         if k < 0:
             raise ValueError(f"speculative_tokens must be >= 0, got {k}")
         self.k = 0 if rope_switch is not None else k
         self.max_context = max_context
         self.max_n = max_n
         self.auto_on = auto_on
+        self.greedy = greedy
         self.warmup, self.threshold, self.cooldown = warmup, threshold, cooldown
         self.drafted = 0  # engine-wide totals (stats)
         self.accepted = 0
@@ -65,9 +69,10 @@ class Drafter:
         """Whether this sequence's rows may carry drafts at all: its request asked for (or left
         to the engine) speculation, and nothing makes a draft unverifiable by a plain argmax
         or sample: a grammar (its mask would have to be advanced through every draft), or
-        decode KV pruning (its retained layout follows one token a step)."""
+        decode KV pruning (its retained layout follows one token a step); a greedy row only where
+        drafts cannot change its tokens (`greedy`)."""
         mode = getattr(seq.params, "speculation", "auto")
-        if mode == "off" or (mode == "auto" and not self.auto_on):
+        if mode == "off" or (mode == "auto" and not self.auto_on) or (seq.params.greedy and not self.greedy):
             return False
         return seq.matcher is None and seq.pending_matcher is None and seq.kv_pruning is None and seq.kv_layout is None
 
@@ -127,6 +132,6 @@ def drafter_for(config: EngineConfig, backend: Backend, max_context: int, rope_s
     if config.speculation not in MODES:
         raise ValueError(f"engine.speculation must be one of {MODES}, got {config.speculation!r}")
     k = config.speculative_tokens if getattr(backend, "verifies_drafts", False) else 0
-    pays = backend.name in PAYS_ON and getattr(backend, "row_invariant", False)
-    auto_on = config.speculation == "on" or (config.speculation == "auto" and pays)
-    return Drafter(k, auto_on=auto_on, max_context=max_context, rope_switch=rope_switch)
+    alike = getattr(backend, "row_invariant", False)
+    auto_on = config.speculation == "on" or (config.speculation == "auto" and backend.name in PAYS_ON and alike)
+    return Drafter(k, auto_on=auto_on, max_context=max_context, rope_switch=rope_switch, greedy=alike)

@@ -249,7 +249,9 @@ def test_greedy_outputs_are_identical_on_onnxruntime(tiny_model_dir, tmp_path, l
     off = _run(_engine(tiny_model_dir, **settings), PROMPTS, SamplingParams(**{**_fields(params), "speculation": "off"}))
     engine = _engine(tiny_model_dir, **settings)
     assert _texts(_run(engine, PROMPTS, params)) == _texts(off)
-    assert engine.stats()["speculation"]["accepted"] > 0
+    # Greedy rows draft only where verify rows round as decode rows (engine.deterministic), even
+    # when the request says "on"; below, drafts forced past that rule exercise the rollback.
+    assert (engine.stats()["speculation"]["accepted"] > 0) is deterministic
     reference = {p: o.candidates[0].token_ids for p, o in zip(PROMPTS, off, strict=True)}
     engine = _engine(tiny_model_dir, **settings)
     engine.scheduler.drafter.propose = WrongDrafts(reference, engine)
