@@ -20,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/bench_scale.py
+
+from bench_scale import text_of_tokens  # noqa: E402  (its pair text, so the figures compare)
 
 MIB = 1 << 20
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -89,17 +92,6 @@ class Sampler:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def text_of_tokens(tokenizer: Any, n: int, offset: int = 0) -> str:
-    """About `n` tokens of plain words (tools/bench_scale.py's pair text, so the figures compare)."""
-    words = ("the user asks and the assistant answers on the device while the model learns what each "
-             "user prefers from feedback ").split()
-    text, i = "", offset
-    while len(tokenizer.hf.encode(text)) < n:
-        text += words[i % len(words)] + " "
-        i += 1
-    return tokenizer.hf.decode(tokenizer.hf.encode(text)[:n])
 
 
 def whole_logits_logps(model: Any, hidden: Any, targets: Any) -> Any:
