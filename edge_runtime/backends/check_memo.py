@@ -5,6 +5,7 @@ Owns the key and the memo files (<onnx cache>/self-checks); not the check itself
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -86,10 +87,13 @@ def check_memo(root: Path | None, backend: Any, model: Any, weights: str, quanti
     return CheckMemo(None if root is None else Path(root) / MEMO_DIR / f"{backend.name}-{key}.json", what)
 
 
+@functools.lru_cache(maxsize=1)
 def code_digest() -> str:
     """This tree's runtime code (every .py and .c under edge_runtime, ~1 MB: ~10 ms): the
     export, the step inputs, the kernels and the torch reference all live there, and a change to
-    any of them must meet the check again, release or not."""
+    any of them must meet the check again, release or not. Read once per process (the weights'
+    memo and the self-check's both key on it, at every start and keep-alive reload): the code
+    running is the code the process imported."""
     h = hashlib.blake2b(digest_size=12)
     for path in sorted(_CODE_ROOT.rglob("*")):
         if path.suffix in (".py", ".c") and "__pycache__" not in path.parts:

@@ -322,13 +322,14 @@ def cached(path: Path | None, build: Callable[[], tuple[dict[str, Any], bool, bo
     return values, False
 
 
-def read_cached(path: Path | None) -> dict[str, Any] | None:
-    """The values at `path` if they are there and current (see `cached`)."""
+def read_cached(path: Path | None, provisional: bool = False) -> dict[str, Any] | None:
+    """The values at `path` if they are there and current (see `cached`); with `provisional`,
+    a provisional fit too."""
     if path is None or not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
-        if data.get("version") == CACHE_VERSION and not (data.get("provisional") and not machine_busy()):
+        if data.get("version") == CACHE_VERSION and (provisional or not (data.get("provisional") and not machine_busy())):
             return data["values"]
     except (OSError, ValueError, KeyError) as exc:
         log.warning("ignoring unreadable cost cache %s: %s", path, exc)
@@ -336,8 +337,14 @@ def read_cached(path: Path | None) -> dict[str, Any] | None:
 
 
 def read_stored(path: Path | None) -> dict[str, Any] | None:
-    """The values at `path` even when provisional (a starting point, not a calibration)."""
-    if path is None or not path.is_file():
+    """The forward's values at `path` even when provisional (a starting point, not a calibration)."""
+    values = read_cached(path, provisional=True)
+    try:
+        if values is not None:
+            ForwardCoefficients(**values)  # a file of another shape is no starting point
+        return values
+    except TypeError as exc:
+        log.warning("ignoring unreadable cost cache %s: %s", path, exc)
         return None
     try:
         data = json.loads(path.read_text())
