@@ -8,17 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from openai.types import CompletionUsage
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from daemon.fronts.http.errors import GatewayError
 from daemon.fronts.http.replies import _usage
 from daemon.fronts.http.responses_api import _echo
 from daemon.fronts.http.responses_models import ResponsesRequest
 from daemon.fronts.http.responses_replies import ResponseReply
-
-openai = pytest.importorskip("openai")
-from openai.types import CompletionUsage  # noqa: E402
-from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
-from pydantic import TypeAdapter  # noqa: E402
 
 EVENTS = TypeAdapter(ResponseStreamEvent)
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}

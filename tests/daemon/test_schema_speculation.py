@@ -46,7 +46,8 @@ def test_the_gateway_hands_speculation_on_and_refuses_other_values(http: Any, pa
 
 
 def test_the_official_openai_client_sends_speculation_in_extra_body(http: Any):  # noqa: F811
-    openai = pytest.importorskip("openai")
+    import openai
+
     client = openai.OpenAI(api_key="unused", base_url="http://127.0.0.1/v1", http_client=http, max_retries=0)
     calls = [lambda extra: client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                           extra_body=extra),

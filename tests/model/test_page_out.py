@@ -51,7 +51,6 @@ def test_a_mapped_files_pages_are_given_back_and_read_again_unchanged(tmp_path):
 def test_the_digest_and_the_export_give_a_block_caches_pages_back(tmp_path, monkeypatch):
     """What the export key's digest and the export read of a block cache leaves resident memory
     before ONNX Runtime packs its own copy (the 8B start had held all of it beside the session)."""
-    pytest.importorskip("onnx")
     from edge_runtime.backends.onnx_export import export_step, model_hash
     from edge_runtime.backends.onnx_spec import GraphSpec, weight_format
     from edge_runtime.model import source
