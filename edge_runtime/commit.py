@@ -52,7 +52,6 @@ class TokenCommitter:
         # scheduler's drafter, whose decode rows' drafts this step verifies.
         if speculation is not None:
             scheduler.drafter = drafter_for(*speculation, max_context, scheduler.rope_switch)
-            scheduler.whole |= getattr(speculation[1], "row_invariant", False)
         self.verifier = Verifier(self.commit_token, scheduler.pool, scheduler.drafter)
 
     def commit(self, seqs: list[Sequence], logits: torch.Tensor | None) -> list[RequestOutput]:

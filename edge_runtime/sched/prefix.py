@@ -24,32 +24,19 @@ def cache_salt(seq: Sequence, rope_switch: int | None) -> str:
     return salt
 
 
-def feed_end(seq: Sequence, whole: bool) -> int:
-    """Where the sequence's next scheduled item may end. A preempted sequence holds generated
-    tokens whose keys/values are gone; unless `whole` (the backend computes a row alike in a
-    decode step and in a chunk: engine.deterministic; or LongRoPE's recompute, which prefills all
-    as transformers does), its prompt is fed again as chunks and each generated token as a decode
-    row of its own, as each was first computed, so its answer does not depend on the preemption."""
-    if whole or seq.num_computed + 1 >= seq.num_tokens:
-        return seq.num_tokens
-    return seq.num_prompt if seq.num_computed < seq.num_prompt else seq.num_computed + 1
-
-
 def match_prefix(seq: Sequence, pool: BlockPool, salt: str, tier: PrefixTier | None = None,
-                 amount: int | None = None, whole: bool = True) -> None:
+                 amount: int | None = None) -> None:
     """Reuse cached full blocks of this sequence's tokens (never its last two: the last must
     run through the model to produce logits, and a lone row would run as a decode row, whose
     attention ONNX Runtime rounds otherwise than a chunk's: #31): from the pool, else read back
     from the disk tier; blocks reused from the pool are handed to the tier to keep. With `amount`
     (the tokens the scheduler planned for its first chunk), a hit whose next grid chunk is longer
-    than that gives its last blocks back, so the chunk still ends on the grid within its plan.
-    Unless `whole`, its prompt's blocks only (`feed_end`)."""
+    than that gives its last blocks back, so the chunk still ends on the grid within its plan."""
     size = pool.block_size
-    end = feed_end(seq, whole)
     parent = None
     owner = seq.request.owner
     reused = []
-    for i in range(max(0, end - 2) // size):
+    for i in range(max(0, seq.num_tokens - 2) // size):
         tokens = seq.token_ids[i * size : (i + 1) * size]
         h = block_hash(parent, tokens, salt)
         block = pool.match(h)
@@ -65,7 +52,8 @@ def match_prefix(seq: Sequence, pool: BlockPool, salt: str, tier: PrefixTier | N
         seq.num_computed += size
         parent = h
     if amount is not None:
-        while seq.block_table and not grid_piece(seq.num_computed, min(amount, end - seq.num_computed), end, size):
+        while seq.block_table and not grid_piece(seq.num_computed, min(amount, seq.num_tokens - seq.num_computed),
+                                                 seq.num_tokens, size):
             pool.release(seq.block_table.pop())
             seq.block_hashes.pop()
             seq.num_computed -= size
@@ -73,14 +61,13 @@ def match_prefix(seq: Sequence, pool: BlockPool, salt: str, tier: PrefixTier | N
         tier.remember(owner, reused)
 
 
-def register_full_blocks(seq: Sequence, pool: BlockPool, salt: str, whole: bool = True) -> None:
-    """Register the sequence's computed full blocks not yet in the prefix cache; unless `whole`
-    (see `feed_end`), only its prompt's: a block holding keys/values that decode rows computed
-    would give a later prompt (a chat's next turn) other keys/values than its own prefill (#31)."""
+def register_full_blocks(seq: Sequence, pool: BlockPool, salt: str) -> None:
+    """Register the sequence's computed full blocks not yet in the prefix cache."""
     size = pool.block_size
     full = seq.num_computed // size
-    if seq.kv_pruning is not None or not whole:
-        # With KV pruning its decode blocks get compacted (edge_runtime.kv.compaction).
+    if seq.kv_pruning is not None:
+        # Its decode blocks get compacted (edge_runtime.kv.compaction): only its prompt's
+        # blocks keep the prefix's keys and values.
         full = min(full, seq.num_prompt // size)
     while len(seq.block_hashes) < full:
         i = len(seq.block_hashes)

@@ -22,7 +22,7 @@ from edge_runtime.sched.cost_model import CostModel
 from edge_runtime.sched.finetune import FineTuneJob, FineTuneQueue, must_finish
 from edge_runtime.sched.kv_relief import PruneUnderPressure
 from edge_runtime.sched.policy import Policy
-from edge_runtime.sched.prefix import cache_salt, feed_end, match_prefix, register_full_blocks
+from edge_runtime.sched.prefix import cache_salt, match_prefix, register_full_blocks
 from edge_runtime.sched.slo import budget_ms, headroom_budget, slo_budgets
 from edge_runtime.sched.task import Task, TaskKind
 from edge_runtime.sequence import SeqStatus, Sequence
@@ -76,7 +76,6 @@ class Scheduler:
         # LongRoPE's switch (ModelConfig.rope_switch): a sequence's keys/values are computed with
         # the short factors while it holds at most this many tokens, with the long ones after.
         self.rope_switch = rope_switch
-        self.whole = rope_switch is not None  # sched.prefix.feed_end's `whole`; the engine may set it
         self.num_rope_recomputes = 0
         self.overhead_s = 0.0  # wall time of the last schedule() (the scheduler's own cost)
         # kv_prune_when = "pressure": pruning turned on for running streams before any is
@@ -331,16 +330,20 @@ class Scheduler:
         return sum(self.blocks_needed(s, 1) for s in self.running if not s.in_prefill) > self.pool.num_free
 
     def _tasks(self) -> list[Task]:
-        prefill, decode, last_token, tasks = TaskKind.PREFILL, TaskKind.DECODE, self._last_token, []
+        prefill, decode = TaskKind.PREFILL, TaskKind.DECODE
+        last_token = self._last_token
+        tasks = []
         for s in self.running:
-            left = feed_end(s, self.whole) - s.num_computed
+            left = s.num_tokens - s.num_computed
             if left > 1:
                 tasks.append(Task(prefill, s.arrival, s.arrival, seq=s, remaining=left, context=s.num_computed))
-            else:  # its next token, or a preempted one's generated token again (no draft then)
-                tasks.append(Task(decode, s.arrival, last_token.get(s.seq_id, s.arrival), seq=s, context=s.num_computed,
-                                  remaining=1 + (self.drafter.plan(s) if s.num_computed + 1 == s.num_tokens else 0)))
-        tasks += [Task(prefill, s.arrival, s.arrival, seq=s, remaining=feed_end(s, self.whole) - s.num_computed,
-                       context=s.num_computed) for s in self.waiting if self._ready(s)]
+            else:
+                tasks.append(Task(decode, s.arrival, last_token.get(s.seq_id, s.arrival), seq=s,
+                                  remaining=1 + self.drafter.plan(s), context=s.num_computed))
+        for s in self.waiting:
+            if self._ready(s):
+                tasks.append(Task(prefill, s.arrival, s.arrival, seq=s, remaining=s.num_tokens - s.num_computed,
+                                  context=s.num_computed))
         runnable = self.finetune.runnable()
         if self.finetune_paused:
             # Paused (shed): only updates past their point of no return run on, to free what
@@ -452,15 +455,14 @@ class Scheduler:
             assert seq is not None
             fresh = seq.status is SeqStatus.WAITING
             if fresh and not seq.block_table:
-                match_prefix(seq, self.pool, cache_salt(seq, self.rope_switch), self.prefix_tier, placement.amount, self.whole)
+                match_prefix(seq, self.pool, cache_salt(seq, self.rope_switch), self.prefix_tier, placement.amount)
                 metrics = seq.request.metrics
                 if metrics is not None and seq.index == 0 and seq.preemptions == 0:
                     metrics.cached_prompt_tokens = seq.num_computed
-            end = feed_end(seq, self.whole)
-            n = min(placement.amount, end - seq.num_computed)
+            n = min(placement.amount, seq.num_tokens - seq.num_computed)
             if fresh:  # a prefix hit moved its start: the chunk ends on the grid again (#31)
-                n = grid_piece(seq.num_computed, n, end, self.pool.block_size) or n
-            draft = self.drafter.admit(seq, n, placement.amount) if end == seq.num_tokens else ()
+                n = grid_piece(seq.num_computed, n, seq.num_tokens, self.pool.block_size) or n
+            draft = self.drafter.admit(seq, n, placement.amount)
             need = self.blocks_needed(seq, n + len(draft))
             if n <= 0 or need > self.pool.num_free:
                 if fresh:
@@ -488,7 +490,7 @@ class Scheduler:
             seq.num_computed += item.num_tokens - len(item.draft)  # accepted drafts: at commit
             if item.samples:
                 self._last_token[seq.seq_id] = now
-            register_full_blocks(seq, self.pool, cache_salt(seq, self.rope_switch), self.whole)
+            register_full_blocks(seq, self.pool, cache_salt(seq, self.rope_switch))
 
     def commit_finetune(self, batch: Batch) -> None:
         """After the fine-tune stages: release the iteration's memory reservation and record
