@@ -2,7 +2,9 @@
 default backend ("auto": ONNX Runtime, q4_1), asked through the SDK at temperature 0, gives each
 everyday prompt the same tokens and log-probabilities alone, repeated, in batches of 3 and 16 beside
 other users' adapter rows, while a fine-tune job trains and publishes, under CPU load from another
-process, with calibration off and with the calibrated costs another machine would have (x0.25, x4)."""
+process, with calibration off and with the calibrated costs another machine would have (x4: each of
+`off` and `x4` failed on its own before #31's grid; a x0.25 case, which added ~30 s to the suite and
+nothing those two do not catch, was run in session 13 and dropped from the suite)."""
 
 from __future__ import annotations
 
@@ -42,7 +44,6 @@ FLAGS = ["--set", "engine.num_threads=1", "--set", "finetune.pairs_per_version=2
          "--set", "feedback.heldout_fraction=0.0"]
 COSTS = {"off": ["--set", "engine.cost_profile=off"],  # nominal figures corrected online
          # the daemon's own calibration (quick, then full while idle), scaled as another machine's
-         "x0.25": ["--set", "engine.cost_scale=0.25"],
          "x4": ["--set", "engine.cost_scale=4"]}
 # The first case's answers alone: every other run, in any case, must match them.
 _REFERENCE: dict[str, tuple] = {}
