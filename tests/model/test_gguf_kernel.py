@@ -15,6 +15,10 @@ Q = GGMLQuantizationType
 TYPES = sorted(gguf_kernel.SUPPORTED, key=lambda t: t.value)
 # Where the scale fields (fp16) lie in a block of the types gguf's numpy code cannot quantise.
 _HALF_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+# ... and in every block type, for blocks of random bytes with chosen scales.
+_ALL_HALF_FIELDS = {**_HALF_FIELDS, Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,)}
+# float16 scales at the edges: zeros of both signs, subnormals, the extremes.
+EDGE = np.array([0.0, -0.0, 6e-8, -6e-8, 6.1e-5, 65504.0, -65504.0, 1.0, -0.5, 3e-3], dtype=np.float16)
 
 
 def make_blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -80,8 +84,57 @@ def test_matmul_matches_reference(qtype, m, path):
         assert ((got.double() - want.double()).abs() <= _bound(x, w)).all()
         back = gguf_kernel.matmul_back(got, raw, qtype, k)
         assert back.shape == (m, k)
-        assert ((back.double() - got.double() @ w.double()).abs()
-                <= 2 * n * torch.finfo(torch.float32).eps * (got.abs().double() @ w.abs().double()) + 1e-30).all()
+        assert ((back.double() - got.double() @ w.double()).abs() <= _bound(got, w.T)).all()
+
+
+@pytest.mark.parametrize("qtype", sorted(_ALL_HALF_FIELDS, key=lambda t: t.value), ids=lambda t: t.name)
+def test_dequantize_random_bytes_with_edge_scales(qtype, path):
+    """Any bytes with any finite scale (subnormal, -0, 65504) de-quantise bit for bit, -0 kept."""
+    rng = np.random.default_rng(qtype.value)
+    block, size = GGML_QUANT_SIZES[qtype]
+    n, blocks = 5, 512 // block
+    raw = rng.integers(0, 256, (n, blocks, size), dtype=np.uint8)
+    for at in _ALL_HALF_FIELDS[qtype]:
+        raw[..., at:at + 2] = EDGE[rng.integers(0, len(EDGE), (n, blocks))].view(np.uint8).reshape(n, blocks, 2)
+    raw = torch.from_numpy(raw.reshape(n, -1))
+    got, want = gguf_kernel.dequantize(raw, qtype, 512), reference(raw, qtype)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda t: t.name)
+def test_float_rows_of_any_width_and_bits(qtype, path):
+    """Float rows: widths that are no multiple of 16, every bit pattern (infinities and NaNs
+    de-quantise as numpy widens them)."""
+    width = 4 if qtype == Q.F32 else 2
+    raw = torch.from_numpy(np.random.default_rng(1).integers(0, 256, (9, 100 * width), dtype=np.uint8))
+    got, want = gguf_kernel.dequantize(raw, qtype, 100), reference(raw, qtype)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    raw = make_blocks(qtype, 9, 100)
+    x = torch.randn(2, 100)
+    w = reference(raw, qtype)
+    assert ((gguf_kernel.matmul(x, raw, qtype, 100).double() - x.double() @ w.double().T).abs() <= _bound(x, w)).all()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_1], ids=lambda t: t.name)
+def test_threads_tiles_and_many_rows(qtype, path, monkeypatch):
+    """Rows split over threads (a count that does not divide N), several tiles per weight, and more
+    rows of x than the fused kernel takes (the tiled GEMM path), all against the reference."""
+    monkeypatch.setattr(gguf_kernel, "PARALLEL_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(gguf_kernel, "TILE_ELEMENTS", 3 * 512)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        raw = make_blocks(qtype, 29, 512, seed=5)
+        w = reference(raw, qtype)
+        assert torch.equal(gguf_kernel.dequantize(raw, qtype, 512).view(torch.int32), w.view(torch.int32))
+        for m in (1, 8, 9, 40):
+            x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+            got = gguf_kernel.matmul(x, raw, qtype, 512)
+            assert ((got.double() - x.double() @ w.double().T).abs() <= _bound(x, w)).all()
+        back = gguf_kernel.matmul_back(got, raw, qtype, 512)
+        assert ((back.double() - got.double() @ w.double()).abs() <= _bound(got, w.T)).all()
+    finally:
+        torch.set_num_threads(torch_threads)
 
 
 def test_one_block_rows_and_out(path):

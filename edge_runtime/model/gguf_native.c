@@ -1,0 +1,303 @@
+/* Products on llama.cpp-format GGUF blocks as they lie in the file (edge_runtime/model/gguf_kernel.py
+   builds and loads it; gguf's numpy de-quantisation is the reference it is held to).
+
+   Every type is read a tile at a time (up to 256 weights: one K-quant super-block or eight 32-weight
+   blocks) into `buf`, the weights without their per-32 offset, plus `off`, one offset per 32 (Q4_1,
+   Q5_1: the block's minimum; Q4_K, Q5_K: minus the sub-block's dmin * min). De-quantising adds the
+   two with the same float operations, in the same order, as the reference (bit for bit; no offset
+   means no add, which would turn -0 into +0). A product takes each tile once for up to eight rows
+   of x: sum(buf * x) with fused multiply-adds, plus off[j] * (sum of x over sub-block j), the
+   sums of x taken once per call. Only the product section is compiled with contraction into FMA;
+   the de-quantisation keeps -ffp-contract=off, as the reference rounds every product. */
+#include <stdint.h>
+#include <string.h>
+
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+       T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30 };
+
+#define TILE 256
+#define MAX_ROWS 8
+
+/* float16 -> float32 exactly as numpy widens it (an infinity or NaN keeps its payload). */
+static inline float h2f(uint16_t h) {
+    uint32_t em = h & 0x7fffu, bits;
+    if (em >= 0x7c00u) {
+        bits = 0x7f800000u | ((em & 0x3ffu) << 13);
+    } else if (em >= 0x0400u) {
+        bits = (em << 13) + (112u << 23);
+    } else {
+        float f = (float)em * 0x1p-24f; /* a subnormal half is em * 2^-24: exact in float32 */
+        memcpy(&bits, &f, 4);
+    }
+    bits |= (uint32_t)(h & 0x8000u) << 16;
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
+static inline float half_at(const uint8_t *p) { return h2f((uint16_t)(p[0] | (p[1] << 8))); }
+
+static inline uint32_t u32_at(const uint8_t *p) {
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
+/* Bytes a block takes and weights it holds. */
+static int block_shape(int type, int64_t *weights, int64_t *bytes) {
+    switch (type) {
+    case T_F32: *weights = 1; *bytes = 4; return 0;
+    case T_F16: case T_BF16: *weights = 1; *bytes = 2; return 0;
+    case T_Q4_0: *weights = 32; *bytes = 18; return 0;
+    case T_Q4_1: *weights = 32; *bytes = 20; return 0;
+    case T_Q5_0: *weights = 32; *bytes = 22; return 0;
+    case T_Q5_1: *weights = 32; *bytes = 24; return 0;
+    case T_Q8_0: *weights = 32; *bytes = 34; return 0;
+    case T_Q4_K: *weights = 256; *bytes = 144; return 0;
+    case T_Q5_K: *weights = 256; *bytes = 176; return 0;
+    case T_Q6_K: *weights = 256; *bytes = 210; return 0;
+    default: return -1;
+    }
+}
+
+static int has_offset(int type) { return type == T_Q4_1 || type == T_Q5_1 || type == T_Q4_K || type == T_Q5_K; }
+
+/* Q4_K and Q5_K: eight 6-bit scales and eight 6-bit minimums packed in 12 bytes. */
+static inline void k_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 2) & 0x30);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+    }
+}
+
+static void dec_q4_0(const uint8_t *b, float *buf) {
+    const float d = half_at(b);
+    const uint8_t *q = b + 2;
+    for (int l = 0; l < 16; l++) {
+        buf[l] = d * (float)((int)(q[l] & 15) - 8);
+        buf[l + 16] = d * (float)((int)(q[l] >> 4) - 8);
+    }
+}
+
+static void dec_q4_1(const uint8_t *b, float *buf, float *off) {
+    const float d = half_at(b);
+    const uint8_t *q = b + 4;
+    *off = half_at(b + 2);
+    for (int l = 0; l < 16; l++) {
+        buf[l] = d * (float)(q[l] & 15);
+        buf[l + 16] = d * (float)(q[l] >> 4);
+    }
+}
+
+static void dec_q5(const uint8_t *b, float *buf, int with_min, float *off) {
+    const float d = half_at(b);
+    const uint8_t *h = b + (with_min ? 4 : 2), *q = h + 4;
+    const uint32_t qh = u32_at(h);
+    const int zero = with_min ? 0 : 16;
+    if (with_min) *off = half_at(b + 2);
+    for (int l = 0; l < 16; l++) {
+        buf[l] = d * (float)((int)((q[l] & 15) | (((qh >> l) & 1) << 4)) - zero);
+        buf[l + 16] = d * (float)((int)((q[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - zero);
+    }
+}
+
+static void dec_q8_0(const uint8_t *b, float *buf) {
+    const float d = half_at(b);
+    const int8_t *q = (const int8_t *)(b + 2);
+    for (int l = 0; l < 32; l++) buf[l] = (float)q[l] * d;
+}
+
+static void dec_q45_k(const uint8_t *b, float *buf, float *off, int five) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    uint8_t sc[8], mn[8];
+    k_scales(b + 4, sc, mn);
+    const uint8_t *qh = b + 16, *q = b + (five ? 48 : 16);
+    for (int c = 0; c < 4; c++) {
+        const float d0 = d * (float)sc[2 * c], d1 = d * (float)sc[2 * c + 1];
+        const uint8_t *qq = q + 32 * c;
+        float *w = buf + 64 * c;
+        if (five) {
+            for (int l = 0; l < 32; l++) {
+                w[l] = d0 * (float)((qq[l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4));
+                w[l + 32] = d1 * (float)((qq[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4));
+            }
+        } else {
+            for (int l = 0; l < 32; l++) {
+                w[l] = d0 * (float)(qq[l] & 15);
+                w[l + 32] = d1 * (float)(qq[l] >> 4);
+            }
+        }
+        off[2 * c] = -(dmin * (float)mn[2 * c]);
+        off[2 * c + 1] = -(dmin * (float)mn[2 * c + 1]);
+    }
+}
+
+static void dec_q6_k(const uint8_t *b, float *buf) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = half_at(b + 208);
+    for (int half = 0; half < 2; half++) {
+        for (int i = 0; i < 4; i++) {
+            const int g = 4 * half + i; /* the 32 weights g*32.. */
+            const uint8_t *lo = ql + 64 * half + 32 * (i & 1), *hi = qh + 32 * half;
+            const int shift = 4 * (i >> 1);
+            const float s0 = d * (float)sc[2 * g], s1 = d * (float)sc[2 * g + 1];
+            float *w = buf + 32 * g;
+            for (int l = 0; l < 16; l++)
+                w[l] = s0 * (float)((int)(((lo[l] >> shift) & 15) | (((hi[l] >> (2 * i)) & 3) << 4)) - 32);
+            for (int l = 16; l < 32; l++)
+                w[l] = s1 * (float)((int)(((lo[l] >> shift) & 15) | (((hi[l] >> (2 * i)) & 3) << 4)) - 32);
+        }
+    }
+}
+
+/* Weights t0 .. t0+n of a row (n <= TILE; a multiple of the block, and of 32 unless the type is a
+   float) into buf, with one offset per 32 into off where the type has one. */
+static void decode_tile(int type, const uint8_t *row, int64_t t0, int64_t n, float *buf, float *off) {
+    switch (type) {
+    case T_F32:
+        memcpy(buf, row + 4 * t0, (size_t)n * 4);
+        return;
+    case T_F16:
+        for (int64_t i = 0; i < n; i++) buf[i] = half_at(row + 2 * (t0 + i));
+        return;
+    case T_BF16:
+        for (int64_t i = 0; i < n; i++) {
+            const uint8_t *p = row + 2 * (t0 + i);
+            uint32_t bits = ((uint32_t)p[0] << 16) | ((uint32_t)p[1] << 24);
+            memcpy(buf + i, &bits, 4);
+        }
+        return;
+    case T_Q4_K: case T_Q5_K:
+        dec_q45_k(row + (t0 / 256) * (type == T_Q4_K ? 144 : 176), buf, off, type == T_Q5_K);
+        return;
+    case T_Q6_K:
+        dec_q6_k(row + (t0 / 256) * 210, buf);
+        return;
+    default:
+        break;
+    }
+    for (int64_t j = 0; j < n / 32; j++) {
+        const int64_t blk = t0 / 32 + j;
+        float *w = buf + 32 * j;
+        switch (type) {
+        case T_Q4_0: dec_q4_0(row + 18 * blk, w); break;
+        case T_Q4_1: dec_q4_1(row + 20 * blk, w, off + j); break;
+        case T_Q5_0: dec_q5(row + 22 * blk, w, 0, off + j); break;
+        case T_Q5_1: dec_q5(row + 24 * blk, w, 1, off + j); break;
+        case T_Q8_0: dec_q8_0(row + 34 * blk, w); break;
+        default: break;
+        }
+    }
+}
+
+/* out[r, :] = row r de-quantised, for `rows` rows of width k; -1 for a type not handled. */
+int gg_dequant(int type, const uint8_t *raw, int64_t rows, int64_t k, float *out) {
+    int64_t bw, bb;
+    if (block_shape(type, &bw, &bb)) return -1;
+    const int64_t rb = k / bw * bb;
+    float buf[TILE], off[TILE / 32];
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = raw + r * rb;
+        float *o = out + r * k;
+        for (int64_t t0 = 0; t0 < k; t0 += TILE) {
+            const int64_t n = k - t0 < TILE ? k - t0 : TILE;
+            if (type == T_F32 || type == T_F16 || type == T_BF16 || !has_offset(type)) {
+                decode_tile(type, row, t0, n, o + t0, off);
+                continue;
+            }
+            decode_tile(type, row, t0, n, buf, off);
+            for (int64_t i = 0; i < n; i++) o[t0 + i] = buf[i] + off[i / 32];
+        }
+    }
+    return 0;
+}
+
+/* --- products: contraction into FMA from here on ------------------------------------------- */
+#if defined(__clang__)
+#define CONTRACT _Pragma("clang fp contract(fast)")
+#else
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+#define CONTRACT
+#endif
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+static inline float hsum(v16 v) {
+    CONTRACT
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+
+/* xs[r, j] = the sum of x[r, 32j .. 32j+32) (the factor of each per-32 offset). */
+void gg_xsums(const float *x, int64_t m, int64_t k, float *xs) {
+    CONTRACT
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < k / 32; j++) {
+            float s = 0.0f;
+            for (int l = 0; l < 32; l++) s += x[r * k + 32 * j + l];
+            xs[r * (k / 32) + j] = s;
+        }
+}
+
+/* out[r * ldo + i] = x[r, :] . W[i, :] for r < m (at most MAX_ROWS) and the n weight rows at raw. */
+static void rows_product(int type, const uint8_t *raw, int64_t rb, int64_t n, int64_t k, const float *x, int64_t m,
+                         const float *xs, float *out, int64_t ldo) {
+    CONTRACT
+    float buf[TILE] __attribute__((aligned(64)));
+    float off[TILE / 32];
+    const int offs = has_offset(type);
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = raw + i * rb;
+        v16 a0[MAX_ROWS], a1[MAX_ROWS];
+        float tail[MAX_ROWS];
+        for (int64_t r = 0; r < m; r++) {
+            a0[r] = (v16){0};
+            a1[r] = (v16){0};
+            tail[r] = 0.0f;
+        }
+        for (int64_t t0 = 0; t0 < k; t0 += TILE) {
+            const int64_t len = k - t0 < TILE ? k - t0 : TILE, even = len & ~(int64_t)31;
+            decode_tile(type, row, t0, len, buf, off);
+            for (int64_t r = 0; r < m; r++) {
+                const float *xr = x + r * k + t0;
+                v16 s0 = a0[r], s1 = a1[r];
+                for (int64_t l = 0; l < even; l += 32) {
+                    s0 += *(const v16 *)(buf + l) * *(const v16u *)(xr + l);
+                    s1 += *(const v16 *)(buf + l + 16) * *(const v16u *)(xr + l + 16);
+                }
+                a0[r] = s0;
+                a1[r] = s1;
+                float t = tail[r];
+                for (int64_t l = even; l < len; l++) t += buf[l] * xr[l];
+                if (offs) {
+                    const float *xsr = xs + r * (k / 32) + t0 / 32;
+                    for (int64_t j = 0; j < len / 32; j++) t += off[j] * xsr[j];
+                }
+                tail[r] = t;
+            }
+        }
+        for (int64_t r = 0; r < m; r++) out[r * ldo + i] = hsum(a0[r] + a1[r]) + tail[r];
+    }
+}
+
+/* out[r * ldo + i] = x[r, :] . W[i, :] for every row r < m of x (float32 [m, k]) and the n weight
+   rows at raw; xs from gg_xsums (only read for the types with offsets). -1 for a type not handled. */
+int gg_matmul(int type, const uint8_t *raw, int64_t n, int64_t k, const float *x, int64_t m, const float *xs,
+              float *out, int64_t ldo) {
+    int64_t bw, bb;
+    if (block_shape(type, &bw, &bb)) return -1;
+    const int64_t rb = k / bw * bb;
+    for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
+        const int64_t mm = m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS;
+        rows_product(type, raw, rb, n, k, x + r0 * k, mm, xs ? xs + r0 * (k / 32) : xs, out + r0 * ldo, ldo);
+    }
+    return 0;
+}
+
+#if !defined(__clang__)
+#pragma GCC pop_options
+#endif
