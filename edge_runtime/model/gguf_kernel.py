@@ -51,10 +51,14 @@ def enabled() -> bool:
 def _library() -> ctypes.CDLL | None:
     """The built kernels, or None (logged once) where they cannot be had."""
     try:
-        lib = build_library(SOURCE, _FLAGS)
+        return bind(build_library(SOURCE, _FLAGS))
     except KernelUnavailable as e:
         log.info("GGUF blocks go through gguf's numpy de-quantisation: %s", e)
         return None
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` (gguf_native.c built) with its functions' argument types declared."""
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.gg_dequant.argtypes = [i32, p, i64, i64, p]
     lib.gg_matmul.argtypes = [i32, p, i64, i64, p, i64, p, p, i64]

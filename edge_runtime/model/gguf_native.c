@@ -70,6 +70,116 @@ static inline void k_scales(const uint8_t *s, uint8_t *sc, uint8_t *mn) {
     }
 }
 
+#if defined(__AVX2__) && !defined(GG_GENERIC)
+/* AVX2: levels are put together 16 or 32 bytes at a time, widened to int32 and converted eight at
+   a time; each lane's arithmetic is the scalar one (scale times level, the level exact in float),
+   so the values are the reference's. */
+#include <immintrin.h>
+
+/* dst[0..16) = d * (float(level) - bias) for the 16 byte levels of v. */
+static inline void put16(float *dst, __m128i v, __m256 d, __m256 bias, int biased) {
+    __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+    __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+    if (biased) {
+        a = _mm256_sub_ps(a, bias);
+        b = _mm256_sub_ps(b, bias);
+    }
+    _mm256_storeu_ps(dst, _mm256_mul_ps(d, a));
+    _mm256_storeu_ps(dst + 8, _mm256_mul_ps(d, b));
+}
+
+static inline __m128i nib_lo(__m128i q) { return _mm_and_si128(q, _mm_set1_epi8(15)); }
+static inline __m128i nib_hi(__m128i q) { return _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15)); }
+
+/* 16 in byte l of the result where bit l of the 32 bits is set, else 0. */
+static inline __m256i bit_bytes(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i mask = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask), _mm256_set1_epi8(16));
+}
+
+static void dec_q4_0(const uint8_t *restrict b, float *restrict buf) {
+    const __m256 d = _mm256_set1_ps(half_at(b)), bias = _mm256_set1_ps(8.0f);
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2));
+    put16(buf, nib_lo(q), d, bias, 1);
+    put16(buf + 16, nib_hi(q), d, bias, 1);
+}
+
+static void dec_q4_1(const uint8_t *restrict b, float *restrict buf, float *restrict off) {
+    const __m256 d = _mm256_set1_ps(half_at(b));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + 4));
+    *off = half_at(b + 2);
+    put16(buf, nib_lo(q), d, d, 0);
+    put16(buf + 16, nib_hi(q), d, d, 0);
+}
+
+static void dec_q5(const uint8_t *restrict b, float *restrict buf, int with_min, float *restrict off) {
+    const __m256 d = _mm256_set1_ps(half_at(b)), bias = _mm256_set1_ps(16.0f);
+    const uint8_t *h = b + (with_min ? 4 : 2);
+    const __m256i hb = bit_bytes(u32_at(h));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(h + 4));
+    if (with_min) *off = half_at(b + 2);
+    put16(buf, _mm_or_si128(nib_lo(q), _mm256_castsi256_si128(hb)), d, bias, !with_min);
+    put16(buf + 16, _mm_or_si128(nib_hi(q), _mm256_extracti128_si256(hb, 1)), d, bias, !with_min);
+}
+
+static void dec_q8_0(const uint8_t *restrict b, float *restrict buf) {
+    const __m256 d = _mm256_set1_ps(half_at(b));
+    for (int e = 0; e < 4; e++) {
+        const __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * e));
+        _mm256_storeu_ps(buf + 8 * e, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+    }
+}
+
+static void dec_q45_k(const uint8_t *restrict b, float *restrict buf, float *restrict off, int five) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    uint8_t sc[8], mn[8];
+    k_scales(b + 4, sc, mn);
+    const uint8_t *q = b + (five ? 48 : 16);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16)), sixteen = _mm256_set1_epi8(16);
+    for (int c = 0; c < 4; c++) {
+        const __m256 d0 = _mm256_set1_ps(d * (float)sc[2 * c]), d1 = _mm256_set1_ps(d * (float)sc[2 * c + 1]);
+        const __m256i qq = _mm256_loadu_si256((const __m256i *)(q + 32 * c)), m4 = _mm256_set1_epi8(15);
+        __m256i lo = _mm256_and_si256(qq, m4), hi = _mm256_and_si256(_mm256_srli_epi16(qq, 4), m4);
+        if (five) {
+            const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * c))), b1 = _mm256_set1_epi8((char)(2 << (2 * c)));
+            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), sixteen));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), sixteen));
+        }
+        float *w = buf + 64 * c;
+        put16(w, _mm256_castsi256_si128(lo), d0, d0, 0);
+        put16(w + 16, _mm256_extracti128_si256(lo, 1), d0, d0, 0);
+        put16(w + 32, _mm256_castsi256_si128(hi), d1, d1, 0);
+        put16(w + 48, _mm256_extracti128_si256(hi, 1), d1, d1, 0);
+        off[2 * c] = -(dmin * (float)mn[2 * c]);
+        off[2 * c + 1] = -(dmin * (float)mn[2 * c + 1]);
+    }
+}
+
+static void dec_q6_k(const uint8_t *restrict b, float *restrict buf) {
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = half_at(b + 208);
+    const __m256 bias = _mm256_set1_ps(32.0f);
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+    for (int half = 0; half < 2; half++) {
+        const __m256i hi = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
+        for (int i = 0; i < 4; i++) {
+            const int g = 4 * half + i; /* the 32 weights g*32.. */
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(b + 64 * half + 32 * (i & 1)));
+            const __m256i l4 = _mm256_and_si256(_mm256_srl_epi16(lo, _mm_cvtsi32_si128(4 * (i >> 1))), m4);
+            const __m256i h2 = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * i)), m2);
+            const __m256i lev = _mm256_or_si256(l4, _mm256_slli_epi16(h2, 4));
+            put16(buf + 32 * g, _mm256_castsi256_si128(lev), _mm256_set1_ps(d * (float)sc[2 * g]), bias, 1);
+            put16(buf + 32 * g + 16, _mm256_extracti128_si256(lev, 1), _mm256_set1_ps(d * (float)sc[2 * g + 1]),
+                  bias, 1);
+        }
+    }
+}
+
+#else
+/* Elsewhere (NEON, or no AVX2): plain loops, which the compiler vectorises where it can. */
 static void dec_q4_0(const uint8_t *b, float *buf) {
     const float d = half_at(b);
     const uint8_t *q = b + 2;
@@ -151,9 +261,12 @@ static void dec_q6_k(const uint8_t *b, float *buf) {
     }
 }
 
+#endif
+
 /* Weights t0 .. t0+n of a row (n <= TILE; a multiple of the block, and of 32 unless the type is a
    float) into buf, with one offset per 32 into off where the type has one. */
-static void decode_tile(int type, const uint8_t *row, int64_t t0, int64_t n, float *buf, float *off) {
+static void decode_tile(int type, const uint8_t *restrict row, int64_t t0, int64_t n, float *restrict buf,
+                        float *restrict off) {
     switch (type) {
     case T_F32:
         memcpy(buf, row + 4 * t0, (size_t)n * 4);

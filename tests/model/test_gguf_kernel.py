@@ -3,6 +3,8 @@ x @ dequantize(W).T, for every supported type, on the compiled path and the refe
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from edge_runtime.model import gguf_kernel
+from edge_runtime.model.qkernel import KernelUnavailable, build_library
 
 Q = GGMLQuantizationType
 TYPES = sorted(gguf_kernel.SUPPORTED, key=lambda t: t.value)
@@ -48,13 +51,27 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 2 * k * torch.finfo(torch.float32).eps * (x.abs().double() @ w.abs().double().T) + 1e-30
 
 
-@pytest.fixture(params=["compiled", "reference"])
+@functools.cache
+def _generic_library():
+    """gguf_native.c built with its portable loops only (what aarch64 without AVX2 runs)."""
+    try:
+        return gguf_kernel.bind(build_library(gguf_kernel.SOURCE, gguf_kernel._FLAGS + ["-DGG_GENERIC"]))
+    except KernelUnavailable:
+        return None
+
+
+@pytest.fixture(params=["compiled", "portable", "reference"])
 def path(request, monkeypatch):
     if request.param == "reference":
         monkeypatch.setenv(gguf_kernel.ENV, "off")
         assert not gguf_kernel.available()
     elif not gguf_kernel.available():
         pytest.skip("the compiled GGUF kernels are not available here")
+    elif request.param == "portable":
+        lib = _generic_library()
+        if lib is None:
+            pytest.skip("the portable build is not available here")
+        monkeypatch.setattr(gguf_kernel, "_library", lambda: lib)
     return request.param
 
 
