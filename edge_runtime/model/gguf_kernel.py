@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 Q = GGMLQuantizationType
 SUPPORTED = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 ENV = "MACE_GGUF_KERNEL"  # "off": the numpy reference path only
+# "int8": products of up to FUSED_MAX_ROWS rows quantise x to int8 per 32 values (llama.cpp's way,
+# MatMulNBits' accuracy level 4); "f32" (default): x stays float32. See `matmul`.
+ACTIVATIONS_ENV = "MACE_GGUF_ACTIVATIONS"
 # Float32 weights one reference tile holds (4 MiB): a tile is the whole transient cost of a product,
 # whatever the weight's size.
 TILE_ELEMENTS = 1 << 20
@@ -63,9 +66,17 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gg_dequant.argtypes = [i32, p, i64, i64, p]
     lib.gg_matmul.argtypes = [i32, p, i64, i64, p, i64, p, p, i64]
     lib.gg_xsums.argtypes = [p, i64, i64, p]
-    lib.gg_dequant.restype = lib.gg_matmul.restype = i32
+    lib.gg_quantize_x.argtypes = [p, i64, i64, p, p]
+    lib.gg_matmul_q8.argtypes = [i32, p, i64, i64, p, p, i64, p, p, i64]
+    lib.gg_dequant.restype = lib.gg_matmul.restype = lib.gg_matmul_q8.restype = i32
+    lib.gg_quantize_x.restype = None
     lib.gg_xsums.restype = None
     return lib
+
+
+def int8_activations() -> bool:
+    """The default of `matmul`'s int8_x (MACE_GGUF_ACTIVATIONS=int8 turns it on)."""
+    return os.environ.get(ACTIVATIONS_ENV, "f32").lower() == "int8"
 
 
 def available() -> bool:
@@ -174,11 +185,18 @@ def _check_x(x: Tensor, k: int) -> Tensor:
     return x.contiguous()
 
 
-def matmul(x: Tensor, raw: Tensor, qtype: GGMLQuantizationType, k: int, out: Tensor | None = None) -> Tensor:
+def matmul(x: Tensor, raw: Tensor, qtype: GGMLQuantizationType, k: int, out: Tensor | None = None,
+           int8_x: bool | None = None) -> Tensor:
     """float32 [M, N] = x @ W^T for x float32 [M, k] and W the N block rows of `raw`; W is never
     held in float beyond one bounded tile of rows. Up to FUSED_MAX_ROWS rows of x go through the
     fused kernel (each block de-quantised in registers and L1 once per 8 rows of x); more rows
-    through de-quantised tiles and torch's GEMM."""
+    through de-quantised tiles and torch's GEMM.
+
+    int8_x (default `int8_activations()`; block types on the fused path only) quantises x to int8
+    per 32 values first and sums exact int32 block products, as llama.cpp and MatMulNBits at
+    accuracy level 4 do: several times faster, and off x @ W^T by at most sum |w_l| * dx_b / 2 over
+    the 32-value blocks b of x (dx_b = max |x_b| / 127, w_l the weight less its per-32 offset) plus
+    float32 summation order (tests/model/test_gguf_kernel.py holds it to that bound)."""
     _check_raw(raw, qtype, k)
     x = _check_x(x, k)
     m, n = x.shape[0], raw.shape[0]
@@ -192,10 +210,18 @@ def matmul(x: Tensor, raw: Tensor, qtype: GGMLQuantizationType, k: int, out: Ten
             sums = torch.empty((m, k // 32), dtype=torch.float32)
             lib.gg_xsums(x.data_ptr(), m, k, sums.data_ptr())
         xs = None if sums is None else sums.data_ptr()
+        if (int8_activations() if int8_x is None else int8_x) and GGML_QUANT_SIZES[qtype][0] > 1:
+            qx = torch.empty((m, k), dtype=torch.int8)
+            dx = torch.empty((m, k // 32), dtype=torch.float32)
+            lib.gg_quantize_x(x.data_ptr(), m, k, qx.data_ptr(), dx.data_ptr())
 
-        def run(lo: int, hi: int) -> None:
-            lib.gg_matmul(int(qtype), raw[lo].data_ptr(), hi - lo, k, x.data_ptr(), m, xs,
-                          out[:, lo:].data_ptr(), n)
+            def run(lo: int, hi: int) -> None:
+                lib.gg_matmul_q8(int(qtype), raw[lo].data_ptr(), hi - lo, k, qx.data_ptr(), dx.data_ptr(), m, xs,
+                                 out[:, lo:].data_ptr(), n)
+        else:
+            def run(lo: int, hi: int) -> None:
+                lib.gg_matmul(int(qtype), raw[lo].data_ptr(), hi - lo, k, x.data_ptr(), m, xs,
+                              out[:, lo:].data_ptr(), n)
 
         _split(n, n * k, run)
         return out
