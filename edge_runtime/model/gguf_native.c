@@ -435,8 +435,8 @@ void gg_quantize_x(const float *x, int64_t m, int64_t k, int8_t *qx, float *dx) 
         }
 }
 
-/* A tile's integer levels (signed: the level less the block's zero), one scale per 16 weights and
-   one offset per 32 where the type has one. */
+/* A tile's integer levels (signed: the level less the block's zero), its scales (Q6_K: one per 16
+   weights; every other type one per 32) and one offset per 32 where the type has one. */
 static void levels_tile_loops(int type, const uint8_t *restrict row, int64_t t0, int64_t n, int8_t *restrict lev,
                         float *restrict sc16, float *restrict off) {
     if (type == T_Q4_K || type == T_Q5_K) {
@@ -458,7 +458,7 @@ static void levels_tile_loops(int type, const uint8_t *restrict row, int64_t t0,
             }
         }
         for (int j = 0; j < 8; j++) {
-            sc16[2 * j] = sc16[2 * j + 1] = d * (float)sc[j];
+            sc16[j] = d * (float)sc[j];
             off[j] = -(dmin * (float)mn[j]);
         }
         return;
@@ -514,7 +514,7 @@ static void levels_tile_loops(int type, const uint8_t *restrict row, int64_t t0,
             break;
         }
         d = half_at(b);
-        sc16[2 * j] = sc16[2 * j + 1] = d;
+        sc16[j] = d;
     }
 }
 
@@ -543,10 +543,10 @@ static void levels_tile(int type, const uint8_t *restrict row, int64_t t0, int64
             levels_store(lev + 64 * c, lo);
             levels_store(lev + 64 * c + 32, hi);
         }
-        for (int j = 0; j < 8; j++) {
-            sc16[2 * j] = sc16[2 * j + 1] = d * (float)sc[j];
-            off[j] = -(dmin * (float)mn[j]);
-        }
+        const __m256 vs = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+        const __m256 vm = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
+        _mm256_storeu_ps(sc16, _mm256_mul_ps(_mm256_set1_ps(d), vs));
+        _mm256_storeu_ps(off, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(dmin), vm)));
         return;
     }
     if (type == T_Q6_K) {
@@ -568,7 +568,10 @@ static void levels_tile(int type, const uint8_t *restrict row, int64_t t0, int64
                 levels_store(lev + 32 * (4 * half + i),
                              _mm256_sub_epi8(_mm256_or_si256(l4[i], _mm256_slli_epi16(h2[i], 4)), m32));
         }
-        for (int g = 0; g < 16; g++) sc16[g] = d * (float)sc[g];
+        const __m128i sb = _mm_loadu_si128((const __m128i *)sc);
+        _mm256_storeu_ps(sc16, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sb))));
+        _mm256_storeu_ps(sc16 + 8, _mm256_mul_ps(_mm256_set1_ps(d),
+                                                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sb, 8)))));
         return;
     }
     if (type == T_Q4_0 || type == T_Q4_1) {
@@ -581,7 +584,7 @@ static void levels_tile(int type, const uint8_t *restrict row, int64_t t0, int64
             const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, m4s), zero);
             const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4s), zero);
             levels_store(lev + 32 * j, _mm256_set_m128i(hi, lo));
-            sc16[2 * j] = sc16[2 * j + 1] = half_at(b);
+            sc16[j] = half_at(b);
             if (with_min) off[j] = half_at(b + 2);
         }
         return;
@@ -590,7 +593,7 @@ static void levels_tile(int type, const uint8_t *restrict row, int64_t t0, int64
         for (int64_t j = 0; j < n / 32; j++) {
             const uint8_t *b = row + 34 * (t0 / 32 + j);
             levels_store(lev + 32 * j, _mm256_loadu_si256((const __m256i *)(b + 2)));
-            sc16[2 * j] = sc16[2 * j + 1] = half_at(b);
+            sc16[j] = half_at(b);
         }
         return;
     }
@@ -640,11 +643,19 @@ static inline __attribute__((always_inline)) void rows_q8(int type, const uint8_
                    x with w's sign */
                 const __m256i w = _mm256_load_si256((const __m256i *)(lev + 32 * j));
                 const __m256i aw = offs ? w : _mm256_sign_epi8(w, w);
-                const __m256 scv = _mm256_set_m128(_mm_set1_ps(sc16[2 * j + 1]), _mm_set1_ps(sc16[2 * j]));
+                if (type == T_Q6_K) { /* a scale per 16: lanes 0-3 hold the first 16 weights' sums */
+                    const __m256 scv = _mm256_set_m128(_mm_set1_ps(sc16[2 * j + 1]), _mm_set1_ps(sc16[2 * j]));
+                    for (int64_t r = 0; r < m; r++) {
+                        const __m256i xr = _mm256_loadu_si256((const __m256i *)(qx + r * k + 32 * b));
+                        const __m256 f = _mm256_cvtepi32_ps(dot4(aw, _mm256_sign_epi8(xr, w)));
+                        acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(scv, _mm256_set1_ps(dx[r * kb + b])), acc[r]);
+                    }
+                    continue;
+                }
                 for (int64_t r = 0; r < m; r++) {
                     const __m256i xr = _mm256_loadu_si256((const __m256i *)(qx + r * k + 32 * b));
                     const __m256 f = _mm256_cvtepi32_ps(dot4(aw, offs ? xr : _mm256_sign_epi8(xr, w)));
-                    acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(scv, _mm256_set1_ps(dx[r * kb + b])), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(f, _mm256_set1_ps(sc16[j] * dx[r * kb + b]), acc[r]);
                 }
 #else
                 const int8_t *w = lev + 32 * j;
@@ -655,13 +666,23 @@ static inline __attribute__((always_inline)) void rows_q8(int type, const uint8_
                         s0 += (int32_t)w[l] * q[l];
                         s1 += (int32_t)w[l + 16] * q[l + 16];
                     }
-                    tail[r] += ((float)s0 * sc16[2 * j] + (float)s1 * sc16[2 * j + 1]) * dx[r * kb + b];
+                    tail[r] += (type == T_Q6_K ? (float)s0 * sc16[2 * j] + (float)s1 * sc16[2 * j + 1]
+                                               : (float)(s0 + s1) * sc16[j]) * dx[r * kb + b];
                 }
 #endif
             }
-            if (offs)
+            if (offs) {
+#if defined(__AVX2__) && !defined(GG_GENERIC)
+                if (len == TILE) { /* eight offsets against eight sums of x in one FMA */
+                    const __m256 o = _mm256_loadu_ps(off);
+                    for (int64_t r = 0; r < m; r++)
+                        acc[r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xs + r * kb + t0 / 32), acc[r]);
+                    continue;
+                }
+#endif
                 for (int64_t r = 0; r < m; r++)
                     for (int64_t j = 0; j < len / 32; j++) tail[r] += off[j] * xs[r * kb + t0 / 32 + j];
+            }
         }
         for (int64_t r = 0; r < m; r++) {
 #if defined(__AVX2__) && !defined(GG_GENERIC)
