@@ -614,6 +614,8 @@ static inline __m256i dot4(__m256i a, __m256i b) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
 #endif
 }
+#elif defined(__aarch64__) && defined(__ARM_NEON) && !defined(GG_GENERIC)
+#include <arm_neon.h>
 #endif
 
 /* Inlined once per row count (1..8) so that each row's accumulator stays in a register. */
@@ -631,6 +633,9 @@ static inline __attribute__((always_inline)) void rows_q8(int type, const uint8_
 #if defined(__AVX2__) && !defined(GG_GENERIC)
         __m256 acc[MAX_ROWS];
         for (int64_t r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+#elif defined(__aarch64__) && defined(__ARM_NEON) && !defined(GG_GENERIC)
+        float32x4_t acc[MAX_ROWS];
+        for (int64_t r = 0; r < m; r++) acc[r] = vdupq_n_f32(0.0f);
 #endif
         for (int64_t r = 0; r < m; r++) tail[r] = 0.0f;
         for (int64_t t0 = 0; t0 < k; t0 += TILE) {
@@ -656,6 +661,24 @@ static inline __attribute__((always_inline)) void rows_q8(int type, const uint8_
                     const __m256i xr = _mm256_loadu_si256((const __m256i *)(qx + r * k + 32 * b));
                     const __m256 f = _mm256_cvtepi32_ps(dot4(aw, offs ? xr : _mm256_sign_epi8(xr, w)));
                     acc[r] = _mm256_fmadd_ps(f, _mm256_set1_ps(sc16[j] * dx[r * kb + b]), acc[r]);
+                }
+#elif defined(__aarch64__) && defined(__ARM_NEON) && !defined(GG_GENERIC)
+                /* NEON without dotprod (the compiler's default target): widening products, pairwise sums */
+                const int8x16_t w0 = vld1q_s8(lev + 32 * j), w1 = vld1q_s8(lev + 32 * j + 16);
+                for (int64_t r = 0; r < m; r++) {
+                    const int8_t *q = qx + r * k + 32 * b;
+                    const int8x16_t q0 = vld1q_s8(q), q1 = vld1q_s8(q + 16);
+                    const int32x4_t s0 = vpadalq_s16(vpaddlq_s16(vmull_s8(vget_low_s8(w0), vget_low_s8(q0))),
+                                                     vmull_high_s8(w0, q0));
+                    const int32x4_t s1 = vpadalq_s16(vpaddlq_s16(vmull_s8(vget_low_s8(w1), vget_low_s8(q1))),
+                                                     vmull_high_s8(w1, q1));
+                    const float d = dx[r * kb + b];
+                    if (type == T_Q6_K) {
+                        acc[r] = vfmaq_n_f32(acc[r], vcvtq_f32_s32(s0), sc16[2 * j] * d);
+                        acc[r] = vfmaq_n_f32(acc[r], vcvtq_f32_s32(s1), sc16[2 * j + 1] * d);
+                    } else {
+                        acc[r] = vfmaq_n_f32(acc[r], vcvtq_f32_s32(vaddq_s32(s0, s1)), sc16[j] * d);
+                    }
                 }
 #else
                 const int8_t *w = lev + 32 * j;
@@ -690,6 +713,8 @@ static inline __attribute__((always_inline)) void rows_q8(int type, const uint8_
             h = _mm_add_ps(h, _mm_movehl_ps(h, h));
             h = _mm_add_ss(h, _mm_movehdup_ps(h));
             tail[r] += _mm_cvtss_f32(h);
+#elif defined(__aarch64__) && defined(__ARM_NEON) && !defined(GG_GENERIC)
+            tail[r] += vaddvq_f32(acc[r]);
 #endif
             out[r * ldo + i] = tail[r];
         }

@@ -4,6 +4,9 @@ x @ dequantize(W).T, for every supported type, on the compiled path and the refe
 from __future__ import annotations
 
 import functools
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -225,3 +228,51 @@ def test_wrong_sizes_are_typed_errors():
         gguf_kernel.row_bytes(Q.IQ2_XXS, 256)
     assert gguf_kernel.row_bytes(Q.Q4_K, 512) == 288
     assert gguf_kernel.row_bytes(Q.Q8_0, 64) == 68
+
+
+_HARNESS = Path(__file__).with_name("gguf_native_harness.c")
+
+
+def _harness_rows(path: Path):
+    """(qx, dx, {type: (raw, dequantized, f32 product, int8 product)}, x) as the harness wrote them."""
+    data, at = path.read_bytes(), 0
+    n, k, m = 37, 512, 13
+
+    def take(count, dtype):
+        nonlocal at
+        a = np.frombuffer(data, dtype=dtype, count=count, offset=at)
+        at += a.nbytes
+        return a
+
+    qx, dx = take(m * k, np.int8), take(m * k // 32, np.float32)
+    rows = {}
+    for t in (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        rb = gguf_kernel.row_bytes(t, k)
+        rows[t] = (take(n * rb, np.uint8).reshape(n, rb), take(n * k, np.float32).reshape(n, k),
+                   take(m * n, np.float32).reshape(m, n), take(m * n, np.float32).reshape(m, n))
+    return qx, dx, rows, take(m * k, np.float32).reshape(m, k)
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["neon", "portable"])
+def test_aarch64_build_under_qemu(generic, tmp_path):
+    """Jetson's build (aarch64: the NEON int8 dot, the portable decoders), cross-compiled and run
+    under qemu where both are installed: de-quantisation bit for bit gguf's numpy code, float
+    products within the float bound, int8 products within x's rounding bound."""
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if cc is None or qemu is None:
+        pytest.skip("no aarch64 cross compiler or qemu-aarch64 here")
+    exe, out = tmp_path / "harness", tmp_path / "out.bin"
+    subprocess.run([cc, "-O3", "-ffp-contract=off", "-I", str(gguf_kernel.SOURCE.parent), str(_HARNESS), "-o",
+                    str(exe)] + (["-DGG_GENERIC"] if generic else []), check=True, capture_output=True, timeout=300)
+    subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe), str(out)], check=True, capture_output=True,
+                   timeout=300)
+    qx, dx, rows, x = _harness_rows(out)
+    xt = torch.from_numpy(x.copy())
+    for qtype, (raw, deq, f32, int8) in rows.items():
+        want = reference(torch.from_numpy(raw.copy()), qtype)
+        assert np.array_equal(deq.view(np.int32), want.numpy().view(np.int32)), qtype.name
+        exact = xt.double() @ want.double().T
+        assert ((torch.from_numpy(f32.copy()).double() - exact).abs() <= _bound(xt, want)).all(), qtype.name
+        if GGML_QUANT_SIZES[qtype][0] > 1:
+            bound = _int8_bound(xt, torch.from_numpy(raw.copy()), qtype)
+            assert ((torch.from_numpy(int8.copy()).double() - exact).abs() <= bound).all(), qtype.name
