@@ -399,11 +399,22 @@ static void rows_product(int type, const uint8_t *raw, int64_t rb, int64_t n, in
 
 /* out[r * ldo + i] = x[r, :] . W[i, :] for every row r < m of x (float32 [m, k]) and the n weight
    rows at raw; xs from gg_xsums (only read for the types with offsets). -1 for a type not handled. */
+#if defined(__AVX2__) && !defined(GG_GENERIC)
+static void row1_levels(int type, const uint8_t *raw, int64_t rb, int64_t n, int64_t k, const float *x,
+                        const float *xs, float *out);
+#endif
+
 int gg_matmul(int type, const uint8_t *raw, int64_t n, int64_t k, const float *x, int64_t m, const float *xs,
               float *out, int64_t ldo) {
     int64_t bw, bb;
     if (block_shape(type, &bw, &bb)) return -1;
     const int64_t rb = k / bw * bb;
+#if defined(__AVX2__) && !defined(GG_GENERIC)
+    if (m == 1 && bw > 1) {
+        row1_levels(type, raw, rb, n, k, x, xs, out);
+        return 0;
+    }
+#endif
     for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
         const int64_t mm = m - r0 < MAX_ROWS ? m - r0 : MAX_ROWS;
         rows_product(type, raw, rb, n, k, x + r0 * k, mm, xs ? xs + r0 * (k / 32) : xs, out + r0 * ldo, ldo);
@@ -732,6 +743,53 @@ static void rows_product_q8(int type, const uint8_t *raw, int64_t rb, int64_t n,
     default: rows_q8(type, raw, rb, n, k, qx, dx, m, xs, out, ldo); break;
     }
 }
+
+#if defined(__AVX2__) && !defined(GG_GENERIC)
+/* One row of x against block weights (a decode step): each 32 integer levels widen to float and
+   meet x, and the block's scale multiplies their sum once, instead of every weight being scaled
+   into a float tile and read back (about half the instructions per weight). */
+static void row1_levels(int type, const uint8_t *raw, int64_t rb, int64_t n, int64_t k, const float *x,
+                        const float *xs, float *out) {
+    int8_t lev[TILE] __attribute__((aligned(32)));
+    float sc16[TILE / 16], off[TILE / 32];
+    const int offs = has_offset(type);
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = raw + i * rb;
+        __m256 acc = _mm256_setzero_ps();
+        float tail = 0.0f;
+        for (int64_t t0 = 0; t0 < k; t0 += TILE) {
+            const int64_t len = k - t0 < TILE ? k - t0 : TILE;
+            levels_tile(type, row, t0, len, lev, sc16, off);
+            for (int64_t j = 0; j < len / 32; j++) {
+                const int8_t *w = lev + 32 * j;
+                const float *xr = x + t0 + 32 * j;
+                __m256 p[4];
+                for (int e = 0; e < 4; e++)
+                    p[e] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 8 * e)))),
+                                         _mm256_loadu_ps(xr + 8 * e));
+                if (type == T_Q6_K) {
+                    acc = _mm256_fmadd_ps(_mm256_add_ps(p[0], p[1]), _mm256_set1_ps(sc16[2 * j]), acc);
+                    acc = _mm256_fmadd_ps(_mm256_add_ps(p[2], p[3]), _mm256_set1_ps(sc16[2 * j + 1]), acc);
+                } else {
+                    acc = _mm256_fmadd_ps(_mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3])),
+                                          _mm256_set1_ps(sc16[j]), acc);
+                }
+            }
+            if (offs) {
+                if (len == TILE) {
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(off), _mm256_loadu_ps(xs + t0 / 32), acc);
+                } else {
+                    for (int64_t j = 0; j < len / 32; j++) tail += off[j] * xs[t0 / 32 + j];
+                }
+            }
+        }
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        out[i] = _mm_cvtss_f32(h) + tail;
+    }
+}
+#endif
 
 /* As gg_matmul, with x given as gg_quantize_x's qx and dx (k a multiple of 32; block types only;
    xs from gg_xsums for the types with offsets). -1 for a type not handled. */
