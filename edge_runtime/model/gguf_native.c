@@ -335,16 +335,6 @@ int gg_dequant(int type, const uint8_t *raw, int64_t rows, int64_t k, float *out
 #define CONTRACT
 #endif
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-
-static inline float hsum(v16 v) {
-    CONTRACT
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
-}
-
 /* xs[r, j] = the sum of x[r, 32j .. 32j+32) (the factor of each per-32 offset). */
 void gg_xsums(const float *x, int64_t m, int64_t k, float *xs) {
     CONTRACT
@@ -356,34 +346,36 @@ void gg_xsums(const float *x, int64_t m, int64_t k, float *xs) {
         }
 }
 
-/* out[r * ldo + i] = x[r, :] . W[i, :] for r < m (at most MAX_ROWS) and the n weight rows at raw. */
-static void rows_product(int type, const uint8_t *raw, int64_t rb, int64_t n, int64_t k, const float *x, int64_t m,
-                         const float *xs, float *out, int64_t ldo) {
+typedef float f32x8v __attribute__((vector_size(32)));
+typedef float f32x8u __attribute__((vector_size(32), aligned(4)));
+
+/* out[r * ldo + i] = x[r, :] . W[i, :] for r < m (at most MAX_ROWS) and the n weight rows at raw.
+   Inlined once per row count: each 8 de-quantised weights are loaded once and meet every row of x,
+   whose accumulators stay in registers. */
+static inline __attribute__((always_inline)) void rows_f32(int type, const uint8_t *raw, int64_t rb, int64_t n,
+                                                           int64_t k, const float *x, const int64_t m,
+                                                           const float *xs, float *out, int64_t ldo) {
     CONTRACT
     float buf[TILE] __attribute__((aligned(64)));
     float off[TILE / 32];
     const int offs = has_offset(type);
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *row = raw + i * rb;
-        v16 a0[MAX_ROWS], a1[MAX_ROWS];
+        f32x8v acc[MAX_ROWS];
         float tail[MAX_ROWS];
         for (int64_t r = 0; r < m; r++) {
-            a0[r] = (v16){0};
-            a1[r] = (v16){0};
+            acc[r] = (f32x8v){0};
             tail[r] = 0.0f;
         }
         for (int64_t t0 = 0; t0 < k; t0 += TILE) {
-            const int64_t len = k - t0 < TILE ? k - t0 : TILE, even = len & ~(int64_t)31;
+            const int64_t len = k - t0 < TILE ? k - t0 : TILE, even = len & ~(int64_t)7;
             decode_tile(type, row, t0, len, buf, off);
+            for (int64_t l = 0; l < even; l += 8) {
+                const f32x8v w = *(const f32x8v *)(buf + l);
+                for (int64_t r = 0; r < m; r++) acc[r] += w * *(const f32x8u *)(x + r * k + t0 + l);
+            }
             for (int64_t r = 0; r < m; r++) {
                 const float *xr = x + r * k + t0;
-                v16 s0 = a0[r], s1 = a1[r];
-                for (int64_t l = 0; l < even; l += 32) {
-                    s0 += *(const v16 *)(buf + l) * *(const v16u *)(xr + l);
-                    s1 += *(const v16 *)(buf + l + 16) * *(const v16u *)(xr + l + 16);
-                }
-                a0[r] = s0;
-                a1[r] = s1;
                 float t = tail[r];
                 for (int64_t l = even; l < len; l++) t += buf[l] * xr[l];
                 if (offs) {
@@ -393,7 +385,23 @@ static void rows_product(int type, const uint8_t *raw, int64_t rb, int64_t n, in
                 tail[r] = t;
             }
         }
-        for (int64_t r = 0; r < m; r++) out[r * ldo + i] = hsum(a0[r] + a1[r]) + tail[r];
+        for (int64_t r = 0; r < m; r++) {
+            float s = 0.0f;
+            for (int e = 0; e < 8; e++) s += acc[r][e];
+            out[r * ldo + i] = s + tail[r];
+        }
+    }
+}
+
+static void rows_product(int type, const uint8_t *raw, int64_t rb, int64_t n, int64_t k, const float *x, int64_t m,
+                         const float *xs, float *out, int64_t ldo) {
+    switch (m) {
+    case 1: rows_f32(type, raw, rb, n, k, x, 1, xs, out, ldo); break;
+    case 2: rows_f32(type, raw, rb, n, k, x, 2, xs, out, ldo); break;
+    case 3: rows_f32(type, raw, rb, n, k, x, 3, xs, out, ldo); break;
+    case 4: rows_f32(type, raw, rb, n, k, x, 4, xs, out, ldo); break;
+    case 8: rows_f32(type, raw, rb, n, k, x, 8, xs, out, ldo); break;
+    default: rows_f32(type, raw, rb, n, k, x, m, xs, out, ldo); break;
     }
 }
 
