@@ -31,6 +31,7 @@ ACTIVATIONS_ENV = "MACE_GGUF_ACTIVATIONS"
 # whatever the weight's size.
 TILE_ELEMENTS = 1 << 20
 SOURCE = Path(__file__).with_name("gguf_native.c")
+INCLUDES = (SOURCE.with_name("gguf_native_q8.c"),)  # what SOURCE includes (part of the build's key)
 _FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
 # Weights each thread takes at least (a hand-off to a pool thread costs 10-50 us on a quiet machine,
 # milliseconds on a loaded one), and the rows of x above which a product de-quantises tiles of W for
@@ -54,7 +55,7 @@ def enabled() -> bool:
 def _library() -> ctypes.CDLL | None:
     """The built kernels, or None (logged once) where they cannot be had."""
     try:
-        return bind(build_library(SOURCE, _FLAGS))
+        return bind(build_library(SOURCE, _FLAGS, INCLUDES))
     except KernelUnavailable as e:
         log.info("GGUF blocks go through gguf's numpy de-quantisation: %s", e)
         return None

@@ -58,7 +58,8 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _generic_library():
     """gguf_native.c built with its portable loops only (what aarch64 without AVX2 runs)."""
     try:
-        return gguf_kernel.bind(build_library(gguf_kernel.SOURCE, gguf_kernel._FLAGS + ["-DGG_GENERIC"]))
+        return gguf_kernel.bind(build_library(gguf_kernel.SOURCE, gguf_kernel._FLAGS + ["-DGG_GENERIC"],
+                                                gguf_kernel.INCLUDES))
     except KernelUnavailable:
         return None
 
