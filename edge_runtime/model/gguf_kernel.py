@@ -138,11 +138,17 @@ def _reference_rows(raw: Tensor, qtype: GGMLQuantizationType, lo: int, hi: int) 
     return torch.from_numpy(np.ascontiguousarray(gguf_quants.dequantize(raw[lo:hi].numpy(), qtype)))
 
 
+def _ok(status: int, qtype: GGMLQuantizationType) -> None:
+    """The compiled call's status: -1 is a type it does not handle (its output is not written)."""
+    if status != 0:
+        raise GGUFKernelError(f"the compiled kernels do not handle {qtype.name}")
+
+
 def _compiled_rows(lib: ctypes.CDLL, raw: Tensor, qtype: GGMLQuantizationType, k: int, lo: int, hi: int,
                    out: Tensor) -> None:
     """out (float32 [hi - lo, k], contiguous) = rows lo:hi de-quantised by the compiled kernels."""
     def run(a: int, b: int) -> None:
-        lib.gg_dequant(int(qtype), raw[lo + a].data_ptr(), b - a, k, out[a].data_ptr())
+        _ok(lib.gg_dequant(int(qtype), raw[lo + a].data_ptr(), b - a, k, out[a].data_ptr()), qtype)
 
     _split(hi - lo, (hi - lo) * k, run)
 
@@ -217,12 +223,12 @@ def matmul(x: Tensor, raw: Tensor, qtype: GGMLQuantizationType, k: int, out: Ten
             lib.gg_quantize_x(x.data_ptr(), m, k, qx.data_ptr(), dx.data_ptr())
 
             def run(lo: int, hi: int) -> None:
-                lib.gg_matmul_q8(int(qtype), raw[lo].data_ptr(), hi - lo, k, qx.data_ptr(), dx.data_ptr(), m, xs,
-                                 out[:, lo:].data_ptr(), n)
+                _ok(lib.gg_matmul_q8(int(qtype), raw[lo].data_ptr(), hi - lo, k, qx.data_ptr(), dx.data_ptr(), m,
+                                     xs, out[:, lo:].data_ptr(), n), qtype)
         else:
             def run(lo: int, hi: int) -> None:
-                lib.gg_matmul(int(qtype), raw[lo].data_ptr(), hi - lo, k, x.data_ptr(), m, xs,
-                              out[:, lo:].data_ptr(), n)
+                _ok(lib.gg_matmul(int(qtype), raw[lo].data_ptr(), hi - lo, k, x.data_ptr(), m, xs,
+                                  out[:, lo:].data_ptr(), n), qtype)
 
         _split(n, n * k, run)
         return out
