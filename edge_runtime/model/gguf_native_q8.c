@@ -208,12 +208,24 @@ static inline __m256i dot4(__m256i a, __m256i b) {
 #include <arm_neon.h>
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(GG_GENERIC)
+#define GG_AVX512 1
+/* Lane l of a 16-lane product covers weights 4l..4l+3 of 64: the per-16 scale of lane l is S[l/4 + 4p]
+   for the p-th 64 of a tile (S: 16 scales per tile), or S[l/8 + 2p] with 8 per-32 scales. */
+static inline __m512i lane_ids(void) { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+static inline __m512i lanes_of(int per16, int p) {
+    return per16 ? _mm512_add_epi32(_mm512_set1_epi32(4 * p), _mm512_srli_epi32(lane_ids(), 2))
+                 : _mm512_add_epi32(_mm512_set1_epi32(2 * p), _mm512_srli_epi32(lane_ids(), 3));
+}
+#endif
+
 /* Inlined once per row count (1..8) so that each row's accumulator stays in a register. */
 static inline __attribute__((always_inline)) void rows_q8(int type, const uint8_t *raw, int64_t rb, int64_t n,
                                                           int64_t k, const int8_t *qx, const float *dx, const int64_t m,
                                                           const float *xs, float *out, int64_t ldo) {
     CONTRACT
-    int8_t lev[TILE] __attribute__((aligned(32)));
+    int8_t lev[TILE] __attribute__((aligned(64)));
     float sc16[TILE / 16], off[TILE / 32];
     const int offs = has_offset(type);
     const int64_t kb = k / 32;
@@ -223,6 +235,10 @@ static inline __attribute__((always_inline)) void rows_q8(int type, const uint8_
 #if defined(__AVX2__) && !defined(GG_GENERIC)
         __m256 acc[MAX_ROWS];
         for (int64_t r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+#if defined(GG_AVX512)
+        __m512 acc5[MAX_ROWS];
+        for (int64_t r = 0; r < m; r++) acc5[r] = _mm512_setzero_ps();
+#endif
 #elif defined(__aarch64__) && defined(__ARM_NEON) && !defined(GG_GENERIC)
         float32x4_t acc[MAX_ROWS];
         for (int64_t r = 0; r < m; r++) acc[r] = vdupq_n_f32(0.0f);
@@ -231,6 +247,33 @@ static inline __attribute__((always_inline)) void rows_q8(int type, const uint8_
         for (int64_t t0 = 0; t0 < k; t0 += TILE) {
             const int64_t len = k - t0 < TILE ? k - t0 : TILE;
             levels_tile(type, row, t0, len, lev, sc16, off);
+#if defined(GG_AVX512)
+            if (len == TILE) { /* 64 weights a step: four 512-bit dot products per tile */
+                const int per16 = type == T_Q6_K;
+                __m512i aw[4];
+                __mmask64 neg[4];
+                for (int p = 0; p < 4; p++) {
+                    const __m512i w = _mm512_load_si512((const void *)(lev + 64 * p));
+                    neg[p] = offs ? 0 : _mm512_movepi8_mask(w);
+                    aw[p] = offs ? w : _mm512_abs_epi8(w);
+                }
+                const __m512 sc = per16 ? _mm512_loadu_ps(sc16) : _mm512_castps256_ps512(_mm256_loadu_ps(sc16));
+                for (int64_t r = 0; r < m; r++) {
+                    const float *d8 = dx + r * kb + t0 / 32;
+                    /* each scale times its 32 values' dx: per 16, dx repeats for the pair */
+                    const __m512 d = _mm512_castps256_ps512(_mm256_loadu_ps(d8));
+                    const __m512 dxs = per16 ? _mm512_permutexvar_ps(_mm512_srli_epi32(lane_ids(), 1), d) : d;
+                    const __m512 s = _mm512_mul_ps(sc, dxs);
+                    const int8_t *xr = qx + r * k + t0;
+                    for (int p = 0; p < 4; p++) {
+                        __m512i xq = _mm512_loadu_si512((const void *)(xr + 64 * p));
+                        if (!offs) xq = _mm512_mask_sub_epi8(xq, neg[p], _mm512_setzero_si512(), xq);
+                        const __m512 f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), aw[p], xq));
+                        acc5[r] = _mm512_fmadd_ps(f, _mm512_permutexvar_ps(lanes_of(per16, p), s), acc5[r]);
+                    }
+                }
+            } else
+#endif
             for (int64_t j = 0; j < len / 32; j++) {
                 const int64_t b = t0 / 32 + j;
 #if defined(__AVX2__) && !defined(GG_GENERIC)
@@ -303,6 +346,9 @@ static inline __attribute__((always_inline)) void rows_q8(int type, const uint8_
             h = _mm_add_ps(h, _mm_movehl_ps(h, h));
             h = _mm_add_ss(h, _mm_movehdup_ps(h));
             tail[r] += _mm_cvtss_f32(h);
+#if defined(GG_AVX512)
+            tail[r] += _mm512_reduce_add_ps(acc5[r]);
+#endif
 #elif defined(__aarch64__) && defined(__ARM_NEON) && !defined(GG_GENERIC)
             tail[r] += vaddvq_f32(acc[r]);
 #endif
@@ -343,9 +389,10 @@ static void row1_levels(int type, const uint8_t *raw, int64_t rb, int64_t n, int
                 const int8_t *w = lev + 32 * j;
                 const float *xr = x + t0 + 32 * j;
                 __m256 p[4];
-                for (int e = 0; e < 4; e++)
-                    p[e] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + 8 * e)))),
-                                         _mm256_loadu_ps(xr + 8 * e));
+                for (int e = 0; e < 4; e++) {
+                    const __m128i q = _mm_loadl_epi64((const __m128i *)(w + 8 * e));
+                    p[e] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_loadu_ps(xr + 8 * e));
+                }
                 if (type == T_Q6_K) {
                     acc = _mm256_fmadd_ps(_mm256_add_ps(p[0], p[1]), _mm256_set1_ps(sc16[2 * j]), acc);
                     acc = _mm256_fmadd_ps(_mm256_add_ps(p[2], p[3]), _mm256_set1_ps(sc16[2 * j + 1]), acc);

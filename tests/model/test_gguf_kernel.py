@@ -4,6 +4,7 @@ x @ dequantize(W).T, for every supported type, on the compiled path and the refe
 from __future__ import annotations
 
 import functools
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -55,26 +56,32 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _generic_library():
-    """gguf_native.c built with its portable loops only (what aarch64 without AVX2 runs)."""
+def _variant_library(extra: tuple[str, ...]):
+    """gguf_native.c built with extra flags: -DGG_GENERIC (the portable loops other machines run),
+    -mno-avx512f -mno-avxvnni (an AVX2-only x86: maddubs for the int8 dot)."""
     try:
-        return gguf_kernel.bind(build_library(gguf_kernel.SOURCE, gguf_kernel._FLAGS + ["-DGG_GENERIC"],
-                                                gguf_kernel.INCLUDES))
+        return gguf_kernel.bind(build_library(gguf_kernel.SOURCE, gguf_kernel._FLAGS + list(extra),
+                                              gguf_kernel.INCLUDES))
     except KernelUnavailable:
         return None
 
 
-@pytest.fixture(params=["compiled", "portable", "reference"])
+_VARIANTS = {"portable": ("-DGG_GENERIC",), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
+
+
+@pytest.fixture(params=["compiled", "portable", "avx2", "reference"])
 def path(request, monkeypatch):
     if request.param == "reference":
         monkeypatch.setenv(gguf_kernel.ENV, "off")
         assert not gguf_kernel.available()
     elif not gguf_kernel.available():
         pytest.skip("the compiled GGUF kernels are not available here")
-    elif request.param == "portable":
-        lib = _generic_library()
+    elif request.param in _VARIANTS:
+        if request.param == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("an x86 build")
+        lib = _variant_library(_VARIANTS[request.param])
         if lib is None:
-            pytest.skip("the portable build is not available here")
+            pytest.skip(f"the {request.param} build is not available here")
         monkeypatch.setattr(gguf_kernel, "_library", lambda: lib)
     return request.param
 
@@ -184,7 +191,7 @@ def test_int8_activations_within_their_bound(qtype, m, path, monkeypatch):
     """int8 activations (opt-in) stay within x's rounding bound of the float product; on the
     reference path the switch is ignored (the float product)."""
     monkeypatch.setenv(gguf_kernel.ACTIVATIONS_ENV, "int8")
-    k = 512
+    k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 608  # 608: two whole 256-weight tiles and a part
     raw = make_blocks(qtype, 37, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     x[0, :32] = 0.0  # an all-zero block of x (scale 0)
