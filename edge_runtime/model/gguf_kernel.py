@@ -98,8 +98,14 @@ def _split(n: int, weights: int, run) -> None:
         run(0, n)
         return
     step = -(-n // threads)
-    for f in [_pool(threads).submit(run, lo, min(n, lo + step)) for lo in range(0, n, step)]:
-        f.result()
+    ranges = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+    # The calling thread takes the first range itself: one pool hand-off fewer per product.
+    futures = [_pool(len(ranges) - 1).submit(run, lo, hi) for lo, hi in ranges[1:]] if len(ranges) > 1 else []
+    try:
+        run(*ranges[0])
+    finally:
+        for f in futures:
+            f.result()
 
 
 def row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
