@@ -56,6 +56,15 @@ class _UserProgress:
     trained: dict[Item, float] = field(default_factory=dict)
     in_flight: dict[Item, str] = field(default_factory=dict)  # item -> engine job id
     publishing: bool = False
+    # From the decision to publish until the candidate's snapshot is taken: no update may start
+    # (the snapshot holds exactly the items in `judged`). After it, the next items train while
+    # the guard evaluates, on the trainer that goes on from the candidate.
+    frozen: bool = False
+    judged: set[Item] = field(default_factory=set)  # the items of the candidate being evaluated
+
+    def unjudged(self) -> int:
+        """Items trained since the candidate under evaluation (all trained ones when none is)."""
+        return sum(1 for item in self.trained if item not in self.judged)
 
 
 @dataclass(frozen=True)
@@ -105,8 +114,8 @@ class EngineFineTuner(GuardedPublishing):
         self._attempts: dict[Item, int] = {}
         self._forgotten: set[str] = set()
         self._generation: dict[str, int] = {}  # per user; bumped when the trainer is reset
-        # Served version's held-out metrics by (version, fleet, pair ids): immutable, so kept.
-        self._served_metrics: dict[str, tuple[tuple[Any, ...], Any]] = {}
+        # Served version's held-out log-prob rows by (version, fleet) and pair: immutable, so kept.
+        self._served_rows: dict[str, tuple[tuple[Any, ...], dict[Any, tuple[float, ...]]]] = {}
         self._done: asyncio.Queue[_Done] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_task: asyncio.Task[None] | None = None
@@ -262,7 +271,7 @@ class EngineFineTuner(GuardedPublishing):
         def purge(engine: Engine) -> bool:
             engine.cancel_finetune(user=user)
             self._trainers.pop(user, None)
-            self._served_metrics.pop(user, None)  # numbering restarts after an erasure
+            self._served_rows.pop(user, None)  # numbering restarts after an erasure
             root = engine.adapters.root
             had_folder = root is not None and (root / user).exists()
             engine.adapters.forget(user)  # versions, retire markers, events; in-flight rows finish
@@ -347,7 +356,7 @@ class EngineFineTuner(GuardedPublishing):
         for user in touched:
             progress = self._progress.get(user)
             if (progress is not None and not progress.in_flight and not self._stopping
-                    and len(progress.trained) >= self.settings.pairs_per_version):
+                    and not progress.publishing and progress.unjudged() >= self.settings.pairs_per_version):
                 self._publish_soon(user)
 
     async def _feed(self) -> None:
@@ -357,8 +366,9 @@ class EngineFineTuner(GuardedPublishing):
         assert self.store is not None
         if self.paused_reason is not None:
             return
-        # A user whose publish is under way (or about to start) waits: no update mid-snapshot.
-        busy = {u for u, p in self._progress.items() if p.in_flight or p.publishing} | set(self._publish_tasks)
+        # A user whose batch is in flight, or whose candidate is about to be snapshotted, waits;
+        # one whose candidate is being evaluated does not (the snapshot is a copy).
+        busy = {u for u, p in self._progress.items() if p.in_flight or p.frozen}
         trained = {key for p in self._progress.values() for key in p.trained}  # pending in the store
         pairs = await asyncio.to_thread(self.store.next_pairs, None, 64)
         unpaired = await asyncio.to_thread(self.store.next_unpaired, None, 64)
@@ -372,17 +382,21 @@ class EngineFineTuner(GuardedPublishing):
                     or self._attempts.get(key, 0) >= MAX_ATTEMPTS):
                 continue  # (trained: pending until its version is decided)
             progress = self._progress.setdefault(user, _UserProgress())
-            room = self.settings.pairs_per_version - len(progress.trained)
+            room = self.settings.pairs_per_version - progress.unjudged()
+            if room <= 0:
+                continue  # a whole batch is trained: it is published (below, or after the verdict under way)
             batch = batches.setdefault(user, [])
-            if len(batch) < max(1, room):
+            if len(batch) < room:
                 batch.append((key, record))
         if batches:
             await self._queue(batches)
         waiting = {r.user_id for key, r in records if key not in trained}
         for user, progress in list(self._progress.items()):
-            if (user not in waiting and not progress.in_flight and not progress.publishing
-                    and progress.trained):
-                self._publish_soon(user)  # nothing left to add: publish what there is
+            if (not progress.in_flight and not progress.publishing and user not in self._publish_tasks
+                    and progress.trained and (user not in waiting
+                                              or progress.unjudged() >= self.settings.pairs_per_version)):
+                # Nothing left to add, or a batch trained while the previous candidate was judged.
+                self._publish_soon(user)
 
     async def _queue(self, batches: dict[str, list[tuple[Item, PreferencePair | UnpairedExample]]]) -> None:
         loop = self._loop
@@ -392,7 +406,10 @@ class EngineFineTuner(GuardedPublishing):
         def queue(engine: Engine) -> dict[str, dict[Item, str]]:
             queued: dict[str, dict[Item, str]] = {}
             for user, items in batches.items():
-                trainer = self._trainer(engine, user)
+                progress = self._progress.get(user)
+                # The guard under way scores the candidate on the trainer's fleet version: a new
+                # fleet version goes beneath the adapter once no evaluation reads it.
+                trainer = self._trainer(engine, user, fleet=progress is None or not progress.publishing)
                 generation = self._generation.get(user, 0)
                 for key, record in items:
                     def finished(job: FineTuneJob, user: str = user, key: Item = key,
@@ -419,7 +436,7 @@ class EngineFineTuner(GuardedPublishing):
             self._progress.setdefault(user, _UserProgress()).in_flight.update(jobs)
             self.pairs_queued += len(jobs)
 
-    def _trainer(self, engine: Engine, user: str) -> AdapterTrainer:
+    def _trainer(self, engine: Engine, user: str, fleet: bool = True) -> AdapterTrainer:
         trainer = self._trainers.get(user)
         if trainer is None:
             from edge_runtime.train.optim import OptimizerSettings
@@ -434,5 +451,6 @@ class EngineFineTuner(GuardedPublishing):
                 optimizer=OptimizerSettings(learning_rate=self.settings.learning_rate)))
             reset_trainer(engine, user, trainer)
             self._trainers[user] = trainer
-        train_on_served_fleet(engine, trainer)
+        if fleet:
+            train_on_served_fleet(engine, trainer)
         return trainer
