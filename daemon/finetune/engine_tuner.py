@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from daemon.config import FineTuneSettings
 from daemon.engine_thread import EngineThread
+from daemon.finetune.progress import ProgressWatch
 from daemon.finetune.publishing import GuardedPublishing
 from daemon.finetune.trainers import cancel_all, reset_trainer, train_on_served_fleet
 from daemon.privacy import LogPseudonyms
@@ -121,6 +122,7 @@ class EngineFineTuner(GuardedPublishing):
         self._loop_task: asyncio.Task[None] | None = None
         self._look_at = 0.0  # when the store is read for pending pairs next (monotonic)
         self._stopping = False
+        self.watch = ProgressWatch()  # seconds without a trained item or decided candidate (status)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -235,11 +237,25 @@ class EngineFineTuner(GuardedPublishing):
             "max_restarts": stats.get("finetune_max_restarts"),
             "restarts_by_job": {job["job_id"]: job["restarts"] for job in stats.get("finetune_jobs", ())
                                 if job.get("restarts")} or None,
+            # Seconds since an item was trained or a candidate decided, while work is under way
+            # (0 otherwise); the longest such stretch; stretches past 60 s (each logged once).
+            "since_progress_s": round(self.watch.check(self._busy() and not self.paused_reason), 1),
+            "longest_stall_s": round(self.watch.longest_s, 1), "stall_warnings": self.watch.warnings,
             "versions_published": self.versions_published, "versions_rejected": self.versions_rejected,
             "pairs_per_version": self.settings.pairs_per_version, "last_loss": self.last_loss,
             "errors": self.errors, "last_guard": decision or None, "guard_seconds": round(self.guard_seconds, 3),
             "alignment": (decision.get("after") or {}) if decision else {},
         }
+
+    def _busy(self) -> bool:
+        return any(p.in_flight or p.publishing for p in self._progress.values())
+
+    def _describe(self) -> str:
+        stats = self.engine.stats
+        return (f"{sum(len(p.in_flight) for p in self._progress.values())} item(s) in flight, "
+                f"{sum(p.publishing for p in self._progress.values())} candidate(s) being judged, "
+                f"{stats.get('finetune_stages_run', 0)} stages and {stats.get('finetune_seconds', 0.0):.0f} s "
+                f"of fine-tuning so far, {stats.get('finetune_restarts', 0)} restart(s)")
 
     def holds_model(self) -> str | None:
         """Training holds the model (engine.keep_alive) from an item's queueing to its publication."""
@@ -302,6 +318,7 @@ class EngineFineTuner(GuardedPublishing):
                 except asyncio.TimeoutError:
                     first = None
                 await self._handle_done(first)
+                self.watch.check(self._busy() and self.paused_reason is None, self._describe)
                 now = time.monotonic()
                 if first is not None:
                     self._look_at = 0.0  # a batch may have ended: look for the next one
@@ -347,6 +364,7 @@ class EngineFineTuner(GuardedPublishing):
             # Recorded in the store with its version (publishing.py), not now: until then the
             # update lives only in the trainer's weights.
             progress.trained[item.item] = float(item.loss) if item.loss is not None else 0.0
+            self.watch.progressed()
             self.optimizer_steps += item.stepped
             if item.item[0] == PAIR:
                 self.pairs_trained += 1

@@ -43,6 +43,7 @@ class GuardedPublishing:
     _served_rows: dict[str, tuple[tuple[Any, ...], dict[Any, tuple[float, ...]]]]
 
     _look_at: float
+    watch: Any
     _publish_tasks: dict[str, asyncio.Task[None]]
 
     async def forget(self, user: str) -> bool: ...
@@ -111,6 +112,7 @@ class GuardedPublishing:
                 progress.trained.clear()  # their updates are gone; still pending, trained again
             return  # cancelled (erasure, shutdown) or failed: the items stay trained, published later
         decision, ref, path = outcome
+        self.watch.progressed()
         losses = [(item, progress.trained.pop(item, 0.0)) for item in items]
         if decision.get("trainer_reset"):
             progress.trained.clear()  # trained meanwhile on the refused candidate: still pending, trained again

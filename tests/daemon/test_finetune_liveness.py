@@ -146,3 +146,23 @@ def test_training_items_finish_while_candidates_are_judged(tiny_model_dir: Path,
         run = run + 1 if kind == "guard" and training else 0
         longest = max(longest, run)
     assert longest < shortest, (longest, shortest)
+
+
+def test_a_stretch_without_progress_is_measured_and_warned_once(caplog: Any) -> None:
+    from daemon.finetune.progress import ProgressWatch
+
+    now = [0.0]
+    watch = ProgressWatch(warn_s=60.0, clock=lambda: now[0])
+    now[0] = 100.0
+    assert watch.check(busy=False) == 0.0  # idle: no stretch
+    now[0] = 130.0
+    assert watch.check(busy=True) == 30.0 and watch.warnings == 0
+    with caplog.at_level("WARNING", logger="daemon.finetune.progress"):
+        now[0] = 170.0
+        assert watch.check(busy=True, describe=lambda: "2 item(s) in flight") == 70.0
+        now[0] = 200.0
+        watch.check(busy=True)
+    assert watch.warnings == 1 and "no progress for 70 s" in caplog.text and "2 item(s) in flight" in caplog.text
+    watch.progressed()
+    now[0] = 210.0
+    assert watch.check(busy=True) == 10.0 and watch.longest_s == 100.0
