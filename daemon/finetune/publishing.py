@@ -51,7 +51,8 @@ class GuardedPublishing:
     def _publish_soon(self, user: str) -> None:
         """Publish `user`'s trained items in a task of its own: the guard's evaluation takes a
         while beside serving, and meanwhile other users' finished items are recorded and their
-        next batches queued (the user's own wait: `publishing` marks them busy)."""
+        next batches queued, and so is the user's own once the candidate's snapshot is taken
+        (`frozen` until then)."""
         if user in self._publish_tasks:
             return
         progress = self._progress.get(user)
