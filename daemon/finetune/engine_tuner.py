@@ -11,9 +11,9 @@ version through the regression guard once a user has `pairs_per_version` trained
 guard's evaluation runs as background stages too: publishing.py).
 
 A user's pairs and unpaired examples (each an "item": one staged task, DPO or KTO) go to the
-engine in batches of at most `pairs_per_version` items; the next batch waits
-until the current one has finished and been published, so a published version is never taken
-in the middle of an update.
+engine in batches of at most `pairs_per_version` items; the next batch waits until the current
+one has finished and its candidate has been snapshotted for the guard (not for the verdict), so a
+candidate is never taken in the middle of an update and holds exactly the items it is recorded with.
 """
 
 from __future__ import annotations
