@@ -206,6 +206,9 @@ class _StatusCollector(Collector):
                            ft.get("stalled_jobs", 0))
             yield _gauge("mace_finetune_stalling_jobs", "Queued fine-tune jobs restarted at least half of "
                          "max_restarts times", ft.get("stalling_jobs", 0))
+        if ft.get("since_progress_s") is not None:
+            yield _gauge("mace_finetune_since_progress_seconds", "Seconds since a fine-tune item was trained or a "
+                         "candidate decided, while work is under way (0 otherwise)", ft["since_progress_s"])
         yield _gauge("mace_finetune_last_loss", "DPO loss of the last trained pair", ft.get("last_loss"))
         yield _gauge("mace_finetune_pairs_per_version", "Pairs trained per published version",
                      ft.get("pairs_per_version"))

@@ -70,6 +70,7 @@ class FineTuneSettings:
     guard_tokens: int = 16  # tokens per answer (docs/training.md, "Degeneration")
     guard_kl_budget: float = 1.0  # mean KL(candidate || base) per answer token allowed (nats)
     guard_distinct_2_drop: float = 0.10  # largest fraction distinct-2 may fall below the base's
+    guard_pairs: int = 16  # held-out pairs a candidate is judged on at most (0: all; docs/training.md)
     # Adapter versions a publish leaves on disk per user: the newest k, plus any rolled back to
     # and any a request is using (docs/training.md, "Retention"). Erasure removes all of them.
     keep_versions: int = 5

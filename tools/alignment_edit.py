@@ -361,6 +361,7 @@ def run(args: argparse.Namespace, partial: dict[str, Any] | None = None) -> dict
                 "versions_published": after["versions_published"], "versions_rejected": after["versions_rejected"],
                 "restarts": after.get("restarts"), "stalled_jobs": after.get("stalled_jobs"), "errors": after["errors"],
                 "longest_stall_s": round(watch.longest_stall_s, 1), "stall_at_s": watch.stall_at,
+                "daemon_longest_stall_s": after.get("longest_stall_s"), "stall_warnings": after.get("stall_warnings"),
                 "while_serving": {
                     "pairs": pairs_during,
                     "finetune_s_per_pair": round((mid["finetune_seconds"] - before["finetune_seconds"])
@@ -464,7 +465,9 @@ def markdown(result: dict[str, Any]) -> str:
               f"{t['restarts']}, stalled jobs {t['stalled_jobs']}, errors {t['errors']}",
               f"- longest stretch without a finished item while work was pending: **{t['longest_stall_s']} s** "
               f"(at {t['stall_at_s']} s); from the status samples, leaving out admission's pauses: "
-              f"{t.get('longest_stall_unpaused_s', longest_stall(result.get('status_samples') or []))} s",
+              f"{t.get('longest_stall_unpaused_s', longest_stall(result.get('status_samples') or []))} s; "
+              f"maced's own (status `longest_stall_s`, in flight or judged, not paused): "
+              f"{t.get('daemon_longest_stall_s')} s, {t.get('stall_warnings')} warning(s) past 60 s",
               f"- time per trained pair while serving the teaching traffic: {ws['finetune_s_per_pair']} s of engine "
               f"fine-tune stages, {ws['wall_s_per_pair']} s wall ({ws['pairs']} pairs)",
               f"- alone ({alone.get('pairs_trained')} pairs, no other request): {alone.get('finetune_s_per_pair')} s "

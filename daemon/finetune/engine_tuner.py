@@ -11,9 +11,9 @@ version through the regression guard once a user has `pairs_per_version` trained
 guard's evaluation runs as background stages too: publishing.py).
 
 A user's pairs and unpaired examples (each an "item": one staged task, DPO or KTO) go to the
-engine in batches of at most `pairs_per_version` items; the next batch waits
-until the current one has finished and been published, so a published version is never taken
-in the middle of an update.
+engine in batches of at most `pairs_per_version` items; the next batch waits until the current
+one has finished and its candidate has been snapshotted for the guard (not for the verdict), so a
+candidate is never taken in the middle of an update and holds exactly the items it is recorded with.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from daemon.config import FineTuneSettings
 from daemon.engine_thread import EngineThread
+from daemon.finetune.progress import ProgressWatch
 from daemon.finetune.publishing import GuardedPublishing
 from daemon.finetune.trainers import cancel_all, reset_trainer, train_on_served_fleet
 from daemon.privacy import LogPseudonyms
@@ -56,6 +57,15 @@ class _UserProgress:
     trained: dict[Item, float] = field(default_factory=dict)
     in_flight: dict[Item, str] = field(default_factory=dict)  # item -> engine job id
     publishing: bool = False
+    # From the decision to publish until the candidate's snapshot is taken: no update may start
+    # (the snapshot holds exactly the items in `judged`). After it, the next items train while
+    # the guard evaluates, on the trainer that goes on from the candidate.
+    frozen: bool = False
+    judged: set[Item] = field(default_factory=set)  # the items of the candidate being evaluated
+
+    def unjudged(self) -> int:
+        """Items trained since the candidate under evaluation (all trained ones when none is)."""
+        return sum(1 for item in self.trained if item not in self.judged)
 
 
 @dataclass(frozen=True)
@@ -105,13 +115,14 @@ class EngineFineTuner(GuardedPublishing):
         self._attempts: dict[Item, int] = {}
         self._forgotten: set[str] = set()
         self._generation: dict[str, int] = {}  # per user; bumped when the trainer is reset
-        # Served version's held-out metrics by (version, fleet, pair ids): immutable, so kept.
-        self._served_metrics: dict[str, tuple[tuple[Any, ...], Any]] = {}
+        # Served version's held-out log-prob rows by (version, fleet) and pair: immutable, so kept.
+        self._served_rows: dict[str, tuple[tuple[Any, ...], dict[Any, tuple[float, ...]]]] = {}
         self._done: asyncio.Queue[_Done] = asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._look_at = 0.0  # when the store is read for pending pairs next (monotonic)
         self._stopping = False
+        self.watch = ProgressWatch()  # seconds without a trained item or decided candidate (status)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -226,11 +237,25 @@ class EngineFineTuner(GuardedPublishing):
             "max_restarts": stats.get("finetune_max_restarts"),
             "restarts_by_job": {job["job_id"]: job["restarts"] for job in stats.get("finetune_jobs", ())
                                 if job.get("restarts")} or None,
+            # Seconds since an item was trained or a candidate decided, while work is under way
+            # (0 otherwise); the longest such stretch; stretches past 60 s (each logged once).
+            "since_progress_s": round(self.watch.check(self._busy() and not self.paused_reason), 1),
+            "longest_stall_s": round(self.watch.longest_s, 1), "stall_warnings": self.watch.warnings,
             "versions_published": self.versions_published, "versions_rejected": self.versions_rejected,
             "pairs_per_version": self.settings.pairs_per_version, "last_loss": self.last_loss,
             "errors": self.errors, "last_guard": decision or None, "guard_seconds": round(self.guard_seconds, 3),
             "alignment": (decision.get("after") or {}) if decision else {},
         }
+
+    def _busy(self) -> bool:
+        return any(p.in_flight or p.publishing for p in self._progress.values())
+
+    def _describe(self) -> str:
+        stats = self.engine.stats
+        return (f"{sum(len(p.in_flight) for p in self._progress.values())} item(s) in flight, "
+                f"{sum(p.publishing for p in self._progress.values())} candidate(s) being judged, "
+                f"{stats.get('finetune_stages_run', 0)} stages and {stats.get('finetune_seconds', 0.0):.0f} s "
+                f"of fine-tuning so far, {stats.get('finetune_restarts', 0)} restart(s)")
 
     def holds_model(self) -> str | None:
         """Training holds the model (engine.keep_alive) from an item's queueing to its publication."""
@@ -262,7 +287,7 @@ class EngineFineTuner(GuardedPublishing):
         def purge(engine: Engine) -> bool:
             engine.cancel_finetune(user=user)
             self._trainers.pop(user, None)
-            self._served_metrics.pop(user, None)  # numbering restarts after an erasure
+            self._served_rows.pop(user, None)  # numbering restarts after an erasure
             root = engine.adapters.root
             had_folder = root is not None and (root / user).exists()
             engine.adapters.forget(user)  # versions, retire markers, events; in-flight rows finish
@@ -293,6 +318,7 @@ class EngineFineTuner(GuardedPublishing):
                 except asyncio.TimeoutError:
                     first = None
                 await self._handle_done(first)
+                self.watch.check(self._busy() and self.paused_reason is None, self._describe)
                 now = time.monotonic()
                 if first is not None:
                     self._look_at = 0.0  # a batch may have ended: look for the next one
@@ -338,6 +364,7 @@ class EngineFineTuner(GuardedPublishing):
             # Recorded in the store with its version (publishing.py), not now: until then the
             # update lives only in the trainer's weights.
             progress.trained[item.item] = float(item.loss) if item.loss is not None else 0.0
+            self.watch.progressed()
             self.optimizer_steps += item.stepped
             if item.item[0] == PAIR:
                 self.pairs_trained += 1
@@ -347,7 +374,7 @@ class EngineFineTuner(GuardedPublishing):
         for user in touched:
             progress = self._progress.get(user)
             if (progress is not None and not progress.in_flight and not self._stopping
-                    and len(progress.trained) >= self.settings.pairs_per_version):
+                    and not progress.publishing and progress.unjudged() >= self.settings.pairs_per_version):
                 self._publish_soon(user)
 
     async def _feed(self) -> None:
@@ -357,8 +384,9 @@ class EngineFineTuner(GuardedPublishing):
         assert self.store is not None
         if self.paused_reason is not None:
             return
-        # A user whose publish is under way (or about to start) waits: no update mid-snapshot.
-        busy = {u for u, p in self._progress.items() if p.in_flight or p.publishing} | set(self._publish_tasks)
+        # A user whose batch is in flight, or whose candidate is about to be snapshotted, waits;
+        # one whose candidate is being evaluated does not (the snapshot is a copy).
+        busy = {u for u, p in self._progress.items() if p.in_flight or p.frozen}
         trained = {key for p in self._progress.values() for key in p.trained}  # pending in the store
         pairs = await asyncio.to_thread(self.store.next_pairs, None, 64)
         unpaired = await asyncio.to_thread(self.store.next_unpaired, None, 64)
@@ -372,17 +400,21 @@ class EngineFineTuner(GuardedPublishing):
                     or self._attempts.get(key, 0) >= MAX_ATTEMPTS):
                 continue  # (trained: pending until its version is decided)
             progress = self._progress.setdefault(user, _UserProgress())
-            room = self.settings.pairs_per_version - len(progress.trained)
+            room = self.settings.pairs_per_version - progress.unjudged()
+            if room <= 0:
+                continue  # a whole batch is trained: it is published (below, or after the verdict under way)
             batch = batches.setdefault(user, [])
-            if len(batch) < max(1, room):
+            if len(batch) < room:
                 batch.append((key, record))
         if batches:
             await self._queue(batches)
         waiting = {r.user_id for key, r in records if key not in trained}
         for user, progress in list(self._progress.items()):
-            if (user not in waiting and not progress.in_flight and not progress.publishing
-                    and progress.trained):
-                self._publish_soon(user)  # nothing left to add: publish what there is
+            if (not progress.in_flight and not progress.publishing and user not in self._publish_tasks
+                    and progress.trained and (user not in waiting
+                                              or progress.unjudged() >= self.settings.pairs_per_version)):
+                # Nothing left to add, or a batch trained while the previous candidate was judged.
+                self._publish_soon(user)
 
     async def _queue(self, batches: dict[str, list[tuple[Item, PreferencePair | UnpairedExample]]]) -> None:
         loop = self._loop
@@ -392,7 +424,10 @@ class EngineFineTuner(GuardedPublishing):
         def queue(engine: Engine) -> dict[str, dict[Item, str]]:
             queued: dict[str, dict[Item, str]] = {}
             for user, items in batches.items():
-                trainer = self._trainer(engine, user)
+                progress = self._progress.get(user)
+                # The guard under way scores the candidate on the trainer's fleet version: a new
+                # fleet version goes beneath the adapter once no evaluation reads it.
+                trainer = self._trainer(engine, user, fleet=progress is None or not progress.publishing)
                 generation = self._generation.get(user, 0)
                 for key, record in items:
                     def finished(job: FineTuneJob, user: str = user, key: Item = key,
@@ -419,7 +454,7 @@ class EngineFineTuner(GuardedPublishing):
             self._progress.setdefault(user, _UserProgress()).in_flight.update(jobs)
             self.pairs_queued += len(jobs)
 
-    def _trainer(self, engine: Engine, user: str) -> AdapterTrainer:
+    def _trainer(self, engine: Engine, user: str, fleet: bool = True) -> AdapterTrainer:
         trainer = self._trainers.get(user)
         if trainer is None:
             from edge_runtime.train.optim import OptimizerSettings
@@ -434,5 +469,6 @@ class EngineFineTuner(GuardedPublishing):
                 optimizer=OptimizerSettings(learning_rate=self.settings.learning_rate)))
             reset_trainer(engine, user, trainer)
             self._trainers[user] = trainer
-        train_on_served_fleet(engine, trainer)
+        if fleet:
+            train_on_served_fleet(engine, trainer)
         return trainer

@@ -40,9 +40,10 @@ class GuardedPublishing:
     _forgotten: set[str]
     _stopping: bool
     _generation: dict[str, int]
-    _served_metrics: dict[str, tuple[tuple[Any, ...], Any]]
+    _served_rows: dict[str, tuple[tuple[Any, ...], dict[Any, tuple[float, ...]]]]
 
     _look_at: float
+    watch: Any
     _publish_tasks: dict[str, asyncio.Task[None]]
 
     async def forget(self, user: str) -> bool: ...
@@ -50,14 +51,21 @@ class GuardedPublishing:
     def _publish_soon(self, user: str) -> None:
         """Publish `user`'s trained items in a task of its own: the guard's evaluation takes a
         while beside serving, and meanwhile other users' finished items are recorded and their
-        next batches queued (the user's own wait: `publishing` marks them busy)."""
+        next batches queued, and so is the user's own once the candidate's snapshot is taken
+        (`frozen` until then)."""
         if user in self._publish_tasks:
             return
+        progress = self._progress.get(user)
+        if progress is not None:
+            progress.frozen = True  # no new update until the candidate's snapshot is taken
         task = asyncio.get_running_loop().create_task(self._publish(user), name="finetune-publish")
         self._publish_tasks[user] = task
 
         def done(task: asyncio.Task[None], user: str = user) -> None:
             self._publish_tasks.pop(user, None)
+            progress = self._progress.get(user)
+            if progress is not None:
+                progress.frozen = False
             self._look_at = 0.0  # the user's next batch may go now
             if not task.cancelled() and task.exception() is not None:
                 self.errors += 1
@@ -78,13 +86,17 @@ class GuardedPublishing:
         if not s.guard:
             return RegressionGuard(min_heldout_pairs=1 << 30, min_heldout_unpaired=1 << 30)
         return RegressionGuard(degeneration_prompts=s.guard_prompts, degeneration_tokens=s.guard_tokens,
-                               kl_budget=s.guard_kl_budget, distinct_2_drop=s.guard_distinct_2_drop)
+                               kl_budget=s.guard_kl_budget, distinct_2_drop=s.guard_distinct_2_drop,
+                               max_heldout_pairs=s.guard_pairs)
 
     async def _publish(self, user: str) -> None:
         progress = self._progress.get(user)
         if progress is None or not progress.trained or user in self._forgotten or progress.publishing:
             return
+        # Every item trained so far, none in flight (`_publish_soon` is called then and `frozen`
+        # keeps new ones out until the snapshot): exactly the updates in the candidate.
         items = list(progress.trained)
+        progress.judged = set(items)
         pair_ids = [row for kind, row in items if kind == "pair"]
         unpaired_ids = [row for kind, row in items if kind == "unpaired"]
         progress.publishing = True
@@ -93,14 +105,18 @@ class GuardedPublishing:
         try:
             outcome = await self._guarded(user, pair_ids, unpaired_ids, generation)
         finally:
-            progress.publishing = False
+            progress.publishing = progress.frozen = False
+            progress.judged = set()
             self.publishing = None
         if outcome is None:
             if self._generation.get(user, 0) != generation:  # a rollback replaced the weights:
                 progress.trained.clear()  # their updates are gone; still pending, trained again
             return  # cancelled (erasure, shutdown) or failed: the items stay trained, published later
         decision, ref, path = outcome
+        self.watch.progressed()
         losses = [(item, progress.trained.pop(item, 0.0)) for item in items]
+        if decision.get("trainer_reset"):
+            progress.trained.clear()  # trained meanwhile on the refused candidate: still pending, trained again
         if not await self._record_trained(user, losses):
             return
         self.last_decision = decision
@@ -166,10 +182,12 @@ class GuardedPublishing:
 
             trainer = self._trainers[user]
             served = engine.adapters.newest(user)
-            key = (None if served is None else served.version, trainer.fleet_key, tuple(p.id for p in heldout))
-            known = self._served_metrics.get(user)
+            key = (None if served is None else served.version, trainer.fleet_key)
+            known = self._served_rows.get(user)
+            # The served version's rows on the pairs an earlier evaluation scored under it: only a
+            # held-out pair new since then is scored again (a version and the base are immutable).
             evaluation = guard_evaluation(engine.adapters, trainer, user, heldout, self._guard(),
-                                          served_metrics=known[1] if known and known[0] == key else None,
+                                          served_rows=known[1] if known and known[0] == key else None,
                                           heldout_unpaired=heldout_unpaired)
             if evaluation.done:
                 return evaluation, key, False
@@ -177,6 +195,12 @@ class GuardedPublishing:
             return evaluation, key, True
 
         evaluation, key, queued = await self.engine.call(prepare)
+        progress = self._progress.get(user)
+        if progress is not None:
+            # The candidate is a snapshot now: the user's next items may train meanwhile, on the
+            # trainer that goes on from it (docs/training.md, "Liveness").
+            progress.frozen = False
+            self._look_at = 0.0
         if queued:
             error = await ended
             if error is not None:
@@ -200,15 +224,21 @@ class GuardedPublishing:
             decision, ref = conclude(engine.adapters, trainer, user, evaluation, pair_ids=pair_ids,
                                      unpaired_ids=unpaired_ids)
             if ref is not None and decision.after is not None:
-                self._served_metrics[user] = ((ref.version, *key[1:]), decision.after)
+                self._served_rows[user] = ((ref.version, key[1]), dict(evaluation.pair_rows["after"]))
             elif decision.before is not None:
-                self._served_metrics[user] = (key, decision.before)
+                known = self._served_rows.get(user)
+                rows = dict(known[1]) if known and known[0] == key else {}
+                self._served_rows[user] = (key, rows | evaluation.pair_rows["before"])
             out = decision.as_dict() | {"guard_s": round(evaluation.seconds, 3),
-                                        "guard_stages": len(evaluation.stages)}
+                                        "guard_stages": len(evaluation.stages),
+                                        "guard_pairs": evaluation.judged_pairs}
             degeneration = decision.degeneration
             if ref is None and degeneration is not None and evaluation.guard.degenerated(degeneration):
                 # Corrections drawn from a collapse answer the collapse: train on from the
-                # served version, with fresh optimizer state, as after a rollback.
+                # served version, with fresh optimizer state, as after a rollback. Updates queued
+                # or trained on the candidate meanwhile go with it (their items stay pending).
+                engine.cancel_finetune(user=user)
+                self._generation[user] = self._generation.get(user, 0) + 1
                 reset_trainer(engine, user, trainer, base_if_none=True)
                 out["trainer_reset"] = True
             return out, ref, engine.adapters.path(ref) if ref is not None else None

@@ -9,7 +9,7 @@ a fraction below the reference's, or one word repeated beyond a limit (train/deg
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,9 @@ class RegressionGuard:
     win_rate_tolerance: float = 0.05  # absolute drop in win rate allowed
     clpd_tolerance: float = 1.0  # absolute drop in CLPD (nats per pair) allowed
     min_heldout_pairs: int = 1  # fewer: nothing to judge by, publish (and say so)
+    # More: a candidate is judged on this many of them (0: all), the newest quarter and a stable
+    # hash-chosen rest (guard_task.judged_pairs): a candidate's cost stops growing with the set.
+    max_heldout_pairs: int = 16
     margin_tolerance: float = 1.0  # absolute drop in the unpaired log-ratio margin (nats) allowed
     min_heldout_unpaired: int = 2  # and at least one desirable and one undesirable example
     # Degeneration (docs/training.md, "Regression guard" for how the defaults were chosen): the
@@ -125,14 +128,17 @@ def guard_evaluation(
     served_metrics: AlignmentMetrics | None = None,
     heldout_unpaired: Sequence[UnpairedLike] = (),
     served_unpaired: UnpairedMetrics | None = None,
+    served_rows: Mapping[PairTokens, tuple[float, ...]] | None = None,
 ) -> GuardEvaluation:
-    """The staged evaluation of `candidate` against the user's served version (not run yet)."""
+    """The staged evaluation of `candidate` against the user's served version (not run yet).
+    `served_rows`: the served version's log-prob rows on held-out pairs, known from an earlier
+    evaluation (`GuardEvaluation.pair_rows`); only the other pairs are scored under it."""
     guard = guard or RegressionGuard()
     candidate = candidate if candidate is not None else trainer.snapshot()
     served = registry.newest(user)
     return GuardEvaluation(trainer, guard, candidate, heldout, heldout_unpaired,
                            None if served is None else registry.weights(served), served_metrics, served_unpaired,
-                           batch_prompts=guard.batch_prompts)
+                           batch_prompts=guard.batch_prompts, served_rows=served_rows)
 
 
 def conclude(registry: AdapterRegistry, trainer: AdapterTrainer, user: str, evaluation: GuardEvaluation,

@@ -7,7 +7,8 @@ adapter a training job is updating: the candidate is a frozen snapshot.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -26,7 +27,8 @@ from edge_runtime.train.unpaired import UnpairedLike
 if TYPE_CHECKING:
     from edge_runtime.train.trainer import AdapterTrainer
 
-Rows = list[tuple[float, ...]]
+Row = tuple[float, ...]
+Rows = list[Row]
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class GuardRules(Protocol):
     """What the evaluation asks of the guard's settings (`guard.RegressionGuard`)."""
 
     min_heldout_pairs: int
+    max_heldout_pairs: int
     degeneration_prompts: int
     degeneration_tokens: int
     kl_skip_tokens: int
@@ -82,7 +85,7 @@ class GuardEvaluation(StageCursor):
                  heldout: Sequence[PairLike | PairTokens] = (), heldout_unpaired: Sequence[UnpairedLike] = (),
                  served: LoraWeights | None = None, served_metrics: AlignmentMetrics | None = None,
                  served_unpaired: UnpairedMetrics | None = None, batch_prompts: int = 4,
-                 tokens_per_stage: int = 4) -> None:
+                 tokens_per_stage: int = 4, served_rows: Mapping[PairTokens, Row] | None = None) -> None:
         # No adapter of the scheduler's to hold between stages (FineTuneQueue keys jobs by trainer).
         self.trainer: Any = None
         self.source = source
@@ -101,11 +104,18 @@ class GuardEvaluation(StageCursor):
         self._restart: list[int] = []  # per stage: where its batch begins again after `abandon`
         self._cursor = 0
         self._live: BatchDecode | None = None
+        # Each judged pair's (policy chosen, policy rejected, reference chosen, reference rejected)
+        # log-probs under the candidate ("after") and the served version ("before"): a version is
+        # immutable, so its rows can be given back as `served_rows` to the next evaluation.
+        self.pair_rows: dict[str, dict[PairTokens, Row]] = {"after": {}, "before": {}}
+        self.judged_pairs = 0
         if self.pairs:
-            tokens = [p if isinstance(p, PairTokens) else source.tokenize(p) for p in heldout]
+            tokens = judged_pairs([p if isinstance(p, PairTokens) else source.tokenize(p) for p in heldout],
+                                  guard.max_heldout_pairs)
+            self.judged_pairs = len(tokens)
             self._pair_stages(tokens, candidate, "after")
             if served_metrics is None:
-                self._pair_stages(tokens, served, "before")
+                self._pair_stages(tokens, served, "before", served_rows or {})
         if self.unpaired:
             examples = [source.tokenize_unpaired(e, mismatched=False) for e in heldout_unpaired]
             self._unpaired_stages(examples, candidate, "unpaired_after")
@@ -156,18 +166,28 @@ class GuardEvaluation(StageCursor):
         self._restart.append(len(self.stages) if restart is None else restart)
         self.stages.append(Stage(kind, name, estimate, run))
 
-    def _pair_stages(self, tokens: list[PairTokens], weights: LoraWeights | None, field: str) -> None:
-        rows: Rows = []
+    def _pair_stages(self, tokens: list[PairTokens], weights: LoraWeights | None, field: str,
+                     known: Mapping[PairTokens, Row] | None = None) -> None:
+        """One stage per pair whose row is not `known`; the metrics once every row is there."""
         src, layers = self.source, self.source.model.cfg.num_layers
         kind = StageKind.SCORE if weights is self.candidate else StageKind.REFERENCE
-        for i, t in enumerate(tokens):
-            def run(t: PairTokens = t, last: bool = i == len(tokens) - 1) -> None:
-                rows.append(src.policy_logps(t, weights) + src.reference_logps(t))
-                if last:
-                    m = torch.tensor(rows, dtype=torch.float64)
-                    setattr(self, field, alignment_metrics(m[:, 0], m[:, 1], m[:, 2], m[:, 3], src.dpo.beta))
+        rows: list[Row | None] = [None if known is None else known.get(t) for t in tokens]
 
-            def estimate(t: PairTokens = t) -> StageEstimate:
+        def finish() -> None:
+            m = torch.tensor(rows, dtype=torch.float64)
+            setattr(self, field, alignment_metrics(m[:, 0], m[:, 1], m[:, 2], m[:, 3], src.dpo.beta))
+            self.pair_rows[field] = {t: r for t, r in zip(tokens, rows, strict=True) if r is not None}
+        todo = [i for i, r in enumerate(rows) if r is None]
+        if not todo:
+            finish()
+            return
+        for n, i in enumerate(todo):
+            def run(i: int = i, last: bool = n == len(todo) - 1) -> None:
+                rows[i] = src.policy_logps(tokens[i], weights) + src.reference_logps(tokens[i])
+                if last:
+                    finish()
+
+            def estimate(t: PairTokens = tokens[i]) -> StageEstimate:
                 return src.costs.score(t.num_rows, layers, len(t.chosen) + len(t.rejected),
                                        with_reference=not src.has_reference(t))
             self._add(kind, f"guard {field}[pair {i}]", estimate, run)
@@ -265,6 +285,21 @@ class GuardEvaluation(StageCursor):
 
 def _times(est: StageEstimate, n: int) -> StageEstimate:
     return StageEstimate(est.seconds * n, est.peak_bytes, est.held_bytes)
+
+
+def judged_pairs(tokens: Sequence[PairTokens], limit: int) -> list[PairTokens]:
+    """At most `limit` held-out pairs (0: all), in their order: the newest quarter (at least one)
+    always, the rest chosen by a hash of each pair's ids, so the same pairs stay chosen as the
+    held-out set grows (a candidate is judged on the pairs its predecessor was, and the served
+    version's rows for them are known) and a new pair enters in proportion."""
+    if not limit or len(tokens) <= limit:
+        return list(tokens)
+    newest = max(1, limit // 4)
+    older = list(range(len(tokens) - newest))
+    older.sort(key=lambda i: hashlib.blake2b(repr((tokens[i].prompt, tokens[i].chosen, tokens[i].rejected))
+                                             .encode(), digest_size=8).digest())
+    keep = set(older[:limit - newest]) | set(range(len(tokens) - newest, len(tokens)))
+    return [t for i, t in enumerate(tokens) if i in keep]
 
 
 def heldout_prompts(trainer: AdapterTrainer, pairs: Sequence[PairLike | PairTokens],

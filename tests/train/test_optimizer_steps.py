@@ -88,9 +88,12 @@ def test_the_guard_evaluates_a_served_version_once_per_held_out_set(tiny_model_d
     evaluations: list[object] = []
     stages = GuardEvaluation._pair_stages  # the held-out pairs' stages for one set of weights
 
-    def counted(self, tokens, weights, field):
-        evaluations.append(weights)
-        return stages(self, tokens, weights, field)
+    def counted(self, tokens, weights, field, known=None):
+        before = len(self.stages)
+        out = stages(self, tokens, weights, field, known)
+        if len(self.stages) > before:  # rows not known from an earlier evaluation: scored now
+            evaluations.append(weights)
+        return out
 
     monkeypatch.setattr(GuardEvaluation, "_pair_stages", counted)
     steps, trained, published, refused = _train(tiny_model_dir, tmp_path, 9, 1, guard=True, heldout_fraction=0.4)
