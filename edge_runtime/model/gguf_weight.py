@@ -19,20 +19,38 @@ from torch import Tensor, nn
 
 from edge_runtime.errors import ModelNotAvailable
 from edge_runtime.model import qweights
-from edge_runtime.model.gguf_blocks import BLOCK_TYPES, FLOAT_TYPES, gguf_shape, head_order, tensor_type
+from edge_runtime.model.gguf_blocks import (
+    BLOCK_TYPES,
+    FLOAT_TYPES,
+    gguf_shape,
+    head_order,
+    tensor_type,
+)
 from edge_runtime.model.qweights import TENSOR_FIELDS, Blocks, LinearOp, QuantWeight
 
 _FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 
 
 @cache
-def kernel() -> ModuleType | None:
-    """`gguf_kernel` (de-quantisation and matmul straight from GGUF blocks) where this tree has
-    it; without it, rows are de-quantised through `gguf_blocks`' converters and `qkernel`."""
+def _kernel_module() -> ModuleType | None:
     try:
         return importlib.import_module("edge_runtime.model.gguf_kernel")
     except ImportError:
         return None
+
+
+def kernel() -> ModuleType | None:
+    """`gguf_kernel` where its compiled kernels serve (products read straight from the blocks);
+    None otherwise: rows are then de-quantised through `gguf_blocks`' converters and `qkernel`'s
+    compiled pass (faster than the kernel module's numpy reference, and bit for bit the same)."""
+    module = _kernel_module()
+    return module if module is not None and module.enabled() and module.available() else None
+
+
+def _qtype(name: str) -> Any:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType[name]
 
 
 def row_bytes(qtype: str, k: int) -> int:
@@ -101,7 +119,7 @@ class RawRows:
             else:
                 target.copy_(raw.view(torch.bfloat16).view(n, k))
         elif kernel() is not None:
-            kernel().dequantize(self.data.numpy(), self.qtype, k, out=target.numpy())
+            kernel().dequantize(self.data, _qtype(self.qtype), k, out=target)
         else:
             target = self.blocks().dequantize(torch.float32, target)
         return target if dtype == torch.float32 else target.to(dtype)
@@ -111,8 +129,7 @@ class RawRows:
         blocks where it is built; else W is de-quantised a row chunk at a time."""
         flat = x.reshape(-1, self.k).float().contiguous()
         if kernel() is not None and self.qtype in BLOCK_TYPES:
-            out = torch.empty(flat.shape[0], self.n, dtype=torch.float32)
-            kernel().matmul(flat.numpy(), self.data.numpy(), self.qtype, self.k, out=out.numpy())
+            out = kernel().matmul(flat, self.data, _qtype(self.qtype), self.k)
         else:
             out = torch.cat([torch.nn.functional.linear(flat, rows) for _, rows in self.chunks(torch.float32)], dim=-1)
         return out.view(*x.shape[:-1], self.n)
@@ -233,9 +250,15 @@ class GgufWeight(QuantWeight):
             g = grad[..., start:start + part.n]
             if part.order is not None:
                 g = g.index_select(-1, torch.argsort(part.order))
-            for lo, rows in part.chunks(grad.dtype):
-                step = g[..., lo:lo + rows.shape[0]].matmul(rows)
+            if kernel() is not None and part.qtype in BLOCK_TYPES:
+                flat = g.reshape(-1, part.n).float()
+                step = kernel().matmul_back(flat, part.data, _qtype(part.qtype), part.k)
+                step = step.view(*g.shape[:-1], part.k).to(grad.dtype)
                 grad_x = step if grad_x is None else grad_x.add_(step)
+            else:
+                for lo, rows in part.chunks(grad.dtype):
+                    step = g[..., lo:lo + rows.shape[0]].matmul(rows)
+                    grad_x = step if grad_x is None else grad_x.add_(step)
             start += part.n
         return grad_x
 

@@ -1,0 +1,156 @@
+"""The torch model on a GGUF read in place (`gguf_load.load_llama_gguf(in_place=True)`): every
+matrix is a uint8 view of the file's memory map (`gguf_weight.GgufWeight`), and the model computes
+what the block-cache model and transformers' own load of the file compute; the staged DPO task's
+LoRA gradients over it equal one full autograd pass; no float copy of a matrix exists, and
+autograd saves none."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from edge_runtime.model import gguf_weight, qweights
+from edge_runtime.model.block_cache import load_block_cache, write_block_cache
+from edge_runtime.model.dense import dense_logits
+from edge_runtime.model.gguf_load import dequantized_copy, load_llama_gguf
+from edge_runtime.model.gguf_weight import GgufWeight
+from edge_runtime.model.mapped_weights import file_mappings
+from edge_runtime.model.testing import make_tiny_gguf, make_tiny_model_dir
+from edge_runtime.model.tokenizer import Tokenizer
+from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
+from tests.train.helpers import full_autograd_grads, make_trainer, max_rel_error, preference_records, staged_grads
+
+IDS = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def q4km(tmp_path_factory):
+    return tiny_quant_gguf(tmp_path_factory.mktemp("q4km"), Q4_K_M_LIKE)
+
+
+@pytest.fixture(scope="module")
+def q4km_cache(q4km, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cache")
+    write_block_cache(q4km[1], out)
+    return out
+
+
+def _float_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_every_matrix_is_a_view_of_the_files_map_and_no_float_copy_exists(q4km):
+    _, path = q4km
+    model = load_llama_gguf(path, in_place=True)
+    weights = [m for m in model.modules() if isinstance(m, GgufWeight)]
+    assert len(weights) == 2 + 4 * len(model.layers)  # embedding, head; q|k|v, o, gate|up, down
+    mapped = [m for m in file_mappings() if m.path == str(path.resolve())]
+    for weight in weights:
+        for part in weight.raw_parts:
+            lo = part.data.data_ptr()
+            assert any(m.start <= lo and lo + part.data.numel() <= m.end for m in mapped)
+    # Float tensors: the norms alone (hidden-sized vectors), nothing of a matrix's size.
+    cfg = model.cfg
+    assert _float_bytes(model) == 4 * cfg.hidden_size * (1 + 2 * cfg.num_layers)
+    tensor_bytes = sum(int(t.n_bytes) for t in __import__("gguf").GGUFReader(str(path)).tensors if len(t.shape) == 2)
+    assert sum(w.nbytes for w in weights) == tensor_bytes
+
+
+def test_logits_equal_the_block_cache_models(q4km, q4km_cache):
+    _, path = q4km
+    in_place = load_llama_gguf(path, in_place=True)
+    cached = load_block_cache(q4km_cache)
+    want = dense_logits(cached, IDS)
+    torch.testing.assert_close(dense_logits(in_place, IDS), want, rtol=1e-5, atol=1e-5)
+    # The same weights bit for bit: the difference is only where a matmul rounds.
+    floats, cached_floats = dict(dequantized_copy(in_place).named_parameters()), dict(
+        dequantized_copy(cached).named_parameters())
+    assert floats.keys() == cached_floats.keys()
+    assert all(torch.equal(floats[name], value) for name, value in cached_floats.items())
+
+
+def test_gguf_kernel_path_equals_the_chunked_path(q4km, monkeypatch):
+    """With `gguf_kernel` serving the products (its reference path, forced on here), logits and
+    an input gradient equal the chunked de-quantisation's to float32 rounding."""
+    from edge_runtime.model import gguf_kernel
+
+    _, path = q4km
+    model = load_llama_gguf(path, in_place=True)
+    x = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    weight = model.layers[0].qkv_weight
+    chunked = dense_logits(model, IDS)
+    y = qweights.quant_linear(x, weight)
+    (grad_chunked,) = torch.autograd.grad(y.square().sum(), x)
+    monkeypatch.setattr(gguf_weight, "kernel", lambda: gguf_kernel)
+    torch.testing.assert_close(dense_logits(model, IDS), chunked, rtol=1e-5, atol=1e-5)
+    y_kernel = qweights.quant_linear(x, weight)
+    torch.testing.assert_close(y_kernel, y, rtol=1e-5, atol=1e-5)
+    (grad_kernel,) = torch.autograd.grad(y_kernel.square().sum(), x)
+    torch.testing.assert_close(grad_kernel, grad_chunked, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_logits_equal_transformers_own_load_of_the_file(tmp_path, tie):
+    folder = make_tiny_model_dir(tmp_path / "hf", tie_word_embeddings=tie, random_norms=True, num_kv_heads=2)
+    (tmp_path / "g").mkdir()
+    path = make_tiny_gguf(folder, tmp_path / "g" / "tiny.Q8_0.gguf")
+    model = load_llama_gguf(path, in_place=True)
+    assert (model.lm_head is None) == tie
+    if tie:  # the table is read once: the head is the embedding's own bytes
+        assert model.lm_head_weight() is model.embed
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference(IDS).logits
+    torch.testing.assert_close(dense_logits(model, IDS), want, rtol=1e-4, atol=1e-4)
+
+
+def test_f16_matrices_stay_f16_bytes_in_place(tmp_path):
+    folder = make_tiny_model_dir(tmp_path / "hf", random_norms=True, num_kv_heads=2)
+    (tmp_path / "g").mkdir()
+    path = make_tiny_gguf(folder, tmp_path / "g" / "tiny.gguf", block_types={"attn_q.weight": "F16"})
+    model = load_llama_gguf(path, in_place=True)
+    assert model.layers[0].qkv_weight.qtypes == ["F16", "Q8_0", "Q8_0"]
+    blocks = load_llama_gguf(path)  # the re-encoding path keeps such a group in float
+    torch.testing.assert_close(dense_logits(model, IDS), dense_logits(blocks, IDS), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window, group", [(None, 2), (4, 1)])
+def test_staged_dpo_lora_gradients_equal_full_autograd_in_place(q4km, window, group, monkeypatch):
+    folder, path = q4km
+    monkeypatch.setattr(qweights, "CHUNK_ELEMENTS", 40_000)  # the backward and the head read chunks too
+    tokenizer = Tokenizer(folder)
+    pairs = preference_records()[:2]
+    model = load_llama_gguf(path, in_place=True)
+    trainer = make_trainer(model, tokenizer, window=window, group=group, accumulation=2)
+    floats = make_trainer(dequantized_copy(model), tokenizer, window=window, group=group, accumulation=2)
+    want, want_float = (full_autograd_grads(t, pairs, accumulation=2) for t in (trainer, floats))
+    got, got_float = (staged_grads(t, pairs) for t in (trainer, floats))
+    assert all(w.abs().max() > 0 for w in want)
+    assert max_rel_error(want, want_float) <= 1e-5 and max_rel_error(got, got_float) <= 1e-5
+    assert max_rel_error(got, want) <= max(1e-4, 1.01 * max_rel_error(got_float, want_float))
+
+
+def test_autograd_saves_no_float_copy_of_a_matrix(q4km):
+    folder, path = q4km
+    model = load_llama_gguf(path, in_place=True)
+    shapes = {tuple(m.shape) for m in model.modules() if isinstance(m, GgufWeight)}
+    trainer = make_trainer(model, Tokenizer(folder))
+    tokens = trainer.tokenize(preference_records()[0])
+    seen: set[tuple[int, ...]] = set()
+    from edge_runtime.train.logprobs import pair_logps_dense
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.add(tuple(t.shape)) or t, lambda t: t):
+        pair_logps_dense(model, tokens, trainer.weights).sum()
+    assert seen and not shapes & seen
+
+
+def test_embedding_rows_are_read_from_their_bytes(q4km):
+    _, path = q4km
+    model = load_llama_gguf(path, in_place=True)
+    table = model.embed.dequantize()
+    ids = torch.tensor([[0, 5, 306], [5, 5, 1]])
+    assert torch.equal(model.embed.embedding(ids), table[ids])
+    assert np.array_equal(model.embed.raw_parts[0].model_rows(torch.tensor([5])).data.numpy(),
+                          model.embed.raw_0[5:6].numpy())
