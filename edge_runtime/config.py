@@ -87,6 +87,11 @@ class EngineConfig:
     # "on"/"off" wins. speculative_tokens: the most draft tokens a decode row carries.
     speculation: str = "auto"
     speculative_tokens: int = 4
+    # Where the torch model's matrices come from when the model is a llama GGUF file
+    # (docs/memory.md): "cache" = the model cache (re-encoded blocks); "gguf" = the GGUF's own
+    # bytes, read in place through its memory map (no block cache written, nothing re-encoded;
+    # the torch backend serves and trains on them)
+    torch_weights: str = "cache"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def replace(self, **overrides: Any) -> EngineConfig:

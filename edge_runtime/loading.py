@@ -17,6 +17,7 @@ from edge_runtime.config import EngineConfig
 from edge_runtime.device import pick_device, pick_dtype
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.llama import LlamaModel
+from edge_runtime.model.model_cache import in_place_source
 from edge_runtime.model.tokenizer import Tokenizer
 from edge_runtime.model.weights import load_llama
 from edge_runtime.sizing import available_memory_bytes, check_memory_budget, stored_weights_bytes
@@ -28,7 +29,9 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer, str]:
     """The model `config.model` names (None = the default), its tokenizer and its name."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    path, name = resolve(config.model)
+    if config.torch_weights not in ("cache", "gguf"):
+        raise ValueError(f"engine.torch_weights = {config.torch_weights!r}: use cache or gguf")
+    path, name = resolve(config.model, in_place=config.torch_weights == "gguf")
     device = engine_device(config)
     dtype_name = config.dtype
     if dtype_name == "auto" and config.backend == "auto" and device.type == "cpu" \
@@ -38,7 +41,9 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer, str]:
     # Refuse before reading gigabytes of weights: against the configured budget, else against
     # what this machine has available now (a model that cannot fit is never loaded to the OOM).
     cfg = ModelConfig.from_dir(path)
-    weights = stored_weights_bytes(path, cfg, dtype)
+    source = in_place_source(path)
+    # Read in place, the weights are the GGUF's pages (its header and vocabulary are a few MiB).
+    weights = source.stat().st_size if source is not None else stored_weights_bytes(path, cfg, dtype)
     check_memory_budget(config, cfg, dtype, weights, None if config.memory_budget_bytes else available_memory_bytes())
     log.info("loading %s: %.0f MiB of weights", name, weights / 2**20)
     model = load_llama(path, dtype=dtype, device=device)
@@ -62,11 +67,12 @@ def engine_device(config: EngineConfig) -> torch.device:
     return device
 
 
-def resolve(spec: str | None) -> tuple[Path, str]:
-    """A model folder and its name, from a path or a name the model source knows."""
+def resolve(spec: str | None, in_place: bool = False) -> tuple[Path, str]:
+    """A model folder and its name, from a path or a name the model source knows. `in_place`: a
+    llama GGUF file is served from its own bytes (engine.torch_weights = "gguf")."""
     if spec is not None and Path(spec).is_dir():
         return Path(spec), Path(spec).name
     from edge_runtime.model.source import resolve_model
 
-    resolved = resolve_model(spec)
+    resolved = resolve_model(spec, in_place=in_place)
     return Path(resolved.path), resolved.name

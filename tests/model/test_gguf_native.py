@@ -20,7 +20,13 @@ from edge_runtime.model.mapped_weights import file_mappings
 from edge_runtime.model.testing import make_tiny_gguf, make_tiny_model_dir
 from edge_runtime.model.tokenizer import Tokenizer
 from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
-from tests.train.helpers import full_autograd_grads, make_trainer, max_rel_error, preference_records, staged_grads
+from tests.train.helpers import (
+    full_autograd_grads,
+    make_trainer,
+    max_rel_error,
+    preference_records,
+    staged_grads,
+)
 
 IDS = torch.randint(3, 300, (2, 11), generator=torch.Generator().manual_seed(0))
 
@@ -154,3 +160,32 @@ def test_embedding_rows_are_read_from_their_bytes(q4km):
     assert torch.equal(model.embed.embedding(ids), table[ids])
     assert np.array_equal(model.embed.raw_parts[0].model_rows(torch.tensor([5])).data.numpy(),
                           model.embed.raw_0[5:6].numpy())
+
+
+def test_engine_serves_a_gguf_in_place_with_no_weights_cached(tmp_path, monkeypatch):
+    """`engine.torch_weights = "gguf"`: the model cache holds the config and the tokenizer only,
+    auto picks torch (a graph would re-encode the matrices), and greedy decoding follows
+    transformers' own load of the file."""
+    from edge_runtime.engine import Engine
+    from edge_runtime.model.model_cache import in_place_source
+    from tests.engine.helpers import engine_logits_for
+    from tests.model.test_gguf_families import STEPS, _per_step_reference
+
+    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("MACE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = make_tiny_model_dir(tmp_path / "hf", random_norms=True, num_kv_heads=2)
+    (tmp_path / "g").mkdir()
+    path = make_tiny_gguf(folder, tmp_path / "g" / "tiny.Q8_0.gguf")
+    engine = Engine.load(str(path), backend="auto", torch_weights="gguf", dtype="float32", kv_cache_bytes=4 << 20,
+                         block_size=4, max_batched_tokens=8, cost_profile="off")
+    assert engine.backend.name == "torch" and "in place" in engine.backend_choice.reason
+    (cache,) = [d for d in (tmp_path / "cache" / "models").iterdir() if d.is_dir() and not d.name.startswith(".")]
+    assert cache.name.endswith("-in-place") and in_place_source(cache) == path.resolve()
+    assert not [f for f in cache.iterdir() if f.suffix == ".safetensors"]
+    assert isinstance(engine.model.embed, GgufWeight)
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    prompt = IDS[0].tolist()
+    tokens, logits = _per_step_reference(reference, prompt)
+    ours, generated = engine_logits_for(engine, prompt, steps=STEPS)
+    assert generated == tokens
+    assert (ours - logits).abs().max().item() <= 1e-4
