@@ -4,7 +4,12 @@ is the reference path wherever the compiled one is unavailable or turned off (MA
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -12,12 +17,28 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 from torch import Tensor
 
+from edge_runtime.model.qkernel import KernelUnavailable, build_library
+
+log = logging.getLogger(__name__)
+
 Q = GGMLQuantizationType
 SUPPORTED = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 ENV = "MACE_GGUF_KERNEL"  # "off": the numpy reference path only
+# "int8": products of up to FUSED_MAX_ROWS rows quantise x to int8 per 32 values (llama.cpp's way,
+# MatMulNBits' accuracy level 4); "f32" (default): x stays float32. See `matmul`.
+ACTIVATIONS_ENV = "MACE_GGUF_ACTIVATIONS"
 # Float32 weights one reference tile holds (4 MiB): a tile is the whole transient cost of a product,
 # whatever the weight's size.
 TILE_ELEMENTS = 1 << 20
+SOURCE = Path(__file__).with_name("gguf_native.c")
+_FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
+# Weights each thread takes at least (a hand-off to a pool thread costs 10-50 us on a quiet machine,
+# milliseconds on a loaded one), and the rows of x above which a product de-quantises tiles of W for
+# torch's GEMM instead (the fused kernel reads each weight once per 8 rows of x; a GEMM blocks for
+# the cache, which wins once the de-quantisation is shared by many rows).
+PARALLEL_MIN_WEIGHTS = 1 << 21
+FUSED_MAX_ROWS = 16
+_OFFSET_TYPES = frozenset({Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K})  # a per-32 offset beside the scaled levels
 
 
 class GGUFKernelError(ValueError):
@@ -29,9 +50,55 @@ def enabled() -> bool:
     return os.environ.get(ENV, "on").lower() not in ("off", "0", "false", "no")
 
 
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The built kernels, or None (logged once) where they cannot be had."""
+    try:
+        return bind(build_library(SOURCE, _FLAGS))
+    except KernelUnavailable as e:
+        log.info("GGUF blocks go through gguf's numpy de-quantisation: %s", e)
+        return None
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` (gguf_native.c built) with its functions' argument types declared."""
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.gg_dequant.argtypes = [i32, p, i64, i64, p]
+    lib.gg_matmul.argtypes = [i32, p, i64, i64, p, i64, p, p, i64]
+    lib.gg_xsums.argtypes = [p, i64, i64, p]
+    lib.gg_quantize_x.argtypes = [p, i64, i64, p, p]
+    lib.gg_matmul_q8.argtypes = [i32, p, i64, i64, p, p, i64, p, p, i64]
+    lib.gg_dequant.restype = lib.gg_matmul.restype = lib.gg_matmul_q8.restype = i32
+    lib.gg_quantize_x.restype = None
+    lib.gg_xsums.restype = None
+    return lib
+
+
+def int8_activations() -> bool:
+    """The default of `matmul`'s int8_x (MACE_GGUF_ACTIVATIONS=int8 turns it on)."""
+    return os.environ.get(ACTIVATIONS_ENV, "f32").lower() == "int8"
+
+
 def available() -> bool:
     """Whether the compiled kernels serve the calls (else the numpy reference path does)."""
-    return False
+    return enabled() and _library() is not None
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gguf-kernel")
+
+
+def _split(n: int, weights: int, run) -> None:
+    """run(lo, hi) over row ranges of [0, n), on torch's intra-op thread count where the work is
+    large enough (ctypes releases the GIL for each call)."""
+    threads = max(1, min(torch.get_num_threads(), n, weights // PARALLEL_MIN_WEIGHTS))
+    if threads == 1:
+        run(0, n)
+        return
+    step = -(-n // threads)
+    for f in [_pool(threads).submit(run, lo, min(n, lo + step)) for lo in range(0, n, step)]:
+        f.result()
 
 
 def row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
@@ -70,11 +137,41 @@ def _reference_rows(raw: Tensor, qtype: GGMLQuantizationType, lo: int, hi: int) 
     return torch.from_numpy(np.ascontiguousarray(gguf_quants.dequantize(raw[lo:hi].numpy(), qtype)))
 
 
+def _compiled_rows(lib: ctypes.CDLL, raw: Tensor, qtype: GGMLQuantizationType, k: int, lo: int, hi: int,
+                   out: Tensor) -> None:
+    """out (float32 [hi - lo, k], contiguous) = rows lo:hi de-quantised by the compiled kernels."""
+    def run(a: int, b: int) -> None:
+        lib.gg_dequant(int(qtype), raw[lo + a].data_ptr(), b - a, k, out[a].data_ptr())
+
+    _split(hi - lo, (hi - lo) * k, run)
+
+
+def _tiles(raw: Tensor, qtype: GGMLQuantizationType, k: int):
+    """(lo, hi, float32 rows lo:hi) over the whole weight, a bounded tile at a time; the compiled
+    path re-uses one tile buffer, so a tile is valid only until the next is taken."""
+    n = raw.shape[0]
+    step = min(n, _tile_rows(k))
+    lib = _library() if enabled() else None
+    buffer = torch.empty((step, k), dtype=torch.float32) if lib is not None else None
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        if buffer is None:
+            yield lo, hi, _reference_rows(raw, qtype, lo, hi)
+        else:
+            _compiled_rows(lib, raw, qtype, k, lo, hi, buffer[:hi - lo])
+            yield lo, hi, buffer[:hi - lo]
+
+
 def dequantize(raw: Tensor, qtype: GGMLQuantizationType, k: int, out: Tensor | None = None) -> Tensor:
     """float32 [rows, k]: the block rows `raw` (uint8 [rows, row_bytes(qtype, k)]) de-quantised,
     equal bit for bit to gguf's numpy de-quantisation."""
     _check_raw(raw, qtype, k)
     out = _check_out(out, (raw.shape[0], k))
+    lib = _library() if enabled() else None
+    if lib is not None:
+        if raw.shape[0]:
+            _compiled_rows(lib, raw, qtype, k, 0, raw.shape[0], out)
+        return out
     step = _tile_rows(k)
     for lo in range(0, raw.shape[0], step):
         hi = min(raw.shape[0], lo + step)
@@ -88,17 +185,48 @@ def _check_x(x: Tensor, k: int) -> Tensor:
     return x.contiguous()
 
 
-def matmul(x: Tensor, raw: Tensor, qtype: GGMLQuantizationType, k: int, out: Tensor | None = None) -> Tensor:
+def matmul(x: Tensor, raw: Tensor, qtype: GGMLQuantizationType, k: int, out: Tensor | None = None,
+           int8_x: bool | None = None) -> Tensor:
     """float32 [M, N] = x @ W^T for x float32 [M, k] and W the N block rows of `raw`; W is never
-    held in float beyond one bounded tile of rows."""
+    held in float beyond one bounded tile of rows. Up to FUSED_MAX_ROWS rows of x go through the
+    fused kernel (each block de-quantised in registers and L1 once per 8 rows of x); more rows
+    through de-quantised tiles and torch's GEMM.
+
+    int8_x (default `int8_activations()`; block types on the fused path only) quantises x to int8
+    per 32 values first and sums exact int32 block products, as llama.cpp and MatMulNBits at
+    accuracy level 4 do: several times faster, and off x @ W^T by at most sum |w_l| * dx_b / 2 over
+    the 32-value blocks b of x (dx_b = max |x_b| / 127, w_l the weight less its per-32 offset) plus
+    float32 summation order (tests/model/test_gguf_kernel.py holds it to that bound)."""
     _check_raw(raw, qtype, k)
     x = _check_x(x, k)
-    n = raw.shape[0]
-    out = _check_out(out, (x.shape[0], n))
-    step = _tile_rows(k)
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        out[:, lo:hi] = x @ _reference_rows(raw, qtype, lo, hi).T
+    m, n = x.shape[0], raw.shape[0]
+    out = _check_out(out, (m, n))
+    lib = _library() if enabled() else None
+    if m == 0 or n == 0:
+        return out
+    if lib is not None and m <= FUSED_MAX_ROWS:
+        sums = None
+        if qtype in _OFFSET_TYPES:
+            sums = torch.empty((m, k // 32), dtype=torch.float32)
+            lib.gg_xsums(x.data_ptr(), m, k, sums.data_ptr())
+        xs = None if sums is None else sums.data_ptr()
+        if (int8_activations() if int8_x is None else int8_x) and GGML_QUANT_SIZES[qtype][0] > 1:
+            qx = torch.empty((m, k), dtype=torch.int8)
+            dx = torch.empty((m, k // 32), dtype=torch.float32)
+            lib.gg_quantize_x(x.data_ptr(), m, k, qx.data_ptr(), dx.data_ptr())
+
+            def run(lo: int, hi: int) -> None:
+                lib.gg_matmul_q8(int(qtype), raw[lo].data_ptr(), hi - lo, k, qx.data_ptr(), dx.data_ptr(), m, xs,
+                                 out[:, lo:].data_ptr(), n)
+        else:
+            def run(lo: int, hi: int) -> None:
+                lib.gg_matmul(int(qtype), raw[lo].data_ptr(), hi - lo, k, x.data_ptr(), m, xs,
+                              out[:, lo:].data_ptr(), n)
+
+        _split(n, n * k, run)
+        return out
+    for lo, hi, w in _tiles(raw, qtype, k):
+        out[:, lo:hi] = x @ w.T
     return out
 
 
@@ -112,10 +240,10 @@ def matmul_back(g: Tensor, raw: Tensor, qtype: GGMLQuantizationType, k: int, out
     g = g.contiguous()
     out = _check_out(out, (g.shape[0], k))
     out.zero_()
-    step = _tile_rows(k)
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        out.addmm_(g[:, lo:hi], _reference_rows(raw, qtype, lo, hi))
+    if n == 0:
+        return out
+    for lo, hi, w in _tiles(raw, qtype, k):
+        out.addmm_(g[:, lo:hi], w)
     return out
 
 

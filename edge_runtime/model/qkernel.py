@@ -58,25 +58,35 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL:
+    lib = build_library(SOURCE, _FLAGS)
+    for name in ("dequant4", "dequant8u", "dequant8s", "dequant_hi"):
+        getattr(lib, name).argtypes = _HI_ARGS if name == "dequant_hi" else _ARGS
+        getattr(lib, name).restype = None
+    return lib
+
+
+def build_library(source_path: Path, flags: list[str]) -> ctypes.CDLL:
+    """`source_path` built with the system's C compiler (once per source, compiler, machine and
+    flags, into the cache) and loaded; KernelUnavailable where that cannot be done."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelUnavailable("no C compiler (cc/gcc) found")
     try:
-        source = SOURCE.read_bytes()
+        source = source_path.read_bytes()
     except OSError as e:
-        raise KernelUnavailable(f"{SOURCE.name} is not installed beside {Path(__file__).name}: {e}") from e
+        raise KernelUnavailable(f"{source_path.name} is not installed beside {Path(__file__).name}: {e}") from e
     # -march=native only on x86 (it picks AVX-512/AVX2); other machines take the compiler default.
-    flags = _FLAGS + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+    flags = flags + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
     key = hashlib.sha256(source + " ".join([compiler, platform.machine(), platform.node()] + flags).encode())
-    target = cache_dir() / "kernels" / f"qdequant-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / "kernels" / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         with tempfile.TemporaryDirectory() as tmp:
-            built = Path(tmp) / "qdequant.so"
+            built = Path(tmp) / f"{source_path.stem}.so"
             try:
-                subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], check=True,
+                subprocess.run([compiler, *flags, str(source_path), "-o", str(built)], check=True,
                                capture_output=True, timeout=120)
             except (OSError, subprocess.SubprocessError) as e:
-                raise KernelUnavailable(f"building {SOURCE.name} failed: {e}") from e
+                raise KernelUnavailable(f"building {source_path.name} failed: {e}") from e
             try:
                 target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
                 durable.write_bytes(target, built.read_bytes())
@@ -84,13 +94,9 @@ def _load() -> ctypes.CDLL:
                 raise KernelUnavailable(f"cannot write {target}: {e}") from e
     _check_trusted(target)
     try:
-        lib = ctypes.CDLL(str(target))
+        return ctypes.CDLL(str(target))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {target}: {e}") from e
-    for name in ("dequant4", "dequant8u", "dequant8s", "dequant_hi"):
-        getattr(lib, name).argtypes = _HI_ARGS if name == "dequant_hi" else _ARGS
-        getattr(lib, name).restype = None
-    return lib
 
 
 def _check_trusted(target: Path) -> None:

@@ -3,6 +3,8 @@ x @ dequantize(W).T, for every supported type, on the compiled path and the refe
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -10,11 +12,16 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from edge_runtime.model import gguf_kernel
+from edge_runtime.model.qkernel import KernelUnavailable, build_library
 
 Q = GGMLQuantizationType
 TYPES = sorted(gguf_kernel.SUPPORTED, key=lambda t: t.value)
 # Where the scale fields (fp16) lie in a block of the types gguf's numpy code cannot quantise.
 _HALF_FIELDS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+# ... and in every block type, for blocks of random bytes with chosen scales.
+_ALL_HALF_FIELDS = {**_HALF_FIELDS, Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,)}
+# float16 scales at the edges: zeros of both signs, subnormals, the extremes.
+EDGE = np.array([0.0, -0.0, 6e-8, -6e-8, 6.1e-5, 65504.0, -65504.0, 1.0, -0.5, 3e-3], dtype=np.float16)
 
 
 def make_blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -44,13 +51,27 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 2 * k * torch.finfo(torch.float32).eps * (x.abs().double() @ w.abs().double().T) + 1e-30
 
 
-@pytest.fixture(params=["compiled", "reference"])
+@functools.cache
+def _generic_library():
+    """gguf_native.c built with its portable loops only (what aarch64 without AVX2 runs)."""
+    try:
+        return gguf_kernel.bind(build_library(gguf_kernel.SOURCE, gguf_kernel._FLAGS + ["-DGG_GENERIC"]))
+    except KernelUnavailable:
+        return None
+
+
+@pytest.fixture(params=["compiled", "portable", "reference"])
 def path(request, monkeypatch):
     if request.param == "reference":
         monkeypatch.setenv(gguf_kernel.ENV, "off")
         assert not gguf_kernel.available()
     elif not gguf_kernel.available():
         pytest.skip("the compiled GGUF kernels are not available here")
+    elif request.param == "portable":
+        lib = _generic_library()
+        if lib is None:
+            pytest.skip("the portable build is not available here")
+        monkeypatch.setattr(gguf_kernel, "_library", lambda: lib)
     return request.param
 
 
@@ -66,7 +87,7 @@ def test_dequantize_is_bit_exact(qtype, path):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 8])
 def test_matmul_matches_reference(qtype, m, path):
     block = GGML_QUANT_SIZES[qtype][0]
     k = 512 if block == 256 else 96
@@ -80,8 +101,96 @@ def test_matmul_matches_reference(qtype, m, path):
         assert ((got.double() - want.double()).abs() <= _bound(x, w)).all()
         back = gguf_kernel.matmul_back(got, raw, qtype, k)
         assert back.shape == (m, k)
-        assert ((back.double() - got.double() @ w.double()).abs()
-                <= 2 * n * torch.finfo(torch.float32).eps * (got.abs().double() @ w.abs().double()) + 1e-30).all()
+        assert ((back.double() - got.double() @ w.double()).abs() <= _bound(got, w.T)).all()
+
+
+@pytest.mark.parametrize("qtype", sorted(_ALL_HALF_FIELDS, key=lambda t: t.value), ids=lambda t: t.name)
+def test_dequantize_random_bytes_with_edge_scales(qtype, path):
+    """Any bytes with any finite scale (subnormal, -0, 65504) de-quantise bit for bit, -0 kept."""
+    rng = np.random.default_rng(qtype.value)
+    block, size = GGML_QUANT_SIZES[qtype]
+    n, blocks = 5, 512 // block
+    raw = rng.integers(0, 256, (n, blocks, size), dtype=np.uint8)
+    for at in _ALL_HALF_FIELDS[qtype]:
+        raw[..., at:at + 2] = EDGE[rng.integers(0, len(EDGE), (n, blocks))].view(np.uint8).reshape(n, blocks, 2)
+    raw = torch.from_numpy(raw.reshape(n, -1))
+    got, want = gguf_kernel.dequantize(raw, qtype, 512), reference(raw, qtype)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda t: t.name)
+def test_float_rows_of_any_width_and_bits(qtype, path):
+    """Float rows: widths that are no multiple of 16, every bit pattern (infinities and NaNs
+    de-quantise as numpy widens them)."""
+    width = 4 if qtype == Q.F32 else 2
+    raw = torch.from_numpy(np.random.default_rng(1).integers(0, 256, (9, 100 * width), dtype=np.uint8))
+    got, want = gguf_kernel.dequantize(raw, qtype, 100), reference(raw, qtype)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    raw = make_blocks(qtype, 9, 100)
+    x = torch.randn(2, 100)
+    w = reference(raw, qtype)
+    assert ((gguf_kernel.matmul(x, raw, qtype, 100).double() - x.double() @ w.double().T).abs() <= _bound(x, w)).all()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_1], ids=lambda t: t.name)
+def test_threads_tiles_and_many_rows(qtype, path, monkeypatch):
+    """Rows split over threads (a count that does not divide N), several tiles per weight, and more
+    rows of x than the fused kernel takes (the tiled GEMM path), all against the reference."""
+    monkeypatch.setattr(gguf_kernel, "PARALLEL_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(gguf_kernel, "TILE_ELEMENTS", 3 * 512)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        raw = make_blocks(qtype, 29, 512, seed=5)
+        w = reference(raw, qtype)
+        assert torch.equal(gguf_kernel.dequantize(raw, qtype, 512).view(torch.int32), w.view(torch.int32))
+        for m in (1, 8, 9, 40):
+            x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+            got = gguf_kernel.matmul(x, raw, qtype, 512)
+            assert ((got.double() - x.double() @ w.double().T).abs() <= _bound(x, w)).all()
+        back = gguf_kernel.matmul_back(got, raw, qtype, 512)
+        assert ((back.double() - got.double() @ w.double()).abs() <= _bound(got, w.T)).all()
+    finally:
+        torch.set_num_threads(torch_threads)
+
+
+BLOCK_TYPES = [t for t in TYPES if GGML_QUANT_SIZES[t][0] > 1]
+_OFFSET_AT = {Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K}  # the per-32 offset's fp16 (min) at bytes 2..3 of a block
+
+
+def _int8_bound(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """What int8 activations may cost: sum over x's 32-value blocks of dx_b / 2 * |levels part of
+    w| (the weight less its per-32 offset: the block's min field zeroed), plus the float bound."""
+    k = x.shape[1]
+    levels = raw.clone()
+    if qtype in _OFFSET_AT:
+        block, size = GGML_QUANT_SIZES[qtype]
+        view = levels.view(raw.shape[0], k // block, size)
+        view[..., 2:4] = 0
+    lw = reference(levels, qtype).double()
+    dx = x.abs().reshape(x.shape[0], -1, 32).amax(-1).double() / 127
+    rounding = (dx / 2).repeat_interleave(32, dim=1)
+    w = reference(raw, qtype).double()
+    return rounding @ lw.abs().T + 2 * k * torch.finfo(torch.float32).eps * (x.abs().double() @ (w.abs() + lw.abs()).T)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 13])
+def test_int8_activations_within_their_bound(qtype, m, path, monkeypatch):
+    """int8 activations (opt-in) stay within x's rounding bound of the float product; on the
+    reference path the switch is ignored (the float product)."""
+    monkeypatch.setenv(gguf_kernel.ACTIVATIONS_ENV, "int8")
+    k = 512
+    raw = make_blocks(qtype, 37, k, seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    x[0, :32] = 0.0  # an all-zero block of x (scale 0)
+    want = x.double() @ reference(raw, qtype).double().T
+    got = gguf_kernel.matmul(x, raw, qtype, k)
+    assert ((got.double() - want).abs() <= _int8_bound(x, raw, qtype)).all()
+    if path == "compiled":  # it is a different product: the float one is closer
+        f32 = gguf_kernel.matmul(x, raw, qtype, k, int8_x=False)
+        assert not torch.equal(got, f32)
+        assert (f32.double() - want).abs().mean() < (got.double() - want).abs().mean()
 
 
 def test_one_block_rows_and_out(path):
