@@ -29,9 +29,7 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer, str]:
     """The model `config.model` names (None = the default), its tokenizer and its name."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    if config.torch_weights not in ("cache", "gguf"):
-        raise ValueError(f"engine.torch_weights = {config.torch_weights!r}: use cache or gguf")
-    path, name = resolve(config.model, in_place=config.torch_weights == "gguf")
+    path, name = resolve(config.model, in_place=reads_in_place(config))
     device = engine_device(config)
     dtype_name = config.dtype
     if dtype_name == "auto" and config.backend == "auto" and device.type == "cpu" \
@@ -50,6 +48,46 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer, str]:
     # Its digest (graph export key, prefix store) is then hashed once per set of files, not per start.
     weights_memo.attach(model, path, Path(config.onnx_cache_dir) if config.onnx_cache_dir else paths.cache_dir() / "onnx")
     return model, Tokenizer(path), name
+
+
+# What the re-encoded serving path holds per byte of a GGUF's tensors: ONNX Runtime's pre-packed
+# MatMulNBits (docs/onnx.md: 7,224 MiB for the 8B Q4_K_M file's 4,685; the block cache's mapped
+# pages come on top while training).
+REENCODED_RATIO = 1.55
+
+
+def reads_in_place(config: EngineConfig) -> bool:
+    """Whether the model's matrices are read in place from its GGUF (`engine.torch_weights`):
+    "gguf" always (for a llama GGUF file), "cache" never, "auto" where the re-encoded serving
+    copy (REENCODED_RATIO x the file's tensors) plus one training stage would not fit the memory
+    budget (configured, else what this machine has available now) and the backend is auto or
+    torch, so the one copy that fits is the file's own."""
+    setting = config.torch_weights
+    if setting not in ("cache", "gguf", "auto"):
+        raise ValueError(f"engine.torch_weights = {setting!r}: use cache, gguf or auto")
+    if setting != "auto":
+        return setting == "gguf"
+    spec = config.model
+    if config.backend not in ("auto", "torch") or spec is None or not Path(spec).is_file():
+        return False
+    from edge_runtime.model import gguf_config, gguf_load
+
+    with open(spec, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            return False
+    header = gguf_config.read_header(spec)
+    if not gguf_load.reads(header):
+        return False
+    tensors = sum(int(t.n_bytes) for t in header.tensors.values())
+    budget = config.memory_budget_bytes or available_memory_bytes()
+    need = REENCODED_RATIO * tensors + config.finetune_memory_bytes
+    if need <= budget:
+        return False
+    log.info("serving %s in place: a re-encoded copy (%.0f MiB) and a training stage (%.0f MiB) would not fit "
+             "the memory budget (%.0f MiB); the file's own %.0f MiB of tensors serve and train",
+             Path(spec).name, REENCODED_RATIO * tensors / 2**20, config.finetune_memory_bytes / 2**20,
+             budget / 2**20, tensors / 2**20)
+    return True
 
 
 def engine_device(config: EngineConfig) -> torch.device:

@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # maced's engine settings with no file, environment or flags: its defaults (auto backend, MACE)
     config = load_config(environ={}).engine.replace(model=str(args.gguf), num_threads=args.threads,
                                                     **({"backend": args.backend} if args.backend else {}),
-                                                    torch_weights=args.weights)
+                                                    torch_weights=args.weights,
+                                                    **({"cost_profile": args.cost_profile} if args.cost_profile else {}))
     engine = Engine.load(config=config)
     load_s = time.perf_counter() - t0
     point("loaded")
@@ -254,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", help="engine.backend instead of the daemon's default (auto)")
     ap.add_argument("--weights", default="cache", choices=("cache", "gguf"),
                     help="engine.torch_weights: the model cache's blocks, or the GGUF's own bytes read in place")
+    ap.add_argument("--cost-profile", help="engine.cost_profile (off: no calibration forwards at start)")
     ap.add_argument("--out", type=Path, help="write <out>.json")
     args = ap.parse_args(argv)
     result = run(args)

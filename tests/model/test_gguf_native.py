@@ -203,3 +203,23 @@ def test_engine_serves_a_gguf_in_place_with_no_weights_cached(tmp_path, monkeypa
     ours, generated = engine_logits_for(engine, prompt, steps=STEPS)
     assert generated == tokens
     assert (ours - logits).abs().max().item() <= 1e-4
+
+
+def test_auto_reads_in_place_where_a_re_encoded_copy_would_not_fit_the_budget(q4km, tmp_path):
+    from edge_runtime.config import EngineConfig
+    from edge_runtime.loading import REENCODED_RATIO, reads_in_place
+
+    _, path = q4km
+    tensors = sum(int(t.n_bytes) for t in __import__("gguf").GGUFReader(str(path)).tensors)
+    config = EngineConfig(model=str(path), backend="auto", torch_weights="auto", finetune_memory_bytes=1 << 20)
+    tight = int(REENCODED_RATIO * tensors) + (1 << 20) - 1
+    assert reads_in_place(config.replace(memory_budget_bytes=tight))
+    assert not reads_in_place(config.replace(memory_budget_bytes=tight + 2))
+    assert not reads_in_place(config.replace(memory_budget_bytes=tight, backend="onnxruntime"))
+    assert reads_in_place(config.replace(torch_weights="gguf", memory_budget_bytes=1 << 40))
+    assert not reads_in_place(config.replace(torch_weights="cache", memory_budget_bytes=1))
+    folder = tmp_path / "hf"
+    make_tiny_model_dir(folder)
+    assert not reads_in_place(config.replace(model=str(folder), memory_budget_bytes=1))
+    with pytest.raises(ValueError, match="torch_weights"):
+        reads_in_place(config.replace(torch_weights="blocks"))
