@@ -185,7 +185,8 @@ def _resolve_gguf_file(path: Path, models: Path, legacy: list[Path], progress: b
     sha = _known_sha256(path, models)
     # The default model's GGUF given by path shares the default cache instead of a second copy.
     name = DEFAULT_NAME if sha == DEFAULT_GGUF_SHA256 else f"gguf-{sha[:16]}"
-    if in_place and _reads_in_place(path):
+    # (A cached in-place start does not parse the header again: 128k-token vocabularies take long.)
+    if in_place and (_check_cache(models / f"{name}-in-place", verify) is not None or _reads_in_place(path)):
         name += "-in-place"
     cache = models / name
     manifest = _check_cache(cache, verify)
