@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     point("served")
 
     sampler.set("stage cost profile")
-    costs = engine.stage_costs()
+    costs = None if args.nominal_stage_costs else engine.stage_costs()  # None: the trainer's nominal costs
     point("stage costs")
 
     # Tags: the stage running, and inside it the LM head's log-probs (the 128k-wide logits).
@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="cache", choices=("cache", "gguf"),
                     help="engine.torch_weights: the model cache's blocks, or the GGUF's own bytes read in place")
     ap.add_argument("--cost-profile", help="engine.cost_profile (off: no calibration forwards at start)")
+    ap.add_argument("--nominal-stage-costs", action="store_true",
+                    help="skip profiling the stage costs (minutes at 8B on a loaded machine): nominal ones")
     ap.add_argument("--out", type=Path, help="write <out>.json")
     args = ap.parse_args(argv)
     result = run(args)
