@@ -71,25 +71,30 @@ def bench_shape(name: str, n: int, k: int, qtype: GGMLQuantizationType, threads:
     for m in rows:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         xn = x.numpy()
-        impls = {"gguf_kernel": lambda x=x: gguf_kernel.matmul(x, raw, qtype, k),
+        impls = {"gguf_kernel": lambda x=x: gguf_kernel.matmul(x, raw, qtype, k, int8_x=False),
+                 "gguf_kernel_int8": lambda x=x: gguf_kernel.matmul(x, raw, qtype, k, int8_x=True),
                  "ort_matmulnbits": lambda xn=xn: sess.run(None, {"x": xn})}
         if dense is not None:
             impls["torch_fp32"] = lambda x=x: x @ dense.T
         times: dict[str, list[float]] = {key: [] for key in impls}
+        cpu: dict[str, list[float]] = {key: [] for key in impls}
         for fn in impls.values():
             fn()  # warm-up: first touches, ORT's packing of its own copy
         for _ in range(repeats):
             for key, fn in impls.items():
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 fn()
                 times[key].append(time.perf_counter() - start)
+                cpu[key].append(time.process_time() - start_cpu)
         row = {"shape": name, "N": n, "K": k, "type": qtype.name, "M": m, "threads": threads,
                "gguf_bytes": int(raw.numel())}
         for key, ts in times.items():
             row[f"{key}_ms_min"] = round(min(ts) * 1e3, 3)
             row[f"{key}_ms_median"] = round(statistics.median(ts) * 1e3, 3)
+            row[f"{key}_cpu_ms_median"] = round(statistics.median(cpu[key]) * 1e3, 3)
         row["gguf_GBps_min_time"] = round(raw.numel() / min(times["gguf_kernel"]) / 1e9, 2)
-        row["ratio_ort_over_kernel_median"] = round(row["ort_matmulnbits_ms_median"] / row["gguf_kernel_ms_median"], 3)
+        for key in ("gguf_kernel", "gguf_kernel_int8"):
+            row[f"ratio_ort_over_{key}_median"] = round(row["ort_matmulnbits_ms_median"] / row[f"{key}_ms_median"], 3)
         out.append(row)
         print(json.dumps(row), flush=True)
     return out
@@ -100,15 +105,22 @@ def markdown(result: dict) -> str:
              f"`python tools/bench_gguf_kernel.py {' '.join(result['argv'])}`; CPU {result['cpu']}, "
              f"{result['threads']} threads everywhere, compiled kernels: {result['compiled']}; load average at start "
              f"`{result['loadavg_start']}`, at end `{result['loadavg_end']}`. Round-robin: each repeat runs every "
-             "implementation once in turn; min and median of the repeats, in ms.", "",
-             "| shape | type | M | gguf_kernel min / median | MatMulNBits (acc. 4) min / median | torch fp32 min / median | "
-             "MatMulNBits / kernel (median) | GGUF GB/s (kernel min) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "implementation once in turn. Each cell: wall ms min / median, then [CPU ms median of the whole "
+             "process, all threads]. Ratios: MatMulNBits' median wall time over the kernel's (above 1: the "
+             "kernel is faster).", "",
+             "| shape | type | M | kernel, f32 x | kernel, int8 x | MatMulNBits (acc. 4) | torch fp32 copy | "
+             "MatMulNBits / f32 x | MatMulNBits / int8 x |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(r: dict, key: str) -> str:
+        if f"{key}_ms_min" not in r:
+            return "-"
+        return f"{r[key + '_ms_min']} / {r[key + '_ms_median']} [{r[key + '_cpu_ms_median']}]"
+
     for r in result["rows"]:
-        torch_cell = (f"{r['torch_fp32_ms_min']} / {r['torch_fp32_ms_median']}" if "torch_fp32_ms_min" in r else "-")
-        lines.append(f"| {r['shape']} | {r['type']} | {r['M']} | {r['gguf_kernel_ms_min']} / {r['gguf_kernel_ms_median']} | "
-                     f"{r['ort_matmulnbits_ms_min']} / {r['ort_matmulnbits_ms_median']} | {torch_cell} | "
-                     f"{r['ratio_ort_over_kernel_median']} | {r['gguf_GBps_min_time']} |")
+        lines.append(f"| {r['shape']} | {r['type']} | {r['M']} | {cell(r, 'gguf_kernel')} | {cell(r, 'gguf_kernel_int8')} | "
+                     f"{cell(r, 'ort_matmulnbits')} | {cell(r, 'torch_fp32')} | {r['ratio_ort_over_gguf_kernel_median']} | "
+                     f"{r['ratio_ort_over_gguf_kernel_int8_median']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -31,6 +31,7 @@ ACTIVATIONS_ENV = "MACE_GGUF_ACTIVATIONS"
 # whatever the weight's size.
 TILE_ELEMENTS = 1 << 20
 SOURCE = Path(__file__).with_name("gguf_native.c")
+INCLUDES = (SOURCE.with_name("gguf_native_q8.c"),)  # what SOURCE includes (part of the build's key)
 _FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
 # Weights each thread takes at least (a hand-off to a pool thread costs 10-50 us on a quiet machine,
 # milliseconds on a loaded one), and the rows of x above which a product de-quantises tiles of W for
@@ -54,7 +55,7 @@ def enabled() -> bool:
 def _library() -> ctypes.CDLL | None:
     """The built kernels, or None (logged once) where they cannot be had."""
     try:
-        return bind(build_library(SOURCE, _FLAGS))
+        return bind(build_library(SOURCE, _FLAGS, INCLUDES))
     except KernelUnavailable as e:
         log.info("GGUF blocks go through gguf's numpy de-quantisation: %s", e)
         return None
@@ -97,8 +98,14 @@ def _split(n: int, weights: int, run) -> None:
         run(0, n)
         return
     step = -(-n // threads)
-    for f in [_pool(threads).submit(run, lo, min(n, lo + step)) for lo in range(0, n, step)]:
-        f.result()
+    ranges = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+    # The calling thread takes the first range itself: one pool hand-off fewer per product.
+    futures = [_pool(len(ranges) - 1).submit(run, lo, hi) for lo, hi in ranges[1:]] if len(ranges) > 1 else []
+    try:
+        run(*ranges[0])
+    finally:
+        for f in futures:
+            f.result()
 
 
 def row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
@@ -137,11 +144,17 @@ def _reference_rows(raw: Tensor, qtype: GGMLQuantizationType, lo: int, hi: int) 
     return torch.from_numpy(np.ascontiguousarray(gguf_quants.dequantize(raw[lo:hi].numpy(), qtype)))
 
 
+def _ok(status: int, qtype: GGMLQuantizationType) -> None:
+    """The compiled call's status: -1 is a type it does not handle (its output is not written)."""
+    if status != 0:
+        raise GGUFKernelError(f"the compiled kernels do not handle {qtype.name}")
+
+
 def _compiled_rows(lib: ctypes.CDLL, raw: Tensor, qtype: GGMLQuantizationType, k: int, lo: int, hi: int,
                    out: Tensor) -> None:
     """out (float32 [hi - lo, k], contiguous) = rows lo:hi de-quantised by the compiled kernels."""
     def run(a: int, b: int) -> None:
-        lib.gg_dequant(int(qtype), raw[lo + a].data_ptr(), b - a, k, out[a].data_ptr())
+        _ok(lib.gg_dequant(int(qtype), raw[lo + a].data_ptr(), b - a, k, out[a].data_ptr()), qtype)
 
     _split(hi - lo, (hi - lo) * k, run)
 
@@ -216,12 +229,12 @@ def matmul(x: Tensor, raw: Tensor, qtype: GGMLQuantizationType, k: int, out: Ten
             lib.gg_quantize_x(x.data_ptr(), m, k, qx.data_ptr(), dx.data_ptr())
 
             def run(lo: int, hi: int) -> None:
-                lib.gg_matmul_q8(int(qtype), raw[lo].data_ptr(), hi - lo, k, qx.data_ptr(), dx.data_ptr(), m, xs,
-                                 out[:, lo:].data_ptr(), n)
+                _ok(lib.gg_matmul_q8(int(qtype), raw[lo].data_ptr(), hi - lo, k, qx.data_ptr(), dx.data_ptr(), m,
+                                     xs, out[:, lo:].data_ptr(), n), qtype)
         else:
             def run(lo: int, hi: int) -> None:
-                lib.gg_matmul(int(qtype), raw[lo].data_ptr(), hi - lo, k, x.data_ptr(), m, xs,
-                              out[:, lo:].data_ptr(), n)
+                _ok(lib.gg_matmul(int(qtype), raw[lo].data_ptr(), hi - lo, k, x.data_ptr(), m, xs,
+                                  out[:, lo:].data_ptr(), n), qtype)
 
         _split(n, n * k, run)
         return out

@@ -65,14 +65,15 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-def build_library(source_path: Path, flags: list[str]) -> ctypes.CDLL:
-    """`source_path` built with the system's C compiler (once per source, compiler, machine and
-    flags, into the cache) and loaded; KernelUnavailable where that cannot be done."""
+def build_library(source_path: Path, flags: list[str], includes: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    """`source_path` built with the system's C compiler (once per source, the files it includes,
+    compiler, machine and flags, into the cache) and loaded; KernelUnavailable where that cannot
+    be done."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelUnavailable("no C compiler (cc/gcc) found")
     try:
-        source = source_path.read_bytes()
+        source = b"".join(p.read_bytes() for p in (source_path, *includes))
     except OSError as e:
         raise KernelUnavailable(f"{source_path.name} is not installed beside {Path(__file__).name}: {e}") from e
     # -march=native only on x86 (it picks AVX-512/AVX2); other machines take the compiler default.

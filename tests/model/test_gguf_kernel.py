@@ -4,6 +4,10 @@ x @ dequantize(W).T, for every supported type, on the compiled path and the refe
 from __future__ import annotations
 
 import functools
+import platform
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,25 +56,32 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _generic_library():
-    """gguf_native.c built with its portable loops only (what aarch64 without AVX2 runs)."""
+def _variant_library(extra: tuple[str, ...]):
+    """gguf_native.c built with extra flags: -DGG_GENERIC (the portable loops other machines run),
+    -mno-avx512f -mno-avxvnni (an AVX2-only x86: maddubs for the int8 dot)."""
     try:
-        return gguf_kernel.bind(build_library(gguf_kernel.SOURCE, gguf_kernel._FLAGS + ["-DGG_GENERIC"]))
+        return gguf_kernel.bind(build_library(gguf_kernel.SOURCE, gguf_kernel._FLAGS + list(extra),
+                                              gguf_kernel.INCLUDES))
     except KernelUnavailable:
         return None
 
 
-@pytest.fixture(params=["compiled", "portable", "reference"])
+_VARIANTS = {"portable": ("-DGG_GENERIC",), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
+
+
+@pytest.fixture(params=["compiled", "portable", "avx2", "reference"])
 def path(request, monkeypatch):
     if request.param == "reference":
         monkeypatch.setenv(gguf_kernel.ENV, "off")
         assert not gguf_kernel.available()
     elif not gguf_kernel.available():
         pytest.skip("the compiled GGUF kernels are not available here")
-    elif request.param == "portable":
-        lib = _generic_library()
+    elif request.param in _VARIANTS:
+        if request.param == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("an x86 build")
+        lib = _variant_library(_VARIANTS[request.param])
         if lib is None:
-            pytest.skip("the portable build is not available here")
+            pytest.skip(f"the {request.param} build is not available here")
         monkeypatch.setattr(gguf_kernel, "_library", lambda: lib)
     return request.param
 
@@ -180,7 +191,7 @@ def test_int8_activations_within_their_bound(qtype, m, path, monkeypatch):
     """int8 activations (opt-in) stay within x's rounding bound of the float product; on the
     reference path the switch is ignored (the float product)."""
     monkeypatch.setenv(gguf_kernel.ACTIVATIONS_ENV, "int8")
-    k = 512
+    k = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 608  # 608: two whole 256-weight tiles and a part
     raw = make_blocks(qtype, 37, k, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     x[0, :32] = 0.0  # an all-zero block of x (scale 0)
@@ -225,3 +236,51 @@ def test_wrong_sizes_are_typed_errors():
         gguf_kernel.row_bytes(Q.IQ2_XXS, 256)
     assert gguf_kernel.row_bytes(Q.Q4_K, 512) == 288
     assert gguf_kernel.row_bytes(Q.Q8_0, 64) == 68
+
+
+_HARNESS = Path(__file__).with_name("gguf_native_harness.c")
+
+
+def _harness_rows(path: Path):
+    """(qx, dx, {type: (raw, dequantized, f32 product, int8 product)}, x) as the harness wrote them."""
+    data, at = path.read_bytes(), 0
+    n, k, m = 37, 512, 13
+
+    def take(count, dtype):
+        nonlocal at
+        a = np.frombuffer(data, dtype=dtype, count=count, offset=at)
+        at += a.nbytes
+        return a
+
+    qx, dx = take(m * k, np.int8), take(m * k // 32, np.float32)
+    rows = {}
+    for t in (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        rb = gguf_kernel.row_bytes(t, k)
+        rows[t] = (take(n * rb, np.uint8).reshape(n, rb), take(n * k, np.float32).reshape(n, k),
+                   take(m * n, np.float32).reshape(m, n), take(m * n, np.float32).reshape(m, n))
+    return qx, dx, rows, take(m * k, np.float32).reshape(m, k)
+
+
+def test_aarch64_build_under_qemu(tmp_path):
+    """Jetson's build (aarch64: the NEON int8 dot, the portable decoders, which the "portable"
+    variant above also runs natively), cross-compiled and run under qemu where both are installed:
+    de-quantisation bit for bit gguf's numpy code, float products within the float bound, int8
+    products within x's rounding bound."""
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if cc is None or qemu is None:
+        pytest.skip("no aarch64 cross compiler or qemu-aarch64 here")
+    exe, out = tmp_path / "harness", tmp_path / "out.bin"
+    subprocess.run([cc, "-O3", "-ffp-contract=off", "-I", str(gguf_kernel.SOURCE.parent), str(_HARNESS), "-o",
+                    str(exe)], check=True, capture_output=True, timeout=300)
+    subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe), str(out)], check=True, capture_output=True,
+                   timeout=300)
+    qx, dx, rows, x = _harness_rows(out)
+    xt = torch.from_numpy(x.copy())
+    for qtype, (raw, deq, f32, int8) in rows.items():
+        want = reference(torch.from_numpy(raw.copy()), qtype)
+        assert np.array_equal(deq.view(np.int32), want.numpy().view(np.int32)), qtype.name
+        exact = xt.double() @ want.double().T
+        assert ((torch.from_numpy(f32.copy()).double() - exact).abs() <= _bound(xt, want)).all(), qtype.name
+        if GGML_QUANT_SIZES[qtype][0] > 1:
+            bound = _int8_bound(xt, torch.from_numpy(raw.copy()), qtype)
+            assert ((torch.from_numpy(int8.copy()).double() - exact).abs() <= bound).all(), qtype.name
