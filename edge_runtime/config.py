@@ -87,6 +87,12 @@ class EngineConfig:
     # "on"/"off" wins. speculative_tokens: the most draft tokens a decode row carries.
     speculation: str = "auto"
     speculative_tokens: int = 4
+    # Where the torch model's matrices come from when the model is a llama GGUF file
+    # (docs/memory.md): "cache" = the model cache (re-encoded blocks); "gguf" = the GGUF's own
+    # bytes, read in place through its memory map (no block cache written, nothing re-encoded;
+    # the torch backend serves and trains on them); "auto" = "gguf" where a re-encoded copy and a
+    # training stage would not fit the memory budget (edge_runtime.loading.reads_in_place)
+    torch_weights: str = "cache"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def replace(self, **overrides: Any) -> EngineConfig:

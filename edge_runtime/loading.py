@@ -17,6 +17,7 @@ from edge_runtime.config import EngineConfig
 from edge_runtime.device import pick_device, pick_dtype
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.llama import LlamaModel
+from edge_runtime.model.model_cache import in_place_source
 from edge_runtime.model.tokenizer import Tokenizer
 from edge_runtime.model.weights import load_llama
 from edge_runtime.sizing import available_memory_bytes, check_memory_budget, stored_weights_bytes
@@ -28,7 +29,7 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer, str]:
     """The model `config.model` names (None = the default), its tokenizer and its name."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    path, name = resolve(config.model)
+    path, name = resolve(config.model, in_place=reads_in_place(config))
     device = engine_device(config)
     dtype_name = config.dtype
     if dtype_name == "auto" and config.backend == "auto" and device.type == "cpu" \
@@ -38,13 +39,55 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer, str]:
     # Refuse before reading gigabytes of weights: against the configured budget, else against
     # what this machine has available now (a model that cannot fit is never loaded to the OOM).
     cfg = ModelConfig.from_dir(path)
-    weights = stored_weights_bytes(path, cfg, dtype)
+    source = in_place_source(path)
+    # Read in place, the weights are the GGUF's pages (its header and vocabulary are a few MiB).
+    weights = source.stat().st_size if source is not None else stored_weights_bytes(path, cfg, dtype)
     check_memory_budget(config, cfg, dtype, weights, None if config.memory_budget_bytes else available_memory_bytes())
     log.info("loading %s: %.0f MiB of weights", name, weights / 2**20)
     model = load_llama(path, dtype=dtype, device=device)
     # Its digest (graph export key, prefix store) is then hashed once per set of files, not per start.
     weights_memo.attach(model, path, Path(config.onnx_cache_dir) if config.onnx_cache_dir else paths.cache_dir() / "onnx")
     return model, Tokenizer(path), name
+
+
+# What the re-encoded serving path holds per byte of a GGUF's tensors: ONNX Runtime's pre-packed
+# MatMulNBits (docs/onnx.md: 7,224 MiB for the 8B Q4_K_M file's 4,685; the block cache's mapped
+# pages come on top while training).
+REENCODED_RATIO = 1.55
+
+
+def reads_in_place(config: EngineConfig) -> bool:
+    """Whether the model's matrices are read in place from its GGUF (`engine.torch_weights`):
+    "gguf" always (for a llama GGUF file), "cache" never, "auto" where the re-encoded serving
+    copy (REENCODED_RATIO x the file's tensors) plus one training stage would not fit the memory
+    budget (configured, else what this machine has available now) and the backend is auto or
+    torch, so the one copy that fits is the file's own."""
+    setting = config.torch_weights
+    if setting not in ("cache", "gguf", "auto"):
+        raise ValueError(f"engine.torch_weights = {setting!r}: use cache, gguf or auto")
+    if setting != "auto":
+        return setting == "gguf"
+    spec = config.model
+    if config.backend not in ("auto", "torch") or spec is None or not Path(spec).is_file():
+        return False
+    from edge_runtime.model import gguf_config, gguf_load
+
+    with open(spec, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            return False
+    header = gguf_config.read_header(spec)
+    if not gguf_load.reads(header):
+        return False
+    tensors = sum(int(t.n_bytes) for t in header.tensors.values())
+    budget = config.memory_budget_bytes or available_memory_bytes()
+    need = REENCODED_RATIO * tensors + config.finetune_memory_bytes
+    if need <= budget:
+        return False
+    log.info("serving %s in place: a re-encoded copy (%.0f MiB) and a training stage (%.0f MiB) would not fit "
+             "the memory budget (%.0f MiB); the file's own %.0f MiB of tensors serve and train",
+             Path(spec).name, REENCODED_RATIO * tensors / 2**20, config.finetune_memory_bytes / 2**20,
+             budget / 2**20, tensors / 2**20)
+    return True
 
 
 def engine_device(config: EngineConfig) -> torch.device:
@@ -62,11 +105,12 @@ def engine_device(config: EngineConfig) -> torch.device:
     return device
 
 
-def resolve(spec: str | None) -> tuple[Path, str]:
-    """A model folder and its name, from a path or a name the model source knows."""
+def resolve(spec: str | None, in_place: bool = False) -> tuple[Path, str]:
+    """A model folder and its name, from a path or a name the model source knows. `in_place`: a
+    llama GGUF file is served from its own bytes (engine.torch_weights = "gguf")."""
     if spec is not None and Path(spec).is_dir():
         return Path(spec), Path(spec).name
     from edge_runtime.model.source import resolve_model
 
-    resolved = resolve_model(spec)
+    resolved = resolve_model(spec, in_place=in_place)
     return Path(resolved.path), resolved.name

@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sampler = Sampler()
     libc = ctypes.CDLL("libc.so.6")
     points: dict[str, dict[str, Any]] = {}
-    names = {"ONNX data file": ".onnx.data", "block cache file": "model.blocks.safetensors"}
+    names = {"ONNX data file": ".onnx.data", "block cache file": "model.blocks.safetensors",
+             "GGUF file (read in place)": Path(args.gguf).name}
 
     engine = None
 
@@ -137,7 +138,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sampler.set("load")
     t0 = time.perf_counter()
     # maced's engine settings with no file, environment or flags: its defaults (auto backend, MACE)
-    config = load_config(environ={}).engine.replace(model=str(args.gguf), num_threads=args.threads)
+    config = load_config(environ={}).engine.replace(model=str(args.gguf), num_threads=args.threads,
+                                                    **({"backend": args.backend} if args.backend else {}),
+                                                    torch_weights=args.weights,
+                                                    **({"cost_profile": args.cost_profile} if args.cost_profile else {}))
     engine = Engine.load(config=config)
     load_s = time.perf_counter() - t0
     point("loaded")
@@ -148,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     point("served")
 
     sampler.set("stage cost profile")
-    costs = engine.stage_costs()
+    costs = None if args.nominal_stage_costs else engine.stage_costs()  # None: the trainer's nominal costs
     point("stage costs")
 
     # Tags: the stage running, and inside it the LM head's log-probs (the 128k-wide logits).
@@ -229,6 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ledger = {kind.value: {k: mib(v) for k, v in engine.ledger.entries(kind).items()} for kind in MemoryKind}
     return {
         "gguf": str(args.gguf), "threads": args.threads, "backend": engine.backend.name, "load_s": round(load_s, 1),
+        "torch_weights": args.weights,
         "model_tensors_mib": {k: mib(v) for k, v in model_bytes.items()}, "pairs": pairs, "kv_cache_mib": mib(engine.cache.nbytes), "ledger_mib": ledger,
         "allocator_slack_mib": mib(before_trim - statm()[0]),
         "points": points,
@@ -247,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="the LM head log-probs each pair uses, in order: whole (the [n, vocab] logits) and/or pieces")
     ap.add_argument("--no-publish", dest="publish", action="store_false",
                     help="skip serving the trained adapter (the LoRA graph's export and open)")
+    ap.add_argument("--backend", help="engine.backend instead of the daemon's default (auto)")
+    ap.add_argument("--weights", default="cache", choices=("cache", "gguf"),
+                    help="engine.torch_weights: the model cache's blocks, or the GGUF's own bytes read in place")
+    ap.add_argument("--cost-profile", help="engine.cost_profile (off: no calibration forwards at start)")
+    ap.add_argument("--nominal-stage-costs", action="store_true",
+                    help="skip profiling the stage costs (minutes at 8B on a loaded machine): nominal ones")
     ap.add_argument("--out", type=Path, help="write <out>.json")
     args = ap.parse_args(argv)
     result = run(args)

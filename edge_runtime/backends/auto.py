@@ -113,6 +113,13 @@ def first_candidate(device: torch.device) -> str:
     return names[0] if names else "torch"
 
 
+def reads_gguf_in_place(model: Any) -> bool:
+    """Whether the model's matrices are views of a GGUF's memory map (`gguf_weight`)."""
+    from edge_runtime.model.gguf_weight import GgufWeight
+
+    return any(isinstance(m, GgufWeight) for m in model.modules())
+
+
 def choose_backend(config: EngineConfig, model: Any, cache: Any, adapters: Any, pool: BlockPool,
                    prompts: list[list[int]]) -> tuple[Backend, BackendChoice]:
     """Build the configured backend; for "auto", the first candidate that builds and passes the
@@ -132,6 +139,11 @@ def choose_backend(config: EngineConfig, model: Any, cache: Any, adapters: Any, 
         used = quantization if backend.runs_onnx_weights else "none"
         return backend, BackendChoice(config.backend, backend.name, used, "set explicitly")
     reference = TorchBackend(model, cache, adapters)
+    if reads_gguf_in_place(model):
+        reason = ("the matrices are the GGUF's own bytes, read in place (engine.torch_weights = gguf): "
+                  "a graph backend would hold a re-encoded copy beside them")
+        log.info("auto backend: torch (%s)", reason)
+        return reference, BackendChoice("auto", "torch", "none", reason)
     tried = []
     for name in candidates(model.device):
         try:

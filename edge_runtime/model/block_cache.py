@@ -38,16 +38,18 @@ def is_block_cache(path: str | Path) -> bool:
     return (Path(path) / BLOCKS_FILE).is_file()
 
 
-def write_block_cache(gguf_path: Path, out_dir: Path, header: gguf_config.GgufHeader | None = None) -> dict[str, str]:
+def write_block_cache(gguf_path: Path, out_dir: Path, header: gguf_config.GgufHeader | None = None,
+                      blocks: bool = True) -> dict[str, str]:
     """Read a llama GGUF as blocks (`gguf_load`) and write it into `out_dir` as above. Returns
-    the sha256 of the files it hashed as it wrote them (the blocks file), by name."""
+    the sha256 of the files it hashed as it wrote them (the blocks file), by name. `blocks`
+    False: the config and the tokenizer only (the weights are read in place from the GGUF)."""
     from transformers import AutoTokenizer, GenerationConfig
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     header = header or gguf_config.read_header(gguf_path)
     config = gguf_load.hf_config(gguf_path, header)
-    logger.info("reading %s as quantised blocks (no float copy)", gguf_path.name)
-    model = gguf_load.load_llama_gguf(gguf_path, config=config, header=header)
+    if blocks:
+        logger.info("reading %s as quantised blocks (no float copy)", gguf_path.name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
     except (ValueError, KeyError, OSError) as exc:
@@ -59,7 +61,11 @@ def write_block_cache(gguf_path: Path, out_dir: Path, header: gguf_config.GgufHe
         if not 0 <= int(token_id) < len(tokenizer):
             raise ModelNotAvailable(f"{gguf_path.name}: tokenizer.ggml.{key} = {token_id} is outside the vocabulary")
         setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(int(token_id)))
-    written = {BLOCKS_FILE: save_blocks(model, out_dir / BLOCKS_FILE)}
+    written = {}
+    if blocks:
+        model = gguf_load.load_llama_gguf(gguf_path, config=config, header=header)
+        written[BLOCKS_FILE] = save_blocks(model, out_dir / BLOCKS_FILE)
+        del model
     settings = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "quantization_config"}
     settings["architectures"] = ["LlamaForCausalLM"]
     (out_dir / "config.json").write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
@@ -145,6 +151,26 @@ def load_block_cache(
     model.ropes = rotary_tables(cfg, max_positions).to(device)
     model.eval()
     return model
+
+
+def load_in_place(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    max_positions: int | None = None,
+) -> LlamaModel | None:
+    """The model of a cache that reads its GGUF in place (model_cache.IN_PLACE_FORMAT): every
+    matrix a view of the file's map (`gguf_weight`); None for any other cache."""
+    from transformers import AutoConfig
+
+    from edge_runtime.model.model_cache import in_place_source
+
+    source = in_place_source(Path(path))
+    if source is None:
+        return None
+    if not source.is_file():
+        raise ModelNotAvailable(f"{path} serves {source} in place, and that file is gone")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    return gguf_load.load_llama_gguf(source, dtype=dtype, device=device, max_positions=max_positions,
+                                     config=config, in_place=True)
 
 
 def _parent(model: nn.Module, dotted: str) -> tuple[nn.Module, str]:

@@ -19,6 +19,7 @@ from edge_runtime.errors import ModelNotAvailable
 from edge_runtime.model import gguf_config
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.gguf_blocks import GgufBlockReader
+from edge_runtime.model.gguf_weight import FileMap, GgufWeight
 from edge_runtime.model.llama import LlamaModel, rotary_tables
 from edge_runtime.model.qweights import QuantWeight
 
@@ -68,10 +69,12 @@ def load_llama_gguf(
     max_positions: int | None = None,
     config: Any = None,
     header: gguf_config.GgufHeader | None = None,
+    in_place: bool = False,
 ) -> LlamaModel:
     """The model of a llama-architecture GGUF with its quantised tensors kept as blocks (float
     tensors, norms and any F16/F32 matrix, become parameters in `dtype`). `header`: the file's,
-    when already read."""
+    when already read. `in_place`: every matrix (F16/F32 ones too) stays the file's own bytes in
+    its memory map (`gguf_weight.GgufWeight`): nothing is re-encoded or read at load."""
     path = Path(path)
     header = header or gguf_config.read_header(path)
     if not reads(header):
@@ -81,12 +84,15 @@ def load_llama_gguf(
     if cfg.fused_projections or cfg.norm_after_sublayer or cfg.qk_norm is not None:
         raise ModelNotAvailable(f"{path.name}: a llama GGUF with settings of another family ({cfg.model_type})")
     reader = GgufBlockReader(path, header.tensors)
+    file_map = FileMap(path) if in_place else None
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions=None)
     used: set[str] = set()
 
     def take(name: str, heads: int | None = None) -> Tensor | QuantWeight:
         used.add(name)
+        if file_map is not None and len(reader.shape(name)) == 2:
+            return GgufWeight([file_map.rows(reader.tensors[name], heads)])
         if reader.is_float(name):
             return reader.float(name, heads)
         return QuantWeight([reader.blocks(name, heads)]).to(device)
@@ -94,7 +100,7 @@ def load_llama_gguf(
     def fused(names: list[str], heads: list[int | None]) -> Tensor | QuantWeight:
         parts = [take(n, h) for n, h in zip(names, heads, strict=True)]
         if all(isinstance(p, QuantWeight) for p in parts):
-            return QuantWeight.cat(parts)
+            return type(parts[0]).cat(parts)
         # A float part cannot join blocks: the group is kept in float (exact either way).
         floats = [p.dequantize() if isinstance(p, QuantWeight) else p for p in parts]
         return torch.cat(floats)

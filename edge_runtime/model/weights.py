@@ -40,12 +40,16 @@ def load_llama(
     max_positions: int | None = None,
 ) -> LlamaModel:
     """Build our model from a Hugging Face directory and fill every parameter, or fail clearly.
-    A block cache (a GGUF kept quantised: `block_cache`) loads as its blocks."""
+    A block cache (a GGUF kept quantised: `block_cache`) loads as its blocks, a cache that reads
+    its GGUF in place as views of that file's map."""
     path = Path(path)
     from edge_runtime.model import block_cache
 
     if block_cache.is_block_cache(path):
         return block_cache.load_block_cache(path, dtype, device, max_positions)
+    in_place = block_cache.load_in_place(path, dtype, device, max_positions)
+    if in_place is not None:
+        return in_place
     cfg = ModelConfig.from_dir(path)
     with torch.device("meta"):
         model = LlamaModel(cfg, max_positions=None)
