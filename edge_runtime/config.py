@@ -90,9 +90,10 @@ class EngineConfig:
     # Where the torch model's matrices come from when the model is a llama GGUF file
     # (docs/memory.md): "cache" = the model cache (re-encoded blocks); "gguf" = the GGUF's own
     # bytes, read in place through its memory map (no block cache written, nothing re-encoded;
-    # the torch backend serves and trains on them); "auto" = "gguf" where a re-encoded copy and a
-    # training stage would not fit the memory budget (edge_runtime.loading.reads_in_place)
-    torch_weights: str = "cache"
+    # the torch backend serves and trains on them); "auto" = "gguf" where a re-encoded copy with a
+    # training stage would not fit the memory budget or would exceed 1.25x the file's tensors +
+    # 1 GiB (an 8B Q4_K_M: edge_runtime.loading.reads_in_place)
+    torch_weights: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def replace(self, **overrides: Any) -> EngineConfig:

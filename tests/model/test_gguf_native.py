@@ -223,3 +223,17 @@ def test_auto_reads_in_place_where_a_re_encoded_copy_would_not_fit_the_budget(q4
     assert not reads_in_place(config.replace(model=str(folder), memory_budget_bytes=1))
     with pytest.raises(ValueError, match="torch_weights"):
         reads_in_place(config.replace(torch_weights="blocks"))
+
+
+def test_auto_leaves_a_re_encoded_copy_beyond_the_files_own_footprint():
+    """The default rule at real sizes (the random Q4_K_M files' tensor bytes): a 1B or 3B file's
+    re-encoded copy stays within 1.25x + 1 GiB and is served re-encoded (faster kernels); an 8B's is
+    not, whatever the budget, so its file's own bytes serve (issue #28's 8B bar)."""
+    from edge_runtime.loading import reencoded_too_big
+
+    roomy = 1 << 40
+    assert reencoded_too_big(800_000_000, roomy, 1 << 30) is None  # Llama-3.2-1B Q4_K_M
+    assert reencoded_too_big(2_010_000_000, roomy, 1 << 30) is None  # Llama-3.2-3B Q4_K_M
+    why = reencoded_too_big(4_912_898_048, roomy, 1 << 30)  # Llama-3.1-8B Q4_K_M
+    assert why is not None and "footprint" in why
+    assert "budget" in (reencoded_too_big(800_000_000, 1_500_000_000, 1 << 28) or "")
