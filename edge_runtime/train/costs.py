@@ -19,6 +19,7 @@ from edge_runtime.lora.config import LoraSettings
 from edge_runtime.lora.weights import LoraWeights, TrainingLora
 from edge_runtime.model.dense import DenseCausalContext
 from edge_runtime.model.llama import LlamaModel
+from edge_runtime.model.qweights import CHUNK_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,15 @@ class StageCostModel:
     # -- estimates per stage -----------------------------------------------------------------
 
     def logits_bytes(self, scored_rows: int) -> int:
-        return 3 * 4 * scored_rows * self.vocab_size  # logits, softmax work, grad (float32)
+        """The LM head's log-probs read the vocabulary a piece at a time (`train/logprobs.py`):
+        one piece's logits, their float32 post-processing and exponentials (the backward's seed
+        in their place) exist at once, never the whole [rows, vocab]."""
+        piece = min(self.vocab_size, max(1, CHUNK_ELEMENTS // self.hidden_size))
+        return 3 * 4 * scored_rows * piece
+
+    def layer_input_bytes(self, rows: int, layers: int) -> int:
+        """What the recomputing forward keeps per window: each layer's input [rows, hidden]."""
+        return 4 * rows * self.hidden_size * layers
 
     def _head(self, scored: int, grad: bool) -> float:
         if scored <= 0:
@@ -202,24 +211,45 @@ class StageCostModel:
             return self.head_grad_s + self.head_grad_s_per_row * scored
         return self.head_s + self.head_s_per_row * scored
 
+    def _working(self, rows: int) -> int:
+        """One layer's transient tensors without grad (hidden, q/k/v, MLP intermediates)."""
+        return 16 * 4 * rows * self.hidden_size
+
     def score(self, rows: int, layers: int, scored: int, with_reference: bool) -> StageEstimate:
         passes = 2 if with_reference else 1
         seconds = passes * ((self.nograd_s_per_layer + self.nograd_s_per_row_layer * rows) * layers
                             + self._head(scored, grad=False))
-        peak = 16 * 4 * rows * self.hidden_size + self.logits_bytes(scored) // 3
+        peak = self._working(rows) + self.logits_bytes(scored) // 3
         return StageEstimate(seconds, int(peak), 0)
 
-    def forward_window(self, rows: int, layers: int, scored: int, held_before: int) -> StageEstimate:
+    def forward_window(self, rows: int, layers: int, scored: int, held_before: int,
+                       recompute: bool = True) -> StageEstimate:
+        """`recompute`: the window runs without grad and keeps each layer's input (staged.py's
+        default); otherwise it keeps what autograd saves for every layer."""
+        if recompute:
+            seconds = (self.nograd_s_per_layer + self.nograd_s_per_row_layer * rows) * layers + self._head(scored, grad=True)
+            held = held_before + self.layer_input_bytes(rows, layers) + 4 * scored * self.hidden_size
+            return StageEstimate(seconds, held - held_before + self._working(rows) + self.logits_bytes(scored), held)
         seconds = (self.grad_fwd_s_per_layer + self.grad_fwd_s_per_row_layer * rows) * layers + self._head(scored, grad=True)
         held = held_before + int(self.saved_bytes_per_row_layer * rows * layers)
         return StageEstimate(seconds, held - held_before + self.logits_bytes(scored), held)
 
-    def backward_group(self, rows: int, layers: int, held_before: int, windows: int = 1) -> StageEstimate:
-        """`rows` over all of the pair's `windows` (each window's graph is its own call per layer)."""
+    def backward_group(self, rows: int, layers: int, held_before: int, windows: int = 1,
+                       recompute: bool = True) -> StageEstimate:
+        """`rows` over all of the pair's `windows` (each window's graph is its own call per layer).
+        `recompute`: each layer's grad forward runs again here, and one layer's graph (over
+        every window) exists at a time; otherwise the group's graphs were held since the forward."""
+        grads = 8 * 4 * rows * self.hidden_size  # the gradients flowing through one layer
+        if recompute:
+            per_layer = (self.grad_fwd_s_per_layer + self.bwd_s_per_layer) * windows
+            per_row = self.grad_fwd_s_per_row_layer + self.bwd_s_per_row_layer
+            peak = int(self.saved_bytes_per_row_layer * rows) + grads
+            return StageEstimate((per_layer + per_row * rows) * layers, peak,
+                                 max(0, held_before - self.layer_input_bytes(rows, layers)))
         freed = int(self.saved_bytes_per_row_layer * rows * layers)
         seconds = (self.bwd_s_per_layer * windows + self.bwd_s_per_row_layer * rows) * layers
         # Gradients of one group's activations exist only while that group runs backward.
-        return StageEstimate(seconds, freed // 2 + 8 * 4 * rows * self.hidden_size, max(0, held_before - freed))
+        return StageEstimate(seconds, freed // 2 + grads, max(0, held_before - freed))
 
     def optimizer(self, num_params: int, steps: bool) -> StageEstimate:
         if not steps:
