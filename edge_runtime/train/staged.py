@@ -26,7 +26,10 @@ it trains only through `AdapterSide` (AdapterTrainer implements it).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import enum
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -174,6 +177,7 @@ class FineTuneTask(StageCursor):
         self.result: Score | None = None  # the log-probs the gradient was taken at
         self.stepped = False  # whether this pair's optimizer stage applied an update
         self._acts: _Activations | None = None
+        self._costs: tuple[StageCostModel, StageCostModel] | None = None  # (the trainer's, filled in)
         self._held = 0  # estimated bytes held between forward and backward
         self.stages: list[Stage] = []
         self._score_kv: PairKV | None = None  # between score windows
@@ -194,6 +198,15 @@ class FineTuneTask(StageCursor):
                                      self._estimator_backward(g), self._runner_backward(g)))
         self.stages.append(Stage(StageKind.OPTIMIZER, "optimizer", self._estimate_optimizer, self._run_optimizer))
         self._cursor = 0
+
+    @property
+    def costs(self) -> StageCostModel:
+        """The trainer's cost model with what it knows of this model filled in (a profile
+        cached before those fields existed lacks them)."""
+        source = self.trainer.costs
+        if self._costs is None or self._costs[0] is not source:
+            self._costs = (source, source.for_model(self.trainer.model))
+        return self._costs[1]
 
     # -- driving ---------------------------------------------------------------------------
 
@@ -239,9 +252,9 @@ class FineTuneTask(StageCursor):
         def estimate() -> StageEstimate:
             t, w = self.trainer, self.windows[j]
             layers = t.model.cfg.num_layers
-            est = t.costs.score(w.num_rows, layers, int(w.score_rows.numel()), with_reference=False)
+            est = self.costs.score(w.num_rows, layers, int(w.score_rows.numel()), with_reference=False)
             if j == 0 and not t.has_reference(self.tokens):  # the first window also fills the cache
-                ref = t.costs.score(self.tokens.num_rows, layers, self._scored_rows(), with_reference=False)
+                ref = self.costs.score(self.tokens.num_rows, layers, self._scored_rows(), with_reference=False)
                 est = StageEstimate(est.seconds + ref.seconds, max(est.peak_bytes, ref.peak_bytes), 0)
             return est
         return estimate
@@ -274,7 +287,7 @@ class FineTuneTask(StageCursor):
 
     def _estimate_reference(self) -> StageEstimate:
         t = self.trainer
-        return t.costs.score(self.tokens.num_rows, t.model.cfg.num_layers, self._scored_rows(), with_reference=False)
+        return self.costs.score(self.tokens.num_rows, t.model.cfg.num_layers, self._scored_rows(), with_reference=False)
 
     def _scored_rows(self) -> int:
         return sum(int(w.score_rows.numel()) for w in self.windows)
@@ -284,7 +297,7 @@ class FineTuneTask(StageCursor):
     def _estimator_forward(self, j: int) -> Callable[[], StageEstimate]:
         def estimate() -> StageEstimate:
             w = self.windows[j]
-            costs, layers = self.trainer.costs, self.trainer.model.cfg.num_layers
+            costs, layers = self.costs, self.trainer.model.cfg.num_layers
             held = sum(costs.forward_window(x.num_rows, layers, 0, 0, self.recompute).held_bytes
                        for x in self.windows[:j])
             return costs.forward_window(w.num_rows, layers, int(w.score_rows.numel()), held, self.recompute)
@@ -346,7 +359,7 @@ class FineTuneTask(StageCursor):
     def _estimator_backward(self, g: int) -> Callable[[], StageEstimate]:
         def estimate() -> StageEstimate:
             start, stop = self.groups[g]
-            return self.trainer.costs.backward_group(self.tokens.num_rows, stop - start, self._held, len(self.windows),
+            return self.costs.backward_group(self.tokens.num_rows, stop - start, self._held, len(self.windows),
                                                      self.recompute)
         return estimate
 
@@ -388,7 +401,7 @@ class FineTuneTask(StageCursor):
                 acts.inputs[g + 1] = []
             torch.autograd.backward(outputs, seeds)
             acts.outputs[g] = []
-        self._held = self.trainer.costs.backward_group(self.tokens.num_rows, stop - start, self._held,
+        self._held = self.costs.backward_group(self.tokens.num_rows, stop - start, self._held,
                                                        len(self.windows), self.recompute).held_bytes
         if g == 0:
             self._acts = None
@@ -432,3 +445,28 @@ class FineTuneTask(StageCursor):
         if self.result is not None:
             self.objective.stepped(self.result)
         self.stepped = self.trainer.finish(self)
+        if TRIM_AFTER_PAIR:
+            give_heap_back()
+
+
+# glibc keeps the heap a pair's stages freed (tensors under its mmap threshold: up to 32 MiB
+# each) resident until asked; serving then runs beside it. docs/onnx.md measures it.
+TRIM_AFTER_PAIR = True
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return None if name is None else getattr(ctypes.CDLL(name), "malloc_trim", None)  # glibc only
+    except OSError:
+        return None
+
+
+def give_heap_back() -> bool:
+    """Return the C heap's free pages to the OS (glibc's `malloc_trim`; False where there is none)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
