@@ -12,12 +12,12 @@
             window again from its kept input, with grad, then its backward, seeded with the
             gradient the layer above left on its input (for the top layer: the objective's
             gradient); so at most one layer's graph exists at once (checkpointing per layer)
+  optimizer AdamW on the LoRA parameters once `accumulation_steps` pairs have added gradients
 
 `FineTuneTask.recompute = False` keeps the forward's graphs instead (each group's input a
 detached leaf, every layer's activations held from the forward to the backward: about 0.45 GiB
 at 208 rows of a 1B model, against 27 MiB of layer inputs; the recompute costs one more grad
 forward of the layers per pair).
-  optimizer AdamW on the LoRA parameters once `accumulation_steps` pairs have added gradients
 
 The gradients equal one full-sequence autograd pass of the same loss (tests check it); each
 stage reports an estimate of its latency and memory before it runs. The task reaches the adapter
@@ -176,6 +176,7 @@ class FineTuneTask(StageCursor):
         self.score: Score | None = None  # from the score stage (before training)
         self.result: Score | None = None  # the log-probs the gradient was taken at
         self.stepped = False  # whether this pair's optimizer stage applied an update
+        self.recompute = self.recompute  # the class's setting when the task was made, for all its stages
         self._acts: _Activations | None = None
         self._costs: tuple[StageCostModel, StageCostModel] | None = None  # (the trainer's, filled in)
         self._held = 0  # estimated bytes held between forward and backward
