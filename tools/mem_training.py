@@ -134,6 +134,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"[{time.strftime('%H:%M:%S')}] {name}: {points[name]}", file=sys.stderr, flush=True)
         return points[name]
 
+    if args.ort_arena is not None:
+        from edge_runtime.backends import ort_session
+
+        ort_session.CPU_ARENA = args.ort_arena == "on"
     point("imports")
     sampler.set("load")
     t0 = time.perf_counter()
@@ -150,6 +154,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     while engine.has_unfinished():
         engine.step()
     point("served")
+    if args.long_prompt:  # a prefill at the engine's chunk size: the shapes the arena keeps
+        engine.add_request(text_of_tokens(engine.tokenizer, args.long_prompt), SamplingParams(max_tokens=2))
+        while engine.has_unfinished():
+            engine.step()
+        point("long prefill")
+    decode = []
+    for _ in range(args.decode_rounds):  # tok/s at 1 stream: the prefill's step apart
+        engine.add_request("Tell me about the sea.", SamplingParams(max_tokens=args.decode_tokens + 1, ignore_eos=True))
+        engine.step()
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        decode.append(round(args.decode_tokens / (time.perf_counter() - t0), 2))
+    point("decoded")
 
     sampler.set("stage cost profile")
     costs = None if args.nominal_stage_costs else engine.stage_costs()  # None: the trainer's nominal costs
@@ -177,8 +195,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model_bytes["rotary tables"] += sum(t.numel() * t.element_size() for t in vars(rope).values()
                                             if isinstance(t, torch.Tensor))
     pairs = {}
-    for variant in args.head.split(","):
-        head = heads[variant]
+    estimates: dict[str, list[dict[str, Any]]] = {}
+    original_estimate = staged.Stage.estimate
+
+    def recorded_estimate(self: staged.Stage) -> Any:
+        est = original_estimate(self)
+        mine = estimates.setdefault(sampler.tag.split(": ")[0], [])
+        entry = {"stage": self.name, "peak_mib": mib(est.peak_bytes), "held_mib": mib(est.held_bytes)}
+        if not mine or mine[-1] != entry:
+            mine.append(entry)
+        return est
+
+    staged.Stage.estimate = recorded_estimate  # type: ignore[method-assign]
+    runs = [(h, b) for _ in range(args.rounds) for h in args.head.split(",") for b in args.backward.split(",")]
+    for round_no, (head_name, backward) in enumerate(runs if args.backward else []):
+        head = heads[head_name]
+        variant = head_name if args.backward == "recompute" and args.rounds == 1 else f"{head_name} {backward} #{round_no}"
+        staged.FineTuneTask.recompute = backward == "recompute"
 
         def tagged_logps(*a: Any, head: Any = head, **k: Any) -> Any:
             previous = sampler.set(f"{sampler.tag} / head log-probs")
@@ -188,7 +221,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sampler.set(previous)
 
         staged.token_logps = logprobs.token_logps = tagged_logps  # type: ignore[assignment]
-        libc.malloc_trim(0)
+        if args.trim_between:
+            libc.malloc_trim(0)
         start_anon = statm()[0]
         sampler.set(f"{variant}: dpo pair (scheduler)")
         trainer = AdapterTrainer(engine.model, engine.tokenizer, costs=costs)
@@ -196,7 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 text_of_tokens(vocab, args.dpo_tokens, 3), text_of_tokens(vocab, args.dpo_tokens, 11),
                                 pair_id="mem")
         task = trainer.task(pair, score=False)
-        engine.add_finetune(task, user=f"mem-{variant}")
+        engine.add_finetune(task, user=f"mem-{round_no}")
         held: Counter = Counter()
         t0 = time.perf_counter()
         while engine.has_unfinished():
@@ -212,8 +246,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "error": job.error, "start_anon_mib": mib(start_anon),
             "peak_anon_over_start_mib": {t.split(": ", 1)[1]: mib(p["anon"] - start_anon) for t, p in mine.items()},
             "ledger_peak_held_mib": {k: mib(v) for k, v in held.items()},
+            "stage_seconds": task.seconds_by_kind(), "estimates": estimates.get(variant, []),
+            "loadavg": Path("/proc/loadavg").read_text().strip(),
         }
         print(f"[{time.strftime('%H:%M:%S')}] pair {variant}: {pairs[variant]}", file=sys.stderr, flush=True)
+        pairs[variant]["after"] = point(f"after {variant}")
     point("trained")
     if args.publish:
         # What the daemon does next: the trained adapter serves, so the LoRA graph is exported
@@ -236,7 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "torch_weights": args.weights,
         "model_tensors_mib": {k: mib(v) for k, v in model_bytes.items()}, "pairs": pairs, "kv_cache_mib": mib(engine.cache.nbytes), "ledger_mib": ledger,
         "allocator_slack_mib": mib(before_trim - statm()[0]),
-        "points": points,
+        "points": points, "decode_tok_s": decode, "ort_arena": args.ort_arena,
         "peaks_mib": {tag: {k: mib(v) for k, v in p.items()} for tag, p in sampler.peaks.items()},
         "torch_threads": torch.get_num_threads(),
     }
@@ -250,6 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dpo-tokens", type=int, default=64, help="tokens of the pair's prompt and each completion")
     ap.add_argument("--head", default="whole,pieces",
                     help="the LM head log-probs each pair uses, in order: whole (the [n, vocab] logits) and/or pieces")
+    ap.add_argument("--backward", default="recompute",
+                    help="staged backward paths, in order: hold (the forward's graphs kept) and/or recompute")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the head x backward pairs this many times (interleaved)")
+    ap.add_argument("--no-trim-between", dest="trim_between", action="store_false",
+                    help="do not malloc_trim before each pair (what a pair leaves stays for the next)")
+    ap.add_argument("--ort-arena", choices=("on", "off"), help="ONNX Runtime's CPU arena (default: the code's)")
+    ap.add_argument("--decode-tokens", type=int, default=32, help="tokens of each timed 1-stream decode")
+    ap.add_argument("--decode-rounds", type=int, default=0, help="timed 1-stream decodes after the first generate")
+    ap.add_argument("--long-prompt", type=int, default=0, help="tokens of a prompt served before the rest (0: none)")
     ap.add_argument("--no-publish", dest="publish", action="store_false",
                     help="skip serving the trained adapter (the LoRA graph's export and open)")
     ap.add_argument("--backend", help="engine.backend instead of the daemon's default (auto)")

@@ -73,6 +73,12 @@ class OrtSession:
 # its tiled int4/int8 layout) and free the originals: docs/onnx.md ("ORT's own copy") measures it.
 PREPACK = True
 
+# ONNX Runtime's CPU arena grows by powers of two to the largest run's intermediates (the
+# self-check's, calibration's and prefill chunks' shapes) and keeps that high-water mark for the
+# session's life; without it a run's tensors come from malloc and go back when it ends.
+# docs/onnx.md ("Where a block model's bytes go while it trains") measures both.
+CPU_ARENA = True
+
 
 def open_session(path: Path, providers: list, num_threads: int = 0, has_lora_inputs: bool = True,
                  prepack: bool | None = None) -> OrtSession:
@@ -85,6 +91,7 @@ def open_session(path: Path, providers: list, num_threads: int = 0, has_lora_inp
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if num_threads:
         options.intra_op_num_threads = num_threads
+    options.enable_cpu_mem_arena = CPU_ARENA
     if not (PREPACK if prepack is None else prepack):
         options.add_session_config_entry("session.disable_prepacking", "1")
     inference = ort.InferenceSession(str(path), options, providers=providers)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -19,6 +19,7 @@ from edge_runtime.lora.config import LoraSettings
 from edge_runtime.lora.weights import LoraWeights, TrainingLora
 from edge_runtime.model.dense import DenseCausalContext
 from edge_runtime.model.llama import LlamaModel
+from edge_runtime.model.qweights import CHUNK_ELEMENTS, QuantWeight
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,10 @@ class StageCostModel:
     bwd_s_per_layer: float = 0.0
     head_s: float = 0.0
     head_grad_s: float = 0.0
+    intermediate_size: int = 0  # the MLP's (0: four times hidden_size, for profiles cached before it)
+    # The thread's buffer a quantised weight is de-quantised into a piece at a time (qweights),
+    # allocated by the first stage that reads a weight in torch (0 for a float model).
+    workspace_bytes: int = 0
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -72,6 +77,8 @@ class StageCostModel:
             saved_bytes_per_row_layer=4.0 * (6 * cfg.hidden_size + 3 * cfg.intermediate_size + cfg.q_size),
             hidden_size=cfg.hidden_size,
             vocab_size=cfg.vocab_size,
+            intermediate_size=cfg.intermediate_size,
+            workspace_bytes=workspace_bytes(model),
             nograd_s_per_layer=layer_read,
             grad_fwd_s_per_layer=layer_read,
             bwd_s_per_layer=2 * layer_read,
@@ -183,6 +190,8 @@ class StageCostModel:
             saved_bytes_per_row_layer=large["saved"],
             hidden_size=cfg.hidden_size,
             vocab_size=cfg.vocab_size,
+            intermediate_size=cfg.intermediate_size,
+            workspace_bytes=workspace_bytes(model),
             nograd_s_per_layer=fit["nograd"][0],
             grad_fwd_s_per_layer=fit["grad_fwd"][0],
             bwd_s_per_layer=fit["bwd"][0],
@@ -190,10 +199,25 @@ class StageCostModel:
             head_grad_s=fit["head_grad"][0],
         )
 
+    def for_model(self, model: LlamaModel) -> StageCostModel:
+        """This model with the model's own figures where they are missing (0)."""
+        if self.intermediate_size and (self.workspace_bytes or not workspace_bytes(model)):
+            return self
+        return replace(self, intermediate_size=self.intermediate_size or model.cfg.intermediate_size,
+                       workspace_bytes=self.workspace_bytes or workspace_bytes(model))
+
     # -- estimates per stage -----------------------------------------------------------------
 
     def logits_bytes(self, scored_rows: int) -> int:
-        return 3 * 4 * scored_rows * self.vocab_size  # logits, softmax work, grad (float32)
+        """The LM head's log-probs read the vocabulary a piece at a time (`train/logprobs.py`):
+        one piece's logits, their float32 post-processing and exponentials (the backward's seed
+        in their place) exist at once, never the whole [rows, vocab]."""
+        piece = min(self.vocab_size, max(1, CHUNK_ELEMENTS // self.hidden_size))
+        return 3 * 4 * scored_rows * piece
+
+    def layer_input_bytes(self, rows: int, layers: int) -> int:
+        """What the recomputing forward keeps per window: each layer's input [rows, hidden]."""
+        return 4 * rows * self.hidden_size * layers
 
     def _head(self, scored: int, grad: bool) -> float:
         if scored <= 0:
@@ -202,29 +226,58 @@ class StageCostModel:
             return self.head_grad_s + self.head_grad_s_per_row * scored
         return self.head_s + self.head_s_per_row * scored
 
+    def _working(self, rows: int) -> int:
+        """One layer's transient tensors (hidden, q/k/v, the MLP's gate/up and activation; their
+        gradients in a backward) plus the de-quantisation buffer."""
+        inter = self.intermediate_size or 4 * self.hidden_size
+        return 4 * rows * (6 * self.hidden_size + 4 * inter) + self.workspace_bytes
+
     def score(self, rows: int, layers: int, scored: int, with_reference: bool) -> StageEstimate:
         passes = 2 if with_reference else 1
         seconds = passes * ((self.nograd_s_per_layer + self.nograd_s_per_row_layer * rows) * layers
                             + self._head(scored, grad=False))
-        peak = 16 * 4 * rows * self.hidden_size + self.logits_bytes(scored) // 3
+        peak = self._working(rows) + self.logits_bytes(scored) // 3
         return StageEstimate(seconds, int(peak), 0)
 
-    def forward_window(self, rows: int, layers: int, scored: int, held_before: int) -> StageEstimate:
+    def forward_window(self, rows: int, layers: int, scored: int, held_before: int,
+                       recompute: bool = True) -> StageEstimate:
+        """`recompute`: the window runs without grad and keeps each layer's input (staged.py's
+        default); otherwise it keeps what autograd saves for every layer."""
+        if recompute:
+            seconds = (self.nograd_s_per_layer + self.nograd_s_per_row_layer * rows) * layers + self._head(scored, grad=True)
+            held = held_before + self.layer_input_bytes(rows, layers) + 4 * scored * self.hidden_size
+            return StageEstimate(seconds, held - held_before + self._working(rows) + self.logits_bytes(scored), held)
         seconds = (self.grad_fwd_s_per_layer + self.grad_fwd_s_per_row_layer * rows) * layers + self._head(scored, grad=True)
         held = held_before + int(self.saved_bytes_per_row_layer * rows * layers)
-        return StageEstimate(seconds, held - held_before + self.logits_bytes(scored), held)
+        return StageEstimate(seconds, held - held_before + self.logits_bytes(scored) + self.workspace_bytes, held)
 
-    def backward_group(self, rows: int, layers: int, held_before: int, windows: int = 1) -> StageEstimate:
-        """`rows` over all of the pair's `windows` (each window's graph is its own call per layer)."""
+    def backward_group(self, rows: int, layers: int, held_before: int, windows: int = 1,
+                       recompute: bool = True) -> StageEstimate:
+        """`rows` over all of the pair's `windows` (each window's graph is its own call per layer).
+        `recompute`: each layer's grad forward runs again here, and one layer's graph (over
+        every window) exists at a time; otherwise the group's graphs were held since the forward."""
+        grads = self._working(rows)  # the gradients flowing through one layer
+        if recompute:
+            per_layer = (self.grad_fwd_s_per_layer + self.bwd_s_per_layer) * windows
+            per_row = self.grad_fwd_s_per_row_layer + self.bwd_s_per_row_layer
+            peak = int(self.saved_bytes_per_row_layer * rows) + grads
+            return StageEstimate((per_layer + per_row * rows) * layers, peak,
+                                 max(0, held_before - self.layer_input_bytes(rows, layers)))
         freed = int(self.saved_bytes_per_row_layer * rows * layers)
         seconds = (self.bwd_s_per_layer * windows + self.bwd_s_per_row_layer * rows) * layers
         # Gradients of one group's activations exist only while that group runs backward.
-        return StageEstimate(seconds, freed // 2 + 8 * 4 * rows * self.hidden_size, max(0, held_before - freed))
+        return StageEstimate(seconds, freed // 2 + grads, max(0, held_before - freed))
 
     def optimizer(self, num_params: int, steps: bool) -> StageEstimate:
         if not steps:
             return StageEstimate(0.0, 0, 0)
         return StageEstimate(self.optimizer_s_per_param * num_params, 4 * num_params, 0)
+
+
+def workspace_bytes(model: LlamaModel) -> int:
+    """The de-quantisation buffer's most: the largest quantised weight, at most CHUNK_ELEMENTS."""
+    sizes = [m.shape[0] * m.shape[1] for m in model.modules() if isinstance(m, QuantWeight)]
+    return model.dtype.itemsize * min(CHUNK_ELEMENTS, max(sizes)) if sizes else 0
 
 
 def _affine(t_small: float, t_large: float, n_small: int, n_large: int) -> tuple[float, float]:

@@ -5,12 +5,19 @@
             stage fits the slack of an iteration's latency budget like the forward windows do
   reference (only without score, and only the first time a pair is seen) the base model's
             log-probs with the adapter off; cached for good since the base is frozen
-  forward   one token window through every layer with grad; each layer group's input is a
-            detached leaf, so the graph is cut at group boundaries; the LM head is applied and
+  forward   one token window through every layer without grad, keeping each layer's input
+            ([rows, hidden]) and the RNG state it ran with; the LM head is applied and
             differentiated per window right away, keeping only a [rows, hidden] gradient
-  backward  one layer group, last to first: its own graph, seeded with the gradient the group
-            above left on its input leaves (for the top group: the objective's gradient)
+  backward  one layer group, last to first, a layer at a time: the layer's forward over every
+            window again from its kept input, with grad, then its backward, seeded with the
+            gradient the layer above left on its input (for the top layer: the objective's
+            gradient); so at most one layer's graph exists at once (checkpointing per layer)
   optimizer AdamW on the LoRA parameters once `accumulation_steps` pairs have added gradients
+
+`FineTuneTask.recompute = False` keeps the forward's graphs instead (each group's input a
+detached leaf, every layer's activations held from the forward to the backward: about 0.45 GiB
+at 208 rows of a 1B model, against 27 MiB of layer inputs; the recompute costs one more grad
+forward of the layers per pair).
 
 The gradients equal one full-sequence autograd pass of the same loss (tests check it); each
 stage reports an estimate of its latency and memory before it runs. The task reaches the adapter
@@ -19,7 +26,10 @@ it trains only through `AdapterSide` (AdapterTrainer implements it).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import enum
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,10 +112,25 @@ class _Activations:
     """What the forward windows leave for the backward groups."""
 
     kv: PairKV
-    inputs: list[list[Tensor]]  # [group][window]: detached leaf inputs (group 0 has none)
-    outputs: list[list[Tensor]]  # [group][window]: outputs, graph attached
+    # recompute: [layer][window] each layer's input, no graph; otherwise [group][window] the
+    # detached leaf inputs (group 0 has none)
+    inputs: list[list[Tensor]]
+    outputs: list[list[Tensor]]  # without recompute: [group][window] outputs, graph attached
+    rng: list[list[tuple[Tensor, Tensor | None]]] = field(default_factory=list)  # recompute: [layer][window]
     head_grads: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)  # per window
+    seeds: list[Tensor] = field(default_factory=list)  # recompute: d loss / d (next layer's input), per window
     sums: Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """The generators LoRA dropout draws from, so a recomputed layer draws the same mask."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(state: tuple[Tensor, Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 class StageCursor:
@@ -137,6 +162,8 @@ class FineTuneTask(StageCursor):
     or shed the held activations under memory pressure (`abandon()`) and redo the forward later.
     `windows` are the token windows of `tokens`, `groups` the (start, stop) layer groups."""
 
+    recompute = True  # layers' forward again in the backward (see the module docstring)
+
     def __init__(self, trainer: AdapterSide, tokens: PairTokens, objective: Objective,
                  windows: list[Window], groups: list[tuple[int, int]], score: bool = True,
                  pair_id: object = None) -> None:
@@ -149,7 +176,9 @@ class FineTuneTask(StageCursor):
         self.score: Score | None = None  # from the score stage (before training)
         self.result: Score | None = None  # the log-probs the gradient was taken at
         self.stepped = False  # whether this pair's optimizer stage applied an update
+        self.recompute = self.recompute  # the class's setting when the task was made, for all its stages
         self._acts: _Activations | None = None
+        self._costs: tuple[StageCostModel, StageCostModel] | None = None  # (the trainer's, filled in)
         self._held = 0  # estimated bytes held between forward and backward
         self.stages: list[Stage] = []
         self._score_kv: PairKV | None = None  # between score windows
@@ -170,6 +199,15 @@ class FineTuneTask(StageCursor):
                                      self._estimator_backward(g), self._runner_backward(g)))
         self.stages.append(Stage(StageKind.OPTIMIZER, "optimizer", self._estimate_optimizer, self._run_optimizer))
         self._cursor = 0
+
+    @property
+    def costs(self) -> StageCostModel:
+        """The trainer's cost model with what it knows of this model filled in (a profile
+        cached before those fields existed lacks them)."""
+        source = self.trainer.costs
+        if self._costs is None or self._costs[0] is not source:
+            self._costs = (source, source.for_model(self.trainer.model))
+        return self._costs[1]
 
     # -- driving ---------------------------------------------------------------------------
 
@@ -215,9 +253,9 @@ class FineTuneTask(StageCursor):
         def estimate() -> StageEstimate:
             t, w = self.trainer, self.windows[j]
             layers = t.model.cfg.num_layers
-            est = t.costs.score(w.num_rows, layers, int(w.score_rows.numel()), with_reference=False)
+            est = self.costs.score(w.num_rows, layers, int(w.score_rows.numel()), with_reference=False)
             if j == 0 and not t.has_reference(self.tokens):  # the first window also fills the cache
-                ref = t.costs.score(self.tokens.num_rows, layers, self._scored_rows(), with_reference=False)
+                ref = self.costs.score(self.tokens.num_rows, layers, self._scored_rows(), with_reference=False)
                 est = StageEstimate(est.seconds + ref.seconds, max(est.peak_bytes, ref.peak_bytes), 0)
             return est
         return estimate
@@ -250,7 +288,7 @@ class FineTuneTask(StageCursor):
 
     def _estimate_reference(self) -> StageEstimate:
         t = self.trainer
-        return t.costs.score(self.tokens.num_rows, t.model.cfg.num_layers, self._scored_rows(), with_reference=False)
+        return self.costs.score(self.tokens.num_rows, t.model.cfg.num_layers, self._scored_rows(), with_reference=False)
 
     def _scored_rows(self) -> int:
         return sum(int(w.score_rows.numel()) for w in self.windows)
@@ -260,10 +298,10 @@ class FineTuneTask(StageCursor):
     def _estimator_forward(self, j: int) -> Callable[[], StageEstimate]:
         def estimate() -> StageEstimate:
             w = self.windows[j]
-            held = sum(self.trainer.costs.forward_window(x.num_rows, self.trainer.model.cfg.num_layers,
-                                                         0, 0).held_bytes for x in self.windows[:j])
-            return self.trainer.costs.forward_window(w.num_rows, self.trainer.model.cfg.num_layers,
-                                                     int(w.score_rows.numel()), held)
+            costs, layers = self.costs, self.trainer.model.cfg.num_layers
+            held = sum(costs.forward_window(x.num_rows, layers, 0, 0, self.recompute).held_bytes
+                       for x in self.windows[:j])
+            return costs.forward_window(w.num_rows, layers, int(w.score_rows.numel()), held, self.recompute)
         return estimate
 
     def _runner_forward(self, j: int) -> Callable[[], None]:
@@ -271,11 +309,13 @@ class FineTuneTask(StageCursor):
 
     def _run_forward(self, j: int) -> None:
         trainer, model = self.trainer, self.trainer.model
+        recompute = self.recompute
         if j == 0:
             trainer.claim(self)
             trainer.reference_logps(self.tokens)  # needed by the top backward group (normally cached)
-            n = len(self.groups)
-            self._acts = _Activations(PairKV(model.cfg.num_layers, model.cfg.layer_windows, model.cfg.attn_softcap), [[] for _ in range(n)], [[] for _ in range(n)])
+            n = model.cfg.num_layers if recompute else len(self.groups)
+            self._acts = _Activations(PairKV(model.cfg.num_layers, model.cfg.layer_windows, model.cfg.attn_softcap),
+                                      [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)])
             self._held = 0
         acts = self._acts
         if acts is None:
@@ -284,15 +324,22 @@ class FineTuneTask(StageCursor):
         device = model.device
         ctx = acts.kv.context(win, trainer.applier(training=True))
         positions = win.positions.to(device)
-        with torch.enable_grad():
+        with torch.set_grad_enabled(not recompute):
             x = model.embed_tokens(win.input_ids.to(device))
-            for g, (start, stop) in enumerate(self.groups):
-                if g > 0:
-                    # The cut that makes each group's backward its own graph.
-                    x = x.detach().requires_grad_(True)
-                    acts.inputs[g].append(x)
-                x = model.run_layers(x, positions, ctx, start, stop)
-                acts.outputs[g].append(x)
+            if recompute:
+                for layer in range(model.cfg.num_layers):
+                    acts.inputs[layer].append(x)
+                    acts.rng[layer].append(_rng_state(device))
+                    x = model.run_layers(x, positions, ctx, layer, layer + 1)
+            else:
+                for g, (start, stop) in enumerate(self.groups):
+                    if g > 0:
+                        # The cut that makes each group's backward its own graph.
+                        x = x.detach().requires_grad_(True)
+                        acts.inputs[g].append(x)
+                    x = model.run_layers(x, positions, ctx, start, stop)
+                    acts.outputs[g].append(x)
+        with torch.enable_grad():
             rows = win.score_rows.to(device)
             if rows.numel():
                 # Differentiate the head now and keep d(sum log p)/d(hidden) of the scored rows:
@@ -313,7 +360,8 @@ class FineTuneTask(StageCursor):
     def _estimator_backward(self, g: int) -> Callable[[], StageEstimate]:
         def estimate() -> StageEstimate:
             start, stop = self.groups[g]
-            return self.trainer.costs.backward_group(self.tokens.num_rows, stop - start, self._held, len(self.windows))
+            return self.costs.backward_group(self.tokens.num_rows, stop - start, self._held, len(self.windows),
+                                                     self.recompute)
         return estimate
 
     def _runner_backward(self, g: int) -> Callable[[], None]:
@@ -323,33 +371,71 @@ class FineTuneTask(StageCursor):
         """The example's score from the policy's summed log-probs of its two rows."""
         return self.objective.score((float(sums[0]), float(sums[1])), self.trainer.reference_logps(self.tokens))
 
+    def _top_seeds(self, acts: _Activations, shapes: list[Tensor]) -> list[Tensor]:
+        """The objective's gradient w.r.t. the last layer's output, per window (`shapes`: a
+        tensor of each window's output shape and dtype)."""
+        assert self.result is not None
+        coeff = self.objective.seed(self.result, self.trainer.accumulation_steps)
+        seeds = []
+        for like, (rows, grad, owners) in zip(shapes, acts.head_grads, strict=True):
+            seed = torch.zeros_like(like)
+            if rows.numel():
+                scale = coeff.to(grad.dtype).to(grad.device)[owners][:, None]
+                seed.index_add_(0, rows, (grad * scale).to(like.dtype))
+            seeds.append(seed)
+        acts.head_grads = []
+        return seeds
+
     def _run_backward(self, g: int) -> None:
         acts = self._acts
-        if acts is None or not acts.outputs[g]:
-            raise RuntimeError("backward groups must run after the forward windows, last group first")
-        outputs = acts.outputs[g]
-        if g == len(self.groups) - 1:
-            assert self.result is not None
-            coeff = self.objective.seed(self.result, self.trainer.accumulation_steps)
-            seeds = []
-            for out, (rows, grad, owners) in zip(outputs, acts.head_grads, strict=True):
-                seed = torch.zeros_like(out)
-                if rows.numel():
-                    scale = coeff.to(grad.dtype).to(grad.device)[owners][:, None]
-                    seed.index_add_(0, rows, (grad * scale).to(out.dtype))
-                seeds.append(seed)
-            acts.head_grads = []
-        else:
-            seeds = [x.grad if x.grad is not None else torch.zeros_like(x) for x in acts.inputs[g + 1]]
-            acts.inputs[g + 1] = []
-        torch.autograd.backward(outputs, seeds)
-        acts.outputs[g] = []
         start, stop = self.groups[g]
-        self._held = self.trainer.costs.backward_group(self.tokens.num_rows, stop - start, self._held,
-                                                       len(self.windows)).held_bytes
+        if acts is None or not (acts.inputs[stop - 1] if self.recompute else acts.outputs[g]):
+            raise RuntimeError("backward groups must run after the forward windows, last group first")
+        if self.recompute:
+            self._recompute_backward(acts, start, stop)
+        else:
+            outputs = acts.outputs[g]
+            if g == len(self.groups) - 1:
+                seeds = self._top_seeds(acts, outputs)
+            else:
+                seeds = [x.grad if x.grad is not None else torch.zeros_like(x) for x in acts.inputs[g + 1]]
+                acts.inputs[g + 1] = []
+            torch.autograd.backward(outputs, seeds)
+            acts.outputs[g] = []
+        self._held = self.costs.backward_group(self.tokens.num_rows, stop - start, self._held,
+                                                       len(self.windows), self.recompute).held_bytes
         if g == 0:
             self._acts = None
             self._held = 0
+
+    def _recompute_backward(self, acts: _Activations, start: int, stop: int) -> None:
+        """Layers [start, stop), last first: each one's forward over every window again (in
+        order, so later windows attend to the earlier ones' keys/values in the same graph) from
+        its kept inputs and RNG states, then its backward; the gradient on its inputs seeds the
+        layer below."""
+        model = self.trainer.model
+        cfg, device = model.cfg, model.device
+        applier = self.trainer.applier(training=True)
+        if stop == cfg.num_layers:
+            acts.seeds = self._top_seeds(acts, acts.inputs[stop - 1])
+        outer = _rng_state(device)  # the recompute leaves the generators as it found them
+        try:
+            for layer in reversed(range(start, stop)):
+                kv = PairKV(cfg.num_layers, cfg.layer_windows, cfg.attn_softcap)
+                leaves, outputs = [], []
+                with torch.enable_grad():
+                    for win, kept, rng in zip(self.windows, acts.inputs[layer], acts.rng[layer], strict=True):
+                        x = kept.detach().requires_grad_(layer > 0)  # the embedding is frozen
+                        _set_rng_state(rng, device)
+                        outputs.append(model.run_layers(x, win.positions.to(device), kv.context(win, applier),
+                                                        layer, layer + 1))
+                        leaves.append(x)
+                torch.autograd.backward(outputs, acts.seeds)
+                del outputs
+                acts.seeds = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves] if layer else []
+                acts.inputs[layer], acts.rng[layer] = [], []
+        finally:
+            _set_rng_state(outer, device)
 
     # -- optimizer ---------------------------------------------------------------------------
 
@@ -360,3 +446,28 @@ class FineTuneTask(StageCursor):
         if self.result is not None:
             self.objective.stepped(self.result)
         self.stepped = self.trainer.finish(self)
+        if TRIM_AFTER_PAIR:
+            give_heap_back()
+
+
+# glibc keeps the heap a pair's stages freed (tensors under its mmap threshold: up to 32 MiB
+# each) resident until asked; serving then runs beside it. docs/onnx.md measures it.
+TRIM_AFTER_PAIR = True
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return None if name is None else getattr(ctypes.CDLL(name), "malloc_trim", None)  # glibc only
+    except OSError:
+        return None
+
+
+def give_heap_back() -> bool:
+    """Return the C heap's free pages to the OS (glibc's `malloc_trim`; False where there is none)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True

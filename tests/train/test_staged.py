@@ -4,11 +4,14 @@ report estimates; only LoRA parameters change; activations can be shed and recom
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from edge_runtime.train import StageKind
 from edge_runtime.train.logprobs import pair_logps, pair_logps_dense
+from edge_runtime.train.staged import FineTuneTask
 from tests.train.helpers import full_autograd_grads, make_trainer, max_rel_error, staged_grads
 
 
@@ -19,6 +22,36 @@ def test_staged_gradients_equal_full_autograd(tiny4, tiny4_tokenizer, pairs, win
     got = staged_grads(trainer, pairs[:2])  # two pairs accumulate into the same .grad
     assert all(w.abs().max() > 0 for w in want)
     assert max_rel_error(got, want) <= 1e-4
+
+
+def test_held_graphs_path_equals_full_autograd(tiny4, tiny4_tokenizer, pairs, monkeypatch):
+    # The path that keeps the forward's graphs instead of recomputing each layer in the backward.
+    monkeypatch.setattr(FineTuneTask, "recompute", False)
+    trainer = make_trainer(tiny4, tiny4_tokenizer, window=3, group=2, accumulation=2)
+    want = full_autograd_grads(trainer, pairs[:2], accumulation=2)
+    assert max_rel_error(staged_grads(trainer, pairs[:2]), want) <= 1e-4
+
+
+def test_recompute_replays_lora_dropout_and_holds_layer_inputs_only(tiny4, tiny4_tokenizer, pairs, monkeypatch):
+    # With dropout the recomputed layer must draw the masks the forward drew: the gradients equal
+    # those of the path that keeps the forward's graphs, from the same seed.
+    grads, held = {}, {}
+    for recompute in (False, True):
+        monkeypatch.setattr(FineTuneTask, "recompute", recompute)
+        trainer = make_trainer(tiny4, tiny4_tokenizer, window=4, group=3)
+        trainer.weights.settings = dataclasses.replace(trainer.weights.settings, dropout=0.3)
+        torch.manual_seed(11)
+        task = trainer.task(pairs[1], score=False)
+        held[recompute] = []
+        while task.next_stage().kind is not StageKind.OPTIMIZER:
+            task.run_next()
+            held[recompute].append(task.held_bytes)
+        trainer.release(task)
+        grads[recompute] = [p.grad.clone() for p in trainer.weights.parameters()]
+    assert all(g.abs().max() > 0 for g in grads[True])
+    assert max_rel_error(grads[True], grads[False]) <= 1e-4
+    # The estimate of what is held between forward and backward: the layer inputs, not the graphs.
+    assert 0 < max(held[True]) < max(held[False])
 
 
 def test_windowed_log_probs_equal_one_dense_pass(tiny4, tiny4_tokenizer, pairs):
