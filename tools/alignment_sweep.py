@@ -227,12 +227,12 @@ def from_logs(paths: Sequence[Path], args: argparse.Namespace) -> dict[str, Any]
             row = json.loads(line) if line.startswith("{") else {}
             if "word" not in row:
                 continue
-            key = (str(path), row.pop("word"), row.pop("lr"), row.pop("beta"), row.pop("rpo_alpha", 0.0))
-            runs.setdefault(key, []).append(row)
+            config = row.pop("config", None) or label(parse_config(
+                f"lr={row.pop('lr')},beta={row.pop('beta')},rpo={row.pop('rpo_alpha', 0.0)}", args))
+            runs.setdefault((str(path), row.pop("word"), config), []).append(row)
     return {"command": " ; ".join(args.note or []), "settings": vars(args) | {"out": str(args.out), "from_logs": [str(p) for p in paths]},
             "load_start": args.load or "not recorded", "load_end": load_average(),
-            "runs": [{"word": w, "lr": lr, "beta": b, "rpo_alpha": a, "rank": args.rank, "log": p, "history": h}
-                     for (p, w, lr, b, a), h in runs.items()]}
+            "runs": [{"word": w, "config": c, "log": p, "history": h} for (p, w, c), h in runs.items()]}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
