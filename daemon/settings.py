@@ -76,11 +76,13 @@ class FineTuneSettings:
     keep_versions: int = 5
     # The users' trainers (docs/training.md, "The daemon's learning rate and beta"): AdamW's rate,
     # one step per trained example, and DPO's beta, chosen by tools/alignment_sweep.py (issue #32).
-    learning_rate: float = 2e-4  # with rpo_alpha 1.0 (3e-4 with DPO alone, issue #32's first sweep)
+    learning_rate: float = 2e-4  # with rpo_alpha 4.0 (3e-4 with DPO alone, issue #32's first sweep)
     beta: float = 0.5
     # Weight of the chosen answer's per-token NLL beside DPO (RPO; docs/training.md, "Learning
     # without repeating"): teaches the edit in its context instead of the word in repetition.
-    rpo_alpha: float = 1.0
+    # 4, not the paper's 1: at 1 DPO's push on the user's own (rejected) answer outweighs the NLL
+    # about 5:1 and answers drift to a generic reply ("Edits without collapse", issue #32).
+    rpo_alpha: float = 4.0
 
 
 @dataclass(frozen=True)

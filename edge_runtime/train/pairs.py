@@ -62,15 +62,39 @@ class PairTokens:
         return len(self.prompt) + 2 * self.completion_length
 
 
+def shared_suffix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many trailing ids `a` and `b` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+def trim_shared_suffix(tokens: PairTokens) -> PairTokens:
+    """The pair without the tail both completions end with, each keeping at least one id.
+
+    An edit ("Indeed, " + the answer) shares all but its first tokens with the answer it fixes.
+    Those shared tokens carry no preference, yet DPO raises them after the chosen opening and
+    lowers them after the rejected one: the shared content's likelihood falls where the model
+    has not learned the opening yet ("likelihood displacement", Razin et al. 2024), and answers
+    drift to generic replies (issue #32). Cut, both terms see only where the user differed."""
+    n = min(shared_suffix(tokens.chosen, tokens.rejected), min(len(tokens.chosen), len(tokens.rejected)) - 1)
+    if n <= 0:
+        return tokens
+    return PairTokens(tokens.prompt, tokens.chosen[:-n], tokens.rejected[:-n])
+
+
 def tokenize_pair(
     tokenizer: Tokenizer,
     pair: PairLike,
     max_prompt_tokens: int = 512,
     max_completion_tokens: int = 256,
+    trim_suffix: bool = False,
 ) -> PairTokens:
     """Prompt through the engine's own `chat.encode_prompt` (what inference fed the model); each
     completion as its text's ids plus EOS, the token that ended the answer when it was served.
-    Long prompts keep their tail (the question nearest the answer); long completions their head."""
+    Long prompts keep their tail (the question nearest the answer); long completions their head.
+    `trim_suffix`: drop the tail both completions share (`trim_shared_suffix`)."""
     if not pair.chosen and not pair.rejected:
         raise BadRequest("a preference pair needs at least one non-empty completion")
     prompt = pair.prompt if isinstance(pair.prompt, str) else list(pair.prompt)
@@ -84,4 +108,5 @@ def tokenize_pair(
         ids = tokenizer.hf.encode(text, add_special_tokens=False) + [int(eos)]
         return tuple(ids[:max_completion_tokens])
 
-    return PairTokens(tuple(prompt_ids), completion(pair.chosen), completion(pair.rejected))
+    tokens = PairTokens(tuple(prompt_ids), completion(pair.chosen), completion(pair.rejected))
+    return trim_shared_suffix(tokens) if trim_suffix else tokens

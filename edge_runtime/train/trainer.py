@@ -46,6 +46,9 @@ class DPOSettings:
     # Weight of the chosen answer's per-token NLL added to each pair's DPO loss (RPO, Pang et al.
     # 2024; TRL's `rpo_alpha`). 0: DPO alone (docs/training.md, "Learning without repeating").
     rpo_alpha: float = 0.0
+    # Train a pair on where its completions differ only, without the tail they share
+    # (train/pairs.py `trim_shared_suffix`; docs/training.md, "Edits"). Off: TRL's whole answers.
+    trim_shared_suffix: bool = False
     # KTO for unpaired feedback (train/kto.py; TRL's KTOConfig defaults). In a job mixing pairs
     # and unpaired examples each example adds its own loss / accumulation_steps: DPO for a pair,
     # KTO (weighted lambda_D / lambda_U inside) for an unpaired one, with equal weight per example.
@@ -103,7 +106,8 @@ class AdapterTrainer:
     # -- pairs and log-probs -----------------------------------------------------------------
 
     def tokenize(self, pair: PairLike) -> PairTokens:
-        return tokenize_pair(self.tokenizer, pair, self.dpo.max_prompt_tokens, self.dpo.max_completion_tokens)
+        return tokenize_pair(self.tokenizer, pair, self.dpo.max_prompt_tokens, self.dpo.max_completion_tokens,
+                             self.dpo.trim_shared_suffix)
 
     def set_fleet(self, fleet: LoraWeights | None, key: str = "fleet") -> None:
         """Train on top of this fleet version from the next task on (None: the base alone)."""
