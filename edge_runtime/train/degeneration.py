@@ -42,6 +42,22 @@ def distinct_n(answers: Sequence[Sequence[Hashable]], n: int) -> float:
     return len(set(grams)) / len(grams) if grams else 1.0
 
 
+def shared_opening(answers: Sequence[Sequence[Hashable]], most: int = 8) -> int:
+    """How many leading tokens at least half of the answers (two at least) begin with alike: an
+    opening the user asked for ("Indeed, ...": "Hon|est|ly|," is 4 tokens). Counted by distinct-n
+    it repeats once per answer and alone reads as a 10-25% drop of distinct-2 on a dozen short
+    answers (session 14 measured 11% for "Indeed, " and 24% for "Honestly, " prepended to the base's
+    own answers), so the guard would refuse a preference learned without any drift."""
+    need = max(2, -(-len(answers) // 2))
+    length = 0
+    for k in range(1, most + 1):
+        heads = Counter(tuple(a[:k]) for a in answers if len(a) > k)
+        if not heads or heads.most_common(1)[0][1] < need:
+            break
+        length = k
+    return length
+
+
 def max_word_repeats(answers: Sequence[Sequence[str]]) -> int:
     """The most times any one word occurs in a single answer."""
     return max((max(Counter(a).values()) for a in answers if a), default=0)
@@ -133,6 +149,7 @@ class DegenerationMetrics:
     max_word_repeats: int  # in any one of the candidate's answers
     base_max_word_repeats: int
     seconds: float = 0.0  # what measuring took (generation and the reference forward)
+    opening_tokens: int = 0  # leading tokens left out of both sides' distinct-n (`shared_opening`)
 
     @property
     def distinct_2_drop(self) -> float:
@@ -186,13 +203,18 @@ def summarize(tokenizer: Tokenizer, prompts: int, max_new_tokens: int, mine: Seq
     kl = torch.cat(list(kls)) if kls else torch.zeros(0, dtype=torch.float64)
     # Distinct-n over token ids as Li et al. count generated tokens ("indeed indeed" and "ssss"
     # both repeat); a word's repeats over lower-cased words ("Indeed, indeed" is one word twice).
+    # Both sides' distinct-n from past the candidate's shared opening (`shared_opening`): the same
+    # number of leading tokens left out of each answer, so a base answer and the same answer behind
+    # the opening compare alike; a template after the opening still repeats.
     mine_words = [words(tokenizer.decode(list(ids))) for ids in mine]
     base_words = [words(tokenizer.decode(list(ids))) for ids in base]
+    skip = shared_opening(mine)
+    mine, base = [a[skip:] for a in mine], [b[skip:] for b in base]
     return DegenerationMetrics(
         prompts=prompts, new_tokens=max_new_tokens,
         kl_per_token=float(kl.mean()) if kl.numel() else 0.0, kl_tokens=int(kl.numel()),
         distinct_1=distinct_n(mine, 1), distinct_2=distinct_n(mine, 2),
         base_distinct_1=distinct_n(base, 1), base_distinct_2=distinct_n(base, 2),
         max_word_repeats=max_word_repeats(mine_words), base_max_word_repeats=max_word_repeats(base_words),
-        seconds=seconds,
+        seconds=seconds, opening_tokens=skip,
     )

@@ -18,6 +18,8 @@ from edge_runtime.train.degeneration import (
     distinct_n,
     greedy_answers,
     max_word_repeats,
+    shared_opening,
+    summarize,
     token_kl,
     words,
 )
@@ -31,6 +33,28 @@ def test_distinct_n_counts_each_answers_ngrams_as_li_et_al():
     assert distinct_n(answers, 1) == pytest.approx(3 / 5)  # a b a b c
     assert distinct_n(answers, 2) == pytest.approx(2 / 3)  # ab ba ab; none across answers
     assert distinct_n([[]], 2) == 1.0
+
+
+class _Words:
+    """A tokenizer whose token i is the word "w<i>" (summarize decodes answers for word repeats)."""
+
+    def decode(self, ids):
+        return " ".join(f"w{i}" for i in ids)
+
+
+def test_an_opening_the_user_asked_for_is_not_read_as_repetition():
+    """The preference itself ("Hon|est|ly|," before each of the base's own answers) leaves
+    distinct-2 where the base's is; a template behind the opening still drops it."""
+    base = [[10 + 12 * i + j for j in range(12)] for i in range(12)]  # 12 answers, no bigram twice
+    opening = [1, 2, 3, 4]
+    learned = [opening + a[:8] for a in base]
+    assert shared_opening(learned) == 4 and shared_opening(base) == 0
+    assert shared_opening([opening + [5], [9, 9, 9]]) == 0  # one answer alone is no shared opening
+    m = summarize(_Words(), 12, 12, learned, [], base, 0.0)
+    assert m.opening_tokens == 4 and m.distinct_2_drop <= 0.0
+    assert distinct_n(learned, 2) < 0.85 * distinct_n(base, 2)  # what counting the opening read
+    template = [opening + [90, 91, 92, 93, 94, 95] + a[:2] for a in base]
+    assert summarize(_Words(), 12, 12, template, [], base, 0.0).distinct_2_drop > 0.3
 
 
 def test_word_repeats_ignore_case_and_punctuation():
