@@ -45,9 +45,18 @@ def model_hash(model: LlamaModel) -> str:
     return weights_memo.remembered(model, _hash_weights)
 
 
+def config_content(hf_config: object) -> str:
+    """The config's fields as the digest reads them: what the model is, not where or by which
+    library it was read (`_name_or_path` is the folder, so the same model in another cache
+    directory re-exported its graph; `transformers_version`; transformers' other private keys)."""
+    fields = json.loads(hf_config.to_json_string(use_diff=False))  # type: ignore[attr-defined]
+    return json.dumps({k: v for k, v in fields.items() if not k.startswith("_") and k != "transformers_version"},
+                      sort_keys=True)
+
+
 def _hash_weights(model: LlamaModel) -> str:
     h = hashlib.blake2b(digest_size=16)
-    h.update(model.cfg.hf_config.to_json_string(use_diff=False).encode())
+    h.update(config_content(model.cfg.hf_config).encode())
     with torch.no_grad():
         for name, param in model.named_parameters():
             t = param.detach().cpu().contiguous()

@@ -103,6 +103,10 @@ class GraphSpec:
     # counts the query's own key in `local_window_size` (gqa_window.py probes it; None = not
     # needed, or not yet probed: `with_gqa_window` fills it in before export).
     gqa_window_counts_current: bool | None = None
+    # "ort" flavour: rows of GroupQueryAttention's cos/sin tables, which it indexes by position
+    # alone (`rope_table_rows`); 0 = every position the model has (131,072 rows at Llama 3.1/3.2:
+    # 64 MiB at 8B, 32 at 1B, for contexts an engine's KV cache never holds).
+    rope_positions: int = 0
 
     def __post_init__(self) -> None:
         if self.quantization not in ("none", "int8", "int4"):
@@ -117,6 +121,8 @@ class GraphSpec:
             raise ValueError("the dense KV layout needs the 'ort' flavour (GroupQueryAttention)")
         if self.offsets and (self.quantization != "int4" or self.symmetric):
             raise ValueError("block offsets (the q4_1 format) need int4 layers without 'symmetric'")
+        if self.rope_positions < 0 or (self.rope_positions and self.flavour != "ort"):
+            raise ValueError(f"rope_positions {self.rope_positions}: a positive row count, 'ort' flavour only")
 
     @property
     def tag(self) -> str:
@@ -125,8 +131,30 @@ class GraphSpec:
         head = f"-head{self.head_bits}" if self.head_bits != 8 and self.quantization != "none" else ""
         dense = "-dense" if self.kv_layout == "dense" else ""
         window = "" if self.gqa_window_counts_current is None else f"-win{int(self.gqa_window_counts_current)}"
+        rope = f"-rope{self.rope_positions}" if self.rope_positions else ""
         return (f"{self.flavour}{dense}-{self.quantization}{sym}{head}-kv{self.kv_dtype}-acc{self.accuracy_level}"
-                f"{lora}{window}")
+                f"{lora}{window}{rope}")
+
+
+# The fewest rows `rope_table_rows` gives (2 MiB of tables at 8B): contexts under it share a graph.
+MIN_ROPE_ROWS = 4096
+
+
+def rope_table_rows(cfg: ModelConfig, flavour: str, max_context: int, cache_tokens: int) -> int:
+    """`GraphSpec.rope_positions` for an engine whose sequences hold at most `max_context` tokens
+    (0: the model's maximum) in a KV cache of `cache_tokens` positions: the power of two at or
+    above that context (ONNX Runtime refuses a step whose total length passes the table; the
+    last step's, a row-invariant decode row's pad included (step_inputs.query_pad), is the
+    context), at least MIN_ROPE_ROWS, so a KV budget that moves a little between starts (it
+    follows the memory free) keeps its graph; 0 (the whole table) where that reaches the
+    model's maximum, for the "standard" flavour, and where table rows are not positions
+    (`rope_by_row`: LongRoPE's rows run past the positions)."""
+    limit = cfg.max_position_embeddings
+    context = min(max_context or limit, cache_tokens or limit, limit)
+    rows = max(MIN_ROPE_ROWS, 1 << max(0, context - 1).bit_length())
+    if flavour != "ort" or rope_by_row(cfg) or rows >= limit:
+        return 0
+    return rows
 
 
 def with_gqa_window(spec: GraphSpec, model: LlamaModel,

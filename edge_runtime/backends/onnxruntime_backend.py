@@ -24,6 +24,7 @@ from edge_runtime.backends.onnx_spec import (
     TORCH_KV_DTYPES,
     GraphSpec,
     rope_by_row,
+    rope_table_rows,
     weight_format,
     with_gqa_window,
 )
@@ -113,16 +114,15 @@ class OnnxRuntimeBackend(Backend):
         # Decode rows as two-row queries, each in a run of its own (step_inputs.query_pad, #31).
         self.row_invariant = row_invariant and flavour == "ort"
         spec = GraphSpec(**weight_format(quantization), flavour=flavour, kv_dtype=kv_dtype,  # type: ignore[arg-type]
-                         kv_layout=kv_layout)
+                         kv_layout=kv_layout, rope_positions=rope_table_rows(self.cfg, flavour, max_context, cache.num_blocks * cache.block_size))
         # A sliding window's GroupQueryAttention attribute, as the kernels these providers run count it
         # (TensorRT takes no contrib op, so its EP is left out of the probe).
         self.spec = with_gqa_window(spec, model, tuple(n for n in names if n != "TensorrtExecutionProvider"))
-        # Dense layout: per-sequence rows beside the paged cache (dense_kv.py), at most `dense_kv_bytes`
-        # (0 = as many token positions as the paged cache has, in float32).
+        # Dense layout: per-sequence rows beside the paged cache (dense_kv.py), at most `dense_kv_bytes` (0 = as many token positions as the paged cache has, in float32); never past the rotary table.
         self.dense: DenseKV | None = None
         if kv_layout == "dense":
             limit = dense_kv_bytes or cache.data.shape[2] * DenseKV(cache, None, 0).token_bytes
-            self.dense = DenseKV(cache, limit, max_context or self.cfg.max_position_embeddings)
+            self.dense = DenseKV(cache, limit, self.spec.rope_positions or max_context or self.cfg.max_position_embeddings)
         self.cache_dir = cache_dir
         self.num_threads = num_threads
         self.max_batch, self.max_tokens, self.max_context = max_batch, max_tokens, max_context

@@ -53,3 +53,19 @@ def test_a_rewritten_file_or_another_dtype_is_hashed_again(tiny_model_dir, tmp_p
         assert hashed == ["torch.float32", "torch.bfloat16", "torch.float32"]
     finally:
         os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_the_same_model_in_two_cache_directories_has_one_digest(tiny_model_dir, tmp_path, hashed):
+    """The digest is the weights' and config's content, not where they were read from (the
+    config's `_name_or_path` is the folder: the same model in another cache re-exported its graph)."""
+    import shutil
+
+    from edge_runtime.model.gguf_load import load_llama_gguf
+    from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
+
+    copies = [shutil.copytree(tiny_model_dir, tmp_path / name) for name in ("a", "b")]
+    digests = {onnx_export.model_hash(load(folder, tmp_path / f"onnx-{folder.name}")) for folder in copies}
+    assert len(digests) == 1 and len(hashed) == 2  # each folder's files hashed once, to one digest
+    _, gguf = tiny_quant_gguf(tmp_path / "gguf", Q4_K_M_LIKE)
+    other = shutil.copy(gguf, tmp_path / "elsewhere.gguf")
+    assert onnx_export.model_hash(load_llama_gguf(gguf)) == onnx_export.model_hash(load_llama_gguf(other))
