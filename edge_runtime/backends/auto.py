@@ -140,7 +140,7 @@ def choose_backend(config: EngineConfig, model: Any, cache: Any, adapters: Any, 
         return backend, BackendChoice(config.backend, backend.name, used, "set explicitly")
     reference = TorchBackend(model, cache, adapters)
     if reads_gguf_in_place(model):
-        reason = ("the matrices are the GGUF's own bytes, read in place (engine.torch_weights = gguf): "
+        reason = (f"the matrices are the GGUF's own bytes, read in place (engine.torch_weights = {config.torch_weights}): "
                   "a graph backend would hold a re-encoded copy beside them")
         log.info("auto backend: torch (%s)", reason)
         return reference, BackendChoice("auto", "torch", "none", reason)
