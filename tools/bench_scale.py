@@ -9,7 +9,8 @@ loaded through the engine in-process, the memory ledger against measured residen
         [--threads 2] [--llama-python /work/llama-venv/bin/python] [--tokens 32] [--repeats 2]
 
 Serving mode starts maced twice (empty state and model cache, then what the first start left;
-`finetune.pairs_per_version=1` so one pair publishes a version), then llama-cpp-python's server
+`finetune.pairs_per_version=1` so one pair publishes a version, `feedback.heldout_fraction=0` so
+that pair is not kept back for the guard's evaluation), then llama-cpp-python's server
 once. Per server: time to ready (start to the first answered chat request), peak RSS of the whole
 process tree starting, serving and (maced) while one DPO pair trains through the SDK (consent, a
 two-candidate generate, the user's choice; status until the version is published), completion
@@ -856,7 +857,8 @@ def maced_server(args: argparse.Namespace, gguf_path: Path, threads: int, work: 
     socket = work / "maced.sock"
     cmd = [sys.executable, "-m", "daemon.main", "--model", str(gguf_path), "--state-dir", str(work / "state"),
            "--ipc", str(socket), "--http", f"127.0.0.1:{port}", "--log-format", "text",
-           "--set", f"engine.num_threads={threads}", "--set", "finetune.pairs_per_version=1"]
+           "--set", f"engine.num_threads={threads}", "--set", "finetune.pairs_per_version=1",
+           "--set", "feedback.heldout_fraction=0.0"]
     for item in args.set:
         cmd += ["--set", item]
     return Server("maced", cmd, port, work / "maced.log", env), socket
