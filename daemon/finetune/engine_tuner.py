@@ -239,7 +239,7 @@ class EngineFineTuner(GuardedPublishing):
                                 if job.get("restarts")} or None,
             # Seconds since an item was trained or a candidate decided, while work is under way
             # (0 otherwise); the longest such stretch; stretches past 60 s (each logged once).
-            "since_progress_s": round(self.watch.check(self._busy() and not self.paused_reason), 1),
+            "since_progress_s": round(self.watch.check(self._busy() and not self.paused_reason, self._describe), 1),
             "longest_stall_s": round(self.watch.longest_s, 1), "stall_warnings": self.watch.warnings,
             "versions_published": self.versions_published, "versions_rejected": self.versions_rejected,
             "pairs_per_version": self.settings.pairs_per_version, "last_loss": self.last_loss,
