@@ -94,6 +94,9 @@ class EngineConfig:
     # training stage would not fit the memory budget or would exceed 1.25x the file's tensors +
     # 1 GiB (an 8B Q4_K_M: edge_runtime.loading.reads_in_place)
     torch_weights: str = "auto"
+    # The torch backend on a GPU replays decode-only steps as CUDA graphs (docs/gpu.md); steps a
+    # graph cannot express (prefill, drafts, LoRA rows, pruned KV) run eagerly either way.
+    cuda_graphs: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def replace(self, **overrides: Any) -> EngineConfig:

@@ -474,7 +474,7 @@ class Engine:
         pool = self.pool
         return {
             "model": self.model_name,
-            "backend": self.backend.name,
+            "backend": self.backend.name, **getattr(self.backend, "stats", dict)(),
             **dict(zip(("deterministic", "deterministic_reason"), self.backend.determinism(), strict=True)),
             "device": str(self.model.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from edge_runtime.backends.base import Backend
 
 if TYPE_CHECKING:
+    from edge_runtime.backends.cuda_graphs import DecodeGraphs
     from edge_runtime.config import EngineConfig
     from edge_runtime.kv.cache import KVCache
     from edge_runtime.lora.registry import AdapterRegistry
@@ -26,7 +27,8 @@ def make_backend(config: EngineConfig, model: LlamaModel, cache: KVCache, adapte
     if name == "torch":
         from edge_runtime.backends.torch_backend import TorchBackend
 
-        return TorchBackend(model, cache, adapters, row_invariant=config.deterministic)
+        return TorchBackend(model, cache, adapters, row_invariant=config.deterministic,
+                            graphs=decode_graphs(config, model, cache))
     if name == "onnxruntime":
         from edge_runtime.backends.onnxruntime_backend import OnnxRuntimeBackend
 
@@ -45,3 +47,18 @@ def make_backend(config: EngineConfig, model: LlamaModel, cache: KVCache, adapte
             max_batch=config.max_num_seqs, max_tokens=config.max_batched_tokens, max_context=config.max_context,
         )
     raise ValueError(f"unknown backend {name!r}; use one of {', '.join(BACKENDS)}")
+
+
+def decode_graphs(config: EngineConfig, model: LlamaModel, cache: KVCache) -> DecodeGraphs | None:
+    """The torch backend's CUDA graphs (`engine.cuda_graphs`, on a GPU, not with
+    `engine.deterministic`, whose row tiles are checked eagerly on the CPU only), every batch
+    size captured now at the narrowest width; else None."""
+    if not config.cuda_graphs or model.device.type != "cuda" or config.deterministic \
+            or getattr(cache, "scratch_block", None) is None:
+        return None
+    from edge_runtime.backends.cuda_graphs import DecodeGraphs
+
+    max_context = config.max_context or model.cfg.max_position_embeddings
+    graphs = DecodeGraphs(model, cache, config.max_num_seqs, min(max_context, cache.num_blocks * cache.block_size))
+    graphs.warm()
+    return graphs

@@ -46,6 +46,10 @@ class Backend(Protocol):
         written to the KV cache. `lora`: an explicit applier (torch only)."""
         ...
 
+    def stats(self) -> dict:
+        """Backend-specific figures for the engine's stats (the torch backend's CUDA graphs)."""
+        return {}
+
     def determinism(self) -> tuple[bool, str]:
         """Whether a row's logits depend on that row alone (its request, adapter and position),
         never on the rows beside it, how its prompt was chunked or whether its past came from the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from edge_runtime.backends.base import Backend
+from edge_runtime.backends.cuda_graphs import DecodeGraphs
 from edge_runtime.kv.cache import KVCache
 from edge_runtime.kv.paged_attention import PagedContext, SeqAttention
 from edge_runtime.lora.batched import applier_for
@@ -24,7 +25,7 @@ class TorchBackend(Backend):
     verifies_drafts = True
 
     def __init__(self, model: LlamaModel, cache: KVCache, adapters: AdapterRegistry | None = None,
-                 row_invariant: bool = False) -> None:
+                 row_invariant: bool = False, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = model.device
@@ -32,6 +33,12 @@ class TorchBackend(Backend):
         # `engine.deterministic`: projections in fixed row tiles, attention over at least
         # ATTEND_MIN_ROWS query rows and in KEY_TILE key tiles (edge_runtime.model.llama).
         self.row_invariant = row_invariant
+        # `engine.cuda_graphs`: decode-only steps replayed as CUDA graphs (backends.cuda_graphs).
+        self.graphs = graphs
+
+    def stats(self) -> dict:
+        """What the engine's stats show of this backend: its CUDA graphs' counters, if any."""
+        return {} if self.graphs is None else {"cuda_graphs": self.graphs.stats()}
 
     def determinism(self) -> tuple[bool, str]:
         if not self.row_invariant:
@@ -47,6 +54,17 @@ class TorchBackend(Backend):
         """Logits [rows that sample, vocab] in float32, in batch order. Without an explicit
         `lora`, each item's pinned adapter versions (fleet and user, from the registry, as one
         LoRA of their ranks concatenated) apply to its rows."""
+        if lora is None and self.adapters is not None:
+            runs = [(item.seq.request.served, item.num_tokens) for item in batch.items]
+            lora = applier_for(runs, self.adapters.served_weights, self.device)
+        if self.graphs is not None:
+            why = self.graphs.why_eager(batch, lora)
+            if why is None:
+                try:
+                    return self.graphs.run(batch)
+                except Exception:  # logged and kept by DecodeGraphs: this and later steps run eagerly
+                    why = "capture failed"
+            self.graphs.eager[why] += 1
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[SeqAttention] = []
@@ -65,9 +83,6 @@ class TorchBackend(Backend):
             # A decode row with a draft yields every fed row's logits (edge_runtime.spec).
             logit_rows.extend(range(len(ids) - item.num_logits, len(ids)))
         device = self.device
-        if lora is None and self.adapters is not None:
-            runs = [(item.seq.request.served, item.num_tokens) for item in batch.items]
-            lora = applier_for(runs, self.adapters.served_weights, device)
         ctx = PagedContext(self.cache, seqs, device, lora, self.model.cfg.layer_windows,
                            self.model.cfg.attn_softcap, self.row_invariant)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)

@@ -27,7 +27,10 @@ class KVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        slots = num_blocks * block_size
+        # On a GPU one block past the pool's, owned by no sequence: rows that pad a replayed CUDA
+        # graph's batch write and read there (edge_runtime.backends.cuda_graphs).
+        self.scratch_block = num_blocks if torch.device(device).type != "cpu" else None
+        slots = (num_blocks + (self.scratch_block is not None)) * block_size
         # [layer, k/v, slot, kv_head, head_dim]: a token's K (or V) for one layer is contiguous.
         shape = (cfg.num_layers, 2, slots, cfg.num_kv_heads, cfg.head_dim)
         self._pages: mmap.mmap | None = None
