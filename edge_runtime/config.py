@@ -97,6 +97,9 @@ class EngineConfig:
     # The torch backend on a GPU replays decode-only steps as CUDA graphs (docs/gpu.md); steps a
     # graph cannot express (prefill, drafts, LoRA rows, pruned KV) run eagerly either way.
     cuda_graphs: bool = True
+    # ... and compiles that step's forward with torch.compile first (Inductor fuses its
+    # element-wise kernels; minutes of compiling at start): opt-in until measured.
+    cuda_graphs_compile: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def replace(self, **overrides: Any) -> EngineConfig:

@@ -59,6 +59,7 @@ def decode_graphs(config: EngineConfig, model: LlamaModel, cache: KVCache) -> De
     from edge_runtime.backends.cuda_graphs import DecodeGraphs
 
     max_context = config.max_context or model.cfg.max_position_embeddings
-    graphs = DecodeGraphs(model, cache, config.max_num_seqs, min(max_context, cache.num_blocks * cache.block_size))
+    graphs = DecodeGraphs(model, cache, config.max_num_seqs, min(max_context, cache.num_blocks * cache.block_size),
+                          compile_step=config.cuda_graphs_compile)
     graphs.warm()
     return graphs

@@ -75,14 +75,13 @@ class _GraphContext:
     lora = None
     row_invariant = False
 
-    def __init__(self, cache: KVCache, inputs: _Inputs, width: int, windows: Any, softcap: float | None) -> None:
+    def __init__(self, cache: KVCache, context: Tensor, table: Tensor, width: int, windows: Any,
+                 softcap: float | None) -> None:
         self.cache = cache
         self.sliding_window = windows
         self.softcap = softcap
         block = cache.block_size
-        context = inputs.context
         last = context - 1
-        table = inputs.tables
         self.slot_mapping = table.gather(1, (last // block)[:, None]).squeeze(1) * block + last % block
         distinct = set(windows) if isinstance(windows, tuple) else {windows}
         self.reads = {w: self._reads(table, context, width, block, w) for w in distinct}
@@ -114,6 +113,14 @@ class _GraphContext:
         return attend(qd, kd, vd, mask, self.softcap).reshape(b, heads * d)
 
 
+def decode_forward(model: LlamaModel, cache: KVCache, ids: Tensor, positions: Tensor, context: Tensor,
+                   table: Tensor, width: int) -> Tensor:
+    """Logits [B, vocab] in float32 of one decode token per row: what a graph captures."""
+    cfg = model.cfg
+    ctx = _GraphContext(cache, context, table, width, cfg.layer_windows, cfg.attn_softcap)
+    return model(ids, positions, ctx).float()
+
+
 class _Graph:
     """One captured step. Off CUDA (tests) `graph` is None and `replay` runs the same forward
     over the same static buffers eagerly."""
@@ -138,8 +145,14 @@ class DecodeGraphs:
     the most decode rows a step may carry (`engine.max_num_seqs`); `max_context`: the longest
     context, which bounds the widest graph."""
 
-    def __init__(self, model: LlamaModel, cache: KVCache, max_batch: int, max_context: int) -> None:
+    def __init__(self, model: LlamaModel, cache: KVCache, max_batch: int, max_context: int,
+                 compile_step: bool = False) -> None:
         self.model = model
+        # `engine.cuda_graphs_compile`: the step's forward compiled by torch.compile (its
+        # element-wise kernels fused by Inductor) before it is captured; once, for every shape.
+        self.step = decode_forward
+        if compile_step:
+            self.step = torch.compile(decode_forward, dynamic=True)
         self.cache = cache
         self.device = model.device
         self.max_batch = max_batch
@@ -218,11 +231,10 @@ class DecodeGraphs:
         ids, positions, lengths, tables = [], [], [], []
         self._pad(ids, positions, lengths, tables, batch, inputs.table_width)
         inputs.flat.copy_(torch.tensor(ids + positions + lengths + tables, dtype=torch.long))
-        cfg = self.model.cfg
 
         def forward() -> Tensor:
-            ctx = _GraphContext(self.cache, inputs, width, cfg.layer_windows, cfg.attn_softcap)
-            return self.model(inputs.ids, inputs.positions, ctx).float()
+            return self.step(self.model, self.cache, inputs.ids, inputs.positions, inputs.context, inputs.tables,
+                             width)
 
         if self.device.type != "cuda":
             captured = _Graph(inputs, width, forward)

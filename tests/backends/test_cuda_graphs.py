@@ -140,3 +140,20 @@ def test_replayed_graphs_decode_as_eager_on_the_gpu(llama_dir: Path, dtype: str)
     assert got == want
     stats = graphed.stats()["cuda_graphs"]
     assert stats["broken"] is None and stats["replayed"] > 0, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (on the CPU Inductor's C++ build of the step "
+                    "takes ~90 s; it gave the eager tokens when tried)")
+def test_compiled_step_decodes_as_the_eager_path(llama_dir: Path) -> None:
+    """`engine.cuda_graphs_compile`: the same static step through torch.compile, then captured,
+    gives the eager tokens."""
+    eager = Engine.load(str(llama_dir), backend="torch", device="cuda", dtype="float32", cuda_graphs=False)
+    compiled = Engine.load(str(llama_dir), backend="torch", device="cuda", dtype="float32", cuda_graphs_compile=True,
+                           max_num_seqs=4)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.candidates[0].token_ids for o in eager.generate(PROMPTS[:3], params)]
+    got = [o.candidates[0].token_ids for o in compiled.generate(PROMPTS[:3], params)]
+    assert got == want
+    stats = compiled.stats()["cuda_graphs"]
+    assert stats["broken"] is None and stats["replayed"] > 0, stats
