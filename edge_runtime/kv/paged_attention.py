@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from edge_runtime.kv.cache import KVCache
@@ -206,6 +207,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, cap: float | None = No
     a long reduction by the whole key count, so a decode row's output followed the widest
     context among the decode rows beside it (both measured on torch's CPU float32 kernels).
     """
+    if q.is_cuda and cap is None and not tiled_keys:
+        # On a GPU one fused kernel (SDPA's memory-efficient one takes a boolean mask) instead
+        # of six: a decode step there is bound by its kernel count (issue #33), and its rows'
+        # rounding is not claimed to be batch-invariant (TorchBackend.determinism).
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     rows = q.shape[-2]
     if rows < min_rows:
         pad = q[..., :1, :].expand(*q.shape[:-2], min_rows - rows, q.shape[-1])

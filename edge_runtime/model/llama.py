@@ -50,7 +50,12 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tens
     # in fp32 before the cast (its own order).
     dtype = x.dtype
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if x.is_cuda and not x.requires_grad:
+        # One fused kernel instead of five on a GPU, where a decode step is bound by its
+        # kernel count (issue #33); the same fp32 normalisation.
+        x32 = F.rms_norm(x32, x32.shape[-1:], eps=eps)
+    else:
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if offset:
         return (x32 * (offset + weight.float())).to(dtype)
     return weight * x32.to(dtype)
@@ -219,6 +224,9 @@ class DecoderLayer(nn.Module):
         if lora is not None and fused:
             qkv = _add(qkv, lora.delta(self.index, "qkv_proj", hn))
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        qk = None
+        if lora is None and cfg.qk_norm is None and qkv.dim() == 2:
+            qk = qkv[:, : cfg.q_size + cfg.kv_size].unflatten(-1, (cfg.num_heads + cfg.num_kv_heads, cfg.head_dim))
         if lora is not None and not fused:
             q = _add(q, lora.delta(self.index, "q_proj", hn))
             k = _add(k, lora.delta(self.index, "k_proj", hn))
@@ -231,7 +239,11 @@ class DecoderLayer(nn.Module):
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "head":
             q, k = self._norm(q, self.q_norm), self._norm(k, self.k_norm)
-        if cfg.rope_layers[self.index]:  # SmolLM3's NoPE layers attend without positions
+        if cfg.rope_layers[self.index] and qk is not None:
+            # q and k still side by side in the fused projection: one rotation over both heads'
+            # rows (the same element-wise ops; half the kernels of a decode step's rotary part).
+            q, k = apply_rope(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        elif cfg.rope_layers[self.index]:  # SmolLM3's NoPE layers attend without positions
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cfg.query_scale != 1.0:
             # Granite's and Gemma's attention scale: every context divides q.k by sqrt(head_dim),
@@ -348,7 +360,7 @@ def _float_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     same rows in a batch of 16 as well) while the doubled row costs 2x (measured: 139 vs 283 us
     on the fused gate/up projection), so float32 keeps the single-row kernel.
     """
-    if x.dim() == 2 and x.shape[0] == 1 and x.dtype != torch.float32:
+    if x.dim() == 2 and x.shape[0] == 1 and x.dtype != torch.float32 and not x.is_cuda:
         return F.linear(x.expand(2, -1).contiguous(), weight, bias)[:1]
     return F.linear(x, weight, bias)
 
