@@ -8,12 +8,12 @@ except the random draw: an exponential race (Gumbel-max, argmax of score + Gumbe
 noise is a hash of (the sequence's key, its generated-token count, the token id). So a seeded
 sequence draws the same token whatever shares its batch, on the CPU and on a GPU alike.
 
-Cost of one step of R rows (R does not change it: every op below covers all rows at once):
-one host->device copy (every row's parameters and sparse shaping adds packed in one float64
-tensor), ~4 launches to gather and shape the rows, 1 argmax; with sampled rows ~40 more
-(float64 scores ~8, one sort or topk with its masks ~8, the hash ~20, the draw 3); with logprobs
-~6; then one device->host copy, the step's one synchronisation. About 15 launches greedy, 55
-sampled at 16 rows or at 1.
+Cost of one step, whatever its number of rows R (every op covers all rows at once; counted with a
+dispatch mode at R = 1 and R = 16 alike, views not counted, the host's packing included): one
+host->device copy (every row's parameters and sparse shaping adds packed in one float64 tensor),
+then 7 aten ops greedy, 16 with bias and penalties, 58 sampled at a temperature (the hash's ~27
+int64 ops over [R, vocab] among them), 75 with top-k and top-p, 92 with logprobs too; and one
+device->host copy, the step's one synchronisation.
 """
 
 from __future__ import annotations
