@@ -253,3 +253,12 @@ def test_a_device_that_fails_sends_its_rows_to_the_host(engines, monkeypatch):
     assert _outs(engine, params) == _outs(engines["off"], params)
     stats = engine.committer.sampling_stats
     assert stats["device_failures"] > before["device_failures"] and "no kernel image" in stats["last_device_failure"]
+
+
+def test_auto_keeps_cpu_logits_on_the_host_path_and_a_wrong_setting_is_refused(tiny_model_dir):
+    engine = _engine(tiny_model_dir)  # device_sampling "auto", the default
+    engine.generate(PROMPTS[:1], SamplingParams(max_tokens=3))
+    stats = engine.committer.sampling_stats
+    assert stats["device_rows"] == 0 and stats["host_rows"] == 3
+    with pytest.raises(ValueError, match="device_sampling"):
+        _engine(tiny_model_dir, device_sampling="gpu")

@@ -14,7 +14,7 @@ from edge_runtime.constraints import Constraint
 from edge_runtime.device_sampling import RowChoice, choose_rows
 from edge_runtime.sampling import choose
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
 
 def _rows(n: int) -> list[RowChoice]:
