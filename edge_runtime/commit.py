@@ -168,8 +168,11 @@ class TokenCommitter:
         try:
             picks = choose_rows(logits, rows)
         except Exception as exc:  # a device that cannot run a kernel must not stop serving: the host can
-            log.warning("sampling on %s failed (%s: %s); this step's %d row(s) go to the host",
-                        logits.device, type(exc).__name__, exc, len(plain))
+            # A kernel that failed once fails again (a missing image, a sticky fault): the host
+            # chooses from now on, said once here and kept in `sampling_stats`.
+            log.warning("sampling on %s failed (%s: %s); the host chooses every row from now on",
+                        logits.device, type(exc).__name__, exc)
+            self.device_sampling = "off"
             self.sampling_stats["device_failures"] += 1
             self.sampling_stats["host_rows_fallback"] += len(plain)
             self.sampling_stats["last_device_failure"] = f"{type(exc).__name__}: {exc}"
