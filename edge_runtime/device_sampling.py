@@ -161,11 +161,12 @@ class _Plan:
             columns["row"].append(r.row)
             columns["sampled"].append(0.0 if p.greedy else 1.0)
             columns["temperature"].append(1.0 if p.greedy else p.temperature)
-            need_k = 0 < p.top_k < vocab
+            # A greedy row's cuts change nothing: it never makes the step sort.
+            need_k = not p.greedy and 0 < p.top_k < vocab
             columns["top_k"].append(p.top_k if need_k else 1)
             columns["need_k"].append(1.0 if need_k else 0.0)
             columns["top_p"].append(p.top_p)
-            columns["need_p"].append(1.0 if p.top_p < 1.0 else 0.0)
+            columns["need_p"].append(1.0 if not p.greedy and p.top_p < 1.0 else 0.0)
             salt_a, salt_b = row_salt(r.key, r.step) if not p.greedy else (0, 0)
             columns["salt_a"].append(salt_a)
             columns["salt_b"].append(salt_b)
