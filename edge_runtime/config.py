@@ -87,6 +87,10 @@ class EngineConfig:
     # "on"/"off" wins. speculative_tokens: the most draft tokens a decode row carries.
     speculation: str = "auto"
     speculative_tokens: int = 4
+    # Where a plain row's next token is chosen (edge_runtime.device_sampling): "auto" = on the
+    # logits' device when it is a GPU (one transfer of the ids a step), the host for CPU logits;
+    # "on" = the device path for CPU logits too; "off" = every row on the host
+    device_sampling: str = "auto"
     # Where the torch model's matrices come from when the model is a llama GGUF file
     # (docs/memory.md): "cache" = the model cache (re-encoded blocks); "gguf" = the GGUF's own
     # bytes, read in place through its memory map (no block cache written, nothing re-encoded;

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from edge_runtime.backends.base import Backend
+from edge_runtime.device_sampling import synchronize
 from edge_runtime.errors import EngineBroken
 from edge_runtime.kv.block_pool import BlockPool
 from edge_runtime.model.tokenizer import IncrementalDecoder
@@ -60,7 +61,10 @@ class ForwardRunner:
             return None
         started = time.perf_counter()
         try:
-            logits = self.backend.execute(batch).cpu()
+            # The logits stay on their device (the commit chooses tokens there); waiting for the
+            # device also makes a GPU's fault surface here, where it can be isolated.
+            logits = self.backend.execute(batch)
+            synchronize(logits)
         except Exception as exc:
             return self.isolate_fault(batch, exc, fail, failed)
         self.costs.observe_forward(batch.planned_forward_s, time.perf_counter() - started)
@@ -81,7 +85,11 @@ class ForwardRunner:
         def attempt(items: list[ScheduledSeq], error: Exception | None) -> None:
             if error is None:
                 try:
-                    out = self.backend.execute(Batch(items, [])).cpu()
+                    out = self.backend.execute(Batch(items, []))
+                    # A part's rows are kept while later parts run: a copy, in case the backend
+                    # returns a buffer it reuses (a replayed graph's output) on its device.
+                    out = out if out.device.type == "cpu" else out.clone()
+                    synchronize(out)
                 except Exception as exc:
                     error = exc
                 else:
