@@ -427,7 +427,10 @@ def thread_workspace(need: int) -> Tensor:
     """This thread's float32 workspace (above), at least `need` elements."""
     buf = getattr(_WORKSPACES, "buffer", None)
     if buf is None or buf.numel() < need:
-        buf = _WORKSPACES.buffer = torch.empty(need, dtype=torch.float32)
+        # A normal tensor even when first taken under inference mode (a served step): an
+        # inference tensor could not be written later outside it (training, a test's forward).
+        with torch.inference_mode(False):
+            buf = _WORKSPACES.buffer = torch.empty(need, dtype=torch.float32)
     return buf
 
 
