@@ -5,6 +5,7 @@ training's backward, embedding rows). Imported only where a quantised weight sit
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -144,15 +145,17 @@ if triton is not None:
     @triton.jit
     def _matmul_kernel(x_ptr, out_ptr, bias_ptr, lev_ptr, high_ptr, sc_ptr, scs_ptr, off_ptr, offs_ptr,
                        M, N, s_xm, s_om, s_lev, s_high, s_sc, s_scs, s_off, s_offs,
-                       NB: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, HW: tl.constexpr, ZERO: tl.constexpr,
+                       NB: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, PARTIAL: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, HW: tl.constexpr, ZERO: tl.constexpr,
                        SC_GROUP: tl.constexpr, HAS_SCS: tl.constexpr, HAS_OFF: tl.constexpr,
                        OFF_GROUP: tl.constexpr, HAS_OFFS: tl.constexpr, HAS_BIAS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NBT: tl.constexpr,
                        F32_DOT: tl.constexpr, EMULATE_HALF_DOT: tl.constexpr):
         """out[m, n] = sum_k x[m, k] W[n, k] (+ bias[n]) for BLOCK_N rows of W per program,
-        walking K NBT blocks at a time; float32 sums. NB (blocks per row) is a constant: one
-        compilation per K of a model (a handful), and a loop bound the interpreter can read. BLOCK_M == 1: a GEMV in float32 on the
-        CUDA cores; else one `tl.dot` per tile in x's dtype (W's values rounded to it, as the
+        walking its SPLIT_BLOCKS of K's NB blocks (program_id(2) says which) NBT at a time; float32
+        sums. PARTIAL: K is split over programs, each writes its float32 sums to out[split]
+        (`_sum_kernel` adds them in order: no atomics, the same result every run). NB and
+        SPLIT_BLOCKS are constants: one compilation per K of a model (a handful), and loop bounds
+        the interpreter can read. BLOCK_M == 1: a GEMV in float32 on the CUDA cores; else one `tl.dot` per tile in x's dtype (W's values rounded to it, as the
         de-quantise-then-GEMM path rounds them). EMULATE_HALF_DOT: the same roundings, summed by a
         float32 dot (Triton's interpreter multiplies bfloat16 tiles' bit patterns as integers)."""
         PER: tl.constexpr = 1 if BITS == 8 else 2
@@ -166,7 +169,8 @@ if triton is not None:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             ms = m0 + tl.arange(0, BLOCK_M)
             t = tl.arange(0, NBT * W)
-        for blk0 in range(0, NB, NBT):
+        for j in range(0, SPLIT_BLOCKS, NBT):
+            blk0 = tl.program_id(2) * SPLIT_BLOCKS + j
             blks = blk0 + tl.arange(0, NBT)
             bmask = blks < NB
             v0, v1 = _tile(lev_ptr, high_ptr, sc_ptr, scs_ptr, off_ptr, offs_ptr, rows, blks, rmask, bmask,
@@ -189,7 +193,9 @@ if triton is not None:
                     x1 = tl.load(x_ptr + ms[:, None] * s_xm + k[None, :] + 1, mask=xmask, other=0)
                     w1 = tl.reshape(v1, (BLOCK_N, NBT * W))
                     acc = _dot(acc, x1, w1, F32_DOT, EMULATE_HALF_DOT)
-        if HAS_BIAS:
+        if PARTIAL:
+            out_ptr += tl.program_id(2).to(tl.int64) * M * s_om
+        elif HAS_BIAS:
             b = tl.load(bias_ptr + rows, mask=rmask, other=0).to(tl.float32)
             if BLOCK_M == 1:
                 acc += b
@@ -200,6 +206,20 @@ if triton is not None:
         else:
             omask = (ms[:, None] < M) & rmask[None, :]
             tl.store(out_ptr + ms[:, None] * s_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+    @triton.jit
+    def _sum_kernel(part_ptr, out_ptr, bias_ptr, M, N, s_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BLOCK: tl.constexpr):
+        """out[m, n] = sum over s of part[s, m, n] in order of s (+ bias[n]), in out's dtype."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < M * N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(part_ptr + s * M * N + i, mask=mask, other=0)
+        n = i % N
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=mask, other=0).to(tl.float32)
+        tl.store(out_ptr + (i // N) * s_om + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _dequant_kernel(out_ptr, index_ptr, lev_ptr, high_ptr, sc_ptr, scs_ptr, off_ptr, offs_ptr,
@@ -252,9 +272,10 @@ def _blocks_per_tile(part: Any, elements: int) -> int:
     return max(1, elements // part.block)
 
 
-def matmul_into(x: Tensor, part: Any, out: Tensor, bias: Tensor | None = None) -> None:
+def matmul_into(x: Tensor, part: Any, out: Tensor, bias: Tensor | None = None, split: int | None = None) -> None:
     """out[m, :] = x[m] @ W^T (+ bias) for a `Blocks` part W [n, k] and x [M, k] (M <= MAX_ROWS,
-    rows contiguous), out [M, n] with unit column stride (a column slice of a wider output)."""
+    rows contiguous), out [M, n] with unit column stride (a column slice of a wider output).
+    `split`: K split over that many programs per output tile (None: by the shape, `_split`)."""
     n, blocks = part.levels.shape[:2]
     rows = x.shape[0]
     ptrs, strides, meta = _format_args(part)
@@ -265,12 +286,46 @@ def matmul_into(x: Tensor, part: Any, out: Tensor, bias: Tensor | None = None) -
         block_m, block_n, tile = 1, 8 if n <= 4096 else 16, 256
     else:
         block_m, block_n, tile = 16, 16 if n <= 8192 else 32, 128
-    grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m))
-    _matmul_kernel[grid](x, out, out if bias is None else bias, *ptrs,
-                         rows, n, x.stride(0), out.stride(0), *strides, NB=blocks, **meta,
-                         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-                         NBT=_blocks_per_tile(part, tile), F32_DOT=x.dtype == torch.float32,
-                         EMULATE_HALF_DOT=x.device.type == "cpu", num_warps=4)
+    nbt = _blocks_per_tile(part, tile)
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
+    k_tiles = triton.cdiv(blocks, nbt)
+    split = min(k_tiles, split or _split(tiles, k_tiles, x.device))
+    split_blocks = triton.cdiv(k_tiles, split) * nbt
+    split = triton.cdiv(blocks, split_blocks)  # no split left without blocks
+    # The partial sums of a split K: [split, rows, n] float32, added in order by `_sum_kernel`.
+    target = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m), split)
+    _matmul_kernel[grid](x, target, out if bias is None else bias, *ptrs,
+                         rows, n, x.stride(0), target.stride(-2), *strides, NB=blocks, SPLIT_BLOCKS=split_blocks,
+                         PARTIAL=split > 1, **meta, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                         NBT=nbt, F32_DOT=x.dtype == torch.float32, EMULATE_HALF_DOT=x.device.type == "cpu",
+                         num_warps=4)
+    if split > 1:
+        _sum_kernel[(triton.cdiv(rows * n, 1024),)](target, out, out if bias is None else bias, rows, n,
+                                                   out.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
+                                                   BLOCK=1024, num_warps=4)
+
+
+# Programs per SM a matmul aims for: a decode GEMM is bound by the weight's bytes, and each
+# program keeps only a few K tiles of loads in flight, so small N splits K to fill the GPU.
+PROGRAMS_PER_SM = 4
+
+
+def _split(tiles: int, k_tiles: int, device: torch.device) -> int:
+    """How many programs share each output tile's K: doubled while the grid is short of
+    PROGRAMS_PER_SM per SM and each program keeps at least two K tiles."""
+    if device.type != "cuda":
+        return 1
+    want = PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    split = 1
+    while tiles * split < want and k_tiles >= 4 * split:
+        split *= 2
+    return split
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def dequantize(part: Any, dtype: torch.dtype, index: Tensor | None = None) -> Tensor:
