@@ -206,6 +206,7 @@ def test_a_failing_kernel_switches_to_torch_and_says_so(kernels_here, monkeypatc
 def test_a_q4_k_m_model_forward_on_the_kernels_equals_its_torch_forward(tmp_path, kernels_here, monkeypatch):
     """Every path a decode step takes (embedding of a Q6_K table, q|k|v of mixed formats, the
     tied head) through the kernels, against the same model's CPU forward."""
+    pytest.importorskip("gguf", reason="writing the GGUF needs the gguf package")
     from edge_runtime.model.dense import dense_logits
     from edge_runtime.model.gguf_load import load_llama_gguf
     from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
@@ -222,3 +223,66 @@ def test_a_q4_k_m_model_forward_on_the_kernels_equals_its_torch_forward(tmp_path
     got = dense_logits(model.to(DEVICE), ids.to(DEVICE)).cpu()
     assert {4, 6, 8} <= set(calls)  # Q4_K, the Q6_K head and v, layer 0's Q8_0 up
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_a_half_precision_row_does_not_depend_on_the_rows_beside_it():
+    """Up to MAX_ROWS rows all take the same tile, so a decode row rounds alike alone or in a batch."""
+    w = _stacked().to(DEVICE)
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.bfloat16)
+    alone = qweights_cuda.linear(w.parts, x[:1], None)
+    for rows in (2, 7, 16):
+        assert torch.equal(qweights_cuda.linear(w.parts, x[:rows], None)[:1], alone)
+
+
+NEEDS_CUDA = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def _decode_step_weights() -> tuple[QuantWeight, QuantWeight]:
+    """A Q6_K table (embedding and tied head) and a layer's projection of mixed formats."""
+    table = QuantWeight([q6_k(300, 256, seed=5)]).cuda()
+    layer = QuantWeight([q4_k(200, 256, seed=6), q6_k(24, 256, seed=7), q8_0(32, 256, seed=8)]).cuda()
+    return table, layer
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_a_decode_steps_reads_of_blocks_replay_in_a_cuda_graph_with_no_host_sync():
+    table, layer = _decode_step_weights()
+    ids = torch.tensor([3, 299, 17, 0], device="cuda")
+
+    def step() -> torch.Tensor:
+        h = table.embedding(ids, torch.bfloat16)
+        return quant_linear(quant_linear(h, layer), table)  # [4, 300]: the tied head
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile the kernels and warm the allocator outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.set_sync_debug_mode("error")  # any host sync in the step raises
+    try:
+        eager = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    ids.copy_(torch.tensor([5, 6, 7, 8]))
+    graph.replay()
+    want = step()
+    assert not torch.equal(want, eager) and torch.equal(captured, want)
+    assert qweights_cuda.unavailable() is None  # the kernels ran, not the fallback
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_kernels_on_the_gpu_match_the_torch_path_at_decode_and_prefill_shapes():
+    """The GPU's bfloat16 step against de-quantise-then-cuBLAS, 1 to 64 rows, at 1B-like K."""
+    part = q4_k(512, 2048, seed=9).to("cuda")
+    w = QuantWeight([part])
+    dense = part.dequantize_torch(torch.bfloat16)
+    for rows in (1, 4, 16, 64):
+        x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
+        got = quant_linear(x, w)
+        want = torch.nn.functional.linear(x, dense)
+        assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
