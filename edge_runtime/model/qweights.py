@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import Tensor, nn
@@ -379,7 +380,7 @@ def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 PLAIN_OPS = ("_linear", "_float_linear")
 
 
-def gpu_kernels(t: Tensor):  # noqa: ANN201 - the module, imported only where a tensor is on CUDA
+def gpu_kernels(t: Tensor) -> ModuleType | None:
     """`qweights_cuda` where `t` is on CUDA and its kernels can run, else None (CPU: `qkernel`)."""
     if t.device.type != "cuda":
         return None

@@ -142,7 +142,10 @@ if triton is not None:
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
         return acc
 
-    @triton.jit
+    # M (rows) is not specialised: every decode batch of 1 to 16 rows runs one compiled kernel, so a
+    # CUDA-graph capture at a new batch size never compiles (Triton would otherwise build M == 1
+    # and M % 16 == 0 apart).
+    @triton.jit(do_not_specialize=["M", "N"])
     def _matmul_kernel(x_ptr, out_ptr, bias_ptr, lev_ptr, high_ptr, sc_ptr, scs_ptr, off_ptr, offs_ptr,
                        M, N, s_xm, s_om, s_lev, s_high, s_sc, s_scs, s_off, s_offs,
                        NB: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, PARTIAL: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, HW: tl.constexpr, ZERO: tl.constexpr,
@@ -207,7 +210,7 @@ if triton is not None:
             omask = (ms[:, None] < M) & rmask[None, :]
             tl.store(out_ptr + ms[:, None] * s_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M", "N"])
     def _sum_kernel(part_ptr, out_ptr, bias_ptr, M, N, s_om, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BLOCK: tl.constexpr):
         """out[m, n] = sum over s of part[s, m, n] in order of s (+ bias[n]), in out's dtype."""
