@@ -275,14 +275,30 @@ def _blocks_per_tile(part: Any, elements: int) -> int:
     return max(1, elements // part.block)
 
 
+# A kernel launch: the kernel, its grid, its runtime arguments (in the kernel's order, before its
+# constants) and its constants. Built apart from running so a test can compile exactly what would
+# run for a GPU target on a machine with none (`triton.compile`).
+Launch = tuple[Any, tuple[int, ...], tuple[Any, ...], dict[str, Any]]
+NUM_WARPS = 4
+
+
 def matmul_into(x: Tensor, part: Any, out: Tensor, bias: Tensor | None = None, split: int | None = None) -> None:
     """out[m, :] = x[m] @ W^T (+ bias) for a `Blocks` part W [n, k] and x [M, k] (M <= MAX_ROWS,
     rows contiguous), out [M, n] with unit column stride (a column slice of a wider output).
     `split`: K split over that many programs per output tile (None: by the shape, `_split`)."""
+    for kernel, grid, args, consts in matmul_launches(x, part, out, bias, split):
+        kernel[grid](*args, **consts, num_warps=NUM_WARPS)
+
+
+def matmul_launches(x: Tensor, part: Any, out: Tensor, bias: Tensor | None = None, split: int | None = None,
+                    interpreted: bool | None = None) -> list[Launch]:
+    """What `matmul_into` launches (allocating the partial sums' buffer of a split K).
+    `interpreted`: tiles for Triton's interpreter (default: x on the CPU)."""
     n, blocks = part.levels.shape[:2]
     rows = x.shape[0]
+    interpreted = x.device.type == "cpu" if interpreted is None else interpreted
     ptrs, strides, meta = _format_args(part)
-    if x.device.type == "cpu":  # Triton's interpreter (tests): few, large programs run fastest
+    if interpreted:  # Triton's interpreter (tests): few, large programs run fastest
         block_m, block_n, tile = (1 if rows == 1 and x.dtype == torch.float32 else 16), 64, 256
     elif rows == 1 and x.dtype == torch.float32:
         # A GEMV: enough programs to keep every SM's memory pipe busy (small N: 8 rows each).
@@ -297,16 +313,17 @@ def matmul_into(x: Tensor, part: Any, out: Tensor, bias: Tensor | None = None, s
     split = triton.cdiv(blocks, split_blocks)  # no split left without blocks
     # The partial sums of a split K: [split, rows, n] float32, added in order by `_sum_kernel`.
     target = out if split == 1 else torch.empty(split, rows, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(rows, block_m), split)
-    _matmul_kernel[grid](x, target, out if bias is None else bias, *ptrs,
-                         rows, n, x.stride(0), target.stride(-2), *strides, NB=blocks, SPLIT_BLOCKS=split_blocks,
-                         PARTIAL=split > 1, **meta, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-                         NBT=nbt, F32_DOT=x.dtype == torch.float32, EMULATE_HALF_DOT=x.device.type == "cpu",
-                         num_warps=4)
+    dummy = out if bias is None else bias
+    launches: list[Launch] = [(
+        _matmul_kernel, (triton.cdiv(n, block_n), triton.cdiv(rows, block_m), split),
+        (x, target, dummy, *ptrs, rows, n, x.stride(0), target.stride(-2), *strides),
+        dict(NB=blocks, SPLIT_BLOCKS=split_blocks, PARTIAL=split > 1, **meta, HAS_BIAS=bias is not None,
+             BLOCK_M=block_m, BLOCK_N=block_n, NBT=nbt, F32_DOT=x.dtype == torch.float32,
+             EMULATE_HALF_DOT=interpreted))]
     if split > 1:
-        _sum_kernel[(triton.cdiv(rows * n, 1024),)](target, out, out if bias is None else bias, rows, n,
-                                                   out.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
-                                                   BLOCK=1024, num_warps=4)
+        launches.append((_sum_kernel, (triton.cdiv(rows * n, 1024),), (target, out, dummy, rows, n, out.stride(0)),
+                         dict(SPLIT=split, HAS_BIAS=bias is not None, BLOCK=1024)))
+    return launches
 
 
 # Programs per SM a matmul aims for: a decode GEMM is bound by the weight's bytes, and each
@@ -334,17 +351,25 @@ def _sm_count(index: int) -> int:
 def dequantize(part: Any, dtype: torch.dtype, index: Tensor | None = None) -> Tensor:
     """The float rows [R, k] of a `Blocks` part in `dtype` (all rows, or rows `index`: a 1-D
     integer tensor on the part's device, each in range), the same values as `Blocks.dequantize`."""
-    n, blocks = part.levels.shape[:2]
-    count = n if index is None else index.numel()
+    count = part.n if index is None else index.numel()
     out = torch.empty(count, part.k, dtype=dtype, device=part.levels.device)
     if count == 0:
         return out
-    ptrs, strides, meta = _format_args(part)
-    block_r, nbt = (64, _blocks_per_tile(part, 1024)) if out.device.type == "cpu" else (16, _blocks_per_tile(part, 256))
-    grid = (triton.cdiv(count, block_r), triton.cdiv(blocks, nbt))
-    _dequant_kernel[grid](out, out if index is None else index, *ptrs, count, blocks, out.stride(0), *strides,
-                          **meta, HAS_INDEX=index is not None, BLOCK_R=block_r, NBT=nbt, num_warps=4)
+    kernel, grid, args, consts = dequantize_launch(part, out, index)
+    kernel[grid](*args, **consts, num_warps=NUM_WARPS)
     return out
+
+
+def dequantize_launch(part: Any, out: Tensor, index: Tensor | None = None, interpreted: bool | None = None) -> Launch:
+    """What `dequantize` launches to fill `out` [R, k] (R = the part's rows, or index's)."""
+    blocks = part.levels.shape[1]
+    interpreted = out.device.type == "cpu" if interpreted is None else interpreted
+    ptrs, strides, meta = _format_args(part)
+    block_r, nbt = (64, _blocks_per_tile(part, 1024)) if interpreted else (16, _blocks_per_tile(part, 256))
+    grid = (triton.cdiv(out.shape[0], block_r), triton.cdiv(blocks, nbt))
+    return (_dequant_kernel, grid, (out, out if index is None else index, *ptrs, out.shape[0], blocks, out.stride(0),
+                                    *strides),
+            dict(**meta, HAS_INDEX=index is not None, BLOCK_R=block_r, NBT=nbt))
 
 
 def linear(parts: list[Any], x: Tensor, bias: Tensor | None) -> Tensor | None:

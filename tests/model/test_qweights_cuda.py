@@ -106,7 +106,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
-@pytest.mark.parametrize("rows", [1, 2, 16])
+@pytest.mark.parametrize("rows", [1, 16])
 def test_matmul_kernel_against_float64(name, rows):
     """float32 rows: within 1e-5 of the float64 product's scale (the sums' float32 rounding);
     bfloat16 rows: W's values round to bfloat16 in the tile (as de-quantising to bfloat16 does),
@@ -126,8 +126,7 @@ def test_matmul_kernel_against_float64(name, rows):
         assert (y.cpu().double() - ref).abs().max() <= bound * scale, (dtype, name, rows)
 
 
-@pytest.mark.parametrize("name", sorted(FORMATS))
-@pytest.mark.parametrize("split", [2, 3])
+@pytest.mark.parametrize("name,split", [("q4_k", 2), ("q6_k", 3), ("q8_0", 3)])
 def test_k_split_over_programs_sums_in_order(name, split):
     """K cut between programs (small N on a big GPU), the float32 partial sums added by a second
     kernel in a fixed order: within the same bound, and the same bits on every run."""
