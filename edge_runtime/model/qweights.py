@@ -386,7 +386,11 @@ def gpu_kernels(t: Tensor) -> ModuleType | None:
         return None
     from edge_runtime.model import qweights_cuda
 
-    return qweights_cuda if qweights_cuda.unavailable() is None else None
+    why = qweights_cuda.unavailable()
+    if why is None:
+        return qweights_cuda
+    qweights_cuda.disable(why)  # says why once (no Triton here: torch's passes serve)
+    return None
 
 
 LinearOp = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
