@@ -98,7 +98,7 @@ def copy_bandwidth(device: str) -> float | None:
 
 def run(device: str, tiny: bool, rows_list: list[int]) -> dict:
     from edge_runtime.model import qweights_cuda
-    from edge_runtime.model.qweights import QuantWeight, quant_linear
+    from edge_runtime.model.qweights import QuantWeight
 
     if qweights_cuda.unavailable():
         raise SystemExit(f"the kernels cannot run: {qweights_cuda.unavailable()}")
@@ -118,16 +118,21 @@ def run(device: str, tiny: bool, rows_list: list[int]) -> dict:
             float_weight = dense.to(dtype)
             want = torch.nn.functional.linear(x, float_weight)
             err = ((ours.float() - want.float()).abs().max() / want.float().abs().max()).item()
-            kernel_us = per_call_us(lambda x=x, w=weight: quant_linear(x, w), calls, device)
+            kernel_us = per_call_us(lambda x=x, w=weight: qweights_cuda.linear(w.parts, x, None), calls, device)
             torch_us = per_call_us(lambda x=x, d=float_weight: torch.nn.functional.linear(x, d), calls, device)
+            gemv_us = None
+            if rows == 1:  # the float32 GEMV a single row could take instead of the tl.dot tile
+                out = torch.empty(1, n, device=device, dtype=dtype)
+                gemv_us = round(per_call_us(lambda x=x, p=part, o=out: qweights_cuda.matmul_into(x, p, o, gemv=True),
+                                            calls, device), 2)
             read = part.nbytes + x.numel() * x.element_size() + rows * n * x.element_size()
             gbps = read / kernel_us / 1e3
             results.append({"name": name, "n": n, "k": k, "format": fmt, "rows": rows, "kernel_us": round(kernel_us, 2),
-                            "torch_us": round(torch_us, 2), "dtype": str(dtype).removeprefix("torch."), "bytes": read, "kernel_GBps": round(gbps, 1),
+                            "torch_us": round(torch_us, 2), "gemv_us": gemv_us, "dtype": str(dtype).removeprefix("torch."), "bytes": read, "kernel_GBps": round(gbps, 1),
                             "of_copy": None if copy is None else round(gbps / copy, 3),
                             "max_rel_err_vs_torch": err})
             print(f"{name:14s} {fmt:5s} M={rows:2d}: {kernel_us:8.2f} us ({gbps:7.1f} GB/s"
-                  + ("" if copy is None else f", {gbps / copy:.0%} of copy") + f"), torch {torch_us:8.2f} us,"
+                  + ("" if copy is None else f", {gbps / copy:.0%} of copy") + f"), torch {torch_us:8.2f} us," + ("" if gemv_us is None else f" gemv {gemv_us:8.2f} us,") +
                   f" rel err {err:.1e}", flush=True)
     props = torch.cuda.get_device_properties(device) if device == "cuda" else None
     return {"device": props.name if props else "cpu (Triton interpreter)", "torch": torch.__version__,

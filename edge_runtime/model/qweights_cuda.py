@@ -282,25 +282,29 @@ Launch = tuple[Any, tuple[int, ...], tuple[Any, ...], dict[str, Any]]
 NUM_WARPS = 4
 
 
-def matmul_into(x: Tensor, part: Any, out: Tensor, bias: Tensor | None = None, split: int | None = None) -> None:
+def matmul_into(x: Tensor, part: Any, out: Tensor, bias: Tensor | None = None, split: int | None = None,
+                gemv: bool | None = None) -> None:
     """out[m, :] = x[m] @ W^T (+ bias) for a `Blocks` part W [n, k] and x [M, k] (M <= MAX_ROWS,
     rows contiguous), out [M, n] with unit column stride (a column slice of a wider output).
-    `split`: K split over that many programs per output tile (None: by the shape, `_split`)."""
-    for kernel, grid, args, consts in matmul_launches(x, part, out, bias, split):
+    `split`: K split over that many programs per output tile (None: by the shape, `_split`).
+    `gemv`: a single row through the float32 GEMV rather than the `tl.dot` tile (None: float32
+    rows only; a half-precision row then rounds differently alone than among others)."""
+    for kernel, grid, args, consts in matmul_launches(x, part, out, bias, split, gemv=gemv):
         kernel[grid](*args, **consts, num_warps=NUM_WARPS)
 
 
 def matmul_launches(x: Tensor, part: Any, out: Tensor, bias: Tensor | None = None, split: int | None = None,
-                    interpreted: bool | None = None) -> list[Launch]:
+                    interpreted: bool | None = None, gemv: bool | None = None) -> list[Launch]:
     """What `matmul_into` launches (allocating the partial sums' buffer of a split K).
     `interpreted`: tiles for Triton's interpreter (default: x on the CPU)."""
     n, blocks = part.levels.shape[:2]
     rows = x.shape[0]
     interpreted = x.device.type == "cpu" if interpreted is None else interpreted
+    gemv = rows == 1 and (x.dtype == torch.float32 if gemv is None else gemv)
     ptrs, strides, meta = _format_args(part)
     if interpreted:  # Triton's interpreter (tests): few, large programs run fastest
-        block_m, block_n, tile = (1 if rows == 1 and x.dtype == torch.float32 else 16), 64, 256
-    elif rows == 1 and x.dtype == torch.float32:
+        block_m, block_n, tile = (1 if gemv else 16), 64, 256
+    elif gemv:
         # A GEMV: enough programs to keep every SM's memory pipe busy (small N: 8 rows each).
         block_m, block_n, tile = 1, 8 if n <= 4096 else 16, 256
     else:

@@ -19,10 +19,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 _TYPES = {torch.uint8: "*u8", torch.int8: "*i8", torch.float16: "*fp16", torch.bfloat16: "*bf16",
           torch.float32: "*fp32", torch.int64: "*i64"}
-# (target, format, N, K, rows, dtype, split): decode in bfloat16 with a split K (and the kernel
-# adding its partial sums) and without, each format, float32 rows; the Orin's decode.
-MATMULS = [(90, "q4_k", 3072, 2048, 16, "bfloat16", 4), (90, "q6_k", 2048, 8192, 1, "bfloat16", 1),
-           (90, "q8_0", 16384, 2048, 4, "float32", 1), (87, "q4_k", 2048, 2048, 1, "bfloat16", 1)]
+# (target, format, N, K, rows, dtype, split, gemv): decode in bfloat16 with a split K (and the
+# kernel adding its partial sums) and without, each format, float32 rows, the Orin's decode, and
+# a single bfloat16 row through the GEMV (the bench's comparison).
+MATMULS = [(90, "q4_k", 3072, 2048, 16, "bfloat16", 4, False), (90, "q6_k", 2048, 8192, 1, "bfloat16", 1, False),
+           (90, "q8_0", 16384, 2048, 4, "float32", 1, False), (87, "q4_k", 2048, 2048, 1, "bfloat16", 1, False),
+           (90, "q4_k", 2048, 2048, 1, "bfloat16", 1, True)]
 # (target, format, through an index): an embedding's rows (prefill's and the backward's chunks
 # are the same kernel without the index).
 DEQUANTS = [(90, "q6_k", True)]
@@ -51,15 +53,15 @@ def compile_all() -> list[str]:
     from edge_runtime.model import qweights_cuda as kernels
 
     done = []
-    for arch, fmt, n, k, rows, dtype_name, split in MATMULS:
+    for arch, fmt, n, k, rows, dtype_name, split, gemv in MATMULS:
         dtype = getattr(torch, dtype_name)
         x, out = torch.empty(rows, k, dtype=dtype), torch.empty(rows, n, dtype=dtype)
         launches = kernels.matmul_launches(x, random_blocks(fmt, n, k, "cpu"), out, torch.empty(n, dtype=dtype),
-                                           split=split, interpreted=False)
+                                           split=split, interpreted=False, gemv=gemv)
         assert len(launches) == (2 if split > 1 else 1)
         for launch in launches:
             _compile(launch, arch, kernels.NUM_WARPS)
-        done.append(f"sm{arch} matmul {fmt} {rows} rows {dtype_name} split {split}")
+        done.append(f"sm{arch} matmul {fmt} {rows} rows {dtype_name} split {split}{' gemv' if gemv else ''}")
     for arch, fmt, indexed in DEQUANTS:
         index = torch.zeros(4, dtype=torch.int64) if indexed else None
         out = torch.empty(4 if indexed else 64, 2048, dtype=torch.bfloat16)
