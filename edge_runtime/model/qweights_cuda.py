@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 # the weight's bytes (a row-at-a-time GEMM reads the 4-bit blocks once, where de-quantising
 # first writes and reads a float copy 4-8x their size); above it the tensor-core GEMM's compute
 # on a de-quantised chunk wins. 16 is also the kernel's tile of rows (one `tl.dot` M tile), so
-# every decode batch up to 16 streams is a single pass over the weight.
+# every decode batch up to 16 streams is a single pass over the weight. (The kernel computes any
+# number of rows, a 16-row tile per program row of its grid: the threshold is this constant.)
 MAX_ROWS = 16
 
 _broken: str | None = None  # why the kernels were switched off after a failure, once logged
@@ -36,12 +37,6 @@ _broken: str | None = None  # why the kernels were switched off after a failure,
 def unavailable() -> str | None:
     """Why the kernels cannot run here (None = they can)."""
     return _IMPORT_ERROR or _broken
-
-
-def handles(t: Tensor) -> bool:
-    """Whether a weight stored in `t`'s device is read by these kernels (CUDA only: the CPU has
-    its own compiled kernel, `qkernel`). Tests on the CPU patch this to run the interpreter."""
-    return t.device.type == "cuda" and unavailable() is None
 
 
 def disable(why: str) -> None:
