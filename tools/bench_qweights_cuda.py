@@ -128,7 +128,9 @@ def run(device: str, tiny: bool, rows_list: list[int]) -> dict:
             read = part.nbytes + x.numel() * x.element_size() + rows * n * x.element_size()
             gbps = read / kernel_us / 1e3
             results.append({"name": name, "n": n, "k": k, "format": fmt, "rows": rows, "kernel_us": round(kernel_us, 2),
-                            "torch_us": round(torch_us, 2), "gemv_us": gemv_us, "dtype": str(dtype).removeprefix("torch."), "bytes": read, "kernel_GBps": round(gbps, 1),
+                            "torch_us": round(torch_us, 2), "gemv_us": gemv_us,
+                            "torch_GBps": round((float_weight.numel() * float_weight.element_size() + read - part.nbytes)
+                                                / torch_us / 1e3, 1), "dtype": str(dtype).removeprefix("torch."), "bytes": read, "kernel_GBps": round(gbps, 1),
                             "of_copy": None if copy is None else round(gbps / copy, 3),
                             "max_rel_err_vs_torch": err})
             print(f"{name:14s} {fmt:5s} M={rows:2d}: {kernel_us:8.2f} us ({gbps:7.1f} GB/s"
