@@ -79,10 +79,17 @@ def reads_in_place(config: EngineConfig) -> bool:
     "gguf" always (for a llama GGUF file), "cache" never, "auto" (the default) where the backend is
     auto or torch and a re-encoded serving copy would not fit the memory budget (configured, else
     what this machine has available now) with a training stage, or would exceed the file's own
-    footprint (`reencoded_too_big`), so the one copy taken is the file's own."""
+    footprint (`reencoded_too_big`), so the one copy taken is the file's own. Never off the CPU."""
     setting = config.torch_weights
     if setting not in ("cache", "gguf", "auto"):
         raise ValueError(f"engine.torch_weights = {setting!r}: use cache, gguf or auto")
+    if setting != "cache" and engine_device(config).type != "cpu":
+        # The file's bytes are read by CPU kernels; on a GPU the blocks (re-encoded, in the
+        # GPU's memory) serve and train instead.
+        if setting == "gguf":
+            log.warning("engine.torch_weights = gguf reads the file in place on the CPU only: on %s the "
+                        "model's blocks are loaded instead", engine_device(config).type)
+        return False
     if setting != "auto":
         return setting == "gguf"
     spec = config.model

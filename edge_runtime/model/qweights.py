@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import Tensor, nn
@@ -148,9 +149,16 @@ class Blocks:
     def dequantize(self, dtype: torch.dtype = torch.float32, out: Tensor | None = None) -> Tensor:
         """The float weight [n, k], computed in float32 (exact as above) and cast to `dtype`.
         On CPU one pass of the compiled `qkernel` (bit for bit the same as torch's passes, and
-        several times faster), else `dequantize_torch`. `out`: a float32 buffer of at least n * k
-        elements the kernel may write into (a transient weight then costs no fresh allocation)."""
+        several times faster); on CUDA one Triton kernel writing `dtype` (`qweights_cuda`: the same
+        values); else `dequantize_torch`. `out`: a float32 buffer of at least n * k elements the
+        CPU kernel may write into (a transient weight then costs no fresh allocation)."""
         n, blocks, width = self.levels.shape
+        kernels = gpu_kernels(self.levels)
+        if kernels is not None and kernels.supported(self) is None:
+            try:
+                return kernels.dequantize(self, dtype)
+            except Exception as exc:  # noqa: BLE001 - a compiler's or driver's error of any type: torch serves
+                kernels.disable(f"de-quantising {n}x{self.k} {self.bits}-bit blocks: {exc!r}")
         if qkernel.available(self.levels):
             fits = out is not None and out.dtype == torch.float32 and out.numel() >= n * self.k
             q = out.view(-1)[:n * self.k].view(n, blocks, self.block) if fits \
@@ -214,8 +222,10 @@ def _per_block(base: Tensor, steps: Tensor | None) -> Tensor:
     """float32 [n, blocks] from a per-block tensor, or a per-group one times per-block steps."""
     if steps is None:
         return base.float()
-    group = steps.shape[1] // base.shape[1]
-    return base.float().repeat_interleave(group, dim=1).mul_(steps.float())
+    n, groups = base.shape
+    # Broadcast rather than repeat_interleave: the same products, and no host sync on CUDA (a
+    # decode step there is captured in a CUDA graph).
+    return (base.float().unsqueeze(-1) * steps.float().view(n, groups, -1)).view(n, -1)
 
 
 TENSOR_FIELDS = ("levels", "high", "scales", "offsets", "scale_steps", "offset_steps")
@@ -288,6 +298,8 @@ class QuantWeight(nn.Module):
     def embedding(self, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """Rows `ids` (any shape) de-quantised: an embedding table read one token at a time."""
         flat = ids.reshape(-1)
+        if flat.device.type != "cpu" or gpu_kernels(flat) is not None:
+            return self._device_embedding(flat, dtype).reshape(*ids.shape, -1)
         out = torch.empty(flat.numel(), self.shape[1], dtype=dtype, device=flat.device)
         start = 0
         for part in self.parts:
@@ -298,6 +310,30 @@ class QuantWeight(nn.Module):
             start += part.n
         return out.reshape(*ids.shape, -1)
 
+    def _device_embedding(self, flat: Tensor, dtype: torch.dtype) -> Tensor:
+        """`embedding` off the CPU with no host sync (capturable in a CUDA graph): each part
+        reads every id clamped into its rows, and a `where` keeps the rows that are its own."""
+        kernels = gpu_kernels(flat)
+        out = None
+        start = 0
+        for part in self.parts:
+            local = (flat - start).clamp_(0, part.n - 1)
+            rows = None
+            if kernels is not None and kernels.supported(part) is None:
+                try:
+                    rows = kernels.dequantize(part, dtype, local)
+                except Exception as exc:  # noqa: BLE001 - as in `Blocks.dequantize`: torch serves
+                    kernels.disable(f"embedding rows of {part.bits}-bit blocks: {exc!r}")
+            if rows is None:
+                rows = part.rows(local).dequantize_torch(dtype)
+            if out is None:
+                out = rows
+            else:
+                inside = ((flat >= start) & (flat < start + part.n)).unsqueeze(-1)
+                out = torch.where(inside, rows, out)
+            start += part.n
+        return out
+
     @staticmethod
     def cat(weights: Sequence[QuantWeight]) -> QuantWeight:
         return QuantWeight([p for w in weights for p in w.parts])
@@ -305,7 +341,13 @@ class QuantWeight(nn.Module):
     # What `quant_linear` and `float_row_chunks` ask of a quantised weight; a sibling kept in
     # another form (`gguf_weight.GgufWeight`: the file's own bytes) answers them its own way.
     def linear_forward(self, x: Tensor, bias: Tensor | None, op: LinearOp) -> Tensor:
-        """op(x, W, bias), W de-quantised a row chunk at a time into this thread's workspace."""
+        """op(x, W, bias), W de-quantised a row chunk at a time into this thread's workspace. On
+        CUDA the plain linear of a few rows reads the blocks in a Triton kernel (`qweights_cuda`)."""
+        kernels = gpu_kernels(x)
+        if kernels is not None and getattr(op, "__name__", "") in PLAIN_OPS:
+            y = kernels.linear(self.parts, x, bias)
+            if y is not None:
+                return y
         outs = [op(x, part.dequantize(x.dtype, _workspace(part)), None if bias is None else bias[lo:lo + part.n])
                 for lo, part in self.row_chunks()]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
@@ -331,6 +373,24 @@ class QuantWeight(nn.Module):
 
 def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
     return torch.nn.functional.linear(x, w, b)
+
+
+# The ops that are x @ W^T + b and nothing more (llama's `_float_linear`, this `_linear`), which
+# the GPU kernel may compute instead; another (the row-invariant tiles) keeps its own GEMM.
+PLAIN_OPS = ("_linear", "_float_linear")
+
+
+def gpu_kernels(t: Tensor) -> ModuleType | None:
+    """`qweights_cuda` where `t` is on CUDA and its kernels can run, else None (CPU: `qkernel`)."""
+    if t.device.type != "cuda":
+        return None
+    from edge_runtime.model import qweights_cuda
+
+    why = qweights_cuda.unavailable()
+    if why is None:
+        return qweights_cuda
+    qweights_cuda.disable(why)  # says why once (no Triton here: torch's passes serve)
+    return None
 
 
 LinearOp = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]
@@ -372,7 +432,10 @@ def thread_workspace(need: int) -> Tensor:
     """This thread's float32 workspace (above), at least `need` elements."""
     buf = getattr(_WORKSPACES, "buffer", None)
     if buf is None or buf.numel() < need:
-        buf = _WORKSPACES.buffer = torch.empty(need, dtype=torch.float32)
+        # A normal tensor even when first taken under inference mode (a served step): an
+        # inference tensor could not be written later outside it (training, a test's forward).
+        with torch.inference_mode(False):
+            buf = _WORKSPACES.buffer = torch.empty(need, dtype=torch.float32)
     return buf
 
 

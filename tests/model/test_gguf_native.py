@@ -211,7 +211,8 @@ def test_auto_reads_in_place_where_a_re_encoded_copy_would_not_fit_the_budget(q4
 
     _, path = q4km
     tensors = sum(int(t.n_bytes) for t in __import__("gguf").GGUFReader(str(path)).tensors)
-    config = EngineConfig(model=str(path), backend="auto", torch_weights="auto", finetune_memory_bytes=1 << 20)
+    config = EngineConfig(model=str(path), backend="auto", device="cpu", torch_weights="auto",
+                          finetune_memory_bytes=1 << 20)
     tight = int(REENCODED_RATIO * tensors) + (1 << 20) - 1
     assert reads_in_place(config.replace(memory_budget_bytes=tight))
     assert not reads_in_place(config.replace(memory_budget_bytes=tight + 2))
