@@ -490,7 +490,7 @@ class Engine:
             "prefix_cache_queried_blocks": pool.stats.queried_blocks,
             **self.prefixes.stats(),
             "iterations": self.iterations,
-            "tokens_generated": self.tokens_generated,
+            "tokens_generated": self.tokens_generated, "sampling": dict(self.committer.sampling_stats),
             "last_iteration_ms": round(self.last_iteration_s * 1000, 3),
             **self.scheduler.stats(),
             **self.finetune_stats(),
