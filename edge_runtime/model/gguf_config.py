@@ -14,6 +14,7 @@ Owns the reading of metadata only; `source.convert_gguf` converts.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,16 +40,29 @@ class GgufHeader:
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
 
+# The last header read, keyed by the file's path, size and modification time: a first start of a
+# large GGUF asks for it several times (whether to read it in place, then the loader itself),
+# and an 8B file's 128k-token vocabulary takes ~8 s to parse each time (issue #28).
+_LAST_HEADER: tuple[tuple[str, int, int], GgufHeader] | None = None
+
+
 def read_header(path: str | Path) -> GgufHeader:
+    global _LAST_HEADER
     from gguf import GGUFReader
 
     try:
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+        if _LAST_HEADER is not None and _LAST_HEADER[0] == key:
+            return _LAST_HEADER[1]
         reader = GGUFReader(str(path))
     except (ValueError, OSError) as exc:
         raise ModelNotAvailable(f"{path} is not a readable GGUF file: {exc}") from exc
     metadata = {name: field.contents() for name, field in reader.fields.items()}
     tensors = {t.name: t for t in reader.tensors}
-    return GgufHeader(str(metadata.get("general.architecture", "")), metadata, tensors)
+    header = GgufHeader(str(metadata.get("general.architecture", "")), metadata, tensors)
+    _LAST_HEADER = (key, header)
+    return header
 
 
 def config_overrides(header: GgufHeader) -> dict[str, Any]:
