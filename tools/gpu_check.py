@@ -30,10 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-STEPS = ("env", "measure", "tests", "models", "parity", "bench", "train")
+# models before tests: converting the GGUFs into the model cache (CPU work, a minute at 1B) runs
+# in the background beside the CUDA tests, and the first load waits on the cache's lock.
+STEPS = ("env", "measure", "models", "tests", "parity", "bench", "train")
 # Seconds each step may take at most on the device (the sum stays inside the run's 9 minutes
 # with the wrapper's start); smoke mode on a CPU gets its own, smaller figures.
-TIMEOUTS = {"env": 30, "measure": 30, "tests": 75, "models": 75, "parity": 80, "bench": 200, "train": 70}
+TIMEOUTS = {"env": 30, "measure": 30, "tests": 60, "models": 75, "parity": 70, "bench": 200, "train": 60}
 SMOKE_TIMEOUTS = {"env": 30, "measure": 30, "tests": 60, "models": 40, "parity": 60, "bench": 60, "train": 60}
 # The packages the engine and these tools import that a bare device image may lack (carried as
 # wheels by tools/gpu_check.sh: .whl/, ignored by git).
@@ -190,6 +192,7 @@ def step_tests(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(10, args.deadline - time.time() - 3))
     tail = (proc.stdout + proc.stderr)[-4000:]
+    print(proc.stdout[-20000:], proc.stderr[-5000:], flush=True)  # into the run's log
     counts = junit_counts(junit)
     summary = next((line for line in reversed(proc.stdout.splitlines()) if " in " in line and "=" in line), "")
     return {"files": files, "returncode": proc.returncode, "seconds": round(time.perf_counter() - t0, 1),
@@ -245,6 +248,7 @@ def step_models(args: argparse.Namespace) -> dict[str, Any]:
                 mix = make_gguf.MIXES[entry["format"]]
                 path = make_gguf.write_gguf(shape, mix, models_dir / make_gguf.file_name(shape, mix))
                 size = path.stat().st_size
+                convert_in_background(args, {**entry, "path": str(path)})
             entry = {**entry, "path": str(path), "bytes": size, "build_s": round(time.perf_counter() - t0, 1)}
         except Exception as exc:  # noqa: BLE001 - the next model may still build
             entry = {**entry, "error": f"{type(exc).__name__}: {exc}", "build_s": round(time.perf_counter() - t0, 1)}
@@ -252,6 +256,33 @@ def step_models(args: argparse.Namespace) -> dict[str, Any]:
         log(f"model {entry['name']}: {entry.get('error') or entry['path']} ({entry['build_s']} s)")
         write_step(args.work, "models", out)
     return out
+
+
+CONVERT = """
+import json, sys, time
+sys.path.insert(0, {tools!r})
+import argparse
+from bench_gpu_decode import engine_config
+from edge_runtime.loading import reads_in_place, resolve
+args = argparse.Namespace(**{args!r})
+model = {model!r}
+t0 = time.perf_counter()
+try:
+    where = str(resolve(model["path"], in_place=reads_in_place(engine_config(args, model)))[0])
+except Exception as exc:
+    where = f"{{type(exc).__name__}}: {{exc}}"
+open({out!r}, "w").write(json.dumps({{"model": model["name"], "cache": where, "seconds": time.perf_counter() - t0}}))
+"""
+
+
+def convert_in_background(args: argparse.Namespace, model: dict[str, Any]) -> None:
+    """Start reading the GGUF into the model cache (what Engine.load does first) in a process of
+    its own, which outlives this step; the loads in the later steps wait on the cache's lock."""
+    plain = {"device": args.device, "smoke": args.smoke, "torch_weights": args.torch_weights}
+    out = args.work / f"convert_{model['shape']}_{model['format']}.json"
+    code = CONVERT.format(tools=str(ROOT / "tools"), args=plain, model=model, out=str(out))
+    with open(args.work / "gpu_check_log.txt", "a") as log_file:
+        subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
 
 
 def shape_config_dir(shape: Any, path: Path) -> Path:
@@ -364,7 +395,8 @@ def merge(args: argparse.Namespace) -> list[Path]:
     in the results folder and in --out."""
     from gpu_check_report import write_markdown
 
-    result = {step: read_step(args.work, step) for step in ("status", *STEPS)}
+    result: dict[str, Any] = {step: read_step(args.work, step) for step in ("status", *STEPS)}
+    result["conversions"] = [json.loads(p.read_text()) for p in sorted(args.work.glob("convert_*.json"))]
     env = result.get("env") or {}
     slug = "smoke_" + gpu_slug(env.get("gpu")) if args.smoke else gpu_slug(env.get("gpu"))
     results_dir = args.results or (args.work / "results" if args.smoke else ROOT / "tools" / "results")
@@ -375,9 +407,13 @@ def merge(args: argparse.Namespace) -> list[Path]:
     paths = [base.with_suffix(".json"), base.with_suffix(".md")]
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        extra = [args.work / "gpu_check_log.txt", args.work / "junit_gpu.xml"]
-        for path in paths + [p for p in extra if p.exists()]:
+        for path in paths + [p for p in [args.work / "junit_gpu.xml"] if p.exists()]:
             shutil.copy(path, args.out / path.name)
+        log_path = args.work / "gpu_check_log.txt"
+        if log_path.exists():  # its last 8 MiB: a file over 16 MiB would not come back at all
+            with open(log_path, "rb") as src:
+                src.seek(max(0, log_path.stat().st_size - (8 << 20)))
+                (args.out / log_path.name).write_bytes(src.read())
     return paths
 
 
@@ -393,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for the smoke run")
     ap.add_argument("--smoke", action="store_true", help="every step at the tiny shape, few tokens (CPU, < 60 s)")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"any of {', '.join(STEPS)}, in order")
-    ap.add_argument("--budget", type=float, default=500.0, help="seconds for all steps together")
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds for all steps together")
     ap.add_argument("--work", type=Path, default=Path("/tmp/gpu_check"), help="models, step results and logs")
     ap.add_argument("--out", type=Path, default=None, help="also copy the results here (the device run's $OUT)")
     ap.add_argument("--results", type=Path, default=None,

@@ -74,6 +74,10 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
              f"{measure.get('launch_us')} us"]
     for step, info in ((result.get("status") or {}).get("steps") or {}).items():
         lines.append(f"  step {step:8s} {info.get('status')} ({info.get('seconds', 0)} s)")
+    tests = result.get("tests") or {}
+    lines.append(f"tests: {tests.get('counts')} {tests.get('summary', '')}")
+    lines += [f"  {line}"[:240] for line in str(tests.get("tail", "")).splitlines()
+              if line.startswith(("FAILED", "ERROR"))][:12]
     streams = str((result.get("bench") or {}).get("streams", 16))
     lines.append(f"{'model':22s} {'runtime':12s} {'1 stream':>9s} {streams + ' streams':>10s} {'roofline':>9s} {'%':>6s}")
     for r in (result.get("bench") or {}).get("rows", []):
@@ -86,8 +90,11 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
                      + (f"  compile {r['compile_s']} s" if "compile_s" in r else ""))
     for r in (result.get("parity") or {}).get("rows", []):
         if "8 streams" in r:
-            lines.append(f"parity {r['model']}: {r['8 streams']['streams']} streams {r['8 streams']['identical_streams']} identical, 1 stream "
-                         f"{r['1 stream']['identical']}, max |dlogprob| {r['8 streams']['max_abs_logprob_diff']}")
+            lp = r.get("8 streams, logprobs") or {}
+            lines.append(f"parity {r['model']}: {r['8 streams']['streams']} streams {r['8 streams']['identical_streams']} "
+                         f"identical, 1 stream {r['1 stream']['identical']}; with logprobs "
+                         f"{lp.get('identical_streams')} identical, max |dlogprob| {lp.get('max_abs_logprob_diff')}, "
+                         f"margins at splits {lp.get('eager_top2_margin_at_divergence')}")
         else:
             lines.append(f"parity {r.get('model')}: {r.get('error') or r.get('skipped')}"[:200])
     for r in (result.get("train") or {}).get("rows", []):
@@ -123,6 +130,9 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
     lines += ["", "## Models built here", "", "| model | bytes | build s | error |", "|---|---|---|---|"]
     for m in (result.get("models") or {}).get("models", []):
         lines.append(f"| {m['name']} | {_cell(m.get('bytes'))} | {m.get('build_s')} | {_cell(m.get('error'))} |")
+    for c in result.get("conversions") or []:
+        lines.append(f"- {c['model']} read into the model cache (in the background, beside the CUDA tests) in "
+                     f"{c['seconds']:.1f} s: {c['cache']}")
     lines += ["", f"## Decode ({bench.get('tokens')} tokens per stream, greedy)", "",
               "Roofline: bytes of weights one decode step reads (every matrix once, the LM head whole) / the copy "
               "bandwidth above.", "",
@@ -134,13 +144,17 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
                      f"{_cell(r.get('roofline_pct_1'))} | {_cell(r.get('compile_s'))} | {_cell(r.get('cuda_graphs'))} | "
                      f"{_cell(r.get('error') or r.get('skipped'))} |")
     lines += ["", "## Graph-replayed vs eager decode (greedy, 8 prompts together and 1 alone)", "",
-              "| model | 8 streams identical | 1 stream identical | max abs log-prob diff | first divergence | "
-              "eager top-2 margin there | error |", "|---|---|---|---|---|---|---|"]
+              "| model | 8 streams identical | 1 stream identical | max abs log-prob diff (with logprobs) | "
+              "first divergence | eager top-2 margin at the splits (with logprobs) | error |", "|---|---|---|---|---|---|---|"]
     for r in (result.get("parity") or {}).get("rows", []):
-        eight, one = r.get("8 streams") or {}, r.get("1 stream") or {}
-        lines.append(f"| {r.get('model')} | {_cell(eight.get('identical_streams'))}/{_cell(eight.get('streams'))} | {_cell(one.get('identical'))} | "
-                     f"{_cell(eight.get('max_abs_logprob_diff'))} | {_cell(eight.get('first_divergence'))} | "
-                     f"{_cell(eight.get('eager_top2_margin_at_divergence'))} | {_cell(r.get('error') or r.get('skipped'))} |")
+        eight, one, lp = r.get("8 streams") or {}, r.get("1 stream") or {}, r.get("8 streams, logprobs") or {}
+        lines.append(f"| {r.get('model')} | {_cell(eight.get('identical_streams'))}/{_cell(eight.get('streams'))} | "
+                     f"{_cell(one.get('identical'))} | {_cell(lp.get('max_abs_logprob_diff'))} | "
+                     f"{_cell(eight.get('first_divergence'))} | {_cell(lp.get('eager_top2_margin_at_divergence'))} | "
+                     f"{_cell(r.get('error') or r.get('skipped'))} |")
+    lines += ["", "Graph statistics (engine.stats()['cuda_graphs']) after the plain runs / after all: "
+              + "; ".join(f"{r.get('model')}: {r.get('graphs_on_stats_plain')} / {r.get('graphs_on_stats')}"
+                          for r in (result.get("parity") or {}).get("rows", []) if "graphs_on_stats" in r)]
     lines += ["", "## DPO pair, staged, on the device", "",
               "| model | seconds | stages | measured pair peak MiB | ledger's predicted MiB | ratio | loss | error |",
               "|---|---|---|---|---|---|---|---|"]
