@@ -109,3 +109,21 @@ def test_smoke_run_goes_through_every_step_on_the_cpu(tmp_path: Path) -> None:
     assert [r["error"] for r in result["train"]["rows"]] == [None, None]
     assert (tmp_path / "out" / "bench_gpu_smoke_cpu.md").exists() and (tmp_path / "out" / "gpu_check_log.txt").exists()
     assert "== GPU check summary ==" in proc.stdout and "-- bar --" in proc.stdout
+
+
+def test_the_default_model_s_shape_matches_its_config_carried_in_tools_data() -> None:
+    make_gguf = load_tool("make_gguf")
+    config = json.loads((TOOLS / "data" / "smollm2-135m" / "config.json").read_text())
+    shape = make_gguf.SHAPES["smollm2-135m"]
+    assert (shape.hidden_size, shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+            shape.intermediate_size, shape.vocab_size, shape.tie_word_embeddings) == (
+        config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
+        config["num_key_value_heads"], config["head_dim"], config["intermediate_size"], config["vocab_size"],
+        config["tie_word_embeddings"])
+    assert shape.rope_parameters["rope_theta"] == config["rope_parameters"]["rope_theta"]
+    types = {t.name: t.qtype for t in make_gguf.tensor_plan(shape, make_gguf.MIXES["q4_k_m"])}
+    # 576-wide rows cannot hold 256-wide super-blocks: llama.cpp's 32-wide fallbacks
+    assert types["token_embd.weight"] == "Q8_0" and types["blk.2.attn_q.weight"] == "Q5_0"
+    assert types["blk.4.ffn_down.weight"] == "Q4_K"  # 1536-wide rows keep Q4_K
+    assert [m["name"] for m in gpu_check.model_plan(smoke=False)] == [
+        "smollm2-135m bf16", "smollm2-135m q4_k_m", "llama-3.2-1b bf16", "llama-3.2-1b q4_k_m"]
