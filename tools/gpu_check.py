@@ -411,7 +411,7 @@ def gpu_slug(name: str | None) -> str:
 def merge(args: argparse.Namespace) -> list[Path]:
     """Every step's results so far into bench_gpu_<gpu>.json / .md (and the log, the junit file)
     in the results folder and in --out."""
-    from gpu_check_report import write_markdown
+    from gpu_check_report import write_markdown, write_png
 
     result: dict[str, Any] = {step: read_step(args.work, step) for step in ("status", *STEPS)}
     result["conversions"] = [json.loads(p.read_text()) for p in sorted(args.work.glob("convert_*.json"))]
@@ -423,6 +423,8 @@ def merge(args: argparse.Namespace) -> list[Path]:
     base.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     write_markdown(result, base.with_suffix(".md"))
     paths = [base.with_suffix(".json"), base.with_suffix(".md")]
+    if "bench" in result and result["bench"] and write_png(result, base.with_suffix(".png")):
+        paths.append(base.with_suffix(".png"))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         for path in paths + [p for p in [args.work / "junit_gpu.xml"] if p.exists()]:

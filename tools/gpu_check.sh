@@ -6,6 +6,8 @@
 #   tools/gpu_check.sh [gpu_check.py options]      e.g. --steps env,measure,bench
 #   tools/gpu_check.sh --fetch-wheels                 here, with network: fill .whl/ (ignored by git;
 #                                                     name .whl in the device run's carry)
+# The device run: the repository's root as the working directory, `.whl` carried, a limit of
+# about 9 minutes (the steps' budget is 480 s, --budget; setup and the last merge come on top).
 set -u
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"

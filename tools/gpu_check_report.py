@@ -165,3 +165,36 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
                      f"{_cell(r.get('error') or r.get('skipped'))} |")
     lines += ["", "## Bar (issue #33)", "", *[f"- {b}" for b in bar_lines(result)], ""]
     path.write_text("\n".join(lines))
+
+
+def write_png(result: dict[str, Any], path: Path) -> bool:
+    """Decode tok/s per model and runtime at 1 and N streams, the roofline marked on the 1-stream
+    bars; False where matplotlib is missing or there is nothing to draw."""
+    rows = [r for r in (result.get("bench") or {}).get("rows", []) if _rate(r, "1")]
+    if not rows:
+        return False
+    try:
+        from tools.report import pyplot, save_figure
+
+        plt = pyplot()
+    except ImportError:
+        return False
+    streams = str((result.get("bench") or {}).get("streams", 16))
+    labels = [f"{r['model']}\n{'transformers' if 'transformers' in str(r['runtime']) else 'ours'}" for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 * len(rows) + 2))
+    for ax, key in ((axes[0], "1"), (axes[1], streams)):
+        values = [_rate(r, key) or 0 for r in rows]
+        bars = ax.barh(labels, values, color=["#999999" if "transformers" in str(r["runtime"]) else "#4c72b0"
+                                             for r in rows])
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        if key == "1":
+            for i, r in enumerate(rows):
+                if r.get("roofline_tok_s"):
+                    ax.plot([r["roofline_tok_s"]], [i], marker="|", color="red", markersize=14)
+        ax.invert_yaxis()
+        ax.set_xlabel("decode tokens/s")
+        ax.set_title(f"{key} stream{'s' if key != '1' else ''}" + (" (red: weight-bandwidth roofline)" if key == "1" else ""))
+    env = result.get("env") or {}
+    fig.suptitle(f"Decode on {env.get('gpu') or 'CPU (smoke)'}")
+    save_figure(fig, path)
+    return True
