@@ -64,7 +64,8 @@ def test_weight_bytes_per_token_counts_every_matrix_once_and_the_tied_head(tiny_
 def test_bar_lines_judge_the_issue_s_bar_from_the_figures() -> None:
     result = {
         "parity": {"cuda_graphs_setting": True, "rows": [{"model": "m", "8 streams": {"identical": True},
-                                                          "1 stream": {"identical": True}}]},
+                                                          "1 stream": {"identical": True},
+                                                          "graphs_on_stats_plain": {"replayed": 40}}]},
         "tests": {"counts": {"tests": 3, "failures": 0, "errors": 0, "skipped": 0, "passed": 3}},
         "bench": {"streams": 16, "rows": [
             {"model": "smollm2-135m bf16", "runtime": "ours", "1": {"decode_tok_s": 400.0}},
@@ -79,6 +80,8 @@ def test_bar_lines_judge_the_issue_s_bar_from_the_figures() -> None:
     assert lines[0].startswith("PASS greedy") and lines[1].startswith("PASS CUDA tests")
     assert lines[2].startswith("PASS default shape") and lines[3].startswith("PASS 1B, 1 stream: ours 900.0")
     assert lines[4].startswith("FAIL 1B 4-bit") and lines[5].startswith("PASS DPO pair")
+    result["parity"]["rows"][0]["graphs_on_stats_plain"] = {"replayed": 0, "eager": {"cpu": 40}}
+    assert report.bar_lines(result)[0].startswith("n/a ") and "replayed on 0 of them" in report.bar_lines(result)[0]
     result["parity"]["cuda_graphs_setting"] = False
     assert report.bar_lines(result)[0].startswith("n/a")
 
