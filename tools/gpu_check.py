@@ -32,11 +32,14 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 # models before tests: converting the GGUFs into the model cache (CPU work, a minute at 1B) runs
 # in the background beside the CUDA tests, and the first load waits on the cache's lock.
-STEPS = ("env", "measure", "models", "tests", "parity", "bench", "train")
+# kernels (the int4 helper's tools/bench_qweights_cuda.py, where the tree has it) comes last: a
+# diagnostic that the bar does not need, run only with the time left.
+STEPS = ("env", "measure", "models", "tests", "parity", "bench", "train", "kernels")
 # Seconds each step may take at most on the device (the sum stays inside the run's 9 minutes
 # with the wrapper's start); smoke mode on a CPU gets its own, smaller figures.
-TIMEOUTS = {"env": 30, "measure": 30, "tests": 60, "models": 75, "parity": 70, "bench": 200, "train": 60}
-SMOKE_TIMEOUTS = {"env": 30, "measure": 30, "tests": 60, "models": 40, "parity": 60, "bench": 60, "train": 60}
+TIMEOUTS = {"env": 30, "measure": 30, "tests": 60, "models": 75, "parity": 70, "bench": 200, "train": 60, "kernels": 45}
+SMOKE_TIMEOUTS = {"env": 30, "measure": 30, "tests": 60, "models": 40, "parity": 60, "bench": 60, "train": 60,
+                  "kernels": 60}
 # The packages the engine and these tools import that a bare device image may lack (carried as
 # wheels by tools/gpu_check.sh: .whl/, ignored by git).
 PROJECT_IMPORTS = ("torch", "transformers", "safetensors", "tokenizers", "numpy", "gguf", "msgspec", "llguidance",
@@ -231,6 +234,29 @@ def junit_counts(path: Path) -> dict[str, int]:
             out[key] += int(suite.get(key, 0))
     out["passed"] = out["tests"] - out["failures"] - out["errors"] - out["skipped"]
     return out
+
+
+# -- step: kernels ------------------------------------------------------------------------------
+
+
+def step_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    """The quantised-weight kernels at Llama-3.2-1B's decode shapes against torch's bf16 GEMM
+    (tools/bench_qweights_cuda.py; on the CPU its tiny shapes through Triton's interpreter)."""
+    tool = ROOT / "tools" / "bench_qweights_cuda.py"
+    if not tool.exists():
+        return {"skipped": "tools/bench_qweights_cuda.py is not in this tree"}
+    raw = args.work / "kernels_raw.json"
+    cmd = [sys.executable, str(tool), "--out", str(raw)] + (["--device", "cpu"] if args.device == "cpu" else [])
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              timeout=max(5, args.deadline - time.time() - 3))
+    except subprocess.TimeoutExpired as exc:
+        print(exc.stdout or "", flush=True)
+        return {"error": "timed out"}
+    print(proc.stdout[-8000:], proc.stderr[-4000:], flush=True)
+    if proc.returncode != 0 or not raw.exists():
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}"}
+    return json.loads(raw.read_text())
 
 
 # -- step: models -------------------------------------------------------------------------------

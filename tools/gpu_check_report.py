@@ -105,6 +105,12 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"train {r.get('model')}: " + (str(r.get("error") or r.get("skipped")) if "stages" not in r else
                      f"{r['seconds']} s, {len(r['stages'])} stages, peak {r['measured_pair_peak_mib']} MiB vs ledger "
                      f"{r['predicted_pair_peak_mib']} MiB, error {r['error']}")[:300])
+    kernels = result.get("kernels") or {}
+    for k in kernels.get("results", []):
+        lines.append(f"kernel {k['name']:14s} {k['format']:5s} M={k['rows']:2d}: {k['kernel_us']} us, "
+                     f"{k['kernel_GBps']} GB/s ({k.get('of_copy')} of copy), torch {k['torch_us']} us")
+    if not kernels.get("results"):
+        lines.append(f"kernels: {kernels.get('error') or kernels.get('skipped') or 'did not run'}")
     lines += ["-- bar --", *bar_lines(result)]
     return lines
 
@@ -167,6 +173,17 @@ def write_markdown(result: dict[str, Any], path: Path) -> None:
                      f"{_cell(r.get('measured_pair_peak_mib'))} | {_cell(r.get('predicted_pair_peak_mib'))} | "
                      f"{_cell(r.get('measured_over_predicted'))} | {_cell(r.get('loss'))} | "
                      f"{_cell(r.get('error') or r.get('skipped'))} |")
+    kernels = result.get("kernels") or {}
+    lines += ["", "## Quantised-weight kernels (tools/bench_qweights_cuda.py)", ""]
+    if kernels.get("results"):
+        lines += [f"{kernels.get('device')}, {kernels.get('timing')}; copy {kernels.get('copy_GBps_read_plus_write')} GB/s", "",
+                  "| matrix | format | rows | kernel us | GB/s | of copy | torch bf16 us | gemv us | max rel err |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {k['name']} | {k['format']} | {k['rows']} | {k['kernel_us']} | {k['kernel_GBps']} | "
+                  f"{_cell(k.get('of_copy'))} | {k['torch_us']} | {_cell(k.get('gemv_us'))} | "
+                  f"{k['max_rel_err_vs_torch']:.1e} |" for k in kernels["results"]]
+    else:
+        lines.append(str(kernels.get("error") or kernels.get("skipped") or "did not run"))
     lines += ["", "## Bar (issue #33)", "", *[f"- {b}" for b in bar_lines(result)], ""]
     path.write_text("\n".join(lines))
 
