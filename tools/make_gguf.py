@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Random-weight GGUF files at real shapes (Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B, a tiny one) in
+"""Random-weight GGUF files at real shapes (Llama-3.2-1B/3B, Llama-3.1-8B, SmolLM2-135M, a tiny one) in
 llama.cpp's quantisation mixes, written as well-formed quantised blocks, tensor by tensor, in
 bounded memory (no float model is ever built). Owns the shape table the scale benchmarks share.
 
@@ -89,13 +89,19 @@ SHAPES = {
         intermediate_size=6144, vocab_size=151936, max_position_embeddings=40960,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         rms_norm_eps=1e-6, extra={"attention_bias": False, "use_sliding_window": False, "sliding_window": None}),
+    # HuggingFaceTB/SmolLM2-135M-Instruct config.json (the default model; 576-wide rows are not a
+    # multiple of 256, so the k-quant mixes fall back to 32-wide types on them, as llama.cpp does)
+    "smollm2-135m": Shape(
+        "smollm2-135m", "llama", hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+        intermediate_size=1536, vocab_size=49152, max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, rms_norm_eps=1e-5, extra=_LLAMA),
     # For tests: every row a multiple of 256 so the k-quant mixes keep their types (as at real sizes).
     "tiny": Shape(
         "tiny", "llama", hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
         intermediate_size=512, vocab_size=512, max_position_embeddings=2048,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rms_norm_eps=1e-5, extra=_LLAMA),
 }
-GGUF_SHAPES = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "tiny")
+GGUF_SHAPES = ("llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "smollm2-135m", "tiny")
 
 
 def padded_tokenizer(vocab_size: int) -> Any:
