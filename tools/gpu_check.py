@@ -193,7 +193,7 @@ def step_tests(args: argparse.Namespace) -> dict[str, Any]:
         return {"files": [], "summary": "no test file marks tests gpu"}
     junit = args.work / "junit_gpu.xml"
     output = args.work / "pytest_gpu.txt"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "--tb=short", "-rfEs", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu and not slow", "-v", "--tb=short", "-rfEs", "-p", "no:cacheprovider",
            f"--junitxml={junit}", "--timeout=45", *files]
     t0 = time.perf_counter()
     timed_out = False

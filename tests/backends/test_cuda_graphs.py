@@ -143,6 +143,7 @@ def test_replayed_graphs_decode_as_eager_on_the_gpu(llama_dir: Path, dtype: str)
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # compiling takes minutes: tools/gpu_check.py runs `gpu and not slow`
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (on the CPU Inductor's C++ build of the step "
                     "takes ~90 s; it gave the eager tokens when tried)")
 def test_compiled_step_decodes_as_the_eager_path(llama_dir: Path) -> None:
