@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -359,12 +360,21 @@ def train_pair(args: argparse.Namespace, model: dict[str, Any]) -> dict[str, Any
     stages: list[dict[str, Any]] = []
     original = staged.Stage.run
     allocated = (lambda: torch.cuda.memory_allocated(device)) if cuda else (lambda: 0)
+    trace = None
+    if cuda and os.environ.get("MACE_GPU_TRACE_MEMORY"):
+        # What holds each stage's peak (the allocator's history, per frame of our code).
+        from gpu_memory_trace import StageTrace
+
+        trace = StageTrace(device)
+        trace.start()
     sync(device)
     pair_start = allocated()
 
     def measured_run(self: staged.Stage) -> float:
         est = self.estimate()
         sync(device)
+        if trace is not None:
+            trace.mark()
         before = allocated()
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -376,6 +386,8 @@ def train_pair(args: argparse.Namespace, model: dict[str, Any]) -> dict[str, Any
                        "peak_over_start_mib": round((peak - before) / 2**20, 2) if cuda else None,
                        "held_after_mib": round((allocated() - pair_start) / 2**20, 2) if cuda else None,
                        "peak_over_pair_start_mib": round((peak - pair_start) / 2**20, 2) if cuda else None})
+        if trace is not None:
+            stages[-1]["peak_holders"] = trace.holders()
         return seconds
 
     staged.Stage.run = measured_run  # type: ignore[method-assign]
@@ -388,6 +400,8 @@ def train_pair(args: argparse.Namespace, model: dict[str, Any]) -> dict[str, Any
         seconds = time.perf_counter() - t0
     finally:
         staged.Stage.run = original  # type: ignore[method-assign]
+        if trace is not None:
+            trace.stop()
     job = engine.scheduler.finetune.finished[-1] if engine.scheduler.finetune.finished else None
     # The ledger's view of the whole pair: at each stage, what the task held before it (the
     # previous stage's estimate) plus the stage's transient estimate.

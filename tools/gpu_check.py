@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT / "tools"))
 STEPS = ("env", "measure", "models", "tests", "parity", "bench", "train", "kernels")
 # Seconds each step may take at most on the device (the sum stays inside the run's 9 minutes
 # with the wrapper's start); smoke mode on a CPU gets its own, smaller figures.
-TIMEOUTS = {"env": 30, "measure": 30, "tests": 60, "models": 75, "parity": 70, "bench": 200, "train": 60, "kernels": 45}
+TIMEOUTS = {"env": 30, "measure": 30, "tests": 60, "models": 75, "parity": 70, "bench": 200,
+            "train": float(os.environ.get("GPU_CHECK_TRAIN_S", 60)), "kernels": 45}
 SMOKE_TIMEOUTS = {"env": 30, "measure": 30, "tests": 60, "models": 40, "parity": 60, "bench": 60, "train": 60,
                   "kernels": 60}
 # The packages the engine and these tools import that a bare device image may lack (carried as

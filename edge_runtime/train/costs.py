@@ -50,6 +50,11 @@ class StageCostModel:
     # The thread's buffer a quantised weight is de-quantised into a piece at a time (qweights),
     # allocated by the first stage that reads a weight in torch (0 for a float model).
     workspace_bytes: int = 0
+    # The element size of the model's activations (bf16: 2) and one layer's keys' width per token
+    # (values the same): what a window keeps for the backward is each layer's input and the keys
+    # and values the later windows attend to (measured on an H200 at the 1B shape: exactly that).
+    activation_bytes: int = 4
+    kv_size: int = 0  # 0: a profile cached before it (no keys counted)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -79,6 +84,8 @@ class StageCostModel:
             vocab_size=cfg.vocab_size,
             intermediate_size=cfg.intermediate_size,
             workspace_bytes=workspace_bytes(model),
+            activation_bytes=model.dtype.itemsize,
+            kv_size=cfg.kv_size,
             nograd_s_per_layer=layer_read,
             grad_fwd_s_per_layer=layer_read,
             bwd_s_per_layer=2 * layer_read,
@@ -192,6 +199,8 @@ class StageCostModel:
             vocab_size=cfg.vocab_size,
             intermediate_size=cfg.intermediate_size,
             workspace_bytes=workspace_bytes(model),
+            activation_bytes=model.dtype.itemsize,
+            kv_size=cfg.kv_size,
             nograd_s_per_layer=fit["nograd"][0],
             grad_fwd_s_per_layer=fit["grad_fwd"][0],
             bwd_s_per_layer=fit["bwd"][0],
@@ -200,11 +209,14 @@ class StageCostModel:
         )
 
     def for_model(self, model: LlamaModel) -> StageCostModel:
-        """This model with the model's own figures where they are missing (0)."""
-        if self.intermediate_size and (self.workspace_bytes or not workspace_bytes(model)):
+        """This model with the model's own figures where they are missing (0), and its
+        activations' element size."""
+        if self.intermediate_size and (self.workspace_bytes or not workspace_bytes(model)) \
+                and self.kv_size and self.activation_bytes == model.dtype.itemsize:
             return self
         return replace(self, intermediate_size=self.intermediate_size or model.cfg.intermediate_size,
-                       workspace_bytes=self.workspace_bytes or workspace_bytes(model))
+                       workspace_bytes=self.workspace_bytes or workspace_bytes(model),
+                       activation_bytes=model.dtype.itemsize, kv_size=self.kv_size or model.cfg.kv_size)
 
     # -- estimates per stage -----------------------------------------------------------------
 
@@ -216,8 +228,9 @@ class StageCostModel:
         return 3 * 4 * scored_rows * piece
 
     def layer_input_bytes(self, rows: int, layers: int) -> int:
-        """What the recomputing forward keeps per window: each layer's input [rows, hidden]."""
-        return 4 * rows * self.hidden_size * layers
+        """What the recomputing forward keeps per window: each layer's input [rows, hidden] and
+        its keys and values, which the pair's later windows attend to."""
+        return self.activation_bytes * rows * layers * (self.hidden_size + 2 * self.kv_size)
 
     def _head(self, scored: int, grad: bool) -> float:
         if scored <= 0:
@@ -230,7 +243,7 @@ class StageCostModel:
         """One layer's transient tensors (hidden, q/k/v, the MLP's gate/up and activation; their
         gradients in a backward) plus the de-quantisation buffer."""
         inter = self.intermediate_size or 4 * self.hidden_size
-        return 4 * rows * (6 * self.hidden_size + 4 * inter) + self.workspace_bytes
+        return self.activation_bytes * rows * (6 * self.hidden_size + 4 * inter) + self.workspace_bytes
 
     def score(self, rows: int, layers: int, scored: int, with_reference: bool) -> StageEstimate:
         passes = 2 if with_reference else 1
@@ -245,7 +258,7 @@ class StageCostModel:
         default); otherwise it keeps what autograd saves for every layer."""
         if recompute:
             seconds = (self.nograd_s_per_layer + self.nograd_s_per_row_layer * rows) * layers + self._head(scored, grad=True)
-            held = held_before + self.layer_input_bytes(rows, layers) + 4 * scored * self.hidden_size
+            held = held_before + self.layer_input_bytes(rows, layers) + self.activation_bytes * scored * self.hidden_size
             return StageEstimate(seconds, held - held_before + self._working(rows) + self.logits_bytes(scored), held)
         seconds = (self.grad_fwd_s_per_layer + self.grad_fwd_s_per_row_layer * rows) * layers + self._head(scored, grad=True)
         held = held_before + int(self.saved_bytes_per_row_layer * rows * layers)

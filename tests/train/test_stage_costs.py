@@ -81,8 +81,8 @@ def test_staged_task_prices_backward_by_its_windows(tiny4, tiny4_tokenizer, pair
 
 
 def test_recompute_estimates_count_layer_inputs_and_one_head_piece(tiny4, tiny4_tokenizer, pairs) -> None:
-    # What the forward windows hold for the backward is each layer's input per window: the
-    # estimate matches the tensors the task keeps (within 20%), and the head's transient bytes
+    # What the forward windows hold for the backward is each layer's input and keys/values per
+    # window: the estimate matches the tensors the task keeps (within 20%), and the head's transient bytes
     # are one vocabulary piece's, not [rows, vocab].
     costs = StageCostModel.nominal(tiny4)
     # A profile cached before the model's own figures were fields: the task fills them in.
@@ -95,6 +95,8 @@ def test_recompute_estimates_count_layer_inputs_and_one_head_piece(tiny4, tiny4_
         task.run_next()
     acts = task._acts
     kept = sum(x.nbytes for layer in acts.inputs for x in layer) + sum(g.nbytes for _, g, _ in acts.head_grads)
+    kv = acts.kv
+    kept += sum(t.nbytes for part in (kv.prompt_k, kv.prompt_v, kv.comp_k, kv.comp_v) for t in part if t is not None)
     assert abs(task.held_bytes - kept) <= 0.2 * kept
     while not task.done:
         task.run_next()
