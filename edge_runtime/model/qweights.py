@@ -156,7 +156,8 @@ class Blocks:
         kernels = gpu_kernels(self.levels)
         if kernels is not None and kernels.supported(self) is None:
             try:
-                return kernels.dequantize(self, dtype)
+                into = out if out is not None and out.device == self.levels.device and out.dtype == dtype else None
+                return kernels.dequantize(self, dtype, out=into)
             except Exception as exc:  # noqa: BLE001 - a compiler's or driver's error of any type: torch serves
                 kernels.disable(f"de-quantising {n}x{self.k} {self.bits}-bit blocks: {exc!r}")
         if qkernel.available(self.levels):
@@ -348,7 +349,7 @@ class QuantWeight(nn.Module):
             y = kernels.linear(self.parts, x, bias)
             if y is not None:
                 return y
-        outs = [op(x, part.dequantize(x.dtype, _workspace(part)), None if bias is None else bias[lo:lo + part.n])
+        outs = [op(x, part.dequantize(x.dtype, _workspace(part, x.dtype)), None if bias is None else bias[lo:lo + part.n])
                 for lo, part in self.row_chunks()]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
@@ -356,14 +357,14 @@ class QuantWeight(nn.Module):
         """grad @ W (the gradient w.r.t. a linear's input), W read a row chunk at a time."""
         grad_x = None
         for lo, part in self.row_chunks():
-            step = grad[..., lo:lo + part.n].matmul(part.dequantize(grad.dtype, _workspace(part)))
+            step = grad[..., lo:lo + part.n].matmul(part.dequantize(grad.dtype, _workspace(part, grad.dtype)))
             grad_x = step if grad_x is None else grad_x.add_(step)
         return grad_x
 
     def float_chunks(self, dtype: torch.dtype) -> Iterator[tuple[int, Tensor, list[Tensor]]]:
         """(first row, float rows in this thread's workspace, the stored tensors they came from)."""
         for lo, part in self.row_chunks():
-            yield lo, part.dequantize(dtype, _workspace(part)), part.tensors()
+            yield lo, part.dequantize(dtype, _workspace(part, dtype)), part.tensors()
 
     def extra_repr(self) -> str:
         kinds = ", ".join(f"{p.n} rows {p.bits}-bit/{p.block}{'+offset' if p.offsets is not None else ''}"
@@ -417,15 +418,36 @@ class _QuantLinear(torch.autograd.Function):
 _WORKSPACES = threading.local()
 
 
-def _workspace(part: Blocks) -> Tensor | None:
+def _workspace(part: Blocks, dtype: torch.dtype) -> Tensor | None:
     """This thread's float32 buffer for a transient de-quantised weight, grown to the largest
     piece seen (at most CHUNK_ELEMENTS: 64 MiB). A fresh buffer per call cost more than the
     de-quantisation itself on large weights (measured: first-touch page faults of a 64 MiB
     buffer about 100 ms, the kernel's pass into a reused one 47 ms, at load 12). Only the
-    callers below use it, and each drops the weight before its next call on this thread."""
-    if part.levels.device.type != "cpu" or not qkernel.available(part.levels):
+    callers below use it, and each drops the weight before its next call on this thread.
+    On a GPU a buffer in `dtype` the Triton kernel writes into: a fresh piece per call kept two
+    alive at once while a reader still held the last (the LM head's log-probs: 64 of a scoring
+    stage's 109 MiB at the 1B shape on an H200); none while a CUDA graph is being captured (the
+    graph would keep a buffer that may later be replaced)."""
+    device = part.levels.device
+    if device.type == "cuda":
+        if gpu_kernels(part.levels) is None or torch.cuda.is_current_stream_capturing():
+            return None
+        return _device_workspace(device, dtype, part.n * part.k)
+    if device.type != "cpu" or not qkernel.available(part.levels):
         return None
     return thread_workspace(part.n * part.k)
+
+
+def _device_workspace(device: torch.device, dtype: torch.dtype, need: int) -> Tensor:
+    buffers = getattr(_WORKSPACES, "device", None)
+    if buffers is None:
+        buffers = _WORKSPACES.device = {}
+    buf = buffers.get((device, dtype))
+    if buf is None or buf.numel() < need:
+        buffers.pop((device, dtype), None)  # the old one goes back before the larger is taken
+        with torch.inference_mode(False):
+            buf = buffers[(device, dtype)] = torch.empty(need, dtype=dtype, device=device)
+    return buf
 
 
 def thread_workspace(need: int) -> Tensor:

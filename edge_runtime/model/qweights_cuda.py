@@ -347,11 +347,15 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def dequantize(part: Any, dtype: torch.dtype, index: Tensor | None = None) -> Tensor:
+def dequantize(part: Any, dtype: torch.dtype, index: Tensor | None = None, out: Tensor | None = None) -> Tensor:
     """The float rows [R, k] of a `Blocks` part in `dtype` (all rows, or rows `index`: a 1-D
-    integer tensor on the part's device, each in range), the same values as `Blocks.dequantize`."""
+    integer tensor on the part's device, each in range), the same values as `Blocks.dequantize`;
+    written into `out` (a buffer of `dtype` with enough elements) where given."""
     count = part.n if index is None else index.numel()
-    out = torch.empty(count, part.k, dtype=dtype, device=part.levels.device)
+    if out is not None and out.dtype == dtype and out.numel() >= count * part.k:
+        out = out.view(-1)[: count * part.k].view(count, part.k)
+    else:
+        out = torch.empty(count, part.k, dtype=dtype, device=part.levels.device)
     if count == 0:
         return out
     kernel, grid, args, consts = dequantize_launch(part, out, index)

@@ -230,7 +230,7 @@ class StageCostModel:
     def layer_input_bytes(self, rows: int, layers: int) -> int:
         """What the recomputing forward keeps per window: each layer's input [rows, hidden] and
         its keys and values, which the pair's later windows attend to."""
-        return self.activation_bytes * rows * layers * (self.hidden_size + 2 * self.kv_size)
+        return self.activation_bytes * rows * layers * self.hidden_size + self.kv_bytes(rows, layers)
 
     def _head(self, scored: int, grad: bool) -> float:
         if scored <= 0:
@@ -245,12 +245,26 @@ class StageCostModel:
         inter = self.intermediate_size or 4 * self.hidden_size
         return self.activation_bytes * rows * (6 * self.hidden_size + 4 * inter) + self.workspace_bytes
 
+    def _gradients(self, rows: int) -> int:
+        """The gradients alive at once in one layer's backward: the MLP's gate/up gradient and the
+        residual stream's (at the 1B shape on an H200, 7.1 MiB of 208 rows' backward against this
+        7.3), plus the de-quantisation buffer the recomputed forward takes."""
+        inter = self.intermediate_size or 4 * self.hidden_size
+        return self.activation_bytes * rows * (2 * inter + self.hidden_size) + self.workspace_bytes
+
     def score(self, rows: int, layers: int, scored: int, with_reference: bool) -> StageEstimate:
         passes = 2 if with_reference else 1
         seconds = passes * ((self.nograd_s_per_layer + self.nograd_s_per_row_layer * rows) * layers
                             + self._head(scored, grad=False))
-        peak = self._working(rows) + self.logits_bytes(scored) // 3
+        # One layer's transients, the keys and values of every layer (the pair's later windows
+        # attend to them) and one head piece's logits with their float32 post-processing (the
+        # exponentials of the online logsumexp): measured so at the 1B shape on an H200.
+        peak = self._working(rows) + self.kv_bytes(rows, layers) + self.logits_bytes(scored)
         return StageEstimate(seconds, int(peak), 0)
+
+    def kv_bytes(self, rows: int, layers: int) -> int:
+        """The keys and values `rows` tokens leave in `layers` layers."""
+        return self.activation_bytes * rows * layers * 2 * self.kv_size
 
     def forward_window(self, rows: int, layers: int, scored: int, held_before: int,
                        recompute: bool = True) -> StageEstimate:
@@ -269,7 +283,7 @@ class StageCostModel:
         """`rows` over all of the pair's `windows` (each window's graph is its own call per layer).
         `recompute`: each layer's grad forward runs again here, and one layer's graph (over
         every window) exists at a time; otherwise the group's graphs were held since the forward."""
-        grads = self._working(rows)  # the gradients flowing through one layer
+        grads = self._gradients(rows)
         if recompute:
             per_layer = (self.grad_fwd_s_per_layer + self.bwd_s_per_layer) * windows
             per_row = self.grad_fwd_s_per_row_layer + self.bwd_s_per_row_layer

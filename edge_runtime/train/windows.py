@@ -132,7 +132,10 @@ class PairKV:
 
 
 def _append(prev: Tensor | None, new: Tensor) -> Tensor:
-    return new if prev is None else torch.cat([prev, new], dim=2)
+    # A copy of its own, never the view it came as: a view of a layer's fused q/k/v projection (or
+    # rotary output) kept every layer's whole projection alive until the backward (measured at
+    # the 1B shape on an H200: 37 of a scoring stage's 51 MiB).
+    return new.contiguous() if prev is None else torch.cat([prev, new], dim=2)
 
 
 class WindowContext:

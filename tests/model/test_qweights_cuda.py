@@ -90,6 +90,10 @@ def test_dequantize_kernel_equals_blocks_dequantize_bit_for_bit(name):
     assert torch.equal(qweights_cuda.dequantize(_on(part), torch.bfloat16).cpu(), _bfloat16(want))
     index = torch.tensor([36, 0, 5, 5, 17])
     assert torch.equal(qweights_cuda.dequantize(_on(part), torch.float32, index.to(DEVICE)).cpu(), want[index])
+    # Into a caller's buffer (the thread's workspace on a GPU): the same values, in its storage.
+    buf = torch.full((part.n * part.k + 7,), float("nan"), device=DEVICE)
+    into = qweights_cuda.dequantize(_on(part), torch.float32, out=buf)
+    assert into.data_ptr() == buf.data_ptr() and torch.equal(into.cpu(), want)
 
 
 def _bfloat16(x: torch.Tensor) -> torch.Tensor:
