@@ -53,8 +53,12 @@ def _tokens(engine: Engine, prompts: list[str], users: list[str | None] | None =
     rows: dict[str, list[torch.Tensor]] = {}
 
     def on_step(batch, out: torch.Tensor) -> None:
-        for item, row in zip((i for i in batch.items if i.samples), out, strict=True):
-            rows.setdefault(item.seq.request.request_id, []).append(row.detach().float().cpu().clone())
+        # A decode row with a draft (ONNX Runtime speculates by default) yields a row per draft
+        # token after its own; whether a draft fits a bin follows the measured step times, so
+        # under load it comes and goes: its first row is the one every run has.
+        sampling = [i for i in batch.items if i.samples]
+        for item, part in zip(sampling, out.split([i.num_logits for i in sampling]), strict=True):
+            rows.setdefault(item.seq.request.request_id, []).append(part[0].detach().float().cpu().clone())
 
     outs = run_spying(engine, _chats(prompts), users or [None] * len(prompts), GREEDY, on_step)
     return [(o.candidates[0].token_ids, torch.stack(rows[o.request_id])) for o in outs]
