@@ -12,14 +12,7 @@ from edge_runtime.model.block_cache import BLOCKS_FILE
 from edge_runtime.model.dense import dense_logits
 from edge_runtime.model.mapped_weights import MappedWeights
 from edge_runtime.model.weights import load_llama
-from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setenv("MACE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv(source.BLOCKS_ENV, raising=False)
+from tests.model.quant_helpers import Q4_K_M_LIKE, private_cache, tiny_quant_gguf  # noqa: F401 (autouse fixture)
 
 
 @pytest.fixture(scope="module")

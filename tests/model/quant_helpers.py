@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from edge_runtime.model import source
 from edge_runtime.model.testing import make_tiny_gguf, make_tiny_model_dir
 
 # What llama.cpp's Q4_K_M mix writes, at this size: Q4_K matrices, Q6_K for the head and for
@@ -23,3 +26,12 @@ def tiny_quant_gguf(root: Path, types: dict[str, str], *, tie: bool = False, num
                                  num_layers=num_layers, tie_word_embeddings=tie, random_norms=True)
     (root / "gguf").mkdir(parents=True, exist_ok=True)
     return folder, make_tiny_gguf(folder, root / "gguf" / "tiny.gguf", block_types=types)
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """A test's own model cache and state folder, and no block-cache override from the
+    environment (a test module imports this fixture to use it)."""
+    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("MACE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(source.BLOCKS_ENV, raising=False)

@@ -12,20 +12,12 @@ pytest.importorskip("gguf", reason="writing the GGUF needs the gguf package")
 
 from edge_runtime import Engine, loading  # noqa: E402
 from edge_runtime.config import EngineConfig  # noqa: E402
-from edge_runtime.model import source  # noqa: E402
 from edge_runtime.model.gguf_weight import GgufWeight  # noqa: E402
 from edge_runtime.model.qweights import QuantWeight  # noqa: E402
 from tests.engine.helpers import engine_logits_for  # noqa: E402
-from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf  # noqa: E402
+from tests.model.quant_helpers import Q4_K_M_LIKE, private_cache, tiny_quant_gguf  # noqa: E402, F401 (autouse fixture)
 
 NO_CUDA = not torch.cuda.is_available()
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setenv("MACE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv(source.BLOCKS_ENV, raising=False)
 
 
 @pytest.fixture(scope="module")

@@ -7,18 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 
-import pytest
-
 from edge_runtime.model import model_cache, source
 from edge_runtime.model.block_cache import BLOCKS_FILE
-from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
-
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.setenv("MACE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv(source.BLOCKS_ENV, raising=False)
+from tests.model.quant_helpers import Q4_K_M_LIKE, private_cache, tiny_quant_gguf  # noqa: F401 (autouse fixture)
 
 
 def test_a_first_start_hashes_the_gguf_once_and_reads_no_cache_file_back(tmp_path, monkeypatch):
