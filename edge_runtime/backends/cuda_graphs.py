@@ -157,6 +157,7 @@ class DecodeGraphs:
         self.device = model.device
         self.max_batch = max_batch
         self.max_context = max_context
+        self.max_width = padded_width(max_context, cache.block_size, max_context)  # the widest graph's keys
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.replayed = 0
@@ -178,12 +179,9 @@ class DecodeGraphs:
                 return "prefill or draft rows"
             if getattr(seq, "kv_pruning", None) is not None or getattr(seq, "kv_layout", None) is not None:
                 return "pruned or compacted KV"
-            if seq.num_computed + 1 > self._max_width():
+            if seq.num_computed + 1 > self.max_width:
                 return "context wider than the widest graph"
         return None
-
-    def _max_width(self) -> int:
-        return padded_width(self.max_context, self.cache.block_size, self.max_context)
 
     def run(self, batch: Batch) -> Tensor:
         """Logits [rows, vocab] in float32 of a decode-only step (`why_eager` said None). The
