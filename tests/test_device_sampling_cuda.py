@@ -92,7 +92,6 @@ def test_a_cuda_engine_chooses_plain_rows_on_the_gpu(engines):
 
 
 def test_a_cuda_engine_copies_only_constrained_rows_to_the_host(engines):
-    pytest.importorskip("llguidance")
     on, off = engines
     regex = SamplingParams(max_tokens=20, constraint=Constraint("regex", r"[a-c]{3,9}"))
     assert outs(on, regex) == outs(off, regex)

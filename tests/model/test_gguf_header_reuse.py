@@ -11,8 +11,6 @@ import pytest
 from edge_runtime.model import gguf_config
 from edge_runtime.model.testing import make_tiny_gguf, make_tiny_model_dir
 
-pytest.importorskip("gguf")
-
 
 def test_the_last_header_is_reused_until_the_file_changes(tmp_path: Path) -> None:
     model = make_tiny_model_dir(tmp_path / "m")

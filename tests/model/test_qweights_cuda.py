@@ -209,7 +209,6 @@ def test_a_failing_kernel_switches_to_torch_and_says_so(kernels_here, monkeypatc
 def test_a_q4_k_m_model_forward_on_the_kernels_equals_its_torch_forward(tmp_path, kernels_here, monkeypatch):
     """Every path a decode step takes (embedding of a Q6_K table, q|k|v of mixed formats, the
     tied head) through the kernels, against the same model's CPU forward."""
-    pytest.importorskip("gguf", reason="writing the GGUF needs the gguf package")
     from edge_runtime.model.dense import dense_logits
     from edge_runtime.model.gguf_load import load_llama_gguf
     from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf

@@ -8,14 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("gguf", reason="writing the GGUF needs the gguf package")
-
-from edge_runtime import Engine, loading  # noqa: E402
-from edge_runtime.config import EngineConfig  # noqa: E402
-from edge_runtime.model.gguf_weight import GgufWeight  # noqa: E402
-from edge_runtime.model.qweights import QuantWeight  # noqa: E402
-from tests.engine.helpers import engine_logits_for  # noqa: E402
-from tests.model.quant_helpers import Q4_K_M_LIKE, private_cache, tiny_quant_gguf  # noqa: E402, F401 (autouse fixture)
+from edge_runtime import Engine, loading
+from edge_runtime.config import EngineConfig
+from edge_runtime.model.gguf_weight import GgufWeight
+from edge_runtime.model.qweights import QuantWeight
+from tests.engine.helpers import engine_logits_for
+from tests.model.quant_helpers import Q4_K_M_LIKE, private_cache, tiny_quant_gguf  # noqa: F401 (autouse fixture)
 
 NO_CUDA = not torch.cuda.is_available()
 
