@@ -29,7 +29,7 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ADMISSION_STATES = ("normal", "shed_finetune", "queue", "reject", "off")
-_FINETUNE_STATES = ("idle", "training", "paused")
+_FINETUNE_STATES = ("idle", "profiling", "training", "publishing", "paused")
 _MODEL_STATES = ("loaded", "unloading", "unloaded", "loading")  # daemon/keep_alive.py
 TOKENS_WINDOW_S = 10.0
 

@@ -111,6 +111,10 @@ class EngineFineTuner(GuardedPublishing):
         self._publish_tasks: dict[str, asyncio.Task[None]] = {}  # user -> its publish under way
         self._trainers: dict[str, AdapterTrainer] = {}  # touched on the engine thread only
         self._stage_costs: Any = None  # engine thread only
+        # The first job's stage-cost profile (engine thread; read by status): when it began, and
+        # how long the last one took (at the 8B shape read in place, minutes: issue #28).
+        self.profiling_since: float | None = None
+        self.profile_seconds: float | None = None
         self._progress: dict[str, _UserProgress] = {}
         self._attempts: dict[Item, int] = {}
         self._forgotten: set[str] = set()
@@ -211,10 +215,14 @@ class EngineFineTuner(GuardedPublishing):
         stats = self.engine.stats  # the engine thread's last published snapshot
         in_flight = {user: [f"{kind}:{row}" for kind, row in sorted(p.in_flight)]
                      for user, p in self._progress.items() if p.in_flight}
+        since = self.profiling_since
+        profile_s = (self.profile_seconds or 0.0) if since is None else time.monotonic() - since
         if self.paused_reason:
             state = "paused"
         elif self.publishing:
             state = "publishing"
+        elif since is not None:
+            state = "profiling"
         elif in_flight:
             state = "training"
         else:
@@ -243,6 +251,7 @@ class EngineFineTuner(GuardedPublishing):
             "longest_stall_s": round(self.watch.longest_s, 1), "stall_warnings": self.watch.warnings,
             "versions_published": self.versions_published, "versions_rejected": self.versions_rejected,
             "pairs_per_version": self.settings.pairs_per_version, "last_loss": self.last_loss,
+            "profile_s": round(profile_s, 1),
             "errors": self.errors, "last_guard": decision or None, "guard_seconds": round(self.guard_seconds, 3),
             "alignment": (decision.get("after") or {}) if decision else {},
         }
@@ -463,7 +472,12 @@ class EngineFineTuner(GuardedPublishing):
             if self._stage_costs is None:
                 # This machine's stage costs (profiled once, then cached in the state dir), so
                 # the scheduler prices stages as they really run here.
-                self._stage_costs = engine.stage_costs()
+                self.profiling_since = time.monotonic()
+                try:
+                    self._stage_costs = engine.stage_costs()
+                finally:
+                    self.profile_seconds = time.monotonic() - self.profiling_since
+                    self.profiling_since = None
             trainer = AdapterTrainer(engine.model, engine.tokenizer, costs=self._stage_costs, dpo=DPOSettings(
                 beta=self.settings.beta, rpo_alpha=self.settings.rpo_alpha,
                 optimizer=OptimizerSettings(learning_rate=self.settings.learning_rate)))
