@@ -97,11 +97,11 @@ class Engine:
         self.clock = time.monotonic  # the one scheduling clock (tests may substitute a fake)
         # The collaborators read the clock through the engine, so a substitute reaches them all.
         clock = self._read_clock
-        # With cost_profile "background", a machine without a cached calibration serves on
-        # nominal costs at once and calibrates while idle (`calibrate_step`).
+        # cost_profile "background": without a cached calibration, nominal costs until idle ones (`calibrate_step`).
         self.costs, self._calibration = load_cost_model(
             cfg, model.dtype, model.device, self._costs_key, backend.execute, self.pool, per_block,
-            mode=config.cost_profile, cache_dir=config.cost_cache_dir, scale=config.cost_scale, graph=graph_version(backend))
+            mode=config.cost_profile, cache_dir=config.cost_cache_dir, scale=config.cost_scale, graph=graph_version(backend),
+            max_tokens=config.max_batched_tokens)
         self.runner = ForwardRunner(backend, self.costs, self.pool, cfg.vocab_size, tokenizer.stream_decoder, clock)
         self.ledger = MemoryLedger(sizing.ledger_budget_bytes(config, model, self.cache, self.adapters, self.costs,
                                                               backend, self.mapped))

@@ -28,6 +28,7 @@ from edge_runtime.sched.probe import (
     SHAPES,
     ShapeInterrupted,
     attended_pairs,
+    bounded,
     measure_forward,
     measure_shape,
 )
@@ -187,14 +188,15 @@ QUICK_SHAPES: tuple[tuple[tuple[int, int, int], ...], ...] = (
 
 
 def quick_calibration(execute: Callable[[Batch], Any], pool: BlockPool, cfg: ModelConfig,
-                      seed: int = 0) -> ForwardCoefficients | None:
-    """Coefficients from `QUICK_SHAPES` (None if they do not fit the pool or the fit misses its
-    own points by more than their size)."""
+                      seed: int = 0, max_tokens: int | None = None) -> ForwardCoefficients | None:
+    """Coefficients from `QUICK_SHAPES`, none over `max_tokens` new tokens (None if they do not
+    fit the pool or the fit misses its own points by more than their size)."""
     started = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
-    rows = [measure_shape(execute, pool, cfg.vocab_size, shape, 1, gen) for shape in QUICK_SHAPES]
+    shapes = bounded(QUICK_SHAPES, max_tokens)
+    rows = [measure_shape(execute, pool, cfg.vocab_size, shape, 1, gen) for shape in shapes]
     rows = [row for row in rows if row is not None]
-    if len(rows) < len(QUICK_SHAPES):
+    if len(rows) < len(shapes):
         return None
     fitted = fit_forward(rows)
     miss = fit_error(fitted, rows)
@@ -210,10 +212,10 @@ class BackgroundCalibration:
     fits, caches and returns the coefficients."""
 
     def __init__(self, cfg: ModelConfig, execute: Callable[[Batch], Any], pool: BlockPool,
-                 path: Path | None, repeats: int = 3, seed: int = 0) -> None:
+                 path: Path | None, repeats: int = 3, seed: int = 0, max_tokens: int | None = None) -> None:
         self.cfg, self.execute, self.pool, self.path, self.repeats = cfg, execute, pool, path, repeats
         self.gen = torch.Generator().manual_seed(seed)
-        self.pending = list(SHAPES)
+        self.pending = list(bounded(SHAPES, max_tokens))
         self.rows: list[tuple[int, int, int, float]] = []
         self.busy = machine_busy()
         self.seconds = 0.0
@@ -392,6 +394,7 @@ def load_cost_model(
     ema_alpha: float = 0.2,
     scale: float = 1.0,
     graph: str = "",
+    max_tokens: int | None = None,
 ) -> tuple[CostModel, BackgroundCalibration | None]:
     """The forward's cost model: `mode` "auto" loads this machine's cached calibration or runs
     one (~11 synthetic batches through the real backend, before any request: seconds on a quiet
@@ -402,7 +405,9 @@ def load_cost_model(
     nominal figures and relies on the online correction alone. `scale` multiplies whichever
     figures it starts from and any that replace them (the cache keeps them unscaled). `graph`:
     which graph the backend runs, if any (`graph_version`), in the cache key beside the model's
-    shape, machine, dtype and backend. Returns (model, calibration still to run or None)."""
+    shape, machine, dtype and backend. `max_tokens`: the most new tokens an iteration holds
+    (`max_batched_tokens`): no calibration forward is longer than a served one. Returns (model,
+    calibration still to run or None)."""
     per_token, per_row = activation_sizes(cfg, dtype)
     coefficients, source = ForwardCoefficients.nominal(cfg), "nominal"
     if mode not in ("auto", "background", "off"):
@@ -424,18 +429,18 @@ def load_cost_model(
             coefficients, source = ForwardCoefficients(**stored), "stored"
             log.info("forward costs from an earlier start's calibration until this one's: %s", coefficients)
         else:
-            fitted = quick_calibration(execute, pool, cfg)
+            fitted = quick_calibration(execute, pool, cfg, max_tokens=max_tokens)
             if fitted is not None:
                 coefficients, source = fitted, "quick"
                 store(quick, asdict(fitted), provisional=True)
         return (CostModel(coefficients, kv_block_bytes, pool.block_size, per_token, per_row, ema_alpha, source, scale),
-                BackgroundCalibration(cfg, execute, pool, path))
+                BackgroundCalibration(cfg, execute, pool, path, max_tokens=max_tokens))
     if mode == "auto":
 
         def calibrate() -> tuple[dict[str, Any], bool, bool]:
             started = time.perf_counter()
             busy = machine_busy()
-            rows = measure_forward(execute, pool, cfg.vocab_size)
+            rows = measure_forward(execute, pool, cfg.vocab_size, max_tokens=max_tokens)
             if len(rows) < 4:
                 return asdict(ForwardCoefficients.nominal(cfg)), False, False
             fitted = fit_forward(rows)

@@ -52,13 +52,38 @@ SHAPES: tuple[tuple[tuple[int, int, int], ...], ...] = (
 )
 
 
+Shape = tuple[tuple[int, int, int], ...]
+
+
+def bounded(shapes: tuple[Shape, ...], max_tokens: int | None) -> tuple[Shape, ...]:
+    """`shapes` with no forward of more new tokens than an iteration may hold (the scheduler's
+    `max_batched_tokens`, which with the ledger's activation estimate bounds a real prefill
+    chunk): a longer prefill is cut to that many, so a calibration never needs more memory than
+    serving does (issue #28). Decode rows are kept; shapes made alike are measured once."""
+    if not max_tokens:
+        return shapes
+    out: list[Shape] = []
+    for shape in shapes:
+        over = sum(n * new for n, _, new in shape) - max_tokens
+        cut = []
+        for n, ctx, new in shape:
+            if over > 0 and new > 1:
+                trimmed = max(1, new - -(-over // n))
+                over -= n * (new - trimmed)
+                new = trimmed
+            cut.append((n, ctx, new))
+        if sum(n * new for n, _, new in cut) <= max_tokens and tuple(cut) not in out:
+            out.append(tuple(cut))
+    return tuple(out)
+
+
 def measure_forward(execute: Callable[[Batch], Any], pool: BlockPool, vocab: int, repeats: int = 3,
-                    seed: int = 0) -> list[tuple[int, int, int, float]]:
+                    seed: int = 0, max_tokens: int | None = None) -> list[tuple[int, int, int, float]]:
     """Time each shape through the real backend (writing scratch K/V into free blocks, returned
-    afterwards). Returns rows of (tokens, attended pairs, logit rows, seconds); shapes that do not
-    fit the pool are skipped."""
+    afterwards), no forward over `max_tokens` new tokens (`bounded`). Returns rows of (tokens,
+    attended pairs, logit rows, seconds); shapes that do not fit the pool are skipped."""
     gen = torch.Generator().manual_seed(seed)
-    rows = [measure_shape(execute, pool, vocab, shape, repeats, gen) for shape in SHAPES]
+    rows = [measure_shape(execute, pool, vocab, shape, repeats, gen) for shape in bounded(SHAPES, max_tokens)]
     return [row for row in rows if row is not None]
 
 

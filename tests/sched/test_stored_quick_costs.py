@@ -23,7 +23,7 @@ def quick_runs(monkeypatch) -> list[str]:
     """Each quick calibration measured (the fits in FITS, in turn), by backend."""
     runs: list[str] = []
 
-    def quick(execute, pool, cfg, seed=0):
+    def quick(execute, pool, cfg, seed=0, max_tokens=None):
         runs.append(execute.__name__)
         return FITS[(len(runs) - 1) % len(FITS)]
 
