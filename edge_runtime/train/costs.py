@@ -108,7 +108,8 @@ class StageCostModel:
         """Time `layers` layers (no-grad, grad forward, backward), the LM head and an AdamW step
         on windows of `small_rows` and of `rows` tokens, and fit each cost's fixed and per-row
         parts through the two; count the activation bytes autograd saves. Each call is warmed up
-        once, then timed `repeats` times, or once when the warm-up took `long_call_s` or more.
+        once, then timed `repeats` times, or once when the warm-up took `long_call_s` or more (and
+        then at the larger window once, with no warm-up).
         `calls` (if given) receives how many of each were run: layer forwards and backwards
         (one per layer), LM-head forwards and backwards."""
         if not 0 < small_rows < rows:
@@ -131,11 +132,19 @@ class StageCostModel:
             fn()
             return time.perf_counter() - t0
 
-        def best(fn: Callable[[], None]) -> float:
-            # The warm-up pays for allocator growth and kernel selection; a long one says
-            # that one more call is a fair timing.
+        long_calls: set[str] = set()  # calls whose warm-up was long at the smaller window
+
+        def best(fn: Callable[[], None], key: str) -> float:
+            # The warm-up pays for allocator growth and kernel selection; a long one says that
+            # one more call is a fair timing, and that the larger window needs no warm-up of
+            # its own (the same kernels, already chosen).
+            if key in long_calls:
+                return timed(fn)
             warm = timed(fn)
-            return min(timed(fn) for _ in range(1 if warm >= long_call_s else repeats))
+            if warm >= long_call_s:
+                long_calls.add(key)
+                return timed(fn)
+            return min(timed(fn) for _ in range(repeats))
 
         saved: dict[int, int] = {}
 
@@ -169,10 +178,15 @@ class StageCostModel:
                 counts["layer_backwards"] += layers
                 out_holder[0].backward(torch.ones_like(out_holder[0]))
 
-            t_nograd = best(nograd)
-            warm = timed(grad_fwd) + timed(bwd)
+            t_nograd = best(nograd, "nograd")
             t_fwd, t_bwd = [], []
-            for _ in range(1 if warm >= long_call_s else repeats):
+            runs = repeats
+            if "grad" in long_calls:
+                runs = 1
+            elif timed(grad_fwd) + timed(bwd) >= long_call_s:
+                long_calls.add("grad")
+                runs = 1
+            for _ in range(runs):
                 t_fwd.append(timed(grad_fwd))
                 t_bwd.append(timed(bwd))
             saved_bytes = sum(saved.values())  # of the last forward (the graph still alive)
@@ -193,7 +207,8 @@ class StageCostModel:
                 (logits.gather(-1, targets[:, None]) - torch.logsumexp(logits, -1, keepdim=True)).sum().backward()
 
             return {"nograd": t_nograd / layers, "grad_fwd": min(t_fwd) / layers, "bwd": min(t_bwd) / layers,
-                    "head": best(head), "head_grad": best(head_grad), "saved": saved_bytes / (n * layers)}
+                    "head": best(head, "head"), "head_grad": best(head_grad, "head_grad"),
+                    "saved": saved_bytes / (n * layers)}
 
         small, large = measure(small_rows), measure(rows)
         fit = {k: _affine(small[k], large[k], small_rows, rows) for k in ("nograd", "grad_fwd", "bwd", "head", "head_grad")}
@@ -205,7 +220,7 @@ class StageCostModel:
         def step() -> None:
             opt.step()
 
-        t_opt = best(step)
+        t_opt = best(step, "optimizer")
         log.info("profiled the fine-tune stage costs in %.1f s: %s", time.perf_counter() - started,
                  ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items()))
         return cls(
