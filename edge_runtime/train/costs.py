@@ -108,8 +108,7 @@ class StageCostModel:
         """Time `layers` layers (no-grad, grad forward, backward), the LM head and an AdamW step
         on windows of `small_rows` and of `rows` tokens, and fit each cost's fixed and per-row
         parts through the two; count the activation bytes autograd saves. Each call is warmed up
-        once, then timed `repeats` times, or once when the warm-up took `long_call_s` or more (and
-        then at the larger window once, with no warm-up).
+        once, then timed `repeats` times, or once when the warm-up took `long_call_s` or more.
         `calls` (if given) receives how many of each were run: layer forwards and backwards
         (one per layer), LM-head forwards and backwards."""
         if not 0 < small_rows < rows:
@@ -132,19 +131,13 @@ class StageCostModel:
             fn()
             return time.perf_counter() - t0
 
-        long_calls: set[str] = set()  # calls whose warm-up was long at the smaller window
-
-        def best(fn: Callable[[], None], key: str) -> float:
-            # The warm-up pays for allocator growth and kernel selection; a long one says that
-            # one more call is a fair timing, and that the larger window needs no warm-up of
-            # its own (the same kernels, already chosen).
-            if key in long_calls:
-                return timed(fn)
+        def best(fn: Callable[[], None]) -> float:
+            # The warm-up pays for allocator growth and kernel selection; a long one says
+            # that one more call is a fair timing. Each window size keeps its own warm-up: past
+            # FUSED_MAX_ROWS rows a GGUF matrix is read through de-quantised tiles, not the
+            # fused kernel, and a first 64-row call without one doubled the 1B estimates.
             warm = timed(fn)
-            if warm >= long_call_s:
-                long_calls.add(key)
-                return timed(fn)
-            return min(timed(fn) for _ in range(repeats))
+            return min(timed(fn) for _ in range(1 if warm >= long_call_s else repeats))
 
         saved: dict[int, int] = {}
 
@@ -178,15 +171,10 @@ class StageCostModel:
                 counts["layer_backwards"] += layers
                 out_holder[0].backward(torch.ones_like(out_holder[0]))
 
-            t_nograd = best(nograd, "nograd")
+            t_nograd = best(nograd)
+            warm = timed(grad_fwd) + timed(bwd)
             t_fwd, t_bwd = [], []
-            runs = repeats
-            if "grad" in long_calls:
-                runs = 1
-            elif timed(grad_fwd) + timed(bwd) >= long_call_s:
-                long_calls.add("grad")
-                runs = 1
-            for _ in range(runs):
+            for _ in range(1 if warm >= long_call_s else repeats):
                 t_fwd.append(timed(grad_fwd))
                 t_bwd.append(timed(bwd))
             saved_bytes = sum(saved.values())  # of the last forward (the graph still alive)
@@ -207,8 +195,7 @@ class StageCostModel:
                 (logits.gather(-1, targets[:, None]) - torch.logsumexp(logits, -1, keepdim=True)).sum().backward()
 
             return {"nograd": t_nograd / layers, "grad_fwd": min(t_fwd) / layers, "bwd": min(t_bwd) / layers,
-                    "head": best(head, "head"), "head_grad": best(head_grad, "head_grad"),
-                    "saved": saved_bytes / (n * layers)}
+                    "head": best(head), "head_grad": best(head_grad), "saved": saved_bytes / (n * layers)}
 
         small, large = measure(small_rows), measure(rows)
         fit = {k: _affine(small[k], large[k], small_rows, rows) for k in ("nograd", "grad_fwd", "bwd", "head", "head_grad")}
@@ -220,7 +207,7 @@ class StageCostModel:
         def step() -> None:
             opt.step()
 
-        t_opt = best(step, "optimizer")
+        t_opt = best(step)
         log.info("profiled the fine-tune stage costs in %.1f s: %s", time.perf_counter() - started,
                  ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in counts.items()))
         return cls(
