@@ -238,6 +238,7 @@ class EngineThread:
         failures = 0
         busy_at = time.monotonic()  # when the engine last had a generation to run
         used_at = busy_at  # ... or anything held the model (keep-alive counts from here)
+        commanded_at = busy_at  # when commands last ran: a calibration shape waits for quiet after them too
         was_idle = True
         while not self._stopping:
             engine = self._slot.engine
@@ -251,16 +252,21 @@ class EngineThread:
             # `calibration_quiet_s`, one shape of it per turn (a command arriving meanwhile stops
             # the shape after its current forward); until then the queue is waited on.
             calibrating = getattr(engine, "calibrating", False)
-            quiet_s = time.monotonic() - busy_at
+            quiet_s = time.monotonic() - max(busy_at, commanded_at)
             if engine.has_unfinished() or not calibrating:
                 ran = self._drain(engine, block=not engine.has_unfinished())
             else:
                 ran = self._drain(engine, block=quiet_s < self._calibration_quiet_s,
                                   timeout_s=self._calibration_quiet_s - quiet_s)
+            if ran:
+                commanded_at = time.monotonic()
             if engine.has_unfinished():  # commands that start no generation (status...) keep it quiet
                 busy_at = used_at = time.monotonic()
             elif calibrating and not engine.requests and not self._stopping \
-                    and time.monotonic() - busy_at >= self._calibration_quiet_s:
+                    and time.monotonic() - max(busy_at, commanded_at) >= self._calibration_quiet_s:
+                # Replies of this turn's commands go out first: at the 8B shape a cached start's
+                # first command (the fleet adapter's newest version) waited 84 s behind shapes.
+                self._flush()
                 engine.calibrate_step(interrupted=lambda: not self._commands.empty())
             if engine.has_unfinished() and not self._stopping:
                 ran += 1
