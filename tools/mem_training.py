@@ -145,7 +145,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = load_config(environ={}).engine.replace(model=str(args.gguf), num_threads=args.threads,
                                                     **({"backend": args.backend} if args.backend else {}),
                                                     torch_weights=args.weights,
-                                                    **({"cost_profile": args.cost_profile} if args.cost_profile else {}))
+                                                    **({"cost_profile": args.cost_profile} if args.cost_profile else {}),
+                                                    **({"onnx_cache_dir": args.onnx_cache_dir} if args.onnx_cache_dir else {}))
     engine = Engine.load(config=config)
     load_s = time.perf_counter() - t0
     point("loaded")
@@ -304,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cost-profile", help="engine.cost_profile (off: no calibration forwards at start)")
     ap.add_argument("--nominal-stage-costs", action="store_true",
                     help="skip profiling the stage costs (minutes at 8B on a loaded machine): nominal ones")
+    ap.add_argument("--onnx-cache-dir", help="engine.onnx_cache_dir (a fresh one: the graphs exported as on a first start)")
     ap.add_argument("--out", type=Path, help="write <out>.json")
     args = ap.parse_args(argv)
     result = run(args)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from edge_runtime.backends.quantize import NBitsWeight
 from edge_runtime.model.qweights import Blocks, QuantWeight
@@ -51,19 +52,41 @@ def _zero_points(zero: int, n: int, blocks: int, bits: int) -> np.ndarray | None
 def block_part(blocks: Blocks, centre: bool = True) -> BlockPart:
     """`blocks` as MatMulNBits inputs: levels bit for bit, float32 scales and offsets as
     `Blocks.dequantize` forms them; `centre`d where that applies (offsets then rounded once)."""
-    blocks = blocks if blocks.bits in (4, 8) else blocks.bytewise()  # 5/6-bit levels: a byte each
-    levels = blocks.levels.cpu().numpy()
-    zero = blocks.zero
-    if blocks.bits == 8 and levels.dtype == np.int8:  # signed levels, zero 0: q + 128 with zero 128
-        levels = (levels.view(np.uint8) ^ np.uint8(0x80))
-        zero = 128
+    levels, zero, bits = byte_levels(blocks)
     n, count = levels.shape[:2]
     scales = blocks.scale_per_block().cpu().numpy()
     offsets = blocks.offset_per_block()
     nbits = NBitsWeight(np.ascontiguousarray(levels), scales.reshape(-1),
-                        _zero_points(zero, n, count, blocks.bits), n, blocks.k, blocks.bits, blocks.block)
+                        _zero_points(zero, n, count, bits), n, blocks.k, bits, blocks.block)
     part = BlockPart(nbits, zero, None if offsets is None else offsets.cpu().numpy())
     return centred(part) if centre else part
+
+
+# Rows of a table whose levels are converted at once (5/6-bit ones to bytes, signed 8-bit ones
+# shifted): converting a whole table held ~6x its levels' bytes in temporaries (1.5 GB for
+# Llama-3.2-1B's tied Q6_K embedding, at every export: the LoRA graph's is exported while the
+# daemon serves and trains); a chunk's temporaries are a few MiB.
+LEVEL_ROWS = 4096
+
+
+def byte_levels(blocks: Blocks) -> tuple[np.ndarray, int, int]:
+    """(levels [n, K / block, width] as MatMulNBits reads them, their zero, their bits): 4-bit
+    and unsigned 8-bit levels as they are (a view, no copy), 5- and 6-bit levels a byte each and
+    signed 8-bit ones as q + 128 with zero 128, written `LEVEL_ROWS` rows at a time into one array."""
+    if blocks.bits == 4 or (blocks.bits == 8 and blocks.levels.dtype == torch.uint8):
+        return blocks.levels.cpu().numpy(), blocks.zero, blocks.bits
+    out: np.ndarray | None = None
+    zero = blocks.zero
+    for lo in range(0, blocks.n, LEVEL_ROWS):
+        rows = blocks.slice(lo, lo + LEVEL_ROWS).bytewise()  # 8-bit ones as they are
+        q, zero = rows.levels.cpu().numpy(), rows.zero
+        if q.dtype == np.int8:  # signed levels, zero 0: q + 128 with zero 128
+            q, zero = q.view(np.uint8) ^ np.uint8(0x80), 128
+        if out is None:
+            out = np.empty((blocks.n, *q.shape[1:]), np.uint8)
+        out[lo:lo + len(q)] = q
+    assert out is not None
+    return out, zero, 8
 
 
 def centred(part: BlockPart) -> BlockPart:

@@ -9,7 +9,6 @@ which are written into their slots here. Providers: TensorRT EP -> CUDA EP -> CP
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,8 +17,7 @@ import torch
 
 from edge_runtime.backends.base import Backend
 from edge_runtime.backends.dense_kv import DenseKV
-from edge_runtime.backends.lora_stack import LoraStackCache
-from edge_runtime.backends.onnx_export import DATA_FILE, export_step, model_hash
+from edge_runtime.backends.onnx_export import model_hash
 from edge_runtime.backends.onnx_spec import (
     TORCH_KV_DTYPES,
     GraphSpec,
@@ -28,12 +26,12 @@ from edge_runtime.backends.onnx_spec import (
     weight_format,
     with_gqa_window,
 )
+from edge_runtime.backends.ort_graphs import StepGraphs
 from edge_runtime.backends.ort_session import (
     GPU_PROVIDERS,
     OrtSession,
     bind_cpu_inputs,
     onnx_type,
-    open_session,
     pick_providers,
 )
 from edge_runtime.backends.step_inputs import (
@@ -52,16 +50,9 @@ from edge_runtime.errors import ModelNotAvailable
 from edge_runtime.kv.cache import KVCache
 from edge_runtime.lora.registry import AdapterRegistry
 from edge_runtime.model.llama import LlamaModel, LoraApplier
-from edge_runtime.model.mapped_weights import paging_out, resident_bytes
 
 if TYPE_CHECKING:
     from edge_runtime.sched.scheduler import Batch
-
-
-# A base graph holding more than this is closed when the LoRA graph opens, which then serves base
-# rows too (an empty stack: their delta is exactly 0): one pre-packed copy of the weights, not two
-# (an 8B graph holds ~7 GB). Smaller graphs keep both: base steps skip the LoRA nodes (~1.8 ms).
-ONE_GRAPH_BYTES = 256 << 20
 
 
 class OnnxRuntimeBackend(Backend):
@@ -126,14 +117,13 @@ class OnnxRuntimeBackend(Backend):
         self.cache_dir = cache_dir
         self.num_threads = num_threads
         self.max_batch, self.max_tokens, self.max_context = max_batch, max_tokens, max_context
-        self.stacks = LoraStackCache(self.cfg)
         # Rotary table rows as an input: the "ort" graph's for LongRoPE / partial rotary ("standard": always).
         self.rope_rows = flavour == "ort" and rope_by_row(self.cfg)
-        # The graphs without LoRA nodes (16 fewer a layer) and with them, each opened on first use
-        # (an engine that never serves adapters never loads the second; ONE_GRAPH_BYTES).
-        self._sessions: dict[bool, OrtSession] = {}
         # The export key's digest of every weight, taken once: the LoRA graph's export reuses it.
         self.weights_digest = model_hash(model)  # the prefix store keys its KV blocks by it too
+        # The graphs without LoRA nodes (16 fewer a layer) and with them, each opened on first use.
+        self.graphs = StepGraphs(model, self.spec, cache_dir, num_threads, self.weights_digest, self._providers_for,
+                                 self._bind_cache_of if self.dense is None else None, adapters)
         self._decode_inputs: DecodeInputs | None = None  # the dense layout's steady decode step
         self.model_path = self._session(lora=False).path
 
@@ -149,24 +139,12 @@ class OnnxRuntimeBackend(Backend):
     # -- sessions and binding -------------------------------------------------------------------
 
     def _session(self, lora: bool) -> OrtSession:
-        session = self._sessions.get(lora) or self._sessions.get(True)  # base rows fit the LoRA graph
-        if session is None:
-            if lora and self._one_graph:
-                del self._sessions[False]  # freed before the LoRA graph packs the same weights again
-            path = export_step(self.model, replace(self.spec, lora=lora), self.cache_dir, self.weights_digest)
-            before = resident_bytes()
-            with paging_out(path.with_name(DATA_FILE)):  # what pre-packing read and no kernel reads again
-                session = open_session(path, self._providers_for(path), self.num_threads, has_lora_inputs=lora)
-            after = resident_bytes()
-            # What the session holds (pre-packed weights, initializers still mapped), each kind's
-            # own growth: under pressure the kernel drops other file pages meanwhile (8B: 3.4 of 7 GB).
-            grown = sum(max(0, a - b) for a, b in zip(after, before, strict=True))
-            if sum(before) and grown:
-                session.weights_bytes = grown
-            if self.dense is None:
-                self._bind_cache(session.binding)
-            self._sessions[lora] = session
-        return session
+        return self.graphs.session(lora)
+
+    @property
+    def _sessions(self) -> dict[bool, OrtSession]:
+        """The open sessions by whether the graph has LoRA inputs (tests and tools inspect them)."""
+        return self.graphs.sessions
 
     def _providers_for(self, path: Path) -> list:
         """TensorRT EP gets one explicit shape profile (edge_runtime.backends.shape_profiles), so it never
@@ -189,18 +167,12 @@ class OnnxRuntimeBackend(Backend):
         graph added to resident memory (pre-packed weights, initializers still mapped; the data
         file's size where /proc cannot say) and the dense KV rows at their byte limit (they grow
         inside a run, where the ledger cannot look)."""
-        return sum(s.weights_bytes for s in self._sessions.values()) + self._dense_limit()
-
-    @property
-    def _one_graph(self) -> bool:
-        return getattr(self._sessions.get(False), "weights_bytes", -1) >= ONE_GRAPH_BYTES
+        return self.graphs.held_bytes + self._dense_limit()
 
     @property
     def reserved_bytes(self) -> int:
-        """The most `held_bytes` may become: the LoRA graph opens on the first adapter row and
-        holds the same weights again, beside the base graph's below `ONE_GRAPH_BYTES`."""
-        graphs = 1 if self._one_graph or False not in self._sessions else 2
-        return graphs * next(iter(self._sessions.values())).weights_bytes + self._dense_limit()
+        """The most `held_bytes` may become (`StepGraphs.reserved_bytes`)."""
+        return self.graphs.reserved_bytes + self._dense_limit()
 
     def _dense_limit(self) -> int:
         return 0 if self.dense is None else self.dense.limit_bytes or 0
@@ -212,6 +184,9 @@ class OnnxRuntimeBackend(Backend):
 
     def _ort_device(self) -> tuple[str, int]:
         return ("cuda", self.device.index or 0) if self.device.type == "cuda" else ("cpu", 0)
+
+    def _bind_cache_of(self, session: OrtSession) -> None:
+        self._bind_cache(session.binding)
 
     def _bind_cache(self, binding) -> None:
         """Bind every layer's key and value slab [slots * kv_heads, head_dim] in place."""
@@ -384,15 +359,7 @@ class OnnxRuntimeBackend(Backend):
         return {ref: i for i, ref in enumerate(dict.fromkeys(r for r in refs if r is not None))}
 
     def _session_with_stack(self, key: tuple[Hashable, ...]) -> OrtSession:
-        """The session for this step (with LoRA inputs when any row has an adapter), its stacked
-        adapter inputs bound to `key`'s versions in slot order (rebound only when they change)."""
-        session = self._session(lora=bool(key))
-        if session.has_lora_inputs and key != session.bound_stack:  # () binds the no-adapter stack
-            weights = [self.adapters.served_weights(ref) for ref in key]
-            for name, array in self.stacks.get(key, weights).items():
-                session.binding.bind_cpu_input(name, array)
-            session.bound_stack = key
-        return session
+        return self.graphs.with_stack(key)
 
     def _bind_dense(self, session: OrtSession, dense: DenseKV, first: int, count: int) -> None:
         """Bind rows [first, first + count) of `dense` as every layer's past and present."""

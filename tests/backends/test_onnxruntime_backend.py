@@ -352,7 +352,7 @@ def test_a_large_graph_is_held_once_the_lora_graph_serving_base_rows_too(tiny_mo
     serves base rows too (the no-adapter stack: their delta is exactly 0), so the weights are
     pre-packed once, not twice (#28). Same tokens as the torch reference with two adapters and
     base rows in one batch; base rows after it score as they did on the base graph."""
-    import edge_runtime.backends.onnxruntime_backend as backend_module
+    import edge_runtime.backends.ort_graphs as backend_module
 
     monkeypatch.setattr(backend_module, "ONE_GRAPH_BYTES", 0)
     adapters, ref_logits, ref_tokens = reference
