@@ -14,13 +14,10 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from daemon.config import ConfigError, DaemonConfig, load_config, reload_changes
-from daemon.principals import load_identities
-from daemon.privacy import StartRefused, check_start
-from daemon.sdnotify import Notifier, Watchdog, watchdog_interval_s
-from edge_runtime.paths import make_private
+if TYPE_CHECKING:
+    from daemon.config import DaemonConfig
 
 log = logging.getLogger("maced")
 
@@ -61,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def flags_from(args: argparse.Namespace) -> list[tuple[str, Any, str]]:
+    from daemon.config import ConfigError
+
     flags: list[tuple[str, Any, str]] = []
     for attr, name in _SHORTCUTS.items():
         value = getattr(args, attr)
@@ -129,7 +128,9 @@ async def run(config: DaemonConfig, reload_config: Any = None) -> int:
     """The daemon's whole life; returns the exit status."""
     import zmq.asyncio
 
+    from daemon.config import ConfigError, reload_changes
     from daemon.fronts.zmq_server import Server
+    from daemon.sdnotify import Notifier, Watchdog, watchdog_interval_s
     from daemon.service import Service
 
     loop = asyncio.get_running_loop()
@@ -237,8 +238,33 @@ async def run(config: DaemonConfig, reload_config: Any = None) -> int:
     return code
 
 
+def import_serving_modules() -> None:
+    """Import what serving needs (torch, the config, the service and both fronts) with the cyclic
+    collector off, then freeze what the imports made. Those millions of objects live as long as
+    the process, and the collector scanned them again at each of its full collections during the
+    imports: ~15% of their CPU time (0.7-1.4 s of ~5 at load ~11). What is frozen is never
+    scanned again (the engine's load then collects only its own objects)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        import daemon.config  # noqa: F401 - torch, the runtime's config and the fine-tuning terms
+        import daemon.fronts.http  # noqa: F401 - the OpenAI gateway (starlette, uvicorn)
+        import daemon.fronts.zmq_server  # noqa: F401
+        import daemon.service  # noqa: F401 - the engine and everything it loads with
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import_serving_modules()
+    from daemon.config import ConfigError, load_config
+    from daemon.principals import load_identities
+    from daemon.privacy import StartRefused, check_start
+    from edge_runtime.paths import make_private
+
     try:
         flags = flags_from(args)
         config = load_config(args.config, os.environ, flags)

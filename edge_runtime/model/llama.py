@@ -125,6 +125,15 @@ class RotaryTable(nn.Module):
         self.rotary_dim = cfg.rotary_dim
         self.switch = cfg.rope_switch
         self.short_rows = 0
+        if torch.empty(0).device.type == "meta":
+            # A shell built on the meta device (weights read in later, tables rebuilt on the real
+            # device): computing rows there runs torch's Python reference kernels, whose first
+            # use imports torch._dynamo, ~1-2 s of every daemon start. Same shapes, no numbers.
+            self.short_rows = min(self.switch, n) if self.switch is not None else 0
+            rows = self.short_rows + n
+            self.register_buffer("cos", torch.empty(rows, cfg.rotary_dim), persistent=False)
+            self.register_buffer("sin", torch.empty(rows, cfg.rotary_dim), persistent=False)
+            return
         if rope_type == "default":
             base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
             dim = cfg.rotary_dim
