@@ -195,9 +195,46 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _top_ops(profile: dict[str, Any], n: int = 6) -> str:
+    ops = list(profile["ops"].items())[:n]
+    return "; ".join(f"{k} {v['s']} s" for k, v in ops) + f"; rest {profile['rest_s']} s"
+
+
+def report(runs: dict[str, dict[str, Any]]) -> str:
+    """A markdown table of labelled runs (label -> this tool's JSON), first round of each."""
+    lines = ["| figure | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
+    rows = [r["rounds"][0] for r in runs.values()]
+
+    def line(name: str, get: Any) -> None:
+        cells = []
+        for row in rows:
+            try:
+                cells.append(str(get(row)))
+            except (KeyError, TypeError):
+                cells.append("-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+
+    line("load average (start of round)", lambda r: r["loadavg"].split()[0])
+    line("llama-cpp-python, 1 stream, tok/s", lambda r: r["llama_cpp_tok_s_1"])
+    for s in (1, 8):
+        line(f"decode, {s} stream(s), tok/s (rows a step)",
+             lambda r, s=s: f"{r[f'decode_{s}']['tok_s']} ({r[f'decode_{s}'].get('rows_per_step', '-')})")
+        line(f"decode, {s} stream(s): s a step (rest: not in a timed op)",
+             lambda r, s=s: f"{r[f'decode_{s}']['s_per_step']} (rest {round(r[f'decode_{s}']['profile']['rest_s'] / r[f'decode_{s}']['steps'], 3)})")
+    line("prefill chunk, s", lambda r: f"{r['prefill']['s']} ({r['prefill']['tokens']} tokens)")
+    line("DPO pair, s (stages)", lambda r: f"{r['dpo_pair']['s']} ({r['dpo_pair']['stages']})")
+    line("DPO pair by stage kind, s", lambda r: ", ".join(f"{k} {v}" for k, v in r["dpo_pair"]["stage_seconds"].items()))
+    out = ["\n".join(lines), ""]
+    for label, row in zip(runs, rows, strict=True):
+        for key in ("decode_1", "decode_8", "prefill", "dpo_pair"):
+            if key in row:
+                out.append(f"- {label}, {key}: {_top_ops(row[key]['profile'])}")
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--gguf")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=8, help="decode tokens per stream per round")
     ap.add_argument("--streams", default="1,8")
@@ -206,7 +243,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--llama", action="store_true", help="llama-cpp-python's 1-stream tok/s each round")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--report", nargs="+", metavar="LABEL=JSON",
+                    help="only write <out>.md: a table of earlier runs (labelled JSON files)")
     args = ap.parse_args(argv)
+    if args.report:
+        runs = {label: json.loads(Path(path).read_text()) for label, path in (a.split("=", 1) for a in args.report)}
+        text = report(runs)
+        if args.out:
+            args.out.with_suffix(".md").write_text(text)
+        print(text)
+        return 0
 
     import torch
 
@@ -225,26 +271,33 @@ def main(argv: list[str] | None = None) -> int:
     result["torch_threads"] = torch.get_num_threads()
     log(f"loaded in {result['load_s']} s")
     decode(engine, timer, 1, 2)  # warm: first touches of the mapped pages
+
+    def save() -> None:  # after every figure: a run cut short by a timeout keeps what it measured
+        if args.out:
+            args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+
     for r in range(args.rounds):
         row: dict[str, Any] = {"loadavg": Path("/proc/loadavg").read_text().strip()}
+        result["rounds"].append(row)
         if args.llama:
             row["llama_cpp_tok_s_1"] = llama_tok_s(args.gguf, args.threads, args.tokens * 2)
             log(f"llama.cpp: {row['llama_cpp_tok_s_1']} tok/s")
+            save()
         for s in (int(x) for x in args.streams.split(",") if x):
             row[f"decode_{s}"] = decode(engine, timer, s, args.tokens)
             log(f"decode {s}: {json.dumps(row[f'decode_{s}'])}")
+            save()
         if args.prefill:
             row["prefill"] = prefill(engine, timer, args.prefill)
             log(f"prefill: {json.dumps(row['prefill'])}")
+            save()
         if args.dpo_tokens:
             row["dpo_pair"] = dpo_pair(engine, timer, args.dpo_tokens, f"r{r}")
             log(f"dpo pair: {json.dumps(row['dpo_pair'])}")
+            save()
         row["loadavg_end"] = Path("/proc/loadavg").read_text().strip()
-        result["rounds"].append(row)
-    text = json.dumps(result, indent=2)
-    if args.out:
-        args.out.with_suffix(".json").write_text(text + "\n")
-    print(text)
+        save()
+    print(json.dumps(result, indent=2))
     return 0
 
 
