@@ -25,6 +25,8 @@ sys.path.append(str(Path(__file__).resolve().parent))  # tools/bench_scale.py
 
 from bench_scale import text_of_tokens  # noqa: E402
 
+import edge_runtime  # noqa: E402,F401  (before torch: it sets OMP_WAIT_POLICY, read when libgomp loads)
+
 LLAMA_PYTHON = "/work/llama-venv/bin/python"
 # llama-cpp-python's decode rate at 1 stream: one greedy generate after a warm one, prefill apart.
 LLAMA_SCRIPT = r"""
