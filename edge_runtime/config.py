@@ -23,6 +23,7 @@ class EngineConfig:
     onnx_quantization: str = "none"
     onnx_perplexity_margin: float = 0.05  # for onnx_quantization = "auto": +5 % perplexity at most
     onnx_cache_dir: str = ""  # exported graphs and TensorRT engines; "" = <cache dir>/onnx
+    onnx_prefetch: bool = True  # maced opens the last start's session during the start (ort_prefetch)
     # ONNX Runtime's KV layout: "dense" (per-sequence rows GroupQueryAttention appends to in place,
     # beside the paged cache) | "paged" (each step gathers the paged past); docs/onnx.md
     onnx_kv_layout: str = "dense"

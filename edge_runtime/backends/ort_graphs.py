@@ -56,7 +56,7 @@ class StepGraphs:
             # What the session holds (pre-packed weights, initializers still mapped), each kind's
             # own growth: under pressure the kernel drops other file pages meanwhile (8B: 3.4 of 7 GB).
             grown = sum(max(0, a - b) for a, b in zip(after, before, strict=True))
-            if sum(before) and grown:
+            if sum(before) and grown and not session.prefetched:  # its thread measured it
                 session.weights_bytes = grown
             if self.bind_cache is not None:
                 self.bind_cache(session)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from edge_runtime.backends import ort_prefetch
 from edge_runtime.backends.onnx_export import DATA_FILE
 from edge_runtime.backends.onnx_spec import KV_DTYPES, TORCH_KV_DTYPES
 
@@ -67,6 +68,7 @@ class OrtSession:
     bound_stack: tuple[Hashable, ...] | None = None
     dense_key: tuple | None = None  # what the dense layout's past/present are bound to
     inputs_key: tuple | None = None  # which preallocated decode inputs are bound (None: a plan's)
+    prefetched: bool = False  # opened by `ort_prefetch`'s thread, which measured `weights_bytes`
 
 
 # ONNX Runtime's kernels pre-pack constant weights into buffers of their own (MatMulNBits into
@@ -84,21 +86,22 @@ def open_session(path: Path, providers: list, num_threads: int = 0, has_lora_inp
                  prepack: bool | None = None) -> OrtSession:
     """A session of the exported graph at `path` with every graph optimisation, on `providers`
     (`num_threads` intra-op threads; 0: ONNX Runtime's choice); `prepack`: whether kernels may
-    copy their weights into layouts of their own (None: `PREPACK`)."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if num_threads:
-        options.intra_op_num_threads = num_threads
-    options.enable_cpu_mem_arena = CPU_ARENA
-    if not (PREPACK if prepack is None else prepack):
-        options.add_session_config_entry("session.disable_prepacking", "1")
-    inference = ort.InferenceSession(str(path), options, providers=providers)
-    log.info("onnxruntime backend: %s on %s", path.parent.name, inference.get_providers())
+    copy their weights into layouts of their own (None: `PREPACK`). `maced` may have opened it
+    already (`ort_prefetch`): taken when graph and options are identical, else dropped first."""
+    key = ort_prefetch.options_key(providers, num_threads, has_lora_inputs,
+                                   PREPACK if prepack is None else prepack, CPU_ARENA)
+    prefetch = ort_prefetch.current()
+    taken = prefetch.take(path, key) if prefetch is not None else None
+    inference, grown = taken or ort_prefetch.create_inference(path, key, DATA_FILE)
+    if prefetch is not None:
+        prefetch.remember(path, key, DATA_FILE)
+    log.info("onnxruntime backend: %s on %s%s", path.parent.name, inference.get_providers(),
+             " (prefetched)" if taken else "")
     data = path.parent / DATA_FILE
+    # A prefetched session's thread measured what opening it added (`ort_graphs` measures the others).
     return OrtSession(path, inference, inference.io_binding(), has_lora_inputs=has_lora_inputs,
-                      weights_bytes=data.stat().st_size if data.exists() else 0)
+                      weights_bytes=grown or (data.stat().st_size if data.exists() else 0),
+                      prefetched=taken is not None)
 
 
 def bind_cpu_inputs(session: OrtSession, inputs: dict[str, np.ndarray]) -> None:
