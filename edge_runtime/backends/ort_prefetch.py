@@ -162,7 +162,8 @@ class Prefetch:
                 _give_heap_back()
                 return
             self.session, self.key = (inference, grown), (str(graph), options, stamps)
-            log.debug("prefetched the onnxruntime session of %s", graph.parent.name)
+            log.debug("prefetched the onnxruntime session of %s (resident memory +%.0f MiB meanwhile)",
+                      graph.parent.name, grown / 2**20)
         except FileNotFoundError:
             log.debug("no session prefetch hint for %s", self.identity)
         except Exception as exc:  # noqa: BLE001 - a failed prefetch only means the start opens it itself
@@ -193,11 +194,14 @@ class Prefetch:
             self.session = self.key = None
             _give_heap_back()
 
-    def remember(self, path: Path, options: dict, data: str) -> None:
-        """Write the hint for this model: the first session this process opens."""
+    def remember(self, path: Path, options: dict, data: str, write: bool = True) -> None:
+        """Write the hint for this model: the first session this process opens (`write` False: a
+        taken session, which its hint already names)."""
         if self.remembered:
             return
         self.remembered = True
+        if not write:
+            return
         try:
             graph = _inside(Path(path), self.onnx_dir)
             target = hint_file(self.onnx_dir, self.identity)

@@ -94,7 +94,7 @@ def open_session(path: Path, providers: list, num_threads: int = 0, has_lora_inp
     taken = prefetch.take(path, key) if prefetch is not None else None
     inference, grown = taken or ort_prefetch.create_inference(path, key, DATA_FILE)
     if prefetch is not None:
-        prefetch.remember(path, key, DATA_FILE)
+        prefetch.remember(path, key, DATA_FILE, write=taken is None)
     log.info("onnxruntime backend: %s on %s%s", path.parent.name, inference.get_providers(),
              " (prefetched)" if taken else "")
     data = path.parent / DATA_FILE

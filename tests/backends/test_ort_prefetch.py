@@ -64,6 +64,7 @@ def test_hint_written_then_taken(cache, monkeypatch):
     prefetched = prefetch.session
     assert prefetched is not None
     monkeypatch.setattr(ort_prefetch, "create_inference", lambda *a, **k: pytest.fail("opened again"))
+    monkeypatch.setattr(ort_prefetch.durable, "write_json", lambda *a, **k: pytest.fail("the hint rewritten"))
     taken = ort_session.open_session(graph, CPU, 1, has_lora_inputs=False)
     assert taken.inference is prefetched[0] and taken.prefetched and prefetch.session is None
     assert not first.prefetched
