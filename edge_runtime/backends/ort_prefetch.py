@@ -76,7 +76,7 @@ def read_hint(onnx_dir: Path, identity: list) -> tuple[Path, dict, str]:
         raise HintError(f"{hint_path}: not a hint for this model")
     graph = _inside(Path(str(hint.get("graph"))), onnx_dir)
     stamps = hint.get("stamps")
-    if not isinstance(stamps, dict) or stamps != graph_stamps(graph):
+    if not isinstance(stamps, dict) or graph.name not in stamps or stamps != graph_stamps(graph):
         raise HintError(f"{graph} changed since the hint was written")
     options = hint.get("options")
     if not isinstance(options, dict) or set(options) != {"providers", "num_threads", "has_lora_inputs",
@@ -110,13 +110,15 @@ def create_inference(graph: Path, options: dict, data: str, measure: bool = Fals
     import onnxruntime as ort
 
     configs = session_options(ort, options)
+    # ONNX Runtime takes a provider with options as a tuple only; JSON made it a list.
+    providers = [tuple(p) if isinstance(p, list) else p for p in options["providers"]]
     if not measure:
-        return ort.InferenceSession(str(graph), configs, providers=options["providers"]), 0
+        return ort.InferenceSession(str(graph), configs, providers=providers), 0
     from edge_runtime.model.mapped_weights import paging_out, resident_bytes
 
     before = resident_bytes()
     with paging_out(graph.parent / data):
-        inference = ort.InferenceSession(str(graph), configs, providers=options["providers"])
+        inference = ort.InferenceSession(str(graph), configs, providers=providers)
     # Conservative: the start's other threads (imports, the model's load) allocate meanwhile, and
     # their growth is counted as the session's too.
     after = resident_bytes()

@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from edge_runtime.backends import ort_prefetch, ort_session  # noqa: E402
 
-CPU = ["CPUExecutionProvider"]
+CPU = [("CPUExecutionProvider", {})]  # a provider with options, as pick_providers gives GPU ones
 X = {"x": np.arange(3 * 8, dtype=np.float32).reshape(3, 8) / 10}
 
 
