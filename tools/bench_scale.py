@@ -557,19 +557,22 @@ class TreeSampler:
 
     def __init__(self, period_s: float = 0.1) -> None:
         self.period_s, self.pid, self.peak = period_s, 0, 0
+        self._lock = threading.Lock()  # a sample of the last phase must not land in the next one
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            if self.pid:
-                self.peak = max(self.peak, tree_status(self.pid).get("VmRSS", 0))
+            with self._lock:
+                if self.pid:
+                    self.peak = max(self.peak, tree_status(self.pid).get("VmRSS", 0))
 
     def start_phase(self, pid: int) -> None:
-        self.pid = pid
-        reset_tree_peaks(pid)
-        self.peak = tree_status(pid).get("VmRSS", 0)
+        with self._lock:
+            self.pid = pid
+            reset_tree_peaks(pid)
+            self.peak = tree_status(pid).get("VmRSS", 0)
 
     def end_phase(self) -> dict[str, float]:
         now = tree_status(self.pid) if self.pid else {}

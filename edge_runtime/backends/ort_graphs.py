@@ -9,6 +9,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import replace
 from pathlib import Path
 
+from edge_runtime.backends import ort_prefetch
 from edge_runtime.backends.lora_stack import LoraStackCache
 from edge_runtime.backends.onnx_export import DATA_FILE, export_step
 from edge_runtime.backends.onnx_spec import GraphSpec
@@ -58,6 +59,8 @@ class StepGraphs:
             grown = sum(max(0, a - b) for a, b in zip(after, before, strict=True))
             if sum(before) and grown and not session.prefetched:  # its thread measured it
                 session.weights_bytes = grown
+                if (prefetch := ort_prefetch.current()) is not None:
+                    prefetch.note_opened(path, grown)
             if self.bind_cache is not None:
                 self.bind_cache(session)
             self.sessions[lora] = session

@@ -64,14 +64,18 @@ def _inside(path: Path, root: Path) -> Path:
     return resolved
 
 
+def _load_hint(hint_path: Path) -> Any:
+    try:
+        return json.loads(hint_path.read_text())
+    except ValueError as exc:
+        raise HintError(f"{hint_path}: {exc}") from None
+
+
 def read_hint(onnx_dir: Path, identity: list) -> tuple[Path, dict, str]:
     """The graph path, options key and external data file name the hint for `identity` names,
     checked against the files now; raises HintError (or OSError: none) where it must not be opened."""
     hint_path = hint_file(onnx_dir, identity)
-    try:
-        hint = json.loads(hint_path.read_text())
-    except ValueError as exc:
-        raise HintError(f"{hint_path}: {exc}") from None
+    hint = _load_hint(hint_path)
     if not isinstance(hint, dict) or hint.get("version") != HINT_VERSION or hint.get("identity") != identity:
         raise HintError(f"{hint_path}: not a hint for this model")
     graph = _inside(Path(str(hint.get("graph"))), onnx_dir)
@@ -87,6 +91,17 @@ def read_hint(onnx_dir: Path, identity: list) -> tuple[Path, dict, str]:
     if not isinstance(data, str) or data not in stamps:  # a file beside the graph, by name
         raise HintError(f"{hint_path}: bad external data name")
     return graph, options, data
+
+
+def opened_bytes(onnx_dir: Path, identity: list) -> int:
+    """What an earlier start's own open of the hinted session added to resident memory, measured
+    with nothing else loading beside it (0: not recorded)."""
+    try:
+        hint = _load_hint(hint_file(onnx_dir, identity))
+    except (OSError, HintError):
+        return 0
+    value = hint.get("opened_bytes") if isinstance(hint, dict) else None
+    return value if isinstance(value, int) and value > 0 else 0
 
 
 def session_options(ort: Any, options: dict) -> Any:
@@ -159,6 +174,9 @@ class Prefetch:
             graph, options, data = read_hint(self.onnx_dir, self.identity)
             stamps = graph_stamps(graph)
             inference, grown = create_inference(graph, options, data, measure=True)
+            # The thread's figure counts the start's concurrent growth too (torch's import alone is
+            # hundreds of MiB): the ledger takes the figure a quiet open of this graph measured.
+            grown = min(grown, opened_bytes(self.onnx_dir, self.identity) or grown)
             if self.abandoned:
                 del inference
                 _give_heap_back()
@@ -212,6 +230,18 @@ class Prefetch:
                                         "data": data, "stamps": graph_stamps(graph), "options": options})
         except (OSError, HintError) as exc:
             log.debug("no session prefetch hint written: %s", exc)
+
+    def note_opened(self, path: Path, grown: int) -> None:
+        """Add to this process's hint what opening its graph (not prefetched) added to resident
+        memory, for the next start's prefetched session to report."""
+        target = hint_file(self.onnx_dir, self.identity)
+        try:
+            hint = _load_hint(target)
+            if not isinstance(hint, dict) or hint.get("graph") != str(Path(path).resolve()) or grown <= 0:
+                return
+            durable.write_json(target, {**hint, "opened_bytes": int(grown)})
+        except (OSError, HintError) as exc:
+            log.debug("no opened size added to the prefetch hint: %s", exc)
 
 
 def _give_heap_back() -> None:

@@ -71,6 +71,24 @@ def test_hint_written_then_taken(cache, monkeypatch):
     np.testing.assert_array_equal(taken.inference.run(None, X)[0], first.inference.run(None, X)[0])
 
 
+def test_a_prefetched_session_reports_what_a_quiet_open_of_its_graph_measured(cache, monkeypatch):
+    # The thread's own before/after counts the start's imports too; the ledger takes the figure the
+    # engine's own open measured (noted in the hint), never more than the thread saw.
+    onnx_dir, model = cache
+    graph = _graph(onnx_dir / "g1")
+    ort_prefetch.start(model, onnx_dir).done.wait()
+    ort_session.open_session(graph, CPU, 1)
+    ort_prefetch.current().note_opened(_graph(onnx_dir / "other"), 5)  # another graph: not this hint's
+    ort_prefetch.current().note_opened(graph, 1000)
+    ort_prefetch.stop()
+    assert ort_prefetch.opened_bytes(onnx_dir, ort_prefetch.model_identity(model)) == 1000
+    create = ort_prefetch.create_inference
+    monkeypatch.setattr(ort_prefetch, "create_inference", lambda *a, **k: (create(*a, **k)[0], 10**9))
+    ort_prefetch.start(model, onnx_dir).done.wait()
+    taken = ort_session.open_session(graph, CPU, 1)
+    assert taken.prefetched and taken.weights_bytes == 1000
+
+
 def test_mismatch_drops_the_prefetched_session_first(cache, monkeypatch):
     onnx_dir, model = cache
     graph = _graph(onnx_dir / "g1")
