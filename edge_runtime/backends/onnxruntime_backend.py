@@ -33,6 +33,7 @@ from edge_runtime.backends.ort_session import (
     bind_cpu_inputs,
     onnx_type,
     pick_providers,
+    run_options,
 )
 from edge_runtime.backends.step_inputs import (
     DecodeInputs,
@@ -415,11 +416,11 @@ class OnnxRuntimeBackend(Backend):
                                  device=self.device)
             session.binding.bind_output("new_kv", dev, idx, onnx_type(new_kv.dtype), list(new_kv.shape),
                                         new_kv.data_ptr())
-        return self._run_bound(session, len(plan.sampling_items)), new_kv, plan
+        return self._run_bound(session, len(plan.sampling_items), plan.num_tokens), new_kv, plan
 
-    def _run_bound(self, session: OrtSession, rows: int) -> torch.Tensor:
-        """Run with the inputs already bound; returns the logits of `rows` sampling rows (a
-        fresh tensor each run: callers may keep it)."""
+    def _run_bound(self, session: OrtSession, rows: int, tokens: int = 0) -> torch.Tensor:
+        """Run with the inputs already bound over `tokens` tokens (0: `rows`); returns the
+        logits of `rows` sampling rows (a fresh tensor each run: callers may keep it)."""
         binding = session.binding
         dev, idx = self._ort_device()
         logits = torch.empty(rows, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
@@ -427,7 +428,7 @@ class OnnxRuntimeBackend(Backend):
             binding.bind_output("logits", dev, idx, np.float32, [rows, self.cfg.vocab_size], logits.data_ptr())
         else:
             binding.bind_output("logits", dev, idx)
-        session.inference.run_with_iobinding(binding)
+        session.inference.run_with_iobinding(binding, run_options(tokens or rows))
         return logits
 
     def _write_kv(self, new_kv: torch.Tensor, slot_mapping: np.ndarray) -> None:

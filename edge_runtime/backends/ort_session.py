@@ -81,6 +81,28 @@ PREPACK = True
 # docs/onnx.md ("Where a block model's bytes go while it trains") measures both.
 CPU_ARENA = True
 
+# A run over more tokens than this (prefill chunks, the self-check, calibration shapes, scoring)
+# gives the arena's regions it grew back when it ends (`memory.enable_memory_arena_shrinkage`):
+# kept, a daemon carried its largest runs' intermediates (~300 MiB at 1B) through serving and
+# training. Decode steps (a few rows) stay below and reuse the arena as it is.
+SHRINK_ABOVE_TOKENS = 32
+_RUN_OPTIONS: dict[bool, Any] = {}
+
+
+def run_options(tokens: int) -> Any:
+    """The RunOptions of a run over `tokens` tokens: with the CPU arena's shrinkage above
+    `SHRINK_ABOVE_TOKENS` (where the arena is on), else None (ONNX Runtime's defaults)."""
+    shrink = CPU_ARENA and tokens > SHRINK_ABOVE_TOKENS
+    if not shrink:
+        return None
+    if shrink not in _RUN_OPTIONS:
+        import onnxruntime as ort
+
+        options = ort.RunOptions()
+        options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        _RUN_OPTIONS[shrink] = options
+    return _RUN_OPTIONS[shrink]
+
 
 def open_session(path: Path, providers: list, num_threads: int = 0, has_lora_inputs: bool = True,
                  prepack: bool | None = None) -> OrtSession:

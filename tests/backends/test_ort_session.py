@@ -42,3 +42,34 @@ def test_prepacking_off_gives_the_same_numbers(tmp_path):
     want = x["x"] @ dequantize_nbits(q).T
     np.testing.assert_allclose(outs[1], want, rtol=1e-4, atol=1e-4)
     assert 1e-4 < np.abs(outs[0] - want).max() < 0.05 * np.abs(want).max()
+
+
+def _anon_mib() -> float:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("RssAnon")) / 1024
+
+
+def test_a_long_run_gives_the_arena_it_grew_back(tmp_path):
+    """Above SHRINK_ABOVE_TOKENS a run shrinks ONNX Runtime's CPU arena when it ends: the regions
+    its intermediates grew (here ~128 MiB) leave the process; a short run keeps the arena as is."""
+    import edge_runtime.backends.ort_session as ort_session
+
+    assert ort_session.run_options(ort_session.SHRINK_ABOVE_TOKENS) is None
+    long_run = ort_session.run_options(ort_session.SHRINK_ABOVE_TOKENS + 1)
+    assert long_run.get_run_config_entry("memory.enable_memory_arena_shrinkage") == "cpu:0"
+    nodes = [helper.make_node("Tile", ["x", "reps"], ["big"]), helper.make_node("Exp", ["big"], ["big2"]),
+             helper.make_node("ReduceSum", ["big2"], ["y"], keepdims=1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 1024])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [helper.make_tensor("reps", TensorProto.INT64, [2], [1, 32])])
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
+    session = open_session(tmp_path / "m.onnx", ["CPUExecutionProvider"], 1).inference
+    x = np.zeros((512, 1024), np.float32)  # two [512, 32768] float32 intermediates: 64 MiB each
+    session.run(None, {"x": x[:1]})
+    rest = _anon_mib()
+    kept = session.run(None, {"x": x}, ort_session.run_options(1))[0]
+    grown = _anon_mib()
+    shrunk = session.run(None, {"x": x}, long_run)[0]
+    after = _anon_mib()
+    np.testing.assert_array_equal(kept, shrunk)
+    assert grown - rest > 100 and grown - after > 100, (rest, grown, after)
