@@ -5,6 +5,9 @@ it by pointer. Knows nothing of batches or the KV layouts that fill the bindings
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -88,6 +91,25 @@ CPU_ARENA = True
 SHRINK_ABOVE_TOKENS = 32
 _RUN_OPTIONS: dict[bool, Any] = {}
 
+# glibc raises its mmap threshold to the size of each mapped block it frees (up to 32 MiB): after
+# the arena's first shrink, its next regions and torch's tensors up to that size came from heaps
+# that give back only their top, and stayed. Pinned (which ends the raising), blocks from this
+# size up are mapped and unmapped as they come and go.
+MMAP_THRESHOLD = 8 << 20
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc's malloc.h)
+
+
+@functools.lru_cache(maxsize=1)
+def pin_mmap_threshold() -> bool:
+    """Pin glibc's mmap threshold at `MMAP_THRESHOLD`, once per process; False where the C
+    library has no `mallopt` or refuses."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = None if name is None else getattr(ctypes.CDLL(name), "mallopt", None)
+    except OSError:
+        return False
+    return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+
 
 def run_options(tokens: int) -> Any:
     """The RunOptions of a run over `tokens` tokens: with the CPU arena's shrinkage above
@@ -110,6 +132,8 @@ def open_session(path: Path, providers: list, num_threads: int = 0, has_lora_inp
     (`num_threads` intra-op threads; 0: ONNX Runtime's choice); `prepack`: whether kernels may
     copy their weights into layouts of their own (None: `PREPACK`). `maced` may have opened it
     already (`ort_prefetch`): taken when graph and options are identical, else dropped first."""
+    if CPU_ARENA:
+        pin_mmap_threshold()
     key = ort_prefetch.options_key(providers, num_threads, has_lora_inputs,
                                    PREPACK if prepack is None else prepack, CPU_ARENA)
     prefetch = ort_prefetch.current()

@@ -73,3 +73,22 @@ def test_a_long_run_gives_the_arena_it_grew_back(tmp_path):
     after = _anon_mib()
     np.testing.assert_array_equal(kept, shrunk)
     assert grown - rest > 100 and grown - after > 100, (rest, grown, after)
+
+
+def test_the_mmap_threshold_is_pinned_once_a_session_opens(tmp_path):
+    """With the arena on, opening a session pins glibc's mmap threshold (so the arena's shrunk
+    regions do not raise it and send later blocks to heaps that keep them)."""
+    import ctypes.util
+
+    import edge_runtime.backends.ort_session as ort_session
+
+    if ctypes.util.find_library("c") is None or not hasattr(ctypes.CDLL(ctypes.util.find_library("c")), "mallopt"):
+        pytest.skip("no glibc mallopt here")
+    ort_session.pin_mmap_threshold.cache_clear()
+    node = helper.make_node("Relu", ["x"], ["y"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "m.onnx"))
+    open_session(tmp_path / "m.onnx", ["CPUExecutionProvider"], 1)
+    assert ort_session.pin_mmap_threshold.cache_info().currsize == 1
+    assert ort_session.pin_mmap_threshold() is True
