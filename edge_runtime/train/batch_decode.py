@@ -8,7 +8,7 @@ column is masked out of every query's keys (and sees only itself, so its softmax
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -126,7 +126,8 @@ class BatchDecode:
         for i, token in enumerate(tokens.tolist()):
             if not self.finished[i]:
                 self.ids[i].append(token)
-                self.logits[i].append(logits[i])
+                # A copy of the row: a view would keep the whole step's [rows, vocab] alive (#28).
+                self.logits[i].append(logits[i].clone())
                 self.finished[i] = token in self.stop_ids
         self.steps += 1
         self._next = tokens[:, None]
@@ -140,9 +141,16 @@ def batch_answer_logits(model: LlamaModel, prompts: Sequence[Sequence[int]], ans
     """The logits [len(answer), vocab] under `lora` that predict each token of each answer given its
     prompt and the answer before it, all sequences in one forward. `max_new_tokens` picks the rotary
     offset as `BatchDecode` did (LongRoPE)."""
+    return list(each_answer_logits(model, prompts, answers, lora, max_new_tokens))
+
+
+def each_answer_logits(model: LlamaModel, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
+                       lora: LoraApplier | None, max_new_tokens: int) -> Iterator[Tensor]:
+    """`batch_answer_logits`' tensors one answer at a time (one forward), so a caller that reduces
+    each (a KL) holds one answer's [len, vocab] logits, not the batch's (#28)."""
     seqs = [list(p) + list(a[:-1]) for p, a in zip(prompts, answers, strict=True)]
     if not seqs:
-        return []
+        return
     width = max(len(s) for s in seqs)
     pads = [width - len(s) for s in seqs]
     offsets = [model.rope.offset(len(p) + max_new_tokens) for p in prompts]
@@ -150,11 +158,9 @@ def batch_answer_logits(model: LlamaModel, prompts: Sequence[Sequence[int]], ans
     positions = torch.tensor([[off + max(0, c - pad) for c in range(width)] for pad, off in zip(pads, offsets, strict=True)],
                              dtype=torch.long)
     hidden = _forward(model, BatchKV(model, pads, lora), ids, positions)
-    out = []
     for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
         if not answer:
-            out.append(torch.zeros(0, model.cfg.vocab_size))
+            yield torch.zeros(0, model.cfg.vocab_size)
             continue
         first = pads[i] + len(prompt) - 1
-        out.append(model.logits(hidden[i, first:first + len(answer)]).float().cpu())
-    return out
+        yield model.logits(hidden[i, first:first + len(answer)]).float().cpu()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from edge_runtime.lora.weights import LoraWeights
-from edge_runtime.train.batch_decode import BatchDecode, batch_answer_logits
+from edge_runtime.train.batch_decode import BatchDecode, each_answer_logits
 from edge_runtime.train.costs import StageEstimate
 from edge_runtime.train.degeneration import DegenerationMetrics, summarize, token_kl
 from edge_runtime.train.dpo import AlignmentMetrics, alignment_metrics
@@ -249,20 +249,27 @@ class GuardEvaluation(StageCursor):
                           lambda last=s == decode_stages - 1: decode(last), first)
 
         for batch in batches:
-            logits: list[torch.Tensor] = []
+            logits: list[torch.Tensor | None] = []
 
-            def kept(live: BatchDecode, logits: list[torch.Tensor] = logits) -> None:
+            def kept(live: BatchDecode, logits: list[torch.Tensor | None] = logits) -> None:
                 mine.extend(live.ids)
-                logits[:] = [torch.stack(r) if r else torch.zeros(0, src.model.cfg.vocab_size) for r in live.logits]
+                logits.clear()
+                for i, rows in enumerate(live.logits):  # each row's steps freed once stacked (#28)
+                    logits.append(torch.stack(rows) if rows else torch.zeros(0, src.model.cfg.vocab_size))
+                    live.logits[i] = []
 
             generate(batch, src.policy(self.candidate), "candidate", kept, StageKind.SCORE)
 
-            def kl(batch: list[tuple[int, ...]] = batch, logits: list[torch.Tensor] = logits) -> None:
-                ref = batch_answer_logits(src.model, batch, mine[-len(batch):], src.policy(None), n_tokens)
+            def kl(batch: list[tuple[int, ...]] = batch, logits: list[torch.Tensor | None] = logits) -> None:
+                ref = each_answer_logits(src.model, batch, mine[-len(batch):], src.policy(None), n_tokens)
                 skip = guard.kl_skip_tokens
-                for mine_logits, reference in zip(logits, ref, strict=True):
+                # One answer's reference logits at a time, each answer's own dropped once compared:
+                # a batch's two [answers x tokens x vocab] never sit side by side (#28).
+                for i, reference in enumerate(ref):
+                    mine_logits, logits[i] = logits[i], None
                     if mine_logits.shape[0] > skip:
                         kls.append(token_kl(mine_logits[skip:], reference[skip:]))
+                    del mine_logits, reference
                 logits.clear()
             b = len(batch)
             rows = b * (max(len(p) for p in batch) + n_tokens)

@@ -23,6 +23,9 @@ def test_a_batch_of_left_padded_prompts_answers_as_each_prompt_alone(tiny4, tiny
     for mine, theirs in zip(batch.logits, alone.logits, strict=True):
         assert torch.allclose(torch.stack(mine), theirs, atol=1e-4)
     assert batch.held_bytes == 0  # the keys/values are given back once every answer is done
+    # Each kept row owns its storage: a view would keep every step's whole [rows, vocab] alive.
+    vocab_bytes = tiny4.cfg.vocab_size * 4
+    assert all(t.untyped_storage().nbytes() == vocab_bytes for rows in batch.logits for t in rows)
     logits = batch_answer_logits(tiny4, prompts, batch.ids, None, 7)
     for prompt, ids, got in zip(prompts, batch.ids, logits, strict=True):
         assert torch.allclose(got, answer_logits(tiny4, prompt, ids, None), atol=1e-4)
