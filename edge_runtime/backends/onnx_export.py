@@ -25,6 +25,7 @@ from edge_runtime.backends.onnx_external import ExternalData
 from edge_runtime.backends.onnx_graph import build_step_graph
 from edge_runtime.backends.onnx_spec import GRAPH_VERSION, OPSET, GraphSpec, with_gqa_window
 from edge_runtime.durable import TargetExists, publish_directory
+from edge_runtime.model.gguf_weight import GgufWeight
 from edge_runtime.model.llama import LlamaModel
 from edge_runtime.model.mapped_weights import MappedWeights
 from edge_runtime.model.qweights import QuantWeight
@@ -66,6 +67,15 @@ def _hash_weights(model: LlamaModel) -> str:
         if blocks:  # weights kept as a GGUF's blocks (gguf_load); their q4_1 graph comes from them
             h.update(f"blocks-graph:{BLOCKS_GRAPH}".encode())
         for name, module in blocks:
+            if isinstance(module, GgufWeight):
+                # The file's own bytes (and the model's row order): their `parts` would re-encode
+                # every matrix into blocks just to be hashed (the 8B file: ~2.6 GB at a first start).
+                for raw in module.raw_parts:
+                    h.update(f"{name}:gguf:{raw.qtype}:{raw.k}".encode())
+                    feed_bytes(h, raw.data)
+                    if raw.order is not None:
+                        feed_bytes(h, raw.order)
+                continue
             for part, (zero, bits) in zip(module.parts, module.formats, strict=True):
                 h.update(f"{name}:{zero}:{bits}".encode())
                 for t in part.tensors():

@@ -238,3 +238,17 @@ def test_auto_leaves_a_re_encoded_copy_beyond_the_files_own_footprint():
     why = reencoded_too_big(4_912_898_048, roomy, 1 << 30)  # Llama-3.1-8B Q4_K_M
     assert why is not None and "footprint" in why
     assert "budget" in (reencoded_too_big(800_000_000, 1_500_000_000, 1 << 28) or "")
+
+
+def test_the_weights_digest_reads_the_files_bytes_without_re_encoding_them(q4km, monkeypatch):
+    # The digest (export key, prefix store, self-check memo) of a model read in place hashes the
+    # file's rows; re-encoding each matrix into blocks to hash it held ~2.6 GB at an 8B first start.
+    from edge_runtime.backends.onnx_export import _hash_weights
+
+    _, path = q4km
+    digest = _hash_weights(load_llama_gguf(path, in_place=True))
+    monkeypatch.setattr(GgufWeight, "parts", property(lambda self: pytest.fail("re-encoded to hash")))
+    again = load_llama_gguf(path, in_place=True)
+    assert _hash_weights(again) == digest
+    again.layers[0].o_weight.raw_parts[0].data[0, 0] ^= 1  # one byte of the copy-on-write map
+    assert _hash_weights(again) != digest
