@@ -6,8 +6,6 @@ commands while no model is loaded, and handing freed heap back to the OS. The en
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import logging
 import sys
@@ -19,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from edge_runtime.c_heap import give_heap_back
 from edge_runtime.lora.registry import FLEET
 
 if TYPE_CHECKING:
@@ -278,21 +277,7 @@ def return_freed_memory() -> bool:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
-
-
-def _malloc_trim() -> Any:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None)  # musl and macOS have none
-    except OSError:
-        return None
+    return give_heap_back()
 
 
 def memory_pressure(admission: AdmissionController | None) -> str | None:

@@ -14,10 +14,10 @@ from edge_runtime.backends.lora_stack import LoraStackCache
 from edge_runtime.backends.onnx_export import DATA_FILE, export_step
 from edge_runtime.backends.onnx_spec import GraphSpec
 from edge_runtime.backends.ort_session import OrtSession, open_session
+from edge_runtime.c_heap import give_heap_back
 from edge_runtime.lora.registry import AdapterRegistry
 from edge_runtime.model.llama import LlamaModel
 from edge_runtime.model.mapped_weights import paging_out, resident_bytes
-from edge_runtime.train.staged import give_heap_back
 
 # A base graph holding more than this is closed when the LoRA graph opens, which then serves base
 # rows too (an empty stack: their delta is exactly 0): one pre-packed copy of the weights, not two

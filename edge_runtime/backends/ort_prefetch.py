@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_runtime import durable
+from edge_runtime.c_heap import give_heap_back as _give_heap_back
 
 log = logging.getLogger(__name__)
 
@@ -242,12 +243,6 @@ class Prefetch:
             durable.write_json(target, {**hint, "opened_bytes": int(grown)})
         except (OSError, HintError) as exc:
             log.debug("no opened size added to the prefetch hint: %s", exc)
-
-
-def _give_heap_back() -> None:
-    from edge_runtime.train.staged import give_heap_back
-
-    give_heap_back()
 
 
 _current: Prefetch | None = None

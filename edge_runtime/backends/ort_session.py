@@ -5,8 +5,6 @@ it by pointer. Knows nothing of batches or the KV layouts that fill the bindings
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
 import logging
 from collections.abc import Hashable
@@ -20,6 +18,7 @@ import torch
 from edge_runtime.backends import ort_prefetch
 from edge_runtime.backends.onnx_export import DATA_FILE
 from edge_runtime.backends.onnx_spec import KV_DTYPES, TORCH_KV_DTYPES
+from edge_runtime.c_heap import pin_mmap_threshold
 
 log = logging.getLogger(__name__)
 
@@ -89,41 +88,21 @@ CPU_ARENA = True
 # kept, a daemon carried its largest runs' intermediates (~300 MiB at 1B) through serving and
 # training. Decode steps (a few rows) stay below and reuse the arena as it is.
 SHRINK_ABOVE_TOKENS = 32
-_RUN_OPTIONS: dict[bool, Any] = {}
-
-# glibc raises its mmap threshold to the size of each mapped block it frees (up to 32 MiB): after
-# the arena's first shrink, its next regions and torch's tensors up to that size came from heaps
-# that give back only their top, and stayed. Pinned (which ends the raising), blocks from this
-# size up are mapped and unmapped as they come and go.
-MMAP_THRESHOLD = 8 << 20
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc's malloc.h)
-
-
-@functools.lru_cache(maxsize=1)
-def pin_mmap_threshold() -> bool:
-    """Pin glibc's mmap threshold at `MMAP_THRESHOLD`, once per process; False where the C
-    library has no `mallopt` or refuses."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = None if name is None else getattr(ctypes.CDLL(name), "mallopt", None)
-    except OSError:
-        return False
-    return mallopt is not None and mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
 
 
 def run_options(tokens: int) -> Any:
     """The RunOptions of a run over `tokens` tokens: with the CPU arena's shrinkage above
     `SHRINK_ABOVE_TOKENS` (where the arena is on), else None (ONNX Runtime's defaults)."""
-    shrink = CPU_ARENA and tokens > SHRINK_ABOVE_TOKENS
-    if not shrink:
-        return None
-    if shrink not in _RUN_OPTIONS:
-        import onnxruntime as ort
+    return _shrinking_run() if CPU_ARENA and tokens > SHRINK_ABOVE_TOKENS else None
 
-        options = ort.RunOptions()
-        options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-        _RUN_OPTIONS[shrink] = options
-    return _RUN_OPTIONS[shrink]
+
+@functools.lru_cache(maxsize=1)
+def _shrinking_run() -> Any:
+    import onnxruntime as ort
+
+    options = ort.RunOptions()
+    options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    return options
 
 
 def open_session(path: Path, providers: list, num_threads: int = 0, has_lora_inputs: bool = True,

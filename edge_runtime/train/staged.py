@@ -26,10 +26,7 @@ it trains only through `AdapterSide` (AdapterTrainer implements it).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import enum
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
+from edge_runtime.c_heap import give_heap_back
 from edge_runtime.train.costs import StageCostModel, StageEstimate
 from edge_runtime.train.logprobs import token_logps
 from edge_runtime.train.objectives import Objective, Score
@@ -463,19 +461,3 @@ TRIM_AFTER_STAGE = True
 TRIM_MIN_STAGE_S = 0.2  # shorter stages (tests, tiny models) skip the trim: it would cost more than they do
 
 
-@functools.lru_cache(maxsize=1)
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return None if name is None else getattr(ctypes.CDLL(name), "malloc_trim", None)  # glibc only
-    except OSError:
-        return None
-
-
-def give_heap_back() -> bool:
-    """Return the C heap's free pages to the OS (glibc's `malloc_trim`; False where there is none)."""
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True

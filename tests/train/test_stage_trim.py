@@ -4,6 +4,7 @@ freed tensors under the next; stages shorter than `TRIM_MIN_STAGE_S` skip it."""
 
 from __future__ import annotations
 
+from edge_runtime import c_heap
 from edge_runtime.train import staged
 
 
@@ -33,4 +34,4 @@ def test_short_stages_and_the_switch_skip_the_trim(monkeypatch):
 
 
 def test_the_trim_is_glibc_malloc_trim_where_there_is_one():
-    assert staged.give_heap_back() is (staged._malloc_trim() is not None)
+    assert staged.give_heap_back() is (c_heap._glibc("malloc_trim") is not None)
