@@ -9,11 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("onnxruntime")
-
-from edge_runtime.backends import onnx_blocks  # noqa: E402
-from edge_runtime.model.gguf_load import load_llama_gguf  # noqa: E402
-from tests.model.quant_helpers import Q4_K_M_LIKE, private_cache, tiny_quant_gguf  # noqa: E402, F401
+from edge_runtime.backends import onnx_blocks
+from edge_runtime.model.gguf_load import load_llama_gguf
+from tests.model.quant_helpers import Q4_K_M_LIKE, private_cache, tiny_quant_gguf  # noqa: F401
 
 LEGACY = {"token_embd.weight": "Q4_1", "attn_q.weight": "Q4_0", "attn_k.weight": "Q5_1", "attn_v.weight": "Q5_0",
           "attn_output.weight": "Q5_K", "ffn_gate.weight": "Q4_0", "ffn_up.weight": "Q4_1", "ffn_down.weight": "Q8_0"}

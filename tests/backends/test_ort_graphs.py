@@ -5,15 +5,12 @@ base rows then served by the LoRA graph score as they did on the base graph."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-pytest.importorskip("onnxruntime")
-
-from edge_runtime import SamplingParams  # noqa: E402
-from edge_runtime.backends import ort_graphs  # noqa: E402
-from edge_runtime.model.config import ModelConfig  # noqa: E402
-from tests.backends.helpers import make_engine, ort_device, two_adapters  # noqa: E402
+from edge_runtime import SamplingParams
+from edge_runtime.backends import ort_graphs
+from edge_runtime.model.config import ModelConfig
+from tests.backends.helpers import make_engine, ort_device, two_adapters
 
 
 def test_the_heap_is_trimmed_between_closing_the_base_graph_and_packing_the_lora_graph(tiny_model_dir, tmp_path,

@@ -7,14 +7,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
-pytest.importorskip("onnxruntime")
-
-import onnx  # noqa: E402
-from onnx import TensorProto, helper, numpy_helper  # noqa: E402
-
-from edge_runtime.backends import ort_prefetch, ort_session  # noqa: E402
+from edge_runtime.backends import ort_prefetch, ort_session
 
 CPU = [("CPUExecutionProvider", {})]  # a provider with options, as pick_providers gives GPU ones
 X = {"x": np.arange(3 * 8, dtype=np.float32).reshape(3, 8) / 10}
