@@ -41,7 +41,7 @@ def test_status_says_profiling_while_the_stage_costs_are_measured(tiny_model_dir
         return Engine.load(str(tiny_model_dir), dtype="float32", kv_cache_bytes=8 << 20,
                            cost_cache_dir=str(tmp_path / "costs"))
 
-    async def main() -> tuple[dict[str, Any], dict[str, Any]]:
+    async def main() -> tuple[dict[str, Any], dict[str, Any], float]:
         thread = EngineThread(load, asyncio.get_running_loop())
         await thread.start()
         tuner = EngineFineTuner(thread, store, FineTuneSettings(pairs_per_version=8), poll_s=0.05)
@@ -51,20 +51,21 @@ def test_status_says_profiling_while_the_stage_costs_are_measured(tiny_model_dir
             await asyncio.sleep(0.02)
         during = tuner.status()
         release.set()
-        while time.monotonic() < deadline:
-            after = tuner.status()
-            if tuner.profile_seconds is not None:  # the profile returned: its job is queued
-                break
-            await asyncio.sleep(0.05)
+        while tuner.profile_seconds is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # until the profile returned: its job is then queued
+        after = tuner.status()  # read after the profile's end, not before it
         thread.stop()
         await thread.join(10)
-        return during, after
+        assert tuner.profile_seconds is not None, "the profile did not return in 120 s"
+        return during, after, tuner.profile_seconds
 
     try:
-        during, after = asyncio.run(main())
+        during, after, profile_seconds = asyncio.run(main())
     finally:
         release.set()
         store.close()
     assert during["state"] == "profiling" and during["profile_s"] >= 0.0, during
-    assert after["state"] != "profiling" and after["profile_s"] > 0.0, after
+    # status rounds to 0.1 s, and the tiny model's profile can take less than 0.05 s
+    assert after["state"] != "profiling" and after["profile_s"] >= 0.0, after
+    assert after["profile_s"] == round(profile_seconds, 1) and profile_seconds > 0.0, after
     assert "profiling" in _FINETUNE_STATES  # the /metrics gauge has the state too
