@@ -21,6 +21,7 @@ from edge_runtime.lora.weights import LoraWeights, TrainingLora
 from edge_runtime.model.dense import DenseCausalContext
 from edge_runtime.model.llama import LlamaModel
 from edge_runtime.model.qweights import CHUNK_ELEMENTS, QuantWeight
+from edge_runtime.train.logprobs import token_logps
 
 log = logging.getLogger(__name__)
 
@@ -182,17 +183,20 @@ class StageCostModel:
             hidden = torch.randn(n, cfg.hidden_size, device=model.device, dtype=model.dtype)
             targets = torch.randint(0, cfg.vocab_size, (n,), device=model.device)
 
+            # The head as the stages read it (`token_logps`: a piece of the vocabulary at a time,
+            # each piece's mapped block pages given back once read where another backend
+            # serves): `model.logits` kept the whole tied table's pages (206 MiB at 1B) and the
+            # [rows, vocab] logits resident, the first pair's peak in the daemon (#28).
             def head() -> None:
                 counts["head_forwards"] += 1
                 with torch.no_grad():
-                    model.logits(hidden)
+                    token_logps(model, hidden, targets)
 
             def head_grad() -> None:
                 counts["head_forwards"] += 1
                 counts["head_backwards"] += 1
                 h = hidden.clone().requires_grad_(True)
-                logits = model.logits(h).float()
-                (logits.gather(-1, targets[:, None]) - torch.logsumexp(logits, -1, keepdim=True)).sum().backward()
+                token_logps(model, h, targets).sum().backward()
 
             return {"nograd": t_nograd / layers, "grad_fwd": min(t_fwd) / layers, "bwd": min(t_bwd) / layers,
                     "head": best(head), "head_grad": best(head_grad), "saved": saved_bytes / (n * layers)}

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
+from edge_runtime import c_heap
 from edge_runtime.c_heap import give_heap_back
 from edge_runtime.train.costs import StageCostModel, StageEstimate
 from edge_runtime.train.logprobs import token_logps
@@ -100,7 +101,8 @@ class Stage:
 
     def run(self) -> float:
         t0 = time.perf_counter()
-        self.run_fn()
+        with c_heap.stage_blocks_mapped():
+            self.run_fn()
         self.seconds = time.perf_counter() - t0
         if TRIM_AFTER_STAGE and self.seconds >= TRIM_MIN_STAGE_S:
             give_heap_back()
