@@ -223,6 +223,8 @@ def _per_block(base: Tensor, steps: Tensor | None) -> Tensor:
     """float32 [n, blocks] from a per-block tensor, or a per-group one times per-block steps."""
     if steps is None:
         return base.float()
+    if steps.dtype in (torch.uint8, torch.int8) and qkernel.available(steps):
+        return qkernel.per_block(base, steps)
     n, groups = base.shape
     # Broadcast rather than repeat_interleave: the same products, and no host sync on CUDA (a
     # decode step there is captured in a CUDA graph).
