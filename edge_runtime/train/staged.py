@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from edge_runtime.c_heap import give_heap_back
+from edge_runtime.model import held_floats
 from edge_runtime.train.costs import StageCostModel, StageEstimate
 from edge_runtime.train.logprobs import token_logps
 from edge_runtime.train.objectives import Objective, Score
@@ -423,15 +424,19 @@ class FineTuneTask(StageCursor):
             for layer in reversed(range(start, stop)):
                 kv = PairKV(cfg.num_layers, cfg.layer_windows, cfg.attn_softcap)
                 leaves, outputs = [], []
-                with torch.enable_grad():
-                    for win, kept, rng in zip(self.windows, acts.inputs[layer], acts.rng[layer], strict=True):
-                        x = kept.detach().requires_grad_(layer > 0)  # the embedding is frozen
-                        _set_rng_state(rng, device)
-                        outputs.append(model.run_layers(x, win.positions.to(device), kv.context(win, applier),
-                                                        layer, layer + 1))
-                        leaves.append(x)
-                torch.autograd.backward(outputs, acts.seeds)
-                del outputs
+                # A quantised weight of this layer is de-quantised once for its forward over
+                # every window and its backward (2 x windows reads otherwise), held only until
+                # the layer is done: at most one layer's floats (`held_floats.MAX_BYTES`).
+                with held_floats.holding():
+                    with torch.enable_grad():
+                        for win, kept, rng in zip(self.windows, acts.inputs[layer], acts.rng[layer], strict=True):
+                            x = kept.detach().requires_grad_(layer > 0)  # the embedding is frozen
+                            _set_rng_state(rng, device)
+                            outputs.append(model.run_layers(x, win.positions.to(device), kv.context(win, applier),
+                                                            layer, layer + 1))
+                            leaves.append(x)
+                    torch.autograd.backward(outputs, acts.seeds)
+                    del outputs
                 acts.seeds = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves] if layer else []
                 acts.inputs[layer], acts.rng[layer] = [], []
         finally:
