@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -123,6 +123,19 @@ class _Activations:
     sums: Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
 
 
+def _held_layer_bytes(model: LlamaModel) -> int:
+    """The most `held_floats.holding` keeps while one layer recomputes and runs backward: the
+    float bytes of the largest layer's weights kept as blocks (those read through
+    `QuantWeight`'s own products; a GGUF read in place keeps its kernels), at most its budget."""
+    from edge_runtime.model.qweights import QuantWeight
+
+    own = QuantWeight.linear_forward
+    most = max((sum(m.shape.numel() for m in layer.modules()
+                    if isinstance(m, QuantWeight) and type(m).linear_forward is own) for layer in model.layers),
+               default=0)
+    return min(held_floats.MAX_BYTES, most * model.dtype.itemsize)
+
+
 def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
     """The generators LoRA dropout draws from, so a recomputed layer draws the same mask."""
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -181,6 +194,7 @@ class FineTuneTask(StageCursor):
         self._acts: _Activations | None = None
         self._costs: tuple[StageCostModel, StageCostModel] | None = None  # (the trainer's, filled in)
         self._held = 0  # estimated bytes held between forward and backward
+        self._held_layer: int | None = None  # `_held_layer_bytes` of the model, once asked
         self.stages: list[Stage] = []
         self._score_kv: PairKV | None = None  # between score windows
         self._score_sums = torch.zeros(2, dtype=torch.float64)
@@ -361,8 +375,13 @@ class FineTuneTask(StageCursor):
     def _estimator_backward(self, g: int) -> Callable[[], StageEstimate]:
         def estimate() -> StageEstimate:
             start, stop = self.groups[g]
-            return self.costs.backward_group(self.tokens.num_rows, stop - start, self._held, len(self.windows),
-                                                     self.recompute)
+            est = self.costs.backward_group(self.tokens.num_rows, stop - start, self._held, len(self.windows),
+                                            self.recompute)
+            if not self.recompute:
+                return est
+            if self._held_layer is None:
+                self._held_layer = _held_layer_bytes(self.trainer.model)
+            return replace(est, peak_bytes=est.peak_bytes + self._held_layer)
         return estimate
 
     def _runner_backward(self, g: int) -> Callable[[], None]:

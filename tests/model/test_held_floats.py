@@ -62,3 +62,25 @@ def test_weights_past_the_budget_are_read_their_bounded_way(monkeypatch):
         assert held_floats.whole(other, torch.zeros(1)) is None
     assert calls[0] == len(w.parts) + 4 * len(other.parts)
     assert held_floats.whole(w, torch.zeros(1)) is None  # nothing outside a holding
+
+
+def test_a_backward_stage_counts_the_layer_it_holds(tmp_path, monkeypatch):
+    """The staged backward's memory estimate includes the held layer: its weights kept as
+    blocks, in float32, at most the budget."""
+    from edge_runtime.model.gguf_load import load_llama_gguf
+    from edge_runtime.model.tokenizer import Tokenizer
+    from edge_runtime.train.staged import StageKind, _held_layer_bytes
+    from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
+    from tests.train.helpers import make_trainer, preference_records
+
+    folder, path = tiny_quant_gguf(tmp_path, Q4_K_M_LIKE)
+    model = load_llama_gguf(path)
+    layer = max(sum(m.shape.numel() for m in block.modules() if isinstance(m, QuantWeight)) for block in model.layers)
+    assert layer > 0 and _held_layer_bytes(model) == 4 * layer
+    task = make_trainer(model, Tokenizer(folder)).task(preference_records()[0], score=False)
+    backward = next(s for s in task.stages if s.kind is StageKind.BACKWARD)
+    start, stop = task.groups[-1]
+    plain = task.costs.backward_group(task.tokens.num_rows, stop - start, 0, len(task.windows), True)
+    assert backward.estimate().peak_bytes == plain.peak_bytes + 4 * layer
+    monkeypatch.setattr(held_floats, "MAX_BYTES", 1000)
+    assert _held_layer_bytes(model) == 1000
