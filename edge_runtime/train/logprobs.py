@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from edge_runtime.model import held_floats
 from edge_runtime.model.dense import dense_logits
 from edge_runtime.model.llama import LlamaModel, LoraApplier, linear, softcap
 from edge_runtime.model.mapped_weights import give_back_after_use
@@ -121,16 +122,26 @@ class _TargetLogps(torch.autograd.Function):
 def pair_logps(
     model: LlamaModel, tokens: PairTokens, lora: LoraApplier | None, window_tokens: int | None = None
 ) -> tuple[float, float]:
-    """(log pi(chosen|prompt), log pi(rejected|prompt)) in one pass that runs the prompt once."""
+    """(log pi(chosen|prompt), log pi(rejected|prompt)) in one pass that runs the prompt once.
+    Layer by layer over every window (a later window attends to the keys and values the earlier
+    ones left in the same layer, as window by window), so a quantised weight is de-quantised
+    once for all the windows (`held_floats`: one layer's floats at a time), and the scored rows
+    of every window go through the LM head together: the head is read once, not per window."""
     kv = PairKV(model.cfg.num_layers, model.cfg.layer_windows, model.cfg.attn_softcap)
-    sums = torch.zeros(2, dtype=torch.float64)
     device = model.device
-    for win in plan_windows(tokens, window_tokens, rope_offsets=pair_rope_offsets(model, tokens)):
-        ctx = kv.context(win, lora)
-        hidden = model.run_layers(model.embed_tokens(win.input_ids.to(device)), win.positions.to(device), ctx)
-        if win.score_rows.numel():
-            logp = token_logps(model, hidden.index_select(0, win.score_rows.to(device)), win.targets.to(device))
-            sums.index_add_(0, win.owners, logp.double().cpu())
+    windows = plan_windows(tokens, window_tokens, rope_offsets=pair_rope_offsets(model, tokens))
+    hidden = [model.embed_tokens(win.input_ids.to(device)) for win in windows]
+    positions = [win.positions.to(device) for win in windows]
+    for layer in range(model.cfg.num_layers):
+        with held_floats.holding():
+            for j, win in enumerate(windows):
+                hidden[j] = model.run_layers(hidden[j], positions[j], kv.context(win, lora), layer, layer + 1)
+    sums = torch.zeros(2, dtype=torch.float64)
+    scored = [j for j, win in enumerate(windows) if win.score_rows.numel()]
+    if scored:
+        rows = torch.cat([hidden[j].index_select(0, windows[j].score_rows.to(device)) for j in scored])
+        logp = token_logps(model, rows, torch.cat([windows[j].targets for j in scored]).to(device))
+        sums.index_add_(0, torch.cat([windows[j].owners for j in scored]), logp.double().cpu())
     return float(sums[0]), float(sums[1])
 
 

@@ -303,7 +303,8 @@ class FineTuneTask(StageCursor):
 
     def _estimate_reference(self) -> StageEstimate:
         t = self.trainer
-        return self.costs.score(self.tokens.num_rows, t.model.cfg.num_layers, self._scored_rows(), with_reference=False)
+        est = self.costs.score(self.tokens.num_rows, t.model.cfg.num_layers, self._scored_rows(), with_reference=False)
+        return replace(est, peak_bytes=est.peak_bytes + self._held_layer_bytes())  # `pair_logps` holds a layer
 
     def _scored_rows(self) -> int:
         return sum(int(w.score_rows.numel()) for w in self.windows)
@@ -379,10 +380,13 @@ class FineTuneTask(StageCursor):
                                             self.recompute)
             if not self.recompute:
                 return est
-            if self._held_layer is None:
-                self._held_layer = _held_layer_bytes(self.trainer.model)
-            return replace(est, peak_bytes=est.peak_bytes + self._held_layer)
+            return replace(est, peak_bytes=est.peak_bytes + self._held_layer_bytes())
         return estimate
+
+    def _held_layer_bytes(self) -> int:
+        if self._held_layer is None:
+            self._held_layer = _held_layer_bytes(self.trainer.model)
+        return self._held_layer
 
     def _runner_backward(self, g: int) -> Callable[[], None]:
         return lambda: self._run_backward(g)
