@@ -132,10 +132,11 @@ def pair_logps(
     windows = plan_windows(tokens, window_tokens, rope_offsets=pair_rope_offsets(model, tokens))
     hidden = [model.embed_tokens(win.input_ids.to(device)) for win in windows]
     positions = [win.positions.to(device) for win in windows]
-    for layer in range(model.cfg.num_layers):
-        with held_floats.holding():
-            for j, win in enumerate(windows):
-                hidden[j] = model.run_layers(hidden[j], positions[j], kv.context(win, lora), layer, layer + 1)
+    with held_floats.arena(held_floats.layer_bytes(model)):
+        for layer in range(model.cfg.num_layers):
+            with held_floats.holding():
+                for j, win in enumerate(windows):
+                    hidden[j] = model.run_layers(hidden[j], positions[j], kv.context(win, lora), layer, layer + 1)
     sums = torch.zeros(2, dtype=torch.float64)
     scored = [j for j, win in enumerate(windows) if win.score_rows.numel()]
     if scored:

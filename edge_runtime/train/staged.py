@@ -123,19 +123,6 @@ class _Activations:
     sums: Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
 
 
-def _held_layer_bytes(model: LlamaModel) -> int:
-    """The most `held_floats.holding` keeps while one layer recomputes and runs backward: the
-    float bytes of the largest layer's weights kept as blocks (those read through
-    `QuantWeight`'s own products; a GGUF read in place keeps its kernels), at most its budget."""
-    from edge_runtime.model.qweights import QuantWeight
-
-    own = QuantWeight.linear_forward
-    most = max((sum(m.shape.numel() for m in layer.modules()
-                    if isinstance(m, QuantWeight) and type(m).linear_forward is own) for layer in model.layers),
-               default=0)
-    return min(held_floats.MAX_BYTES, most * model.dtype.itemsize)
-
-
 def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
     """The generators LoRA dropout draws from, so a recomputed layer draws the same mask."""
     return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -194,7 +181,7 @@ class FineTuneTask(StageCursor):
         self._acts: _Activations | None = None
         self._costs: tuple[StageCostModel, StageCostModel] | None = None  # (the trainer's, filled in)
         self._held = 0  # estimated bytes held between forward and backward
-        self._held_layer: int | None = None  # `_held_layer_bytes` of the model, once asked
+        self._held_layer: int | None = None  # `held_floats.layer_bytes` of the model, once asked
         self.stages: list[Stage] = []
         self._score_kv: PairKV | None = None  # between score windows
         self._score_sums = torch.zeros(2, dtype=torch.float64)
@@ -385,7 +372,7 @@ class FineTuneTask(StageCursor):
 
     def _held_layer_bytes(self) -> int:
         if self._held_layer is None:
-            self._held_layer = _held_layer_bytes(self.trainer.model)
+            self._held_layer = held_floats.layer_bytes(self.trainer.model)
         return self._held_layer
 
     def _runner_backward(self, g: int) -> Callable[[], None]:
@@ -444,24 +431,25 @@ class FineTuneTask(StageCursor):
             acts.seeds = self._top_seeds(acts, acts.inputs[stop - 1])
         outer = _rng_state(device)  # the recompute leaves the generators as it found them
         try:
-            for layer in reversed(range(start, stop)):
-                kv = PairKV(cfg.num_layers, cfg.layer_windows, cfg.attn_softcap)
-                leaves, outputs = [], []
-                # A quantised weight of this layer is de-quantised once for its forward over
-                # every window and its backward (2 x windows reads otherwise), held only until
-                # the layer is done: at most one layer's floats (`held_floats.MAX_BYTES`).
-                with held_floats.holding():
-                    with torch.enable_grad():
-                        for win, kept, rng in zip(self.windows, acts.inputs[layer], acts.rng[layer], strict=True):
-                            x = kept.detach().requires_grad_(layer > 0)  # the embedding is frozen
-                            _set_rng_state(rng, device)
-                            outputs.append(model.run_layers(x, win.positions.to(device), kv.context(win, applier),
-                                                            layer, layer + 1))
-                            leaves.append(x)
-                    torch.autograd.backward(outputs, acts.seeds)
-                    del outputs
-                acts.seeds = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves] if layer else []
-                acts.inputs[layer], acts.rng[layer] = [], []
+            with held_floats.arena(self._held_layer_bytes()):  # one buffer for every layer's held floats
+                for layer in reversed(range(start, stop)):
+                    kv = PairKV(cfg.num_layers, cfg.layer_windows, cfg.attn_softcap)
+                    leaves, outputs = [], []
+                    # A quantised weight of this layer is de-quantised once for its forward over
+                    # every window and its backward (2 x windows reads otherwise), held only until
+                    # the layer is done: at most one layer's floats (`held_floats.MAX_BYTES`).
+                    with held_floats.holding():
+                        with torch.enable_grad():
+                            for win, kept, rng in zip(self.windows, acts.inputs[layer], acts.rng[layer], strict=True):
+                                x = kept.detach().requires_grad_(layer > 0)  # the embedding is frozen
+                                _set_rng_state(rng, device)
+                                outputs.append(model.run_layers(x, win.positions.to(device), kv.context(win, applier),
+                                                                layer, layer + 1))
+                                leaves.append(x)
+                        torch.autograd.backward(outputs, acts.seeds)
+                        del outputs
+                    acts.seeds = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves] if layer else []
+                    acts.inputs[layer], acts.rng[layer] = [], []
         finally:
             _set_rng_state(outer, device)
 

@@ -69,18 +69,34 @@ def test_a_backward_stage_counts_the_layer_it_holds(tmp_path, monkeypatch):
     blocks, in float32, at most the budget."""
     from edge_runtime.model.gguf_load import load_llama_gguf
     from edge_runtime.model.tokenizer import Tokenizer
-    from edge_runtime.train.staged import StageKind, _held_layer_bytes
+    from edge_runtime.train.staged import StageKind
     from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
     from tests.train.helpers import make_trainer, preference_records
 
     folder, path = tiny_quant_gguf(tmp_path, Q4_K_M_LIKE)
     model = load_llama_gguf(path)
     layer = max(sum(m.shape.numel() for m in block.modules() if isinstance(m, QuantWeight)) for block in model.layers)
-    assert layer > 0 and _held_layer_bytes(model) == 4 * layer
+    assert layer > 0 and held_floats.layer_bytes(model) == 4 * layer
     task = make_trainer(model, Tokenizer(folder)).task(preference_records()[0], score=False)
     backward = next(s for s in task.stages if s.kind is StageKind.BACKWARD)
     start, stop = task.groups[-1]
     plain = task.costs.backward_group(task.tokens.num_rows, stop - start, 0, len(task.windows), True)
     assert backward.estimate().peak_bytes == plain.peak_bytes + 4 * layer
     monkeypatch.setattr(held_floats, "MAX_BYTES", 1000)
-    assert _held_layer_bytes(model) == 1000
+    assert held_floats.layer_bytes(model) == 1000
+
+
+def test_holdings_inside_an_arena_write_into_it_and_read_the_same(monkeypatch):
+    w, other = _mixed(), _mixed()
+    free_y, free_grad = _two_windows(w)
+    with held_floats.arena(4 * w.shape.numel()):
+        for _ in range(2):  # one layer after another reuses the one buffer
+            with held_floats.holding():
+                held_y, held_grad = _two_windows(w)
+                copy = held_floats.whole(w, torch.zeros(1))
+                assert copy.data_ptr() == held_floats._LOCAL.arena.data_ptr()
+                assert torch.equal(copy, w.dequantize())
+                assert held_floats.whole(other, torch.zeros(1)).data_ptr() != copy.data_ptr()  # no room: its own
+            torch.testing.assert_close(held_y, free_y, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(held_grad, free_grad, rtol=1e-5, atol=1e-6)
+    assert getattr(held_floats._LOCAL, "arena", None) is None
