@@ -103,14 +103,13 @@ def _dequantize(weight: Any, dtype: torch.dtype, out: Tensor | None) -> Tensor:
     return out.view(n, k)
 
 
-def layer_bytes(model: Any) -> int:
+def layer_bytes(model: Any, quant_weight: type) -> int:
     """The most a holding keeps for one layer of `model`: the float bytes of its largest layer's
-    weights kept as blocks (those read through `QuantWeight`'s own products; a GGUF read in place
-    keeps its kernels), at most MAX_BYTES."""
-    from edge_runtime.model.qweights import QuantWeight
-
-    own = QuantWeight.linear_forward
+    weights kept as blocks (`quant_weight`, qweights' QuantWeight, passed in since it imports
+    this module: those read through its own products; a GGUF read in place keeps its kernels),
+    at most MAX_BYTES."""
+    own = quant_weight.linear_forward
     most = max((sum(m.shape.numel() for m in layer.modules()
-                    if isinstance(m, QuantWeight) and type(m).linear_forward is own) for layer in model.layers),
+                    if isinstance(m, quant_weight) and type(m).linear_forward is own) for layer in model.layers),
                default=0)
     return min(MAX_BYTES, most * model.dtype.itemsize)

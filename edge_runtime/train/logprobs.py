@@ -15,7 +15,7 @@ from edge_runtime.model import held_floats
 from edge_runtime.model.dense import dense_logits
 from edge_runtime.model.llama import LlamaModel, LoraApplier, linear, softcap
 from edge_runtime.model.mapped_weights import give_back_after_use
-from edge_runtime.model.qweights import float_row_chunks
+from edge_runtime.model.qweights import QuantWeight, float_row_chunks
 from edge_runtime.train.pairs import PairTokens
 from edge_runtime.train.windows import PairKV, pair_rope_offsets, plan_windows
 
@@ -132,7 +132,7 @@ def pair_logps(
     windows = plan_windows(tokens, window_tokens, rope_offsets=pair_rope_offsets(model, tokens))
     hidden = [model.embed_tokens(win.input_ids.to(device)) for win in windows]
     positions = [win.positions.to(device) for win in windows]
-    with held_floats.arena(held_floats.layer_bytes(model)):
+    with held_floats.arena(held_floats.layer_bytes(model, QuantWeight)):
         for layer in range(model.cfg.num_layers):
             with held_floats.holding():
                 for j, win in enumerate(windows):

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from edge_runtime.c_heap import give_heap_back
 from edge_runtime.model import held_floats
+from edge_runtime.model.qweights import QuantWeight
 from edge_runtime.train.costs import StageCostModel, StageEstimate
 from edge_runtime.train.logprobs import token_logps
 from edge_runtime.train.objectives import Objective, Score
@@ -372,7 +373,7 @@ class FineTuneTask(StageCursor):
 
     def _held_layer_bytes(self) -> int:
         if self._held_layer is None:
-            self._held_layer = held_floats.layer_bytes(self.trainer.model)
+            self._held_layer = held_floats.layer_bytes(self.trainer.model, QuantWeight)
         return self._held_layer
 
     def _runner_backward(self, g: int) -> Callable[[], None]:

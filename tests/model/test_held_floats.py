@@ -76,14 +76,14 @@ def test_a_backward_stage_counts_the_layer_it_holds(tmp_path, monkeypatch):
     folder, path = tiny_quant_gguf(tmp_path, Q4_K_M_LIKE)
     model = load_llama_gguf(path)
     layer = max(sum(m.shape.numel() for m in block.modules() if isinstance(m, QuantWeight)) for block in model.layers)
-    assert layer > 0 and held_floats.layer_bytes(model) == 4 * layer
+    assert layer > 0 and held_floats.layer_bytes(model, QuantWeight) == 4 * layer
     task = make_trainer(model, Tokenizer(folder)).task(preference_records()[0], score=False)
     backward = next(s for s in task.stages if s.kind is StageKind.BACKWARD)
     start, stop = task.groups[-1]
     plain = task.costs.backward_group(task.tokens.num_rows, stop - start, 0, len(task.windows), True)
     assert backward.estimate().peak_bytes == plain.peak_bytes + 4 * layer
     monkeypatch.setattr(held_floats, "MAX_BYTES", 1000)
-    assert held_floats.layer_bytes(model) == 1000
+    assert held_floats.layer_bytes(model, QuantWeight) == 1000
 
 
 def test_holdings_inside_an_arena_write_into_it_and_read_the_same(monkeypatch):
