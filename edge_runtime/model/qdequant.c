@@ -135,3 +135,22 @@ void dequant_hi(const uint8_t *restrict levels, const uint8_t *restrict high, co
         hi_blocks(levels, high, scales, offsets, zero, blocks, width, hb, out);
     }
 }
+
+/* Factored (K-quant) scales per block: out[g * per + j] = base[g] * step[g * per + j], the same
+   float32 product as torch's broadcast multiply (whose broadcast over 8 steps a group cost as
+   much as the de-quantisation itself). */
+void per_block_u8(const float *restrict base, const uint8_t *restrict steps, int64_t groups, int64_t per,
+                  float *restrict out) {
+    for (int64_t g = 0; g < groups; g++) {
+        const float b = base[g];
+        for (int64_t j = 0; j < per; j++) out[g * per + j] = b * (float)steps[g * per + j];
+    }
+}
+
+void per_block_s8(const float *restrict base, const int8_t *restrict steps, int64_t groups, int64_t per,
+                  float *restrict out) {
+    for (int64_t g = 0; g < groups; g++) {
+        const float b = base[g];
+        for (int64_t j = 0; j < per; j++) out[g * per + j] = b * (float)steps[g * per + j];
+    }
+}

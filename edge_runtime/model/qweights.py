@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-from edge_runtime.model import qkernel
+from edge_runtime.model import held_floats, qkernel
 
 
 @dataclass(frozen=True, eq=False)
@@ -223,6 +223,8 @@ def _per_block(base: Tensor, steps: Tensor | None) -> Tensor:
     """float32 [n, blocks] from a per-block tensor, or a per-group one times per-block steps."""
     if steps is None:
         return base.float()
+    if steps.dtype in (torch.uint8, torch.int8) and qkernel.available(steps):
+        return qkernel.per_block(base, steps)
     n, groups = base.shape
     # Broadcast rather than repeat_interleave: the same products, and no host sync on CUDA (a
     # decode step there is captured in a CUDA graph).
@@ -349,12 +351,18 @@ class QuantWeight(nn.Module):
             y = kernels.linear(self.parts, x, bias)
             if y is not None:
                 return y
+        whole = held_floats.whole(self, x)
+        if whole is not None:
+            return op(x, whole, bias)
         outs = [op(x, part.dequantize(x.dtype, _workspace(part, x.dtype)), None if bias is None else bias[lo:lo + part.n])
                 for lo, part in self.row_chunks()]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def input_grad(self, grad: Tensor) -> Tensor:
         """grad @ W (the gradient w.r.t. a linear's input), W read a row chunk at a time."""
+        whole = held_floats.whole(self, grad)
+        if whole is not None:
+            return grad.matmul(whole)
         grad_x = None
         for lo, part in self.row_chunks():
             step = grad[..., lo:lo + part.n].matmul(part.dequantize(grad.dtype, _workspace(part, grad.dtype)))

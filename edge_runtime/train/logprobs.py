@@ -11,10 +11,11 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from edge_runtime.model import held_floats
 from edge_runtime.model.dense import dense_logits
 from edge_runtime.model.llama import LlamaModel, LoraApplier, linear, softcap
 from edge_runtime.model.mapped_weights import give_back_after_use
-from edge_runtime.model.qweights import float_row_chunks
+from edge_runtime.model.qweights import QuantWeight, float_row_chunks
 from edge_runtime.train.pairs import PairTokens
 from edge_runtime.train.windows import PairKV, pair_rope_offsets, plan_windows
 
@@ -39,6 +40,11 @@ def _head_pieces(model: LlamaModel, final: Tensor) -> Iterator[tuple[int, Tensor
         yield lo, weight, linear(final, weight)
 
 
+def _plain(model: LlamaModel) -> bool:
+    """Whether the logits are the head's product as it is (no scaling, no soft-cap)."""
+    return model.cfg.logits_scaling == 1.0 and model.cfg.final_softcap is None
+
+
 def _post(model: LlamaModel, y: Tensor) -> Tensor:
     """What `model.logits` does after the head's matmul (Granite's scaling, Gemma's soft-cap), in float32."""
     scaling = model.cfg.logits_scaling
@@ -48,10 +54,14 @@ def _post(model: LlamaModel, y: Tensor) -> Tensor:
 
 class _TargetLogps(torch.autograd.Function):
     """log softmax(logits)[target] over the head's pieces: the forward keeps a running max and
-    sum of exponentials per row (an online logsumexp); the backward computes each piece's logits
-    again and adds its share of the gradient, (onehot - softmax) * grad through that piece. The
-    head is read twice either way (autograd over the whole logits de-quantises it in the forward
-    and again in the backward); what is saved is the rows, their targets and their logsumexp."""
+    sum of exponentials per row (an online logsumexp); what is saved is the rows, their targets
+    and their logsumexp. Where the rows need a gradient and the logits are the head's plain
+    product (no scaling or soft-cap: Llama, Qwen), the same single pass also accumulates each
+    row's softmax-weighted head rows, rescaled as the running max moves, so the gradient
+    d logp / d row = W[target] - softmax @ W is ready when the head has been read once (the
+    staged forward differentiates right after: reading a 4-bit head, which is de-quantised on
+    every read, twice cost a second de-quantisation and a third GEMM). Otherwise the backward
+    computes each piece's logits again and adds its share, (onehot - softmax) * grad."""
 
     @staticmethod
     def forward(ctx, final: Tensor, targets: Tensor, model: LlamaModel) -> Tensor:  # noqa: ANN001
@@ -59,25 +69,41 @@ class _TargetLogps(torch.autograd.Function):
         top = torch.full((n,), -torch.inf, dtype=torch.float32, device=final.device)
         total = torch.zeros(n, dtype=torch.float32, device=final.device)
         picked = torch.zeros(n, dtype=torch.float32, device=final.device)
-        for lo, _, y in _head_pieces(model, final):
+        fused = ctx.needs_input_grad[0] and _plain(model)
+        softmax_w = torch.zeros(final.shape, dtype=torch.float32, device=final.device) if fused else None
+        target_w = torch.zeros(final.shape, dtype=torch.float32, device=final.device) if fused else None
+        for lo, weight, y in _head_pieces(model, final):
             z = _post(model, y)
             here = (targets >= lo) & (targets < lo + z.shape[1])
             picked[here] = z[here, targets[here] - lo]
             new_top = torch.maximum(top, z.amax(dim=1))
-            total = total * torch.exp(top - new_top) + torch.exp(z - new_top[:, None]).sum(dim=1)
+            rescale = torch.exp(top - new_top)
+            e = torch.exp(z - new_top[:, None])
+            total = total * rescale + e.sum(dim=1)
             top = new_top
+            if fused:
+                softmax_w.mul_(rescale[:, None]).add_((e.to(weight.dtype) @ weight).float())
+                target_w[here] = weight[targets[here] - lo].float()
         lse = top + torch.log(total)
-        ctx.save_for_backward(final, targets, lse)
-        ctx.model = model
+        ctx.model, ctx.dtype = model, final.dtype
+        if fused:
+            ctx.fused = True
+            ctx.save_for_backward(target_w.sub_(softmax_w.div_(total[:, None])))
+        else:
+            ctx.fused = False
+            ctx.save_for_backward(final, targets, lse)
         return picked - lse
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # noqa: ANN001
+        if ctx.fused:
+            (d_row,) = ctx.saved_tensors
+            return (grad.float()[:, None] * d_row).to(ctx.dtype), None, None
         final, targets, lse = ctx.saved_tensors
         model = ctx.model
         grad = grad.float()
         grad_final = torch.zeros_like(final)
-        plain = model.cfg.logits_scaling == 1.0 and model.cfg.final_softcap is None
+        plain = _plain(model)
         for lo, weight, y in _head_pieces(model, final.detach()):
             z = y.float() if plain else None
             if not plain:  # only the elementwise post-processing goes through autograd
@@ -96,16 +122,27 @@ class _TargetLogps(torch.autograd.Function):
 def pair_logps(
     model: LlamaModel, tokens: PairTokens, lora: LoraApplier | None, window_tokens: int | None = None
 ) -> tuple[float, float]:
-    """(log pi(chosen|prompt), log pi(rejected|prompt)) in one pass that runs the prompt once."""
+    """(log pi(chosen|prompt), log pi(rejected|prompt)) in one pass that runs the prompt once.
+    Layer by layer over every window (a later window attends to the keys and values the earlier
+    ones left in the same layer, as window by window), so a quantised weight is de-quantised
+    once for all the windows (`held_floats`: one layer's floats at a time), and the scored rows
+    of every window go through the LM head together: the head is read once, not per window."""
     kv = PairKV(model.cfg.num_layers, model.cfg.layer_windows, model.cfg.attn_softcap)
-    sums = torch.zeros(2, dtype=torch.float64)
     device = model.device
-    for win in plan_windows(tokens, window_tokens, rope_offsets=pair_rope_offsets(model, tokens)):
-        ctx = kv.context(win, lora)
-        hidden = model.run_layers(model.embed_tokens(win.input_ids.to(device)), win.positions.to(device), ctx)
-        if win.score_rows.numel():
-            logp = token_logps(model, hidden.index_select(0, win.score_rows.to(device)), win.targets.to(device))
-            sums.index_add_(0, win.owners, logp.double().cpu())
+    windows = plan_windows(tokens, window_tokens, rope_offsets=pair_rope_offsets(model, tokens))
+    hidden = [model.embed_tokens(win.input_ids.to(device)) for win in windows]
+    positions = [win.positions.to(device) for win in windows]
+    with held_floats.arena(held_floats.layer_bytes(model, QuantWeight)):
+        for layer in range(model.cfg.num_layers):
+            with held_floats.holding():
+                for j, win in enumerate(windows):
+                    hidden[j] = model.run_layers(hidden[j], positions[j], kv.context(win, lora), layer, layer + 1)
+    sums = torch.zeros(2, dtype=torch.float64)
+    scored = [j for j, win in enumerate(windows) if win.score_rows.numel()]
+    if scored:
+        rows = torch.cat([hidden[j].index_select(0, windows[j].score_rows.to(device)) for j in scored])
+        logp = token_logps(model, rows, torch.cat([windows[j].targets for j in scored]).to(device))
+        sums.index_add_(0, torch.cat([windows[j].owners for j in scored]), logp.double().cpu())
     return float(sums[0]), float(sums[1])
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -37,6 +37,8 @@ from torch import Tensor
 
 from edge_runtime import c_heap
 from edge_runtime.c_heap import give_heap_back
+from edge_runtime.model import held_floats
+from edge_runtime.model.qweights import QuantWeight
 from edge_runtime.train.costs import StageCostModel, StageEstimate
 from edge_runtime.train.logprobs import token_logps
 from edge_runtime.train.objectives import Objective, Score
@@ -182,6 +184,7 @@ class FineTuneTask(StageCursor):
         self._acts: _Activations | None = None
         self._costs: tuple[StageCostModel, StageCostModel] | None = None  # (the trainer's, filled in)
         self._held = 0  # estimated bytes held between forward and backward
+        self._held_layer: int | None = None  # `held_floats.layer_bytes` of the model, once asked
         self.stages: list[Stage] = []
         self._score_kv: PairKV | None = None  # between score windows
         self._score_sums = torch.zeros(2, dtype=torch.float64)
@@ -290,7 +293,8 @@ class FineTuneTask(StageCursor):
 
     def _estimate_reference(self) -> StageEstimate:
         t = self.trainer
-        return self.costs.score(self.tokens.num_rows, t.model.cfg.num_layers, self._scored_rows(), with_reference=False)
+        est = self.costs.score(self.tokens.num_rows, t.model.cfg.num_layers, self._scored_rows(), with_reference=False)
+        return replace(est, peak_bytes=est.peak_bytes + self._held_layer_bytes())  # `pair_logps` holds a layer
 
     def _scored_rows(self) -> int:
         return sum(int(w.score_rows.numel()) for w in self.windows)
@@ -362,9 +366,17 @@ class FineTuneTask(StageCursor):
     def _estimator_backward(self, g: int) -> Callable[[], StageEstimate]:
         def estimate() -> StageEstimate:
             start, stop = self.groups[g]
-            return self.costs.backward_group(self.tokens.num_rows, stop - start, self._held, len(self.windows),
-                                                     self.recompute)
+            est = self.costs.backward_group(self.tokens.num_rows, stop - start, self._held, len(self.windows),
+                                            self.recompute)
+            if not self.recompute:
+                return est
+            return replace(est, peak_bytes=est.peak_bytes + self._held_layer_bytes())
         return estimate
+
+    def _held_layer_bytes(self) -> int:
+        if self._held_layer is None:
+            self._held_layer = held_floats.layer_bytes(self.trainer.model, QuantWeight)
+        return self._held_layer
 
     def _runner_backward(self, g: int) -> Callable[[], None]:
         return lambda: self._run_backward(g)
@@ -422,20 +434,25 @@ class FineTuneTask(StageCursor):
             acts.seeds = self._top_seeds(acts, acts.inputs[stop - 1])
         outer = _rng_state(device)  # the recompute leaves the generators as it found them
         try:
-            for layer in reversed(range(start, stop)):
-                kv = PairKV(cfg.num_layers, cfg.layer_windows, cfg.attn_softcap)
-                leaves, outputs = [], []
-                with torch.enable_grad():
-                    for win, kept, rng in zip(self.windows, acts.inputs[layer], acts.rng[layer], strict=True):
-                        x = kept.detach().requires_grad_(layer > 0)  # the embedding is frozen
-                        _set_rng_state(rng, device)
-                        outputs.append(model.run_layers(x, win.positions.to(device), kv.context(win, applier),
-                                                        layer, layer + 1))
-                        leaves.append(x)
-                torch.autograd.backward(outputs, acts.seeds)
-                del outputs
-                acts.seeds = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves] if layer else []
-                acts.inputs[layer], acts.rng[layer] = [], []
+            with held_floats.arena(self._held_layer_bytes()):  # one buffer for every layer's held floats
+                for layer in reversed(range(start, stop)):
+                    kv = PairKV(cfg.num_layers, cfg.layer_windows, cfg.attn_softcap)
+                    leaves, outputs = [], []
+                    # A quantised weight of this layer is de-quantised once for its forward over
+                    # every window and its backward (2 x windows reads otherwise), held only until
+                    # the layer is done: at most one layer's floats (`held_floats.MAX_BYTES`).
+                    with held_floats.holding():
+                        with torch.enable_grad():
+                            for win, kept, rng in zip(self.windows, acts.inputs[layer], acts.rng[layer], strict=True):
+                                x = kept.detach().requires_grad_(layer > 0)  # the embedding is frozen
+                                _set_rng_state(rng, device)
+                                outputs.append(model.run_layers(x, win.positions.to(device), kv.context(win, applier),
+                                                                layer, layer + 1))
+                                leaves.append(x)
+                        torch.autograd.backward(outputs, acts.seeds)
+                        del outputs
+                    acts.seeds = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves] if layer else []
+                    acts.inputs[layer], acts.rng[layer] = [], []
         finally:
             _set_rng_state(outer, device)
 
