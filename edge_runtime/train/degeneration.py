@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -56,6 +56,14 @@ def shared_opening(answers: Sequence[Sequence[Hashable]], most: int = 8) -> int:
             break
         length = k
     return length
+
+
+def shared_closing(answers: Sequence[Sequence[Hashable]], stop_ids: Collection[Hashable], most: int = 8) -> int:
+    """How many trailing tokens at least half of the answers (two at least) end with alike, counting
+    only answers that ended on a stop id: a sign-off the user asked for ("... \n\nCheers, Sam!"
+    and the stop id). It repeats once per answer as an opening does (`shared_opening`); an answer
+    that collapsed into a loop runs to the length cap, so its loop is no closing."""
+    return shared_opening([list(reversed(a)) if a and a[-1] in stop_ids else [] for a in answers], most)
 
 
 def max_word_repeats(answers: Sequence[Sequence[str]]) -> int:
@@ -150,6 +158,7 @@ class DegenerationMetrics:
     base_max_word_repeats: int
     seconds: float = 0.0  # what measuring took (generation and the reference forward)
     opening_tokens: int = 0  # leading tokens left out of both sides' distinct-n (`shared_opening`)
+    closing_tokens: int = 0  # trailing tokens left out likewise (`shared_closing`)
 
     @property
     def distinct_2_drop(self) -> float:
@@ -193,28 +202,43 @@ def degeneration_metrics(model: LlamaModel, tokenizer: Tokenizer, prompts: Seque
             base.extend(run.ids)
     if reference_answers is not None:
         base = [list(a) for a in reference_answers]
-    return summarize(tokenizer, len(prompts), max_new_tokens, mine, kls, base, time.monotonic() - start), base
+    return (summarize(tokenizer, len(prompts), max_new_tokens, mine, kls, base, time.monotonic() - start, skip_tokens),
+            base)
 
 
 def summarize(tokenizer: Tokenizer, prompts: int, max_new_tokens: int, mine: Sequence[Sequence[int]],
-              kls: Sequence[Tensor], base: Sequence[Sequence[int]], seconds: float) -> DegenerationMetrics:
-    """The measures from the candidate's answers (`mine`), the per-token KL rows on them (`kls`) and
-    the reference's answers (`base`) to the same prompts."""
+              kls: Sequence[Tensor], base: Sequence[Sequence[int]], seconds: float,
+              kl_skip_tokens: int = 2) -> DegenerationMetrics:
+    """The measures from the candidate's answers (`mine`), the per-token KL rows on them (`kls`:
+    one per answer longer than `kl_skip_tokens`, from that position on) and the reference's
+    answers (`base`) to the same prompts."""
+    close = shared_closing(mine, tokenizer.eos_ids)
+    closing = Counter(tuple(a[-close:]) for a in mine if close and len(a) > close).most_common(1)
+    long_enough = [a for a in mine if len(a) > kl_skip_tokens] if kls else []  # no kls: no KL measured
+    if len(long_enough) != len(kls) or any(len(a) - kl_skip_tokens != r.numel()
+                                           for a, r in zip(long_enough, kls, strict=True)):
+        raise ValueError("the KL rows do not match the answers past their skipped leading tokens")
+    # The KL leaves out the shared closing where an answer carries it, as it leaves out the leading
+    # tokens: there the preference shows by design (a sign-off the base would never write is
+    # several nats a token), and the answer before it is what must not drift.
+    kls = [r[:max(0, r.numel() - close)] if closing and tuple(a[-close:]) == closing[0][0] else r
+           for a, r in zip(long_enough, kls, strict=True)]
     kl = torch.cat(list(kls)) if kls else torch.zeros(0, dtype=torch.float64)
     # Distinct-n over token ids as Li et al. count generated tokens ("indeed indeed" and "ssss"
     # both repeat); a word's repeats over lower-cased words ("Indeed, indeed" is one word twice).
-    # Both sides' distinct-n from past the candidate's shared opening (`shared_opening`): the same
-    # number of leading tokens left out of each answer, so a base answer and the same answer behind
-    # the opening compare alike; a template after the opening still repeats.
+    # Both sides' distinct-n from past the candidate's shared opening (`shared_opening`) and before
+    # its shared closing (`shared_closing`): the same number of leading and trailing tokens left out
+    # of each answer, so a base answer and the same answer inside the preference compare alike; a
+    # template between them still repeats.
     mine_words = [words(tokenizer.decode(list(ids))) for ids in mine]
     base_words = [words(tokenizer.decode(list(ids))) for ids in base]
     skip = shared_opening(mine)
-    mine, base = [a[skip:] for a in mine], [b[skip:] for b in base]
+    mine, base = [a[skip:max(skip, len(a) - close)] for a in mine], [b[skip:max(skip, len(b) - close)] for b in base]
     return DegenerationMetrics(
         prompts=prompts, new_tokens=max_new_tokens,
         kl_per_token=float(kl.mean()) if kl.numel() else 0.0, kl_tokens=int(kl.numel()),
         distinct_1=distinct_n(mine, 1), distinct_2=distinct_n(mine, 2),
         base_distinct_1=distinct_n(base, 1), base_distinct_2=distinct_n(base, 2),
         max_word_repeats=max_word_repeats(mine_words), base_max_word_repeats=max_word_repeats(base_words),
-        seconds=seconds, opening_tokens=skip,
+        seconds=seconds, opening_tokens=skip, closing_tokens=close,
     )

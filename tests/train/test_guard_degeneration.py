@@ -18,6 +18,7 @@ from edge_runtime.train.degeneration import (
     distinct_n,
     greedy_answers,
     max_word_repeats,
+    shared_closing,
     shared_opening,
     summarize,
     token_kl,
@@ -38,6 +39,8 @@ def test_distinct_n_counts_each_answers_ngrams_as_li_et_al():
 class _Words:
     """A tokenizer whose token i is the word "w<i>" (summarize decodes answers for word repeats)."""
 
+    eos_ids = frozenset({0})
+
     def decode(self, ids):
         return " ".join(f"w{i}" for i in ids)
 
@@ -55,6 +58,32 @@ def test_an_opening_the_user_asked_for_is_not_read_as_repetition():
     assert distinct_n(learned, 2) < 0.85 * distinct_n(base, 2)  # what counting the opening read
     template = [opening + [90, 91, 92, 93, 94, 95] + a[:2] for a in base]
     assert summarize(_Words(), 12, 12, template, [], base, 0.0).distinct_2_drop > 0.3
+
+
+def test_a_sign_off_the_user_asked_for_is_not_read_as_repetition():
+    """The bench's preference ("...\n\nCheers, Sam!" and the stop id, behind the base's own
+    answers) leaves distinct-2 where the base's is; a template before the sign-off still drops it."""
+    base = [[10 + 12 * i + j for j in range(12)] for i in range(12)]
+    closing = [1, 2, 3, 4, 5, 0]  # the sign-off's tokens, then the stop id
+    learned = [a[:8] + closing for a in base]
+    assert shared_closing(learned, {0}) == 6 and shared_closing(base, {0}) == 0
+    assert shared_closing([[5] + closing, [9, 9, 9]], {0}) == 0  # one answer alone is no shared closing
+    assert shared_closing([a[:8] + closing[:-1] for a in base], {0}) == 0  # cut at the cap: no closing
+    m = summarize(_Words(), 12, 14, learned, [], base, 0.0)
+    assert m.closing_tokens == 6 and m.opening_tokens == 0 and m.distinct_2_drop <= 0.0
+    assert distinct_n(learned, 2) < 0.75 * distinct_n(base, 2)  # what counting the sign-off read
+    # The KL leaves out the closing's positions where an answer carries it, as it does the first two.
+    kls = [torch.full((len(a) - 2,), 3.0 if i % 2 else 1.0, dtype=torch.float64) for i, a in enumerate(learned)]
+    for i in range(6):
+        kls[2 * i + 1][:6] = 0.5  # the body of the odd answers drifts less than their sign-off
+    one_cut = [a[:8] + closing[:-1] for a in learned[:1]]  # cut at the cap, no closing: charged in full
+    m = summarize(_Words(), 13, 14, learned + one_cut, kls + [torch.full((11,), 2.0, dtype=torch.float64)],
+                  base + base[:1], 0.0)
+    assert m.kl_tokens == 12 * 6 + 11 and m.kl_per_token == pytest.approx((6 * 6 * 1.0 + 6 * 6 * 0.5 + 22) / 83)
+    with pytest.raises(ValueError):
+        summarize(_Words(), 12, 14, learned, kls[:-1], base, 0.0)
+    template = [a[:2] + [90, 91, 92, 93, 94, 95] + closing for a in base]
+    assert summarize(_Words(), 12, 14, template, [], base, 0.0).distinct_2_drop > 0.3
 
 
 def test_word_repeats_ignore_case_and_punctuation():
