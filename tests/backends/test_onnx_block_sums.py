@@ -48,18 +48,3 @@ def test_the_exported_graph_has_no_block_sum_matrix(model, tmp_path):
     for node in proto.graph.node:
         if node.op_type == "MatMul" and node.input[1] in inits:
             assert node.input[1].endswith(".offsets"), node.input[1]
-
-
-def test_a_rows_block_sums_do_not_depend_on_the_row_count(model):
-    """docs/onnx.md's row invariance: the MatMul by a constant this replaced gave a row the same
-    bits in any batch (M = 1 .. 16); so does the reduction."""
-    writer = step_writer(model, Q4_SPEC)
-    out = writer.block_sums("x", 256, 32, 3)
-    graph = helper.make_graph(writer.g.nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 1, 256])],
-                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)], writer.g.inits)
-    session = ort.InferenceSession(helper.make_model(graph, opset_imports=writer.opsets(), ir_version=10).SerializeToString(),
-                                   providers=["CPUExecutionProvider"])
-    x = np.random.default_rng(1).standard_normal((16, 1, 256)).astype(np.float32)
-    alone = session.run(None, {"x": x[:1]})[0]
-    for m in (2, 5, 16):
-        np.testing.assert_array_equal(session.run(None, {"x": x[:m]})[0][:1], alone)
