@@ -134,9 +134,8 @@ class StepWriter(ABC):
         return isinstance(weight, QuantWeight) and self.spec.offsets
 
     def linear(self, x: str, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None, name: str,
-               rank: int | None = None) -> str:
-        """x @ W^T (+ bias); `rank`: x's, where the writer knows it (hidden states [B, S, K], the
-        head's rows [T, K]), which spares the block sums reading x's shape."""
+               rank: int = 3) -> str:
+        """x @ W^T (+ bias) for x of `rank` (hidden states [B, S, K]; the head's rows [T, K])."""
         g, spec = self.g, self.spec
         if self.from_blocks(weight):
             y = self.block_linear(x, weight, name, rank)
@@ -152,7 +151,7 @@ class StepWriter(ABC):
             y = g.op("Add", [y, g.init(f"{name}.bias", as_numpy(bias))])
         return y
 
-    def _offset_linear(self, x: str, w: OffsetNBitsWeight, name: str, rank: int | None) -> str:
+    def _offset_linear(self, x: str, w: OffsetNBitsWeight, name: str, rank: int) -> str:
         """x @ W^T for W = scale * (q - 8) + offset per block: a symmetric 4-bit product, plus x
         summed over each block of K (`block_sums`, shared by the linears of one input) times the
         offsets [K / block, N]."""
@@ -162,24 +161,22 @@ class StepWriter(ABC):
                                 g.init(f"{name}.offsets", np.ascontiguousarray(w.offsets.T))])
         return g.op("Add", [y, shift])
 
-    def block_sums(self, x: str, k: int, block: int, rank: int | None = None) -> str:
-        """x [.., K] summed over each block of K (shared by the linears of one input): reshaped to
-        [.., K / block, block] and reduced (`rank`: x's, where known; else read from x). A MatMul by a 0/1 [K, K / block] matrix did this
+    def block_sums(self, x: str, k: int, block: int, rank: int = 3) -> str:
+        """x [B, S, K] (`rank` 2: [T, K]) summed over each block of K (shared by the linears of one
+        input): reshaped to [B, S, K / block, block] and reduced. A MatMul by a 0/1 [K, K / block] matrix did this
         before, reading up to 8 MiB of it per node every step: 7% of a 1-row decode step's node
         time at Llama-3.2-1B's shape, against 2% now (docs/onnx.md, "The offsets' block sums")."""
         g = self.g
         sums = self._block_sums.get((x, block))
         if sums is None:
-            if rank is None:
-                shape = g.op("Concat", [g.op("Shape", [x], end=-1), g.const([k // block, block])], axis=0)
-            else:  # 0: keep that dimension of x (a Shape and a Concat cost a third of the reduction)
-                shape = g.const([0] * (rank - 1) + [k // block, block])
-            blocks = g.op("Reshape", [x, shape])
+            # 0: keep that dimension of x; a shape read from x instead cost a Shape and a Concat
+            # per input, a third of the reduction's time.
+            blocks = g.op("Reshape", [x, g.const([0] * (rank - 1) + [k // block, block])])
             sums = g.op("ReduceSum", [blocks, g.const([-1])], keepdims=0)
             self._block_sums[(x, block)] = sums
         return sums
 
-    def block_linear(self, x: str, weight: QuantWeight, name: str, rank: int | None = None) -> str:
+    def block_linear(self, x: str, weight: QuantWeight, name: str, rank: int = 3) -> str:
         """x @ W^T over a GGUF's blocks: per format part (stacked along N) its levels and scales
         as they are, plus block sums times its offsets where it has them; parts concatenated."""
         g, outs = self.g, []
@@ -361,10 +358,10 @@ class StepWriter(ABC):
                 hn = residual
             else:
                 hn, residual = self.rms_norm(residual, layer.input_norm, f"{p}.input_norm", delta)
-            qkv = self.lora(self.linear(hn, layer.qkv_weight, layer.qkv_bias, f"{p}.qkv", rank=3), hn, "qkv", i)
+            qkv = self.lora(self.linear(hn, layer.qkv_weight, layer.qkv_bias, f"{p}.qkv"), hn, "qkv", i)
             attn, kv_new = self.attention_block(i, layer, qkv)
             kv_out.append(kv_new)
-            o = self.lora(self.linear(attn, layer.o_weight, layer.o_bias, f"{p}.o", rank=3), attn, "o", i)
+            o = self.lora(self.linear(attn, layer.o_weight, layer.o_bias, f"{p}.o"), attn, "o", i)
             if post:
                 o, _ = self.rms_norm(o, layer.attn_out_norm, f"{p}.attn_out_norm")
             o = self.scaled(o, cfg.residual_multiplier)
@@ -372,13 +369,13 @@ class StepWriter(ABC):
                 residual = hn = g.op("Add", [residual, o])
             else:
                 hn, residual = self.rms_norm(residual, layer.post_norm, f"{p}.post_norm", o)
-            gu = self.lora(self.linear(hn, layer.gate_up_weight, layer.gate_up_bias, f"{p}.gate_up", rank=3), hn, "gate_up", i)
+            gu = self.lora(self.linear(hn, layer.gate_up_weight, layer.gate_up_bias, f"{p}.gate_up"), hn, "gate_up", i)
             gate, up = g.op("Split", [gu], n_out=2, axis=-1, num_outputs=2)
             if cfg.activation == "silu":
                 act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
             else:  # Gemma's GELU-tanh (ai.onnx Gelu, opset 20+)
                 act = g.op("Mul", [g.op("Gelu", [gate], approximate="tanh"), up])
-            delta = self.lora(self.linear(act, layer.down_weight, layer.down_bias, f"{p}.down", rank=3), act, "down", i)
+            delta = self.lora(self.linear(act, layer.down_weight, layer.down_bias, f"{p}.down"), act, "down", i)
             if post:
                 delta, _ = self.rms_norm(delta, layer.mlp_out_norm, f"{p}.mlp_out_norm")
             delta = self.scaled(delta, cfg.residual_multiplier)
