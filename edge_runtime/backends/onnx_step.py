@@ -89,6 +89,7 @@ class StepWriter(ABC):
         self.spec = spec
         self.on_layer = on_layer  # called after each decoder layer is written (a progress bar)
         self.g = GraphBuilder(sink)
+        self._block_sum_mats: set[str] = set()  # the 0/1 block-sum initializers written so far
         self._block_sums: dict[tuple[str, int], str] = {}  # (a linear's input, block) -> its block sums
 
     # -- what each flavour writes its own way ---------------------------------------------------
@@ -133,50 +134,47 @@ class StepWriter(ABC):
         every block format exactly: onnx_blocks.py) rather than de-quantised and re-quantised."""
         return isinstance(weight, QuantWeight) and self.spec.offsets
 
-    def linear(self, x: str, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None, name: str,
-               rank: int = 3) -> str:
-        """x @ W^T (+ bias) for x of `rank` (hidden states [B, S, K]; the head's rows [T, K])."""
+    def linear(self, x: str, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None, name: str) -> str:
         g, spec = self.g, self.spec
         if self.from_blocks(weight):
-            y = self.block_linear(x, weight, name, rank)
+            y = self.block_linear(x, weight, name)
             return y if bias is None else g.op("Add", [y, g.init(f"{name}.bias", as_numpy(bias))])
         w = as_numpy(weight)  # [out, in]
         if spec.quantization == "none":
             y = g.op("MatMul", [x, g.init(f"{name}.weight", w.T)])
         elif spec.offsets:
-            y = self._offset_linear(x, pack_q4_offsets(w), name, rank)
+            y = self._offset_linear(x, pack_q4_offsets(w), name)
         else:
             y = self.quantized_matmul(x, w, name)
         if bias is not None:
             y = g.op("Add", [y, g.init(f"{name}.bias", as_numpy(bias))])
         return y
 
-    def _offset_linear(self, x: str, w: OffsetNBitsWeight, name: str, rank: int) -> str:
+    def _offset_linear(self, x: str, w: OffsetNBitsWeight, name: str) -> str:
         """x @ W^T for W = scale * (q - 8) + offset per block: a symmetric 4-bit product, plus x
-        summed over each block of K (`block_sums`, shared by the linears of one input) times the
-        offsets [K / block, N]."""
+        summed over each block of K (one MatMul by a 0/1 matrix, shared by the linears of one
+        input) times the offsets [K / block, N]."""
         g, q = self.g, w.nbits
         y = self.q4_matmul(x, q, name)
-        shift = g.op("MatMul", [self.block_sums(x, q.k, q.block_size, rank),
+        shift = g.op("MatMul", [self.block_sums(x, q.k, q.block_size),
                                 g.init(f"{name}.offsets", np.ascontiguousarray(w.offsets.T))])
         return g.op("Add", [y, shift])
 
-    def block_sums(self, x: str, k: int, block: int, rank: int = 3) -> str:
-        """x [B, S, K] (`rank` 2: [T, K]) summed over each block of K (shared by the linears of one
-        input): reshaped to [B, S, K / block, block] and reduced. A MatMul by a 0/1 [K, K / block] matrix did this
-        before, reading up to 8 MiB of it per node every step: 7% of a 1-row decode step's node
-        time at Llama-3.2-1B's shape, against 2% now (docs/onnx.md, "The offsets' block sums")."""
+    def block_sums(self, x: str, k: int, block: int) -> str:
+        """x [.., K] summed over each block of K (one MatMul by a 0/1 matrix, shared by the
+        linears of one input)."""
         g = self.g
         sums = self._block_sums.get((x, block))
         if sums is None:
-            # 0: keep that dimension of x; a shape read from x instead cost a Shape and a Concat
-            # per input, a third of the reduction's time.
-            blocks = g.op("Reshape", [x, g.const([0] * (rank - 1) + [k // block, block])])
-            sums = g.op("ReduceSum", [blocks, g.const([-1])], keepdims=0)
-            self._block_sums[(x, block)] = sums
+            # [K, K / block] of 0/1, one per width K and block
+            mat = f"block_sum_{k}" if block == 32 else f"block_sum_{k}_{block}"
+            if mat not in self._block_sum_mats:
+                g.init(mat, np.kron(np.eye(k // block, dtype=np.float32), np.ones((block, 1), np.float32)))
+                self._block_sum_mats.add(mat)
+            sums = self._block_sums[(x, block)] = g.op("MatMul", [x, mat])
         return sums
 
-    def block_linear(self, x: str, weight: QuantWeight, name: str, rank: int = 3) -> str:
+    def block_linear(self, x: str, weight: QuantWeight, name: str) -> str:
         """x @ W^T over a GGUF's blocks: per format part (stacked along N) its levels and scales
         as they are, plus block sums times its offsets where it has them; parts concatenated."""
         g, outs = self.g, []
@@ -187,7 +185,7 @@ class StepWriter(ABC):
             y, offsets = self.block_matmul(x, part, tag)
             if offsets is not None:
                 k, block = part.nbits.k, part.nbits.block_size
-                shift = g.op("MatMul", [self.block_sums(x, k, block, rank), g.init(f"{tag}.offsets", offsets.T)])
+                shift = g.op("MatMul", [self.block_sums(x, k, block), g.init(f"{tag}.offsets", offsets.T)])
                 y = g.op("Add", [y, shift])
             outs.append(y)
         return outs[0] if len(outs) == 1 else g.op("Concat", outs, axis=-1)
@@ -229,7 +227,7 @@ class StepWriter(ABC):
         return g.op("Reshape", [w, g.const([0, 0, nb.k])]), part
 
     def lm_head(self, rows: str) -> str:
-        return self.linear(rows, self.model.lm_head_weight(), None, "lm_head", rank=2)
+        return self.linear(rows, self.model.lm_head_weight(), None, "lm_head")
 
     def rms_norm(self, x: str, weight: torch.Tensor, name: str, skip: str | None = None) -> tuple[str, str]:
         """RMSNorm of (x + skip); returns (normalised, the sum that is the next residual)."""
