@@ -282,7 +282,8 @@ class GuardEvaluation(StageCursor):
 
         def conclude() -> None:
             seconds = sum(s.seconds or 0.0 for s in own)
-            self.degeneration = summarize(src.tokenizer, len(self.prompts), n_tokens, mine, kls, base, seconds)
+            self.degeneration = summarize(src.tokenizer, len(self.prompts), n_tokens, mine, kls, base, seconds,
+                                          guard.kl_skip_tokens)
             if len(src.reference_answers) > 16 * max(1, guard.degeneration_prompts):
                 src.reference_answers.clear()  # the held-out prompts changed many times over
             for key, answer in zip(keys, base, strict=True):
