@@ -10,7 +10,6 @@ import dataclasses
 import json
 import resource
 import sys
-import time
 from pathlib import Path
 
 # Appended, so a PYTHONPATH (another checkout's code: a before/after run) comes first.
@@ -31,14 +30,12 @@ def vm_hwm_mib() -> float:
 
 def main() -> None:
     import torch
-    from bench_scale import text_of_tokens
+    from bench_scale import time_pair
 
     from edge_runtime.loading import resolve
     from edge_runtime.model.gguf_load import dequantized_copy
     from edge_runtime.model.tokenizer import Tokenizer
     from edge_runtime.model.weights import load_llama
-    from edge_runtime.train.pairs import PreferenceRecord
-    from edge_runtime.train.trainer import AdapterTrainer
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--gguf", default=GGUF)
@@ -66,20 +63,9 @@ def main() -> None:
     runs: dict[str, list[dict]] = {k: [] for k in models}
     for r in range(args.rounds):
         for name, model in models.items():
-            pair = PreferenceRecord(({"role": "user", "content": args.prompt},),
-                                    text_of_tokens(tokenizer, n, offset=3 + r),
-                                    text_of_tokens(tokenizer, n, offset=11 + r), pair_id=f"copies-{r}")
-            trainer = AdapterTrainer(model, tokenizer)
             load = Path("/proc/loadavg").read_text().split()[0]
-            t0, c0 = time.perf_counter(), time.process_time()
-            task = trainer.task(pair, score=False)
-            result = task.run()
-            # CPU seconds of every thread beside the wall time: on a shared, loaded machine the
-            # wall time follows the other tenants, the CPU time much less.
-            runs[name].append({"s": round(time.perf_counter() - t0, 3), "cpu_s": round(time.process_time() - c0, 2),
-                               "loss": round(float(result.loss), 4),
-                               "stages_s": {k: round(v, 2) for k, v in task.seconds_by_kind().items()},
-                               "load": load, "hwm_mib": round(vm_hwm_mib(), 1)})
+            runs[name].append({**time_pair(model, tokenizer, args.prompt, n, r), "load": load,
+                               "hwm_mib": round(vm_hwm_mib(), 1)})
             print(f"{name} round {r + 1}: {runs[name][-1]}", flush=True)
     best = {k: min(x["s"] for x in v) for k, v in runs.items()}
     best_cpu = {k: min(x["cpu_s"] for x in v) for k, v in runs.items()}

@@ -900,6 +900,25 @@ def mem_available() -> int:
     return 0
 
 
+def time_pair(model: Any, tokenizer: Any, prompt: str, n: int, r: int) -> dict[str, Any]:
+    """Round `r`'s DPO pair (a prompt, two `n`-token answers) trained once by a fresh trainer on
+    `model`, as a first pair is (its reference log-probs computed): wall and CPU seconds of every
+    thread (on a shared machine the wall time follows the other tenants, the CPU time much
+    less), its loss and its seconds by stage kind."""
+    from edge_runtime.train.pairs import PreferenceRecord
+    from edge_runtime.train.trainer import AdapterTrainer
+
+    pair = PreferenceRecord(({"role": "user", "content": prompt},), text_of_tokens(tokenizer, n, offset=3 + r),
+                            text_of_tokens(tokenizer, n, offset=11 + r), pair_id=f"copies-{r}")
+    trainer = AdapterTrainer(model, tokenizer)
+    t0, c0 = time.perf_counter(), time.process_time()
+    task = trainer.task(pair, score=False)
+    result = task.run()
+    return {"s": round(time.perf_counter() - t0, 3), "cpu_s": round(time.process_time() - c0, 2),
+            "loss": round(float(result.loss), 4),
+            "stages_s": {k: round(v, 2) for k, v in task.seconds_by_kind().items()}}
+
+
 def dpo_copies(spec: dict[str, Any]) -> dict[str, Any]:
     """One DPO pair's staged update timed on the file's quantised blocks (one copy: what serves
     is what trains, de-quantised a layer at a time) and on a float copy de-quantised from them
@@ -913,8 +932,6 @@ def dpo_copies(spec: dict[str, Any]) -> dict[str, Any]:
     from edge_runtime.model.qweights import QuantWeight
     from edge_runtime.model.tokenizer import Tokenizer
     from edge_runtime.model.weights import load_llama
-    from edge_runtime.train.pairs import PreferenceRecord
-    from edge_runtime.train.trainer import AdapterTrainer
 
     os.environ["MACE_CACHE_DIR"] = spec["cache_dir"]
     torch.set_num_threads(spec["threads"])
@@ -937,15 +954,6 @@ def dpo_copies(spec: dict[str, Any]) -> dict[str, Any]:
     both_peak = sampler.peaks()["hwm"]
     n = spec["dpo_tokens"]
 
-    def one(model: Any, r: int) -> dict[str, float]:
-        pair = PreferenceRecord(({"role": "user", "content": spec["prompt"]},),
-                                text_of_tokens(tokenizer, n, offset=3 + r), text_of_tokens(tokenizer, n, offset=11 + r),
-                                pair_id=f"copies-{r}")
-        trainer = AdapterTrainer(model, tokenizer)
-        t0 = time.perf_counter()
-        result = trainer.task(pair, score=False).run()
-        return {"s": round(time.perf_counter() - t0, 3), "loss": round(float(result.loss), 4)}
-
     runs: dict[str, list[dict[str, float]]] = {"blocks": [], "float": []}
     started = time.monotonic()
     for r in range(spec["rounds"]):
@@ -955,7 +963,7 @@ def dpo_copies(spec: dict[str, Any]) -> dict[str, Any]:
             log(f"dpo copies: round {r + 1} would pass the {spec.get('budget_s', 600)} s budget: stopping")
             break
         for name, model in (("blocks", blocks), ("float", floats)):
-            runs[name].append(one(model, r))
+            runs[name].append(time_pair(model, tokenizer, spec["prompt"], n, r))
             log(f"dpo copies: {name} round {r + 1}: {runs[name][-1]}")
     best = {k: min(x["s"] for x in v) for k, v in runs.items()}
     return {"runs": runs, "rounds_run": len(runs["float"]), "best_s": best, "blocks_over_float": round(best["blocks"] / best["float"], 3),
