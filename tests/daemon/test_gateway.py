@@ -15,13 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.sdk import Client
 from tests.daemon.conftest import REPO, DaemonProcess, free_tcp_port, wait_for
-
-openai = pytest.importorskip("openai")
 
 KEY = "test-key-0123456789abcdef"
 CHAT = [{"role": "user", "content": "Say something"}]

@@ -10,13 +10,11 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionMessageToolCall  # noqa: E402
+from openai.types.chat.chat_completion_chunk import ChoiceDeltaToolCall  # noqa: E402
 
 from tests.daemon.conftest import DaemonProcess, free_tcp_port
 from tests.daemon.test_gateway import KEY, Gateway
-
-openai = pytest.importorskip("openai")
-from openai.types.chat import ChatCompletion, ChatCompletionMessageToolCall  # noqa: E402
-from openai.types.chat.chat_completion_chunk import ChoiceDeltaToolCall  # noqa: E402
 
 WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
                                                       "unit": {"enum": ["celsius", "fahrenheit"]}},

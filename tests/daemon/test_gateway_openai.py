@@ -16,14 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
+import openai
 import pytest
 from transformers import AutoTokenizer
 
 from daemon.sdk import Client, RemoteError
 from tests.daemon.test_cli import macectl
 from tests.daemon.test_gateway import Gateway, start_gateway
-
-openai = pytest.importorskip("openai")
 
 CHAT = [{"role": "user", "content": "What's the weather in Paris?"}]
 SCHEMA = {"type": "object", "properties": {

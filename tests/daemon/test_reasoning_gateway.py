@@ -14,14 +14,13 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 from transformers import AutoTokenizer
 
 from tests.daemon.test_cli import macectl
 from tests.daemon.test_gateway import Gateway, start_gateway
 from tests.families.thinking_models import FAMILIES, make_thinking_model
-
-openai = pytest.importorskip("openai")
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 BLOCK = {"type": "grammar", "grammar": "start: <think> /[a-z ]{1,16}/ </think> /[a-z ]{1,16}/"}

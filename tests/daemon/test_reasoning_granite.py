@@ -13,13 +13,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 from transformers import AutoTokenizer
 
 from tests.daemon.test_gateway import Gateway, start_gateway
 from tests.families.thinking_models import make_granite_model
-
-openai = pytest.importorskip("openai")
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 GRAMMAR = 'start: <think> /[a-z ]{1,16}/ </think> "<response>" /[a-z ]{1,16}/ "</response>"'

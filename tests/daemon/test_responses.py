@@ -12,13 +12,12 @@ from pathlib import Path
 from typing import Literal
 
 import jsonschema
+import openai
 import pytest
 from pydantic import BaseModel
 
 from tests.daemon.conftest import DaemonProcess, free_tcp_port
 from tests.daemon.test_gateway import Gateway
-
-openai = pytest.importorskip("openai")
 
 KEYS = {"default": "default-key-0123456789abcd", "a": "app-a-key-0123456789abcdef",
         "b": "app-b-key-0123456789abcdef"}

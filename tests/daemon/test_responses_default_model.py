@@ -14,8 +14,6 @@ import pytest
 from tests.daemon.conftest import DaemonProcess, free_tcp_port
 from tests.daemon.test_gateway import KEY, Gateway
 
-openai = pytest.importorskip("openai")
-
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
                                                           "unit": {"enum": ["celsius", "fahrenheit"]}},

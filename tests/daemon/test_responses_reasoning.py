@@ -6,14 +6,12 @@ package's own types; `reasoning.effort` is chat's switch; the thinking is not fe
 from __future__ import annotations
 
 import pytest
+from openai.types.responses import ResponseOutputItem, ResponseReasoningItem, ResponseStreamEvent  # noqa: E402
+from pydantic import TypeAdapter  # noqa: E402
 
 from daemon.fronts.http.errors import GatewayError
 from daemon.fronts.http.responses_api import input_messages, thinking_switch
 from daemon.fronts.http.responses_replies import ResponseReply, assistant_turn
-
-openai = pytest.importorskip("openai")
-from openai.types.responses import ResponseOutputItem, ResponseReasoningItem, ResponseStreamEvent  # noqa: E402
-from pydantic import TypeAdapter  # noqa: E402
 
 EVENTS, ITEMS = TypeAdapter(ResponseStreamEvent), TypeAdapter(list[ResponseOutputItem])
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}

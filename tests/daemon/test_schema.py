@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import starlette.testclient as starlette_testclient
 
 from daemon.config import load_config
 from daemon.fronts.http.app import build_app
@@ -17,8 +18,6 @@ from daemon.principals import Identities
 from daemon.sdk import ops
 from daemon.wire import GenerateArgs, ProtocolError, decode, encode, parse_request
 from daemon.wire.schema import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_TOKENS_CAP, WANT
-
-starlette_testclient = pytest.importorskip("starlette.testclient")
 
 
 class CapturingService:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import zlib
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -15,8 +16,6 @@ import torch
 from edge_runtime.errors import ModelNotAvailable
 from edge_runtime.model.gguf_blocks import BLOCK_TYPES, GgufBlockReader, head_order
 from edge_runtime.model.qweights import QuantWeight
-
-gguf = pytest.importorskip("gguf")
 
 # Where each type keeps its float16 fields (byte offsets in a block).
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),

@@ -251,7 +251,7 @@ def test_an_ipc_peer_is_known_by_its_uid(daemon: Daemon) -> None:
 
 
 def test_the_official_openai_client_works_with_an_app_key_and_reaches_only_its_users(daemon: Daemon) -> None:
-    openai = pytest.importorskip("openai")
+    import openai
     a = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key=KEYS["a"], max_retries=0, timeout=60)
     b = openai.OpenAI(base_url=f"http://{daemon.http}/v1", api_key=KEYS["b"], max_retries=0, timeout=60)
     a.post("/users/hana/consent", body={}, cast_to=object)
