@@ -30,14 +30,22 @@ SHARED = "The"  # one token of the tiny tokenizer: a preference the tiny model c
 PRIVATE = {"d0": "Hello there, from the first device", "d1": "Paris is where the second device is"}
 DAEMON_FLAGS = ["--set", "fleet.enabled=true", "--set", "finetune.enabled=false",
                 "--set", "feedback.heldout_fraction=0.0",
-                # The mechanics with a handful of devices: one fleet user each and noise 0.01, below
+                # The mechanics with a handful of devices: one fleet user each and noise 0.001, below
                 # the device's default terms (docs/fleet.md), which are lowered here.
-                "--set", "fleet.min_noise_multiplier=0.01", "--set", "fleet.min_users=1",
+                "--set", "fleet.min_noise_multiplier=0.001", "--set", "fleet.min_users=1",
                 "--set", "fleet.min_examples=1", "--set", "fleet.min_heldout_pairs=1",
                 "--set", "fleet.epsilon_budget=inf", "--set", "fleet.evaluate_per_hour=1000"]
 RUN = {"rounds": 2, "min-devices": 4, "strategy": "fedavg", "rank": 4, "alpha": 8.0,
-       "targets": "q_proj,v_proj", "steps": 8, "lr": 0.01, "clip": 5.0, "noise-multiplier": 0.01,
+       "targets": "q_proj,v_proj", "steps": 12, "lr": 0.05, "clip": 10.0, "noise-multiplier": 0.001,
        "heldout-fraction": 0.25, "max-pairs": 64, "seed": 3, "timeout-s": 600.0}
+# The tiny random model's next-token distribution is nearly flat (307 tokens, every log-prob
+# within about a nat) and its final norm bounds how far a q/v adapter can lift one token, so after
+# the rounds "The" leads the runner-up by a fraction of a nat and the greedy share is all or nothing
+# (lead_of prints the lead). At 8 steps of lr 0.01 under noise 0.01 (the noise's norm, std 0.05 over
+# the adapter's 1,792 values, about the update's ~2.2) the lead was 0.25 nats here and negative in
+# one CI run (share 0.0). At 12 steps of lr 0.05, the updates clipped at 10 (the device's default
+# max_clip) and noise 0.001 it led by 0.42; four runs at 8-12 steps, lr 0.02-0.05 and noise 0.001
+# led by 0.26-0.67.
 EVAL_PROMPTS = [f"Evaluation prompt {j}: what would you say about number {j * 13}?" for j in range(10)]
 
 
@@ -51,6 +59,18 @@ def teach(c: Client, user: str, answer: str, n: int, *, fleet: bool) -> list[str
         c.edit(user, r.interaction_id, answer)
         texts += [prompt, answer]
     return texts
+
+
+def lead_of(c: Client, prefix: str) -> float:
+    """How far (nats) the first greedy token leads the best token other than `prefix`'s, or
+    trails it when `prefix` is not first: the mean over the evaluation prompts (a diagnostic)."""
+    leads = []
+    for p in EVAL_PROMPTS:
+        top = c.generate(p, max_tokens=1, temperature=0.0, logprobs=5).candidates[0].logprobs[0]["top"]
+        mine = [lp for _, lp, b in top if b.startswith(prefix.encode())]
+        other = [lp for _, lp, b in top if not b.startswith(prefix.encode())]
+        leads.append((mine[0] if mine else top[-1][1]) - other[0])
+    return sum(leads) / len(leads)
 
 
 def share_starting(c: Client, prefix: str) -> float:
@@ -122,7 +142,9 @@ def test_a_fleet_learns_the_shared_preference_without_sharing_feedback(
             assert c.fleet_status()["serving"] is not None
             shared_after = share_starting(c, SHARED)
             private_after = {n: share_starting(c, p[:5]) for n, p in PRIVATE.items()}
-        print(f"\nshared preference on the device without its feedback: {shared_before:.2f} -> {shared_after:.2f}; "
+            lead = lead_of(c, SHARED)
+        print(f"\nshared preference on the device without its feedback: {shared_before:.2f} -> {shared_after:.2f} "
+              f"(its first token leads by {lead:.2f} nats); "
               f"private ones: {private_before} -> {private_after}; rounds: "
               + json.dumps([{k: r[k] for k in ("round", "examples", "metrics_before", "metrics_after", "published")}
                             for r in rounds]))
