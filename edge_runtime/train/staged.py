@@ -361,6 +361,7 @@ class FineTuneTask(StageCursor):
         self._held = self._estimator_forward(j)().held_bytes
         if j == len(self.windows) - 1:
             self.result = self._scored(acts.sums)
+            acts.kv = PairKV(0)  # no window is left to attend to its keys/values (a recompute keeps its own)
 
     # -- backward by layer groups ------------------------------------------------------------
 
@@ -470,7 +471,6 @@ class FineTuneTask(StageCursor):
             with torch.enable_grad():
                 out = model.run_layers(x, positions, kv.contexts(self.windows, applier), layer, layer + 1)
             torch.autograd.backward(out, torch.cat(acts.seeds))
-            del out
             grad = x.grad if x.grad is not None else torch.zeros_like(x)
             acts.seeds = list(grad.split([win.num_rows for win in self.windows])) if layer else []
 
