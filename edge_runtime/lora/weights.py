@@ -215,3 +215,11 @@ class SummedLora:
             if d is not None:
                 out = d if out is None else out + d
         return out
+
+
+def draws_dropout(applier: object) -> bool:
+    """Whether `applier` (None, LoRA weights, a `TrainingLora` or a `SummedLora` of them) draws
+    dropout masks: a recompute must then replay each window's own draw (train/staged.py)."""
+    if isinstance(applier, SummedLora):
+        return any(draws_dropout(a) for a in applier.appliers)
+    return bool(getattr(applier, "dropout", 0.0))

@@ -1,5 +1,5 @@
 """Float copies of quantised weights held for one bounded piece of work (a layer's recompute
-and backward over every window of a pair, a layer of the reference pass): a weight read several
+and backward window by window, where LoRA dropout draws: train/staged.py): a weight read several
 times in it is de-quantised once, and every copy goes when the piece ends."""
 
 from __future__ import annotations

@@ -11,11 +11,10 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from edge_runtime.model import held_floats
 from edge_runtime.model.dense import dense_logits
 from edge_runtime.model.llama import LlamaModel, LoraApplier, linear, softcap
 from edge_runtime.model.mapped_weights import give_back_after_use
-from edge_runtime.model.qweights import QuantWeight, float_row_chunks
+from edge_runtime.model.qweights import float_row_chunks
 from edge_runtime.train.pairs import PairTokens
 from edge_runtime.train.windows import PairKV, pair_rope_offsets, plan_windows
 
@@ -123,20 +122,17 @@ def pair_logps(
     model: LlamaModel, tokens: PairTokens, lora: LoraApplier | None, window_tokens: int | None = None
 ) -> tuple[float, float]:
     """(log pi(chosen|prompt), log pi(rejected|prompt)) in one pass that runs the prompt once.
-    Layer by layer over every window (a later window attends to the keys and values the earlier
-    ones left in the same layer, as window by window), so a quantised weight is de-quantised
-    once for all the windows (`held_floats`: one layer's floats at a time), and the scored rows
-    of every window go through the LM head together: the head is read once, not per window."""
+    Every window's rows in one call of the layers (`WindowsContext`: a later window attends to
+    the keys and values the earlier ones left in the same layer, as window by window), so a
+    quantised weight is de-quantised once for all the windows, a row chunk at a time, with no
+    float copy of a layer held (#28); and the scored rows of every window go through the LM head
+    together: the head is read once, not per window."""
     kv = PairKV(model.cfg.num_layers, model.cfg.layer_windows, model.cfg.attn_softcap)
     device = model.device
     windows = plan_windows(tokens, window_tokens, rope_offsets=pair_rope_offsets(model, tokens))
-    hidden = [model.embed_tokens(win.input_ids.to(device)) for win in windows]
-    positions = [win.positions.to(device) for win in windows]
-    with held_floats.arena(held_floats.layer_bytes(model, QuantWeight)):
-        for layer in range(model.cfg.num_layers):
-            with held_floats.holding():
-                for j, win in enumerate(windows):
-                    hidden[j] = model.run_layers(hidden[j], positions[j], kv.context(win, lora), layer, layer + 1)
+    hidden = model.embed_tokens(torch.cat([win.input_ids for win in windows]).to(device))
+    positions = torch.cat([win.positions for win in windows]).to(device)
+    hidden = list(model.run_layers(hidden, positions, kv.contexts(windows, lora)).split([w.num_rows for w in windows]))
     sums = torch.zeros(2, dtype=torch.float64)
     scored = [j for j, win in enumerate(windows) if win.score_rows.numel()]
     if scored:

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from edge_runtime import c_heap
 from edge_runtime.c_heap import give_heap_back
+from edge_runtime.lora.weights import draws_dropout
 from edge_runtime.model import held_floats
 from edge_runtime.model.qweights import QuantWeight
 from edge_runtime.train.costs import StageCostModel, StageEstimate
@@ -294,7 +295,7 @@ class FineTuneTask(StageCursor):
     def _estimate_reference(self) -> StageEstimate:
         t = self.trainer
         est = self.costs.score(self.tokens.num_rows, t.model.cfg.num_layers, self._scored_rows(), with_reference=False)
-        return replace(est, peak_bytes=est.peak_bytes + self._held_layer_bytes())  # `pair_logps` holds a layer
+        return est  # `pair_logps` runs every window in one call of the layers: no layer's floats held
 
     def _scored_rows(self) -> int:
         return sum(int(w.score_rows.numel()) for w in self.windows)
@@ -360,6 +361,7 @@ class FineTuneTask(StageCursor):
         self._held = self._estimator_forward(j)().held_bytes
         if j == len(self.windows) - 1:
             self.result = self._scored(acts.sums)
+            acts.kv = PairKV(0)  # no window is left to attend to its keys/values (a recompute keeps its own)
 
     # -- backward by layer groups ------------------------------------------------------------
 
@@ -368,7 +370,7 @@ class FineTuneTask(StageCursor):
             start, stop = self.groups[g]
             est = self.costs.backward_group(self.tokens.num_rows, stop - start, self._held, len(self.windows),
                                             self.recompute)
-            if not self.recompute:
+            if not self.recompute or not draws_dropout(self.trainer.applier(training=True)):
                 return est
             return replace(est, peak_bytes=est.peak_bytes + self._held_layer_bytes())
         return estimate
@@ -432,15 +434,16 @@ class FineTuneTask(StageCursor):
         applier = self.trainer.applier(training=True)
         if stop == cfg.num_layers:
             acts.seeds = self._top_seeds(acts, acts.inputs[stop - 1])
+        if not draws_dropout(applier):
+            self._recompute_together(acts, start, stop, applier)
+            return
         outer = _rng_state(device)  # the recompute leaves the generators as it found them
         try:
             with held_floats.arena(self._held_layer_bytes()):  # one buffer for every layer's held floats
                 for layer in reversed(range(start, stop)):
                     kv = PairKV(cfg.num_layers, cfg.layer_windows, cfg.attn_softcap)
                     leaves, outputs = [], []
-                    # A quantised weight of this layer is de-quantised once for its forward over
-                    # every window and its backward (2 x windows reads otherwise), held only until
-                    # the layer is done: at most one layer's floats (`held_floats.MAX_BYTES`).
+                    # Window by window (each replays its draw); the layer's floats held till done.
                     with held_floats.holding():
                         with torch.enable_grad():
                             for win, kept, rng in zip(self.windows, acts.inputs[layer], acts.rng[layer], strict=True):
@@ -455,6 +458,21 @@ class FineTuneTask(StageCursor):
                     acts.inputs[layer], acts.rng[layer] = [], []
         finally:
             _set_rng_state(outer, device)
+
+    def _recompute_together(self, acts: _Activations, start: int, stop: int, applier: LoraApplier | None) -> None:
+        """Where no dropout draws: every window's rows in one call of each layer (`WindowsContext`): a
+        weight de-quantised once a pass, a row chunk at a time, no layer's floats held (#28)."""
+        model, cfg = self.trainer.model, self.trainer.model.cfg
+        positions = torch.cat([win.positions for win in self.windows]).to(model.device)
+        for layer in reversed(range(start, stop)):
+            kv = PairKV(cfg.num_layers, cfg.layer_windows, cfg.attn_softcap)
+            x = torch.cat(acts.inputs[layer]).detach().requires_grad_(layer > 0)  # the embedding is frozen
+            acts.inputs[layer], acts.rng[layer] = [], []
+            with torch.enable_grad():
+                out = model.run_layers(x, positions, kv.contexts(self.windows, applier), layer, layer + 1)
+            torch.autograd.backward(out, torch.cat(acts.seeds))
+            grad = x.grad if x.grad is not None else torch.zeros_like(x)
+            acts.seeds = list(grad.split([win.num_rows for win in self.windows])) if layer else []
 
     # -- optimizer ---------------------------------------------------------------------------
 

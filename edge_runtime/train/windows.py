@@ -1,4 +1,5 @@
-"""Token windows over one preference pair, and the attention that lets them run one at a time.
+"""Token windows over one preference pair, and the attention that lets them run one at a time
+(or all in one call of a layer, each still attending as alone: `WindowsContext`).
 
 The prompt is shared: its windows run as one row, then the completion windows run the chosen
 and rejected answers side by side (two rows) attending to the prompt's keys/values and to their
@@ -130,6 +131,9 @@ class PairKV:
     def context(self, window: Window, lora: LoraApplier | None) -> WindowContext:
         return WindowContext(self, window, lora)
 
+    def contexts(self, windows: list[Window], lora: LoraApplier | None) -> WindowsContext:
+        return WindowsContext(self, windows, lora)
+
 
 def _append(prev: Tensor | None, new: Tensor) -> Tensor:
     # A copy of its own, never the view it came as: a view of a layer's fused q/k/v projection (or
@@ -173,3 +177,20 @@ class WindowContext:
             mask = window_mask(q_pos, k_pos, window)
         out = sdpa(qh, keys, values, mask, kv.softcap)
         return out.transpose(1, 2).reshape(b * w, heads * d)
+
+
+class WindowsContext:
+    """`ForwardContext` for every window in one call, their rows one after another in order: each
+    window attends as its own `WindowContext` would (to the keys and values the windows before it
+    left in this layer), and every projection reads its weight once for all of them (row-wise,
+    the same products): a layer of quantised weights is de-quantised once per pass over the pair,
+    with no float copy of it held across windows."""
+
+    def __init__(self, kv: PairKV, windows: list[Window], lora: LoraApplier | None) -> None:
+        self.lora = lora
+        self.parts = [WindowContext(kv, win, lora) for win in windows]
+        self.rows = [win.num_rows for win in windows]
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return torch.cat([ctx.attention(layer, qs, ks, vs) for ctx, qs, ks, vs
+                          in zip(self.parts, q.split(self.rows), k.split(self.rows), v.split(self.rows), strict=True)])

@@ -64,9 +64,13 @@ def test_weights_past_the_budget_are_read_their_bounded_way(monkeypatch):
     assert held_floats.whole(w, torch.zeros(1)) is None  # nothing outside a holding
 
 
-def test_a_backward_stage_counts_the_layer_it_holds(tmp_path, monkeypatch):
-    """The staged backward's memory estimate includes the held layer: its weights kept as
-    blocks, in float32, at most the budget."""
+def test_a_backward_stage_counts_the_layer_it_holds_only_where_dropout_draws(tmp_path, monkeypatch):
+    """With LoRA dropout the staged backward recomputes window by window and holds the layer:
+    its estimate includes the layer's weights kept as blocks, in float32, at most the budget.
+    Without (the default) every window runs in one call of the layer and nothing is held: no
+    holding is entered, and the estimate counts no layer (#28)."""
+    import dataclasses
+
     from edge_runtime.model.gguf_load import load_llama_gguf
     from edge_runtime.model.tokenizer import Tokenizer
     from edge_runtime.train.staged import StageKind
@@ -77,10 +81,23 @@ def test_a_backward_stage_counts_the_layer_it_holds(tmp_path, monkeypatch):
     model = load_llama_gguf(path)
     layer = max(sum(m.shape.numel() for m in block.modules() if isinstance(m, QuantWeight)) for block in model.layers)
     assert layer > 0 and held_floats.layer_bytes(model, QuantWeight) == 4 * layer
-    task = make_trainer(model, Tokenizer(folder)).task(preference_records()[0], score=False)
-    backward = next(s for s in task.stages if s.kind is StageKind.BACKWARD)
+    trainer = make_trainer(model, Tokenizer(folder))
+    task = trainer.task(preference_records()[0], score=False)
     start, stop = task.groups[-1]
     plain = task.costs.backward_group(task.tokens.num_rows, stop - start, 0, len(task.windows), True)
+    backward = next(s for s in task.stages if s.kind is StageKind.BACKWARD)
+    assert backward.estimate().peak_bytes == plain.peak_bytes
+
+    def refused(*args, **kwargs):
+        raise AssertionError("nothing is held without dropout")
+    with monkeypatch.context() as m:
+        m.setattr(held_floats, "holding", refused)
+        while task.next_stage().kind is not StageKind.OPTIMIZER:
+            task.run_next()
+    trainer.release(task)
+    trainer.weights.settings = dataclasses.replace(trainer.weights.settings, dropout=0.3)
+    task = trainer.task(preference_records()[0], score=False)
+    backward = next(s for s in task.stages if s.kind is StageKind.BACKWARD)
     assert backward.estimate().peak_bytes == plain.peak_bytes + 4 * layer
     monkeypatch.setattr(held_floats, "MAX_BYTES", 1000)
     assert held_floats.layer_bytes(model, QuantWeight) == 1000
