@@ -33,10 +33,11 @@ def _session(nodes, inits, out: str, rank: int) -> ort.InferenceSession:
     return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
-def _writers_block_sums(model, rank: int) -> ort.InferenceSession:
+def _writers_block_sums(model, rank: int, known: bool = True) -> ort.InferenceSession:
+    """The writer's block sums of x; `known`: told x's rank (else read from x's shape)."""
     writer = step_writer(model, Q4_SPEC)
-    out = writer.block_sums("x", K, 32, rank=rank)
-    assert writer.block_sums("x", K, 32, rank=rank) == out  # one per input, shared by its linears
+    out = writer.block_sums("x", K, 32, rank=rank if known else None)
+    assert writer.block_sums("x", K, 32, rank=rank if known else None) == out  # one per input, shared
     return _session(writer.g.nodes, writer.g.inits, out, rank)
 
 
@@ -53,9 +54,10 @@ def _at(values: np.ndarray, shift: int) -> np.ndarray:
     return buf[shift:shift + values.size].reshape(values.shape)
 
 
+@pytest.mark.parametrize("known", [True, False])
 @pytest.mark.parametrize("shape", [(1, 1, K), (3, 5, K), (16, 1, K), (1, 40, K), (7, K), (1, K)])
-def test_block_sums_are_the_zero_one_matmuls_bits_at_any_address(model, shape):
-    ours, before = _writers_block_sums(model, len(shape)), _zero_one_matmul(len(shape))
+def test_block_sums_are_the_zero_one_matmuls_bits_at_any_address(model, shape, known):
+    ours, before = _writers_block_sums(model, len(shape), known), _zero_one_matmul(len(shape))
     x = (np.random.default_rng(len(shape) * 100 + shape[0]).standard_normal(shape) * 3).astype(np.float32)
     want = before.run(None, {"x": x})[0]
     assert want.shape == (*shape[:-1], K // 32)
