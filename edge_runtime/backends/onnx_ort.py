@@ -98,7 +98,7 @@ class OrtStepWriter(StepWriter):
                      accuracy_level=self.spec.accuracy_level)
             if offsets is None:
                 return y
-            return g.op("Add", [y, g.op("MatMul", [self.block_sums(rows, k, block), offsets])])
+            return g.op("Add", [y, g.op("MatMul", [self.block_sums(rows, k, block, rank=2), offsets])])
         if not self._tied_quantized():
             return super().lm_head(rows)
         q, packed, scales, zeros = self.tied_head

@@ -14,7 +14,7 @@ from edge_runtime.backends.gqa_window import window_counts_current_token
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.llama import LlamaModel
 
-GRAPH_VERSION = 11  # bump when the graph's inputs, outputs or numerics change (part of the cache key)
+GRAPH_VERSION = 13  # bump when the graph's inputs, outputs or numerics change (part of the cache key)
 OPSET = 21  # block-wise DequantizeLinear (INT4 weight-only) needs 21
 IR_VERSION = 10  # the newest IR that ONNX Runtime 1.18+ and TensorRT 10 both read
 FLAVOURS = ("ort", "standard")

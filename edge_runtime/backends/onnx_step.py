@@ -89,7 +89,6 @@ class StepWriter(ABC):
         self.spec = spec
         self.on_layer = on_layer  # called after each decoder layer is written (a progress bar)
         self.g = GraphBuilder(sink)
-        self._block_sum_mats: set[str] = set()  # the 0/1 block-sum initializers written so far
         self._block_sums: dict[tuple[str, int], str] = {}  # (a linear's input, block) -> its block sums
 
     # -- what each flavour writes its own way ---------------------------------------------------
@@ -134,47 +133,57 @@ class StepWriter(ABC):
         every block format exactly: onnx_blocks.py) rather than de-quantised and re-quantised."""
         return isinstance(weight, QuantWeight) and self.spec.offsets
 
-    def linear(self, x: str, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None, name: str) -> str:
+    def linear(self, x: str, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None, name: str,
+               rank: int | None = None) -> str:
+        """x @ W^T (+ bias); `rank`: x's, where the writer knows it (hidden states [B, S, K], the
+        head's rows [T, K]), which spares the block sums reading x's shape."""
         g, spec = self.g, self.spec
         if self.from_blocks(weight):
-            y = self.block_linear(x, weight, name)
+            y = self.block_linear(x, weight, name, rank)
             return y if bias is None else g.op("Add", [y, g.init(f"{name}.bias", as_numpy(bias))])
         w = as_numpy(weight)  # [out, in]
         if spec.quantization == "none":
             y = g.op("MatMul", [x, g.init(f"{name}.weight", w.T)])
         elif spec.offsets:
-            y = self._offset_linear(x, pack_q4_offsets(w), name)
+            y = self._offset_linear(x, pack_q4_offsets(w), name, rank)
         else:
             y = self.quantized_matmul(x, w, name)
         if bias is not None:
             y = g.op("Add", [y, g.init(f"{name}.bias", as_numpy(bias))])
         return y
 
-    def _offset_linear(self, x: str, w: OffsetNBitsWeight, name: str) -> str:
+    def _offset_linear(self, x: str, w: OffsetNBitsWeight, name: str, rank: int | None) -> str:
         """x @ W^T for W = scale * (q - 8) + offset per block: a symmetric 4-bit product, plus x
-        summed over each block of K (one MatMul by a 0/1 matrix, shared by the linears of one
-        input) times the offsets [K / block, N]."""
+        summed over each block of K (`block_sums`, shared by the linears of one input) times the
+        offsets [K / block, N]."""
         g, q = self.g, w.nbits
         y = self.q4_matmul(x, q, name)
-        shift = g.op("MatMul", [self.block_sums(x, q.k, q.block_size),
+        shift = g.op("MatMul", [self.block_sums(x, q.k, q.block_size, rank),
                                 g.init(f"{name}.offsets", np.ascontiguousarray(w.offsets.T))])
         return g.op("Add", [y, shift])
 
-    def block_sums(self, x: str, k: int, block: int) -> str:
-        """x [.., K] summed over each block of K (one MatMul by a 0/1 matrix, shared by the
-        linears of one input)."""
+    def block_sums(self, x: str, k: int, block: int, rank: int | None = None) -> str:
+        """x [.., K] (`rank` dimensions; None: read from x) summed over each block of K (shared by
+        the linears of one input): x as [.., K / block, block] times a column of ones. The same bits
+        as the MatMul by a 0/1 [K, K / block] matrix it replaces (MLAS sums each output in order
+        either way), without reading that matrix every step (8 MiB per [8192, 256] node at the 1B
+        shape). Not ReduceSum: ONNX Runtime's CPU ReduceSum sums in an order that depends on x's
+        address (docs/onnx.md, "The offsets' block sums")."""
         g = self.g
         sums = self._block_sums.get((x, block))
         if sums is None:
-            # [K, K / block] of 0/1, one per width K and block
-            mat = f"block_sum_{k}" if block == 32 else f"block_sum_{k}_{block}"
-            if mat not in self._block_sum_mats:
-                g.init(mat, np.kron(np.eye(k // block, dtype=np.float32), np.ones((block, 1), np.float32)))
-                self._block_sum_mats.add(mat)
-            sums = self._block_sums[(x, block)] = g.op("MatMul", [x, mat])
+            if rank is None:
+                lead = g.op("Shape", [x], end=-1)
+                blocks = g.op("Reshape", [x, g.op("Concat", [lead, g.const([k // block, block])], axis=0)])
+                back = g.op("Concat", [lead, g.const([k // block])], axis=0)
+            else:  # 0: keep that dimension of x (no Shape and Concat per input)
+                blocks = g.op("Reshape", [x, g.const([0] * (rank - 1) + [k // block, block])])
+                back = g.const([0] * (rank - 1) + [k // block])
+            summed = g.op("MatMul", [blocks, g.const([[1.0]] * block, np.float32)])  # [.., K / block, 1]
+            sums = self._block_sums[(x, block)] = g.op("Reshape", [summed, back])
         return sums
 
-    def block_linear(self, x: str, weight: QuantWeight, name: str) -> str:
+    def block_linear(self, x: str, weight: QuantWeight, name: str, rank: int | None = None) -> str:
         """x @ W^T over a GGUF's blocks: per format part (stacked along N) its levels and scales
         as they are, plus block sums times its offsets where it has them; parts concatenated."""
         g, outs = self.g, []
@@ -185,7 +194,7 @@ class StepWriter(ABC):
             y, offsets = self.block_matmul(x, part, tag)
             if offsets is not None:
                 k, block = part.nbits.k, part.nbits.block_size
-                shift = g.op("MatMul", [self.block_sums(x, k, block), g.init(f"{tag}.offsets", offsets.T)])
+                shift = g.op("MatMul", [self.block_sums(x, k, block, rank), g.init(f"{tag}.offsets", offsets.T)])
                 y = g.op("Add", [y, shift])
             outs.append(y)
         return outs[0] if len(outs) == 1 else g.op("Concat", outs, axis=-1)
@@ -227,7 +236,7 @@ class StepWriter(ABC):
         return g.op("Reshape", [w, g.const([0, 0, nb.k])]), part
 
     def lm_head(self, rows: str) -> str:
-        return self.linear(rows, self.model.lm_head_weight(), None, "lm_head")
+        return self.linear(rows, self.model.lm_head_weight(), None, "lm_head", rank=2)
 
     def rms_norm(self, x: str, weight: torch.Tensor, name: str, skip: str | None = None) -> tuple[str, str]:
         """RMSNorm of (x + skip); returns (normalised, the sum that is the next residual)."""
@@ -356,10 +365,10 @@ class StepWriter(ABC):
                 hn = residual
             else:
                 hn, residual = self.rms_norm(residual, layer.input_norm, f"{p}.input_norm", delta)
-            qkv = self.lora(self.linear(hn, layer.qkv_weight, layer.qkv_bias, f"{p}.qkv"), hn, "qkv", i)
+            qkv = self.lora(self.linear(hn, layer.qkv_weight, layer.qkv_bias, f"{p}.qkv", rank=3), hn, "qkv", i)
             attn, kv_new = self.attention_block(i, layer, qkv)
             kv_out.append(kv_new)
-            o = self.lora(self.linear(attn, layer.o_weight, layer.o_bias, f"{p}.o"), attn, "o", i)
+            o = self.lora(self.linear(attn, layer.o_weight, layer.o_bias, f"{p}.o", rank=3), attn, "o", i)
             if post:
                 o, _ = self.rms_norm(o, layer.attn_out_norm, f"{p}.attn_out_norm")
             o = self.scaled(o, cfg.residual_multiplier)
@@ -367,13 +376,13 @@ class StepWriter(ABC):
                 residual = hn = g.op("Add", [residual, o])
             else:
                 hn, residual = self.rms_norm(residual, layer.post_norm, f"{p}.post_norm", o)
-            gu = self.lora(self.linear(hn, layer.gate_up_weight, layer.gate_up_bias, f"{p}.gate_up"), hn, "gate_up", i)
+            gu = self.lora(self.linear(hn, layer.gate_up_weight, layer.gate_up_bias, f"{p}.gate_up", rank=3), hn, "gate_up", i)
             gate, up = g.op("Split", [gu], n_out=2, axis=-1, num_outputs=2)
             if cfg.activation == "silu":
                 act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
             else:  # Gemma's GELU-tanh (ai.onnx Gelu, opset 20+)
                 act = g.op("Mul", [g.op("Gelu", [gate], approximate="tanh"), up])
-            delta = self.lora(self.linear(act, layer.down_weight, layer.down_bias, f"{p}.down"), act, "down", i)
+            delta = self.lora(self.linear(act, layer.down_weight, layer.down_bias, f"{p}.down", rank=3), act, "down", i)
             if post:
                 delta, _ = self.rms_norm(delta, layer.mlp_out_norm, f"{p}.mlp_out_norm")
             delta = self.scaled(delta, cfg.residual_multiplier)
