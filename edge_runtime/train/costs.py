@@ -254,10 +254,11 @@ class StageCostModel:
         piece = min(self.vocab_size, max(1, CHUNK_ELEMENTS // self.hidden_size))
         return 3 * 4 * scored_rows * piece
 
-    def layer_input_bytes(self, rows: int, layers: int) -> int:
+    def layer_input_bytes(self, rows: int, layers: int, kv: bool = True) -> int:
         """What the recomputing forward keeps per window: each layer's input [rows, hidden] and
-        its keys and values, which the pair's later windows attend to."""
-        return self.activation_bytes * rows * layers * self.hidden_size + self.kv_bytes(rows, layers)
+        (`kv`) its keys and values, which the pair's later windows attend to; the last window's
+        forward lets the keys and values go (train/staged.py), so the backward holds inputs only."""
+        return self.activation_bytes * rows * layers * self.hidden_size + (self.kv_bytes(rows, layers) if kv else 0)
 
     def _head(self, scored: int, grad: bool) -> float:
         if scored <= 0:
@@ -316,7 +317,7 @@ class StageCostModel:
             per_row = self.grad_fwd_s_per_row_layer + self.bwd_s_per_row_layer
             peak = int(self.saved_bytes_per_row_layer * rows) + grads
             return StageEstimate((per_layer + per_row * rows) * layers, peak,
-                                 max(0, held_before - self.layer_input_bytes(rows, layers)))
+                                 max(0, held_before - self.layer_input_bytes(rows, layers, kv=False)))
         freed = int(self.saved_bytes_per_row_layer * rows * layers)
         seconds = (self.bwd_s_per_layer * windows + self.bwd_s_per_row_layer * rows) * layers
         # Gradients of one group's activations exist only while that group runs backward.

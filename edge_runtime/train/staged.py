@@ -8,10 +8,9 @@
   forward   one token window through every layer without grad, keeping each layer's input
             ([rows, hidden]) and the RNG state it ran with; the LM head is applied and
             differentiated per window right away, keeping only a [rows, hidden] gradient
-  backward  one layer group, last to first, a layer at a time: the layer's forward over every
-            window again from its kept input, with grad, then its backward, seeded with the
-            gradient the layer above left on its input (for the top layer: the objective's
-            gradient); so at most one layer's graph exists at once (checkpointing per layer)
+  backward  one layer group, last to first, a layer at a time: the layer's forward over every window
+            again (one call; per window where LoRA dropout draws) from its kept inputs, with grad, then its
+            backward seeded by the layer above (the top: the objective); one layer's graph at a time
   optimizer AdamW on the LoRA parameters once `accumulation_steps` pairs have added gradients
 
 `FineTuneTask.recompute = False` keeps the forward's graphs instead (each group's input a
@@ -362,6 +361,7 @@ class FineTuneTask(StageCursor):
         if j == len(self.windows) - 1:
             self.result = self._scored(acts.sums)
             acts.kv = PairKV(0)  # no window is left to attend to its keys/values (a recompute keeps its own)
+            self._held -= self.costs.kv_bytes(self.tokens.num_rows, model.cfg.num_layers) if recompute else 0
 
     # -- backward by layer groups ------------------------------------------------------------
 
