@@ -320,7 +320,10 @@ class EngineFineTuner(GuardedPublishing):
     # -- training -------------------------------------------------------------------------------
 
     async def _train_loop(self) -> None:
-        while True:
+        # Until checkpoint() sets _stopping, not only until cancelled: before 3.12, wait_for can
+        # swallow a cancel that lands as the queue hands over an item (CPython bpo-42130), and the
+        # shutdown then waited its 10 s bound for a loop that went on polling.
+        while not self._stopping:
             try:
                 try:
                     first = await asyncio.wait_for(self._done.get(), self.poll_s)
