@@ -308,7 +308,8 @@ class StageCostModel:
 
     def backward_group(self, rows: int, layers: int, held_before: int, windows: int = 1,
                        recompute: bool = True) -> StageEstimate:
-        """`rows` over all of the pair's `windows` (each window's graph is its own call per layer).
+        """`rows` over all of the pair's windows in `windows` calls of each layer (one per window
+        where each runs alone: LoRA dropout's replay, or graphs kept from the forward; else one).
         `recompute`: each layer's grad forward runs again here, and one layer's graph (over
         every window) exists at a time; otherwise the group's graphs were held since the forward."""
         grads = self._gradients(rows)

@@ -368,11 +368,10 @@ class FineTuneTask(StageCursor):
     def _estimator_backward(self, g: int) -> Callable[[], StageEstimate]:
         def estimate() -> StageEstimate:
             start, stop = self.groups[g]
-            est = self.costs.backward_group(self.tokens.num_rows, stop - start, self._held, len(self.windows),
-                                            self.recompute)
-            if not self.recompute or not draws_dropout(self.trainer.applier(training=True)):
-                return est
-            return replace(est, peak_bytes=est.peak_bytes + self._held_layer_bytes())
+            dropout = self.recompute and draws_dropout(self.trainer.applier(training=True))
+            calls = len(self.windows) if dropout or not self.recompute else 1  # else every window in one call
+            est = self.costs.backward_group(self.tokens.num_rows, stop - start, self._held, calls, self.recompute)
+            return replace(est, peak_bytes=est.peak_bytes + self._held_layer_bytes()) if dropout else est
         return estimate
 
     def _held_layer_bytes(self) -> int:

@@ -76,7 +76,13 @@ def test_staged_task_prices_backward_by_its_windows(tiny4, tiny4_tokenizer, pair
     task = trainer.task(pairs[1], score=False)
     windows = sum(1 for s in task.stages if s.kind is StageKind.FORWARD)
     assert windows > 1
+    # The recompute runs every window through a layer in one call: the fixed part once a layer.
     backward = [s for s in task.stages if s.kind is StageKind.BACKWARD]
+    assert backward and all(s.estimate().seconds == pytest.approx((0.01 + 0.005) * 2) for s in backward)
+    # Where LoRA dropout draws, each window replays its own masks: one call per window and layer.
+    trainer = AdapterTrainer(tiny4, tiny4_tokenizer, lora=LoraSettings(rank=4, alpha=8, dropout=0.1),
+                             dpo=DPOSettings(window_tokens=4, layers_per_group=2), costs=costs)
+    backward = [s for s in trainer.task(pairs[1], score=False).stages if s.kind is StageKind.BACKWARD]
     assert backward and all(s.estimate().seconds == pytest.approx((0.01 + 0.005) * 2 * windows) for s in backward)
 
 
