@@ -120,7 +120,7 @@ class _Activations:
     # detached leaf inputs (group 0 has none)
     inputs: list[list[Tensor]]
     outputs: list[list[Tensor]]  # without recompute: [group][window] outputs, graph attached
-    rng: list[list[tuple[Tensor, Tensor | None]]] = field(default_factory=list)  # recompute: [layer][window]
+    rng: list[list[tuple[Tensor, Tensor | None]]] = field(default_factory=list)  # recompute, dropout: [layer][window]
     head_grads: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)  # per window
     seeds: list[Tensor] = field(default_factory=list)  # recompute: d loss / d (next layer's input), per window
     sums: Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))
@@ -328,14 +328,16 @@ class FineTuneTask(StageCursor):
             raise RuntimeError("forward windows must run in order from the first")
         win = self.windows[j]
         device = model.device
-        ctx = acts.kv.context(win, trainer.applier(training=True))
+        applier = trainer.applier(training=True)
+        ctx = acts.kv.context(win, applier)
         positions = win.positions.to(device)
         with torch.set_grad_enabled(not recompute):
             x = model.embed_tokens(win.input_ids.to(device))
             if recompute:
                 for layer in range(model.cfg.num_layers):
                     acts.inputs[layer].append(x)
-                    acts.rng[layer].append(_rng_state(device))
+                    if draws_dropout(applier):  # only a dropout draw is replayed (window by window)
+                        acts.rng[layer].append(_rng_state(device))
                     x = model.run_layers(x, positions, ctx, layer, layer + 1)
             else:
                 for g, (start, stop) in enumerate(self.groups):
@@ -459,8 +461,7 @@ class FineTuneTask(StageCursor):
             _set_rng_state(outer, device)
 
     def _recompute_together(self, acts: _Activations, start: int, stop: int, applier: LoraApplier | None) -> None:
-        """Where no dropout draws: every window's rows in one call of each layer (`WindowsContext`): a
-        weight de-quantised once a pass, a row chunk at a time, no layer's floats held (#28)."""
+        """No dropout draws: every window in one call of each layer (`WindowsContext`), no floats held (#28)."""
         model, cfg = self.trainer.model, self.trainer.model.cfg
         positions = torch.cat([win.positions for win in self.windows]).to(model.device)
         for layer in reversed(range(start, stop)):
