@@ -3,6 +3,8 @@ counts), not the slab's size: pages are taken on first write and given back when
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from pathlib import Path
 
 import torch
@@ -20,6 +22,20 @@ def _anon() -> int:
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def slab_resident(cache: KVCache) -> int:
+    """Resident bytes of the slab's own pages (mincore over its range), whatever else the process
+    allocates beside it: threads that earlier tests left keep allocating in a long session, and
+    the kernel may merge the slab's mapping with its anonymous neighbours."""
+    page = mmap.PAGESIZE
+    pages = -(-cache.nbytes // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if libc.mincore(cache.data.data_ptr(), pages * page, vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore over the KV slab failed")
+    return sum(v & 1 for v in vec) * page
 
 
 def _cfg() -> ModelConfig:
