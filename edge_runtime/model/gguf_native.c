@@ -432,6 +432,7 @@ int gg_matmul(int type, const uint8_t *raw, int64_t n, int64_t k, const float *x
 }
 
 #include "gguf_native_q8.c" /* the int8-activation products */
+#include "gguf_native_k8.c" /* q8_K-x products on Q4_K/Q6_K and the thread pool */
 
 #if !defined(__clang__)
 #pragma GCC pop_options

@@ -1,0 +1,457 @@
+/* Decode-size int8-x products that read Q4_K, Q6_K and Q8_0 blocks as they lie, and the persistent
+   thread pool that splits every product's weight rows (part of gguf_native.c, included in its
+   product section). */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+
+/* --- x as llama.cpp's q8_K: per 256 values one float scale d (x ~ d q, q in [-127, 127], rounded
+   to nearest, ties to even) and the int16 sums of q per 16. The K-quants' 6-bit sub-block scales and
+   mins then apply to exact int32 sums: one float multiply per 256 weights and row of x. */
+void gg_quantize_k8(const float *x, int64_t m, int64_t k, int8_t *qx, float *d, int16_t *bs) {
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t s = 0; s < k / 256; s++) {
+            const float *v = x + r * k + 256 * s;
+            int8_t *q = qx + r * k + 256 * s;
+            float amax = 0.0f;
+            for (int l = 0; l < 256; l++) {
+                const float a = v[l] < 0.0f ? -v[l] : v[l];
+                amax = a > amax ? a : amax;
+            }
+            const float iscale = amax > 0.0f ? 127.0f / amax : 0.0f;
+            d[r * (k / 256) + s] = amax > 0.0f ? 1.0f / iscale : 0.0f;
+            for (int l = 0; l < 256; l++) {
+                float t = v[l] * iscale;
+                t = t > 127.0f ? 127.0f : (t < -127.0f ? -127.0f : t);
+                q[l] = (int8_t)__builtin_rintf(t); /* the default rounding: to nearest, ties to even */
+            }
+            for (int g = 0; g < 16; g++) {
+                int sum = 0;
+                for (int l = 0; l < 16; l++) sum += q[16 * g + l];
+                bs[r * (k / 16) + 16 * s + g] = (int16_t)sum;
+            }
+        }
+}
+
+#if defined(GG_AVX512)
+/* AVX-512 (BW, VNNI): a super-block's levels sit in four 64-byte registers in weight order; each row
+   of x meets them with maddubs (unsigned level x signed q, pairs summed to int16) and vpdpwssd
+   (times the int16 sub-block scale, summed into int32 lanes), the block's float scales applied once. */
+static inline __m512i idx16(int per) { /* int16 lane j of weights 64v.. -> scale index (for v = 0) */
+    return per == 16 ? _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
+                                                           17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                                           1, 0), 3)
+                     : _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
+                                                          17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
+                                                          1, 0), 4);
+}
+
+static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+static inline __attribute__((always_inline)) void k8_q4k(const uint8_t *raw, int64_t rb, int64_t n, int64_t k,
+                                                         const int8_t *qx, const float *dx, const int16_t *bs,
+                                                         const int64_t m, float *out, int64_t ldo) {
+    const int64_t nsb = k / 256;
+    const __m512i m4 = _mm512_set1_epi8(15), base = idx16(32);
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = raw + i * rb;
+        __m512 acc[MAX_ROWS];
+        __m256 accm[MAX_ROWS];
+        for (int64_t r = 0; r < m; r++) {
+            acc[r] = _mm512_setzero_ps();
+            accm[r] = _mm256_setzero_ps();
+        }
+        for (int64_t s = 0; s < nsb; s++) {
+            const uint8_t *b = row + 144 * s;
+            _mm_prefetch((const char *)(b + 144 * 4), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + 144 * 4 + 64), _MM_HINT_T0);
+            const float d = half_at(b), dmin = half_at(b + 2);
+            uint8_t sc[8], mn[8];
+            k_scales(b + 4, sc, mn);
+            const __m512i scw = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+            const __m128i mv = _mm_loadl_epi64((const __m128i *)mn);
+            const __m256i mn2 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mv, mv)); /* each min twice: per 16 */
+            const __m512i q0 = _mm512_loadu_si512((const void *)(b + 16)), q1 = _mm512_loadu_si512((const void *)(b + 80));
+            const __m512i lo0 = _mm512_and_si512(q0, m4), hi0 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
+            const __m512i lo1 = _mm512_and_si512(q1, m4), hi1 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
+            /* 32 bytes of q hold weights 64c..64c+31 (low nibbles) and 64c+32.. (high) */
+            const __m512i w[4] = {_mm512_shuffle_i64x2(lo0, hi0, 0x44), _mm512_shuffle_i64x2(lo0, hi0, 0xEE),
+                                  _mm512_shuffle_i64x2(lo1, hi1, 0x44), _mm512_shuffle_i64x2(lo1, hi1, 0xEE)};
+            __m512i sv[4];
+            for (int v = 0; v < 4; v++)
+                sv[v] = _mm512_permutexvar_epi16(_mm512_add_epi16(base, _mm512_set1_epi16((short)(2 * v))), scw);
+            const __m512 dd = _mm512_set1_ps(d), dm = _mm512_castps256_ps512(_mm256_set1_ps(dmin));
+            for (int64_t r = 0; r < m; r++) {
+                const int8_t *xr = qx + r * k + 256 * s;
+                __m512i isum = _mm512_setzero_si512();
+                for (int v = 0; v < 4; v++)
+                    isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(w[v], _mm512_loadu_si512((const void *)(xr + 64 * v))),
+                                               sv[v]);
+                const float xd = dx[r * nsb + s];
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dd, _mm512_set1_ps(xd)), acc[r]);
+                const __m256i mins = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs + r * (k / 16) + 16 * s)), mn2);
+                accm[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins),
+                                          _mm256_mul_ps(_mm512_castps512_ps256(dm), _mm256_set1_ps(xd)), accm[r]);
+            }
+        }
+        for (int64_t r = 0; r < m; r++) {
+            __m128 h = _mm_add_ps(_mm256_castps256_ps128(accm[r]), _mm256_extractf128_ps(accm[r], 1));
+            h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            out[r * ldo + i] = hsum512(acc[r]) - _mm_cvtss_f32(h);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void k8_q6k(const uint8_t *raw, int64_t rb, int64_t n, int64_t k,
+                                                         const int8_t *qx, const float *dx, const int16_t *bs,
+                                                         const int64_t m, float *out, int64_t ldo) {
+    const int64_t nsb = k / 256;
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30), base = idx16(16);
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = raw + i * rb;
+        __m512 acc[MAX_ROWS];
+        for (int64_t r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t s = 0; s < nsb; s++) {
+            const uint8_t *b = row + 210 * s;
+            _mm_prefetch((const char *)(b + 210 * 4), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + 210 * 4 + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + 210 * 4 + 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + 210 * 4 + 192), _MM_HINT_T0);
+            const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+            const __m512i scw = _mm512_castsi256_si512(s16);
+            const float d = half_at(b + 208);
+            const __m512i qh = _mm512_loadu_si512((const void *)(b + 128));
+            /* the two high bits of weight 32i + l (of each 128) sit at bits 2i, 2i+1 of qh[l] */
+            const __m512i A = _mm512_and_si512(_mm512_slli_epi16(qh, 4), m30), B = _mm512_and_si512(_mm512_slli_epi16(qh, 2), m30);
+            const __m512i C = _mm512_and_si512(qh, m30), D = _mm512_and_si512(_mm512_srli_epi16(qh, 2), m30);
+            const __m512i l0 = _mm512_loadu_si512((const void *)b), l1 = _mm512_loadu_si512((const void *)(b + 64));
+            const __m512i w[4] = {
+                _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_shuffle_i64x2(A, B, 0x44)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4), _mm512_shuffle_i64x2(C, D, 0x44)),
+                _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_shuffle_i64x2(A, B, 0xEE)),
+                _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4), _mm512_shuffle_i64x2(C, D, 0xEE))};
+            __m512i sv[4];
+            for (int v = 0; v < 4; v++)
+                sv[v] = _mm512_permutexvar_epi16(_mm512_add_epi16(base, _mm512_set1_epi16((short)(4 * v))), scw);
+            const __m512 dd = _mm512_set1_ps(d);
+            for (int64_t r = 0; r < m; r++) {
+                const int8_t *xr = qx + r * k + 256 * s;
+                /* levels are stored + 32: sum sc_g (u - 32) q = sum sc_g u q - 32 sum sc_g bsum_g */
+                const __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bs + r * (k / 16) + 16 * s)), s16);
+                __m512i isum = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_zextsi256_si512(_mm256_slli_epi32(off, 5)));
+                for (int v = 0; v < 4; v++)
+                    isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(w[v], _mm512_loadu_si512((const void *)(xr + 64 * v))),
+                                               sv[v]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dd, _mm512_set1_ps(dx[r * nsb + s])), acc[r]);
+            }
+        }
+        for (int64_t r = 0; r < m; r++) out[r * ldo + i] = hsum512(acc[r]);
+    }
+}
+
+#else
+/* Elsewhere: a super-block's levels are unpacked (unsigned: Q6_K's + 32, its offset applied through
+   the sums of q) into 256 bytes, then meet each row of x 16 weights at a time in an int32 vector:
+   AVX2 maddubs + madd (the scale in the madd), NEON sdot where the target has dotprod (else widening
+   products), plain loops otherwise. */
+#if defined(__AVX2__) && !defined(GG_GENERIC)
+typedef __m128i acc32;
+static inline acc32 acc_zero(void) { return _mm_setzero_si128(); }
+static inline acc32 acc_dot16(acc32 acc, const int8_t *u, const int8_t *q, int32_t s) {
+    const __m128i p = _mm_maddubs_epi16(_mm_loadu_si128((const __m128i *)u), _mm_loadu_si128((const __m128i *)q));
+    return _mm_add_epi32(acc, _mm_madd_epi16(p, _mm_set1_epi16((short)s)));
+}
+static inline int32_t acc_sum(acc32 a) {
+    a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0x4e));
+    a = _mm_add_epi32(a, _mm_shuffle_epi32(a, 0xb1));
+    return _mm_cvtsi128_si32(a);
+}
+#elif defined(__aarch64__) && defined(__ARM_NEON) && !defined(GG_GENERIC)
+typedef int32x4_t acc32;
+static inline acc32 acc_zero(void) { return vdupq_n_s32(0); }
+static inline acc32 acc_dot16(acc32 acc, const int8_t *u, const int8_t *q, int32_t s) {
+    const int8x16_t a = vld1q_s8(u), b = vld1q_s8(q);
+#if defined(__ARM_FEATURE_DOTPROD)
+    return vmlaq_n_s32(acc, vdotq_s32(vdupq_n_s32(0), a, b), s);
+#else
+    const int32x4_t p = vpadalq_s16(vpaddlq_s16(vmull_s8(vget_low_s8(a), vget_low_s8(b))), vmull_high_s8(a, b));
+    return vmlaq_n_s32(acc, p, s);
+#endif
+}
+static inline int32_t acc_sum(acc32 a) { return vaddvq_s32(a); }
+#else
+typedef int32_t acc32;
+static inline acc32 acc_zero(void) { return 0; }
+static inline acc32 acc_dot16(acc32 acc, const int8_t *u, const int8_t *q, int32_t s) {
+    int32_t t = 0;
+    for (int l = 0; l < 16; l++) t += (int32_t)u[l] * q[l];
+    return acc + s * t;
+}
+static inline int32_t acc_sum(acc32 a) { return a; }
+#endif
+
+/* The super-block's unsigned levels, one int scale per 16 weights, and (Q4_K) one min per 16
+   (each sub-block's min twice, as the sums of q are per 16). */
+static inline void k8_unpack(int type, const uint8_t *b, int8_t *u, int32_t *sc, int32_t *mn, float *d, float *dmin) {
+    if (type == T_Q4_K) {
+        uint8_t s8[8], m8[8];
+        *d = half_at(b);
+        *dmin = half_at(b + 2);
+        k_scales(b + 4, s8, m8);
+        const uint8_t *q = b + 16;
+        for (int c = 0; c < 4; c++)
+            for (int l = 0; l < 32; l++) {
+                u[64 * c + l] = (int8_t)(q[32 * c + l] & 15);
+                u[64 * c + 32 + l] = (int8_t)(q[32 * c + l] >> 4);
+            }
+        for (int g = 0; g < 16; g++) {
+            sc[g] = s8[g / 2];
+            mn[g] = m8[g / 2];
+        }
+        return;
+    }
+    *d = half_at(b + 208);
+    *dmin = 0.0f;
+    for (int half = 0; half < 2; half++)
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *lo = b + 64 * half + 32 * (i & 1), *hi = b + 128 + 32 * half;
+            int8_t *w = u + 128 * half + 32 * i;
+            for (int l = 0; l < 32; l++)
+                w[l] = (int8_t)(((lo[l] >> (4 * (i >> 1))) & 15) | (((hi[l] >> (2 * i)) & 3) << 4));
+        }
+    for (int g = 0; g < 16; g++) {
+        sc[g] = ((const int8_t *)(b + 192))[g];
+        mn[g] = 32 * sc[g];
+    }
+}
+
+static inline __attribute__((always_inline)) void k8_kquant(int type, const uint8_t *raw, int64_t rb, int64_t n,
+                                                            int64_t k, const int8_t *qx, const float *dx,
+                                                            const int16_t *bs, const int64_t m, float *out,
+                                                            int64_t ldo) {
+    const int64_t nsb = k / 256, bb = type == T_Q4_K ? 144 : 210;
+    int8_t u[256] __attribute__((aligned(64)));
+    int32_t sc[16], mn[16];
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = raw + i * rb;
+        float acc[MAX_ROWS];
+        for (int64_t r = 0; r < m; r++) acc[r] = 0.0f;
+        for (int64_t s = 0; s < nsb; s++) {
+            float d, dmin;
+            k8_unpack(type, row + bb * s, u, sc, mn, &d, &dmin);
+            for (int64_t r = 0; r < m; r++) {
+                const int8_t *xr = qx + r * k + 256 * s;
+                const int16_t *br = bs + r * (k / 16) + 16 * s;
+                acc32 a = acc_zero();
+                for (int g = 0; g < 16; g++) a = acc_dot16(a, u + 16 * g, xr + 16 * g, sc[g]);
+                int32_t off = 0;
+                for (int g = 0; g < 16; g++) off += mn[g] * br[g];
+                const float xd = dx[r * nsb + s];
+                acc[r] += type == T_Q4_K ? (float)acc_sum(a) * (d * xd) - (float)off * (dmin * xd)
+                                         : (float)(acc_sum(a) - off) * (d * xd);
+            }
+        }
+        for (int64_t r = 0; r < m; r++) out[r * ldo + i] = acc[r];
+    }
+}
+#define k8_q4k(...) k8_kquant(T_Q4_K, __VA_ARGS__)
+#define k8_q6k(...) k8_kquant(T_Q6_K, __VA_ARGS__)
+#endif
+
+static void k8_rows(int type, const uint8_t *raw, int64_t rb, int64_t n, int64_t k, const int8_t *qx, const float *dx,
+                    const int16_t *bs, int64_t m, float *out, int64_t ldo) {
+#define K8_CASE(mm) \
+    if (type == T_Q4_K) k8_q4k(raw, rb, n, k, qx, dx, bs, mm, out, ldo); else k8_q6k(raw, rb, n, k, qx, dx, bs, mm, out, ldo);
+    switch (m) {
+    case 1: K8_CASE(1) break;
+    case 2: K8_CASE(2) break;
+    case 4: K8_CASE(4) break;
+    case 8: K8_CASE(8) break;
+    default: K8_CASE(m) break;
+    }
+#undef K8_CASE
+}
+
+/* --- the pool: threads - 1 workers (created on first use, grown on demand, never joined) spin
+   for SPIN_NS after each job, then sleep on a condition variable; a product's weight rows are cut
+   into `threads` ranges, the calling thread taking the first. One product at a time uses it (another
+   caller meanwhile runs its whole range itself), and a forked child starts with none. */
+#define POOL_MAX 64
+#define SPIN_NS 200000
+typedef void (*range_fn)(const void *job, int64_t lo, int64_t hi);
+static struct {
+    pthread_mutex_t busy, lock;
+    pthread_cond_t wake;
+    atomic_uint gen;
+    atomic_int pending;
+    int workers, sleepers, active, forked_hook;
+    range_fn fn;
+    const void *job;
+    int64_t n, step;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void *pool_worker(void *arg) {
+    const int id = (int)(intptr_t)arg >> 16; /* 1.. */
+    unsigned seen = (unsigned)((intptr_t)arg & 0xffff);
+    for (;;) {
+        int64_t start = now_ns();
+        for (int spins = 0; atomic_load_explicit(&pool.gen, memory_order_acquire) == seen; spins++) {
+            cpu_relax();
+            if ((spins & 255) == 255 && now_ns() - start > SPIN_NS) {
+                pthread_mutex_lock(&pool.lock);
+                pool.sleepers++;
+                while (atomic_load_explicit(&pool.gen, memory_order_acquire) == seen)
+                    pthread_cond_wait(&pool.wake, &pool.lock);
+                pool.sleepers--;
+                pthread_mutex_unlock(&pool.lock);
+            }
+        }
+        seen = atomic_load_explicit(&pool.gen, memory_order_acquire);
+        if (id < pool.active) {
+            const int64_t lo = id * pool.step, hi = lo + pool.step < pool.n ? lo + pool.step : pool.n;
+            if (lo < hi) pool.fn(pool.job, lo, hi);
+        }
+        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel);
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void) { /* the child has no workers: start afresh */
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.workers = pool.sleepers = 0;
+    atomic_store(&pool.pending, 0);
+}
+
+/* fn(job, lo, hi) over [0, n) cut into `threads` ranges. */
+static void pool_run(range_fn fn, const void *job, int64_t n, int threads) {
+    threads = threads < 1 ? 1 : (threads > POOL_MAX ? POOL_MAX : threads);
+    if ((int64_t)threads > n) threads = (int)n;
+    if (threads <= 1 || pthread_mutex_trylock(&pool.busy) != 0) {
+        fn(job, 0, n);
+        return;
+    }
+    if (!pool.forked_hook) {
+        pthread_atfork(NULL, NULL, pool_after_fork);
+        pool.forked_hook = 1;
+    }
+    while (pool.workers < threads - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const intptr_t arg = ((intptr_t)(pool.workers + 1) << 16) | (atomic_load(&pool.gen) & 0xffff);
+        const int failed = pthread_create(&t, &attr, pool_worker, (void *)arg);
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        pool.workers++;
+    }
+    if (threads > pool.workers + 1) threads = pool.workers + 1;
+    if (threads <= 1) {
+        pthread_mutex_unlock(&pool.busy);
+        fn(job, 0, n);
+        return;
+    }
+    pool.fn = fn;
+    pool.job = job;
+    pool.n = n;
+    pool.step = (n + threads - 1) / threads;
+    pool.active = threads;
+    atomic_store_explicit(&pool.pending, pool.workers, memory_order_relaxed);
+    pthread_mutex_lock(&pool.lock);
+    /* the generation wraps at 16 bits, as the workers' first value is passed in 16 bits */
+    atomic_store_explicit(&pool.gen, (atomic_load(&pool.gen) + 1) & 0xffff, memory_order_release);
+    if (pool.sleepers) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    fn(job, 0, pool.step < n ? pool.step : n);
+    for (int spins = 0; atomic_load_explicit(&pool.pending, memory_order_acquire) > 0; spins++) {
+        if (spins < 4096) cpu_relax();
+        else sched_yield(); /* a worker that lost its core (a busy box) needs ours */
+    }
+    pthread_mutex_unlock(&pool.busy);
+}
+
+/* --- the products through the pool --------------------------------------------------------- */
+typedef struct {
+    int kind, type; /* kind 0: de-quantise, 1: float x, 2: int8 x per 32 (gg_matmul_q8), 3: q8_K x */
+    const uint8_t *raw;
+    int64_t rb, k, m, ldo;
+    const float *x, *xs, *dx;
+    const int8_t *qx;
+    const int16_t *bs;
+    float *out;
+} pjob;
+
+static void pjob_range(const void *p, int64_t lo, int64_t hi) {
+    const pjob *j = (const pjob *)p;
+    const uint8_t *raw = j->raw + lo * j->rb;
+    switch (j->kind) {
+    case 0: gg_dequant(j->type, raw, hi - lo, j->k, j->out + lo * j->k); break;
+    case 1: gg_matmul(j->type, raw, hi - lo, j->k, j->x, j->m, j->xs, j->out + lo, j->ldo); break;
+    case 2: gg_matmul_q8(j->type, raw, hi - lo, j->k, j->qx, j->dx, j->m, j->xs, j->out + lo, j->ldo); break;
+    default:
+        for (int64_t r0 = 0; r0 < j->m; r0 += MAX_ROWS) {
+            const int64_t mm = j->m - r0 < MAX_ROWS ? j->m - r0 : MAX_ROWS;
+            k8_rows(j->type, raw, j->rb, hi - lo, j->k, j->qx + r0 * j->k, j->dx + r0 * (j->k / 256),
+                    j->bs + r0 * (j->k / 16), mm, j->out + r0 * j->ldo + lo, j->ldo);
+        }
+        break;
+    }
+}
+
+/* As gg_dequant over n rows, cut into `threads` ranges. */
+int gg_dequant_mt(int type, const uint8_t *raw, int64_t n, int64_t k, float *out, int threads) {
+    int64_t bw, bb;
+    if (block_shape(type, &bw, &bb)) return -1;
+    const pjob j = {.kind = 0, .type = type, .raw = raw, .rb = k / bw * bb, .k = k, .out = out};
+    pool_run(pjob_range, &j, n, threads);
+    return 0;
+}
+
+/* out[r * ldo + i] = x[r] . W[i] for the m rows of x (float32 [m, k]) and n weight rows. int8 = 0:
+   x stays float (gg_matmul; xs from gg_xsums for the offset types); int8 = 1: x quantised per 32
+   (gg_matmul_q8); Q4_K and Q6_K with int8 = 1 take x as q8_K (gg_quantize_k8) and the kernels
+   above. -1 for a type not handled. */
+int gg_matmul_mt(int type, const uint8_t *raw, int64_t n, int64_t k, const float *x, int64_t m, const float *xs,
+                 int int8, float *out, int64_t ldo, int threads) {
+    int64_t bw, bb;
+    if (block_shape(type, &bw, &bb) || (int8 && (bw == 1 || k % 32))) return -1;
+    pjob j = {.kind = 1, .type = type, .raw = raw, .rb = k / bw * bb, .k = k, .m = m, .ldo = ldo, .x = x,
+              .xs = xs, .out = out};
+    void *scratch = NULL;
+    if (int8) {
+        const int kq = type == T_Q4_K || type == T_Q6_K;
+        scratch = malloc((size_t)(m * k + m * (k / 32) * 4 + m * (k / 16) * 2 + 64));
+        if (scratch == NULL) return -2;
+        int8_t *qx = (int8_t *)scratch;
+        float *dx = (float *)(qx + ((m * k + 3) & ~(int64_t)3));
+        int16_t *bs = (int16_t *)(dx + m * (k / 32));
+        if (kq) gg_quantize_k8(x, m, k, qx, dx, bs);
+        else gg_quantize_x(x, m, k, qx, dx);
+        j.kind = kq ? 3 : 2;
+        j.qx = qx;
+        j.dx = dx;
+        j.bs = bs;
+    }
+    pool_run(pjob_range, &j, n, threads);
+    free(scratch);
+    return 0;
+}
