@@ -276,18 +276,23 @@ static void k8_rows(int type, const uint8_t *raw, int64_t rb, int64_t n, int64_t
 }
 
 /* --- the pool: threads - 1 workers (created on first use, grown on demand, never joined) spin
-   for SPIN_NS after each job, then sleep on a condition variable; a product's weight rows are cut
-   into `threads` ranges, the calling thread taking the first. One product at a time uses it (another
-   caller meanwhile runs its whole range itself), and a forked child starts with none. */
+   for SPIN_NS after each job, then sleep on a condition variable. A product's weight rows are cut
+   into CHUNKS_PER_THREAD chunks per thread, which the calling thread and the workers claim one at a
+   time from one atomic word (job generation | chunk count | next chunk): a worker that has lost its
+   core (a busy box) delays the product by at most the chunk it holds, as the others take the rest.
+   One product at a time uses the pool (another caller meanwhile runs its whole range itself), and a
+   forked child starts with none. */
 #define POOL_MAX 64
 #define SPIN_NS 200000
+#define CHUNKS_PER_THREAD 8
 typedef void (*range_fn)(const void *job, int64_t lo, int64_t hi);
 static struct {
     pthread_mutex_t busy, lock;
     pthread_cond_t wake;
     atomic_uint gen;
-    atomic_int pending;
-    int workers, sleepers, active, forked_hook;
+    _Atomic uint64_t claim;
+    atomic_long done;
+    int workers, sleepers, forked_hook;
     range_fn fn;
     const void *job;
     int64_t n, step;
@@ -307,11 +312,26 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static void *pool_worker(void *arg) {
-    const int id = (int)(intptr_t)arg >> 16; /* 1.. */
-    unsigned seen = (unsigned)((intptr_t)arg & 0xffff);
+/* Claims and runs chunks of the current job until none is left. The job's fields were written
+   before the claim word was published (release), and a claimed chunk holds the job in place until
+   it is counted done. */
+static void pool_claim_all(void) {
     for (;;) {
-        int64_t start = now_ns();
+        uint64_t c = atomic_load_explicit(&pool.claim, memory_order_acquire);
+        const uint64_t chunks = (c >> 24) & 0xffffff, next = c & 0xffffff;
+        if (next >= chunks) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool.claim, &c, c + 1, memory_order_acq_rel, memory_order_acquire))
+            continue;
+        const int64_t lo = (int64_t)next * pool.step, hi = lo + pool.step < pool.n ? lo + pool.step : pool.n;
+        if (lo < hi) pool.fn(pool.job, lo, hi);
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+    }
+}
+
+static void *pool_worker(void *arg) {
+    unsigned seen = (unsigned)(uintptr_t)arg;
+    for (;;) {
+        const int64_t start = now_ns();
         for (int spins = 0; atomic_load_explicit(&pool.gen, memory_order_acquire) == seen; spins++) {
             cpu_relax();
             if ((spins & 255) == 255 && now_ns() - start > SPIN_NS) {
@@ -324,11 +344,7 @@ static void *pool_worker(void *arg) {
             }
         }
         seen = atomic_load_explicit(&pool.gen, memory_order_acquire);
-        if (id < pool.active) {
-            const int64_t lo = id * pool.step, hi = lo + pool.step < pool.n ? lo + pool.step : pool.n;
-            if (lo < hi) pool.fn(pool.job, lo, hi);
-        }
-        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel);
+        pool_claim_all();
     }
     return NULL;
 }
@@ -338,10 +354,10 @@ static void pool_after_fork(void) { /* the child has no workers: start afresh */
     pthread_mutex_init(&pool.lock, NULL);
     pthread_cond_init(&pool.wake, NULL);
     pool.workers = pool.sleepers = 0;
-    atomic_store(&pool.pending, 0);
+    atomic_store(&pool.claim, 0);
 }
 
-/* fn(job, lo, hi) over [0, n) cut into `threads` ranges. */
+/* fn(job, lo, hi) over [0, n) on `threads` threads (the calling one included). */
 static void pool_run(range_fn fn, const void *job, int64_t n, int threads) {
     threads = threads < 1 ? 1 : (threads > POOL_MAX ? POOL_MAX : threads);
     if ((int64_t)threads > n) threads = (int)n;
@@ -358,33 +374,34 @@ static void pool_run(range_fn fn, const void *job, int64_t n, int threads) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        const intptr_t arg = ((intptr_t)(pool.workers + 1) << 16) | (atomic_load(&pool.gen) & 0xffff);
-        const int failed = pthread_create(&t, &attr, pool_worker, (void *)arg);
+        const int failed = pthread_create(&t, &attr, pool_worker, (void *)(uintptr_t)atomic_load(&pool.gen));
         pthread_attr_destroy(&attr);
         if (failed) break;
         pool.workers++;
     }
-    if (threads > pool.workers + 1) threads = pool.workers + 1;
-    if (threads <= 1) {
+    if (pool.workers == 0) {
         pthread_mutex_unlock(&pool.busy);
         fn(job, 0, n);
         return;
     }
+    int64_t chunks = (int64_t)threads * CHUNKS_PER_THREAD;
+    chunks = chunks > n ? n : chunks;
     pool.fn = fn;
     pool.job = job;
     pool.n = n;
-    pool.step = (n + threads - 1) / threads;
-    pool.active = threads;
-    atomic_store_explicit(&pool.pending, pool.workers, memory_order_relaxed);
+    pool.step = (n + chunks - 1) / chunks;
+    chunks = (n + pool.step - 1) / pool.step;
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    const unsigned gen = atomic_load(&pool.gen) + 1;
+    atomic_store_explicit(&pool.claim, ((uint64_t)(gen & 0xffff) << 48) | ((uint64_t)chunks << 24), memory_order_release);
     pthread_mutex_lock(&pool.lock);
-    /* the generation wraps at 16 bits, as the workers' first value is passed in 16 bits */
-    atomic_store_explicit(&pool.gen, (atomic_load(&pool.gen) + 1) & 0xffff, memory_order_release);
+    atomic_store_explicit(&pool.gen, gen, memory_order_release);
     if (pool.sleepers) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
-    fn(job, 0, pool.step < n ? pool.step : n);
-    for (int spins = 0; atomic_load_explicit(&pool.pending, memory_order_acquire) > 0; spins++) {
+    pool_claim_all();
+    for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < chunks; spins++) {
         if (spins < 4096) cpu_relax();
-        else sched_yield(); /* a worker that lost its core (a busy box) needs ours */
+        else sched_yield(); /* a worker holding the last chunk has lost its core: give it ours */
     }
     pthread_mutex_unlock(&pool.busy);
 }
