@@ -68,10 +68,16 @@ static inline __attribute__((always_inline)) void k8_q4k(const uint8_t *raw, int
             _mm_prefetch((const char *)(b + 144 * 4), _MM_HINT_T0);
             _mm_prefetch((const char *)(b + 144 * 4 + 64), _MM_HINT_T0);
             const float d = half_at(b), dmin = half_at(b + 2);
-            uint8_t sc[8], mn[8];
-            k_scales(b + 4, sc, mn);
-            const __m512i scw = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
-            const __m128i mv = _mm_loadl_epi64((const __m128i *)mn);
+            /* k_scales on 32-bit words: bytes 0-3 hold scales 0-3 (low 6 bits) and, in their top 2
+               bits, the high bits of scales 4-7; bytes 4-7 the same for the mins; bytes 8-11 the
+               low 4 bits of scales 4-7 (low nibbles) and mins 4-7 (high nibbles) */
+            const uint32_t u0 = u32_at(b + 4), u1 = u32_at(b + 8), u2 = u32_at(b + 12);
+            const uint64_t sc8 = (uint64_t)(u0 & 0x3f3f3f3fu)
+                                 | (uint64_t)((u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u)) << 32;
+            const uint64_t mn8 = (uint64_t)(u1 & 0x3f3f3f3fu)
+                                 | (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
+            const __m512i scw = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
+            const __m128i mv = _mm_cvtsi64_si128((long long)mn8);
             const __m256i mn2 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mv, mv)); /* each min twice: per 16 */
             const __m512i q0 = _mm512_loadu_si512((const void *)(b + 16)), q1 = _mm512_loadu_si512((const void *)(b + 80));
             const __m512i lo0 = _mm512_and_si512(q0, m4), hi0 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);

@@ -329,8 +329,8 @@ def test_aarch64_build_under_qemu(tmp_path):
     if cc is None or qemu is None:
         pytest.skip("no aarch64 cross compiler or qemu-aarch64 here")
     exe, out = tmp_path / "harness", tmp_path / "out.bin"
-    subprocess.run([cc, "-O3", "-ffp-contract=off", "-I", str(gguf_kernel.SOURCE.parent), str(_HARNESS), "-o",
-                    str(exe)], check=True, capture_output=True, timeout=300)
+    subprocess.run([cc, "-O3", "-ffp-contract=off", "-pthread", "-I", str(gguf_kernel.SOURCE.parent), str(_HARNESS),
+                    "-o", str(exe)], check=True, capture_output=True, timeout=300)
     subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe), str(out)], check=True, capture_output=True,
                    timeout=300)
     qx, dx, rows, x = _harness_rows(out)
