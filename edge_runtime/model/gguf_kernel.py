@@ -196,10 +196,12 @@ def matmul(x: Tensor, raw: Tensor, qtype: GGMLQuantizationType, k: int, out: Ten
     through de-quantised tiles and torch's GEMM.
 
     int8_x (default `int8_activations()`; block types on the fused path only) quantises x to int8
-    per 32 values first and sums exact int32 block products, as llama.cpp and MatMulNBits at
-    accuracy level 4 do: several times faster, and off x @ W^T by at most sum |w_l| * dx_b / 2 over
-    the 32-value blocks b of x (dx_b = max |x_b| / 127, w_l the weight less its per-32 offset) plus
-    float32 summation order (tests/model/test_gguf_kernel.py holds it to that bound)."""
+    and sums exact int32 block products, as llama.cpp and MatMulNBits at accuracy level 4 do:
+    several times faster. Q4_K and Q6_K take x as llama.cpp's q8_K (one scale per 256 values, the
+    sub-block scales applied in integers): off x @ W^T by at most sum |w| * dx_b / 2 over x's
+    256-value blocks b (dx_b = max |x_b| / 127); other types per 32 values, by sum |w_l| * dx_b / 2
+    over 32-value blocks (w_l the weight less its per-32 offset); plus float32 summation order
+    (tests/model/test_gguf_kernel.py holds it to those bounds)."""
     _check_raw(raw, qtype, k)
     x = _check_x(x, k)
     m, n = x.shape[0], raw.shape[0]
