@@ -36,25 +36,38 @@ void gg_quantize_k8(const float *x, int64_t m, int64_t k, int8_t *qx, float *d, 
 }
 
 #if defined(GG_AVX512)
+#ifndef GG_PREFETCH
+#define GG_PREFETCH 1536 /* bytes ahead of the block being read that are asked for (about a DRAM latency) */
+#endif
 /* AVX-512 (BW, VNNI): a super-block's levels sit in four 64-byte registers in weight order; each row
    of x meets them with maddubs (unsigned level x signed q, pairs summed to int16) and vpdpwssd
    (times the int16 sub-block scale, summed into int32 lanes), the block's float scales applied once. */
-static inline __m512i idx16(int per) { /* int16 lane j of weights 64v.. -> scale index (for v = 0) */
-    return per == 16 ? _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
-                                                           17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
-                                                           1, 0), 3)
-                     : _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18,
-                                                          17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,
-                                                          1, 0), 4);
+static inline __m512i idx16(void) { /* int16 lane j of weights 64v.. -> Q6_K scale index j / 8 (v = 0) */
+    return _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14,
+                                              13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3);
 }
 
 static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+/* A block's fp16 scale (F16C where the target has it: the same float for every non-NaN half). */
+static inline float half_k8(const uint8_t *p) {
+#if defined(__F16C__)
+    return _cvtsh_ss((unsigned short)(p[0] | (p[1] << 8)));
+#else
+    return half_at(p);
+#endif
+}
 
 static inline __attribute__((always_inline)) void k8_q4k(const uint8_t *raw, int64_t rb, int64_t n, int64_t k,
                                                          const int8_t *qx, const float *dx, const int16_t *bs,
                                                          const int64_t m, float *out, int64_t ldo) {
     const int64_t nsb = k / 256;
-    const __m512i m4 = _mm512_set1_epi8(15), base = idx16(32);
+    const __m512i m4 = _mm512_set1_epi8(15);
+    /* pshufb indices: int16 lane j of weights 64v.. takes scale byte 2v + j/16 (high byte zeroed) */
+    __m512i pick[4];
+    for (int v = 0; v < 4; v++)
+        pick[v] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi16((short)(0x8000 | (2 * v)))),
+                                     _mm256_set1_epi16((short)(0x8000 | (2 * v + 1))), 1);
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *row = raw + i * rb;
         __m512 acc[MAX_ROWS];
@@ -65,9 +78,10 @@ static inline __attribute__((always_inline)) void k8_q4k(const uint8_t *raw, int
         }
         for (int64_t s = 0; s < nsb; s++) {
             const uint8_t *b = row + 144 * s;
-            _mm_prefetch((const char *)(b + 144 * 4), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b + 144 * 4 + 64), _MM_HINT_T0);
-            const float d = half_at(b), dmin = half_at(b + 2);
+            _mm_prefetch((const char *)(b + GG_PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + GG_PREFETCH + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + GG_PREFETCH + 128), _MM_HINT_T0);
+            const float d = half_k8(b), dmin = half_k8(b + 2);
             /* k_scales on 32-bit words: bytes 0-3 hold scales 0-3 (low 6 bits) and, in their top 2
                bits, the high bits of scales 4-7; bytes 4-7 the same for the mins; bytes 8-11 the
                low 4 bits of scales 4-7 (low nibbles) and mins 4-7 (high nibbles) */
@@ -76,7 +90,7 @@ static inline __attribute__((always_inline)) void k8_q4k(const uint8_t *raw, int
                                  | (uint64_t)((u2 & 0x0f0f0f0fu) | ((u0 >> 2) & 0x30303030u)) << 32;
             const uint64_t mn8 = (uint64_t)(u1 & 0x3f3f3f3fu)
                                  | (uint64_t)(((u2 >> 4) & 0x0f0f0f0fu) | ((u1 >> 2) & 0x30303030u)) << 32;
-            const __m512i scw = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc8)));
+            const __m512i scw = _mm512_broadcast_i32x4(_mm_cvtsi64_si128((long long)sc8));
             const __m128i mv = _mm_cvtsi64_si128((long long)mn8);
             const __m256i mn2 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mv, mv)); /* each min twice: per 16 */
             const __m512i q0 = _mm512_loadu_si512((const void *)(b + 16)), q1 = _mm512_loadu_si512((const void *)(b + 80));
@@ -86,8 +100,7 @@ static inline __attribute__((always_inline)) void k8_q4k(const uint8_t *raw, int
             const __m512i w[4] = {_mm512_shuffle_i64x2(lo0, hi0, 0x44), _mm512_shuffle_i64x2(lo0, hi0, 0xEE),
                                   _mm512_shuffle_i64x2(lo1, hi1, 0x44), _mm512_shuffle_i64x2(lo1, hi1, 0xEE)};
             __m512i sv[4];
-            for (int v = 0; v < 4; v++)
-                sv[v] = _mm512_permutexvar_epi16(_mm512_add_epi16(base, _mm512_set1_epi16((short)(2 * v))), scw);
+            for (int v = 0; v < 4; v++) sv[v] = _mm512_shuffle_epi8(scw, pick[v]);
             const __m512 dd = _mm512_set1_ps(d), dm = _mm512_castps256_ps512(_mm256_set1_ps(dmin));
             for (int64_t r = 0; r < m; r++) {
                 const int8_t *xr = qx + r * k + 256 * s;
@@ -115,20 +128,20 @@ static inline __attribute__((always_inline)) void k8_q6k(const uint8_t *raw, int
                                                          const int8_t *qx, const float *dx, const int16_t *bs,
                                                          const int64_t m, float *out, int64_t ldo) {
     const int64_t nsb = k / 256;
-    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30), base = idx16(16);
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30), base = idx16();
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *row = raw + i * rb;
         __m512 acc[MAX_ROWS];
         for (int64_t r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t s = 0; s < nsb; s++) {
             const uint8_t *b = row + 210 * s;
-            _mm_prefetch((const char *)(b + 210 * 4), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b + 210 * 4 + 64), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b + 210 * 4 + 128), _MM_HINT_T0);
-            _mm_prefetch((const char *)(b + 210 * 4 + 192), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + GG_PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + GG_PREFETCH + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + GG_PREFETCH + 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + GG_PREFETCH + 192), _MM_HINT_T0);
             const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
             const __m512i scw = _mm512_castsi256_si512(s16);
-            const float d = half_at(b + 208);
+            const float d = half_k8(b + 208);
             const __m512i qh = _mm512_loadu_si512((const void *)(b + 128));
             /* the two high bits of weight 32i + l (of each 128) sit at bits 2i, 2i+1 of qh[l] */
             const __m512i A = _mm512_and_si512(_mm512_slli_epi16(qh, 4), m30), B = _mm512_and_si512(_mm512_slli_epi16(qh, 2), m30);
@@ -157,6 +170,65 @@ static inline __attribute__((always_inline)) void k8_q6k(const uint8_t *raw, int
         for (int64_t r = 0; r < m; r++) out[r * ldo + i] = hsum512(acc[r]);
     }
 }
+
+/* Q8_0 with x per 32 (gg_quantize_x): two blocks a step, |w| against x with w's sign (vpdpbusd
+   multiplies unsigned by signed), each block's int32 sum times its two scales. */
+static inline __attribute__((always_inline)) void k8_q80(const uint8_t *raw, int64_t rb, int64_t n, int64_t k,
+                                                         const int8_t *qx, const float *dx, const int64_t m,
+                                                         float *out, int64_t ldo) {
+    const int64_t kb = k / 32;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *row = raw + i * rb;
+        __m512 acc[MAX_ROWS];
+        float tail[MAX_ROWS];
+        for (int64_t r = 0; r < m; r++) {
+            acc[r] = _mm512_setzero_ps();
+            tail[r] = 0.0f;
+        }
+        int64_t j = 0;
+        for (; j + 2 <= kb; j += 2) {
+            const uint8_t *b = row + 34 * j;
+            _mm_prefetch((const char *)(b + GG_PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(b + GG_PREFETCH + 64), _MM_HINT_T0);
+            const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2))),
+                                                 _mm256_loadu_si256((const __m256i *)(b + 36)), 1);
+            const __mmask64 neg = _mm512_movepi8_mask(w);
+            const __m512i aw = _mm512_abs_epi8(w);
+            const float d0 = half_k8(b), d1 = half_k8(b + 34);
+            for (int64_t r = 0; r < m; r++) {
+                __m512i xq = _mm512_loadu_si512((const void *)(qx + r * k + 32 * j));
+                xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, xq));
+                const float *d8 = dx + r * kb + j;
+                const __m512 sc = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(d0 * d8[0])),
+                                                     _mm256_set1_ps(d1 * d8[1]), 1);
+                acc[r] = _mm512_fmadd_ps(f, sc, acc[r]);
+            }
+        }
+        if (j < kb) { /* an odd last block */
+            const uint8_t *b = row + 34 * j;
+            const float d0 = half_k8(b);
+            for (int64_t r = 0; r < m; r++) {
+                int32_t t = 0;
+                for (int l = 0; l < 32; l++) t += (int32_t)((const int8_t *)(b + 2))[l] * qx[r * k + 32 * j + l];
+                tail[r] += (float)t * (d0 * dx[r * kb + j]);
+            }
+        }
+        for (int64_t r = 0; r < m; r++) out[r * ldo + i] = hsum512(acc[r]) + tail[r];
+    }
+}
+
+static void q80_rows(const uint8_t *raw, int64_t rb, int64_t n, int64_t k, const int8_t *qx, const float *dx,
+                     int64_t m, float *out, int64_t ldo) {
+    switch (m) {
+    case 1: k8_q80(raw, rb, n, k, qx, dx, 1, out, ldo); break;
+    case 2: k8_q80(raw, rb, n, k, qx, dx, 2, out, ldo); break;
+    case 4: k8_q80(raw, rb, n, k, qx, dx, 4, out, ldo); break;
+    case 8: k8_q80(raw, rb, n, k, qx, dx, 8, out, ldo); break;
+    default: k8_q80(raw, rb, n, k, qx, dx, m, out, ldo); break;
+    }
+}
+#define GG_Q80_DECODE 1
 
 #else
 /* Elsewhere: a super-block's levels are unpacked (unsigned: Q6_K's + 32, its offset applied through
@@ -414,7 +486,8 @@ static void pool_run(range_fn fn, const void *job, int64_t n, int threads) {
 
 /* --- the products through the pool --------------------------------------------------------- */
 typedef struct {
-    int kind, type; /* kind 0: de-quantise, 1: float x, 2: int8 x per 32 (gg_matmul_q8), 3: q8_K x */
+    int kind, type; /* kind 0: de-quantise, 1: float x, 2: int8 x per 32 (gg_matmul_q8), 3: q8_K x,
+                       4: Q8_0 with x per 32 (AVX-512) */
     const uint8_t *raw;
     int64_t rb, k, m, ldo;
     const float *x, *xs, *dx;
@@ -430,6 +503,15 @@ static void pjob_range(const void *p, int64_t lo, int64_t hi) {
     case 0: gg_dequant(j->type, raw, hi - lo, j->k, j->out + lo * j->k); break;
     case 1: gg_matmul(j->type, raw, hi - lo, j->k, j->x, j->m, j->xs, j->out + lo, j->ldo); break;
     case 2: gg_matmul_q8(j->type, raw, hi - lo, j->k, j->qx, j->dx, j->m, j->xs, j->out + lo, j->ldo); break;
+#if defined(GG_Q80_DECODE)
+    case 4:
+        for (int64_t r0 = 0; r0 < j->m; r0 += MAX_ROWS) {
+            const int64_t mm = j->m - r0 < MAX_ROWS ? j->m - r0 : MAX_ROWS;
+            q80_rows(raw, j->rb, hi - lo, j->k, j->qx + r0 * j->k, j->dx + r0 * (j->k / 32), mm,
+                     j->out + r0 * j->ldo + lo, j->ldo);
+        }
+        break;
+#endif
     default:
         for (int64_t r0 = 0; r0 < j->m; r0 += MAX_ROWS) {
             const int64_t mm = j->m - r0 < MAX_ROWS ? j->m - r0 : MAX_ROWS;
@@ -470,6 +552,9 @@ int gg_matmul_mt(int type, const uint8_t *raw, int64_t n, int64_t k, const float
         if (kq) gg_quantize_k8(x, m, k, qx, dx, bs);
         else gg_quantize_x(x, m, k, qx, dx);
         j.kind = kq ? 3 : 2;
+#if defined(GG_Q80_DECODE)
+        if (type == T_Q8_0) j.kind = 4;
+#endif
         j.qx = qx;
         j.dx = dx;
         j.bs = bs;
