@@ -320,19 +320,21 @@ def _harness_rows(path: Path):
     return qx, dx, rows, take(m * k, np.float32).reshape(m, k)
 
 
-def test_aarch64_build_under_qemu(tmp_path):
-    """Jetson's build (aarch64: the NEON int8 dot, the portable decoders, which the "portable"
-    variant above also runs natively), cross-compiled and run under qemu where both are installed:
-    de-quantisation bit for bit gguf's numpy code, float products within the float bound, int8
-    products within x's rounding bound."""
+@pytest.mark.parametrize("march", ["armv8-a", "armv8.2-a+dotprod"])
+def test_aarch64_build_under_qemu(tmp_path, march):
+    """Jetson's build (aarch64: the NEON int8 dot, `sdot` where the target has dotprod as Orin's
+    -mcpu=native does, the portable decoders, which the "portable" variant above also runs
+    natively), cross-compiled and run under qemu where both are installed: de-quantisation bit for
+    bit gguf's numpy code, float products within the float bound, int8 products within x's
+    rounding bound."""
     cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
     if cc is None or qemu is None:
         pytest.skip("no aarch64 cross compiler or qemu-aarch64 here")
     exe, out = tmp_path / "harness", tmp_path / "out.bin"
-    subprocess.run([cc, "-O3", "-ffp-contract=off", "-pthread", "-I", str(gguf_kernel.SOURCE.parent), str(_HARNESS),
-                    "-o", str(exe)], check=True, capture_output=True, timeout=300)
-    subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe), str(out)], check=True, capture_output=True,
-                   timeout=300)
+    subprocess.run([cc, "-O3", "-ffp-contract=off", "-pthread", f"-march={march}", "-I", str(gguf_kernel.SOURCE.parent),
+                    str(_HARNESS), "-o", str(exe)], check=True, capture_output=True, timeout=300)
+    subprocess.run([qemu, "-cpu", "max", "-L", "/usr/aarch64-linux-gnu", str(exe), str(out)], check=True,
+                   capture_output=True, timeout=300)
     qx, dx, rows, x = _harness_rows(out)
     xt = torch.from_numpy(x.copy())
     for qtype, (raw, deq, f32, int8) in rows.items():
