@@ -40,7 +40,7 @@ PARALLEL_MIN_WEIGHTS = 1 << 18
 FUSED_MAX_ROWS = 16
 _OFFSET_TYPES = frozenset({Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K})  # a per-32 offset beside the scaled levels
 # int8 x as llama.cpp's q8_K (per 256, with sums per 16): the K-quants' integer scales apply exactly.
-Q8K_TYPES = frozenset({Q.Q4_K, Q.Q6_K})
+Q8K_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})
 
 
 class GGUFKernelError(ValueError):
@@ -197,7 +197,7 @@ def matmul(x: Tensor, raw: Tensor, qtype: GGMLQuantizationType, k: int, out: Ten
 
     int8_x (default `int8_activations()`; block types on the fused path only) quantises x to int8
     and sums exact int32 block products, as llama.cpp and MatMulNBits at accuracy level 4 do:
-    several times faster. Q4_K and Q6_K take x as llama.cpp's q8_K (one scale per 256 values, the
+    several times faster. Q4_K, Q5_K and Q6_K take x as llama.cpp's q8_K (one scale per 256 values, the
     sub-block scales applied in integers): off x @ W^T by at most sum |w| * dx_b / 2 over x's
     256-value blocks b (dx_b = max |x_b| / 127); other types per 32 values, by sum |w_l| * dx_b / 2
     over 32-value blocks (w_l the weight less its per-32 offset); plus float32 summation order

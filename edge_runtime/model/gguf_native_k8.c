@@ -1,4 +1,4 @@
-/* Decode-size int8-x products that read Q4_K, Q6_K and Q8_0 blocks as they lie, and the persistent
+/* Decode-size int8-x products that read Q4_K, Q5_K, Q6_K and Q8_0 blocks as they lie, and the persistent
    thread pool that splits every product's weight rows (part of gguf_native.c, included in its
    product section). */
 #include <pthread.h>
@@ -58,10 +58,16 @@ static inline float half_k8(const uint8_t *p) {
 #endif
 }
 
+/* Q4_K, and Q5_K (five = 1: each level's fifth bit from qh, bit 2c of qh[l] for weight 64c + l and
+   bit 2c + 1 for 64c + 32 + l). */
 static inline __attribute__((always_inline)) void k8_q4k(const uint8_t *raw, int64_t rb, int64_t n, int64_t k,
                                                          const int8_t *qx, const float *dx, const int16_t *bs,
-                                                         const int64_t m, float *out, int64_t ldo) {
-    const int64_t nsb = k / 256;
+                                                         const int64_t m, float *out, int64_t ldo, const int five) {
+    const int64_t nsb = k / 256, bb = five ? 176 : 144;
+    __m512i bit[4];
+    for (int c = 0; c < 4; c++)
+        bit[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi8((char)(1 << (2 * c)))),
+                                    _mm256_set1_epi8((char)(2 << (2 * c))), 1);
     const __m512i m4 = _mm512_set1_epi8(15);
     /* pshufb indices: int16 lane j of weights 64v.. takes scale byte 2v + j/16 (high byte zeroed) */
     __m512i pick[4];
@@ -77,7 +83,7 @@ static inline __attribute__((always_inline)) void k8_q4k(const uint8_t *raw, int
             accm[r] = _mm256_setzero_ps();
         }
         for (int64_t s = 0; s < nsb; s++) {
-            const uint8_t *b = row + 144 * s;
+            const uint8_t *b = row + bb * s;
             _mm_prefetch((const char *)(b + GG_PREFETCH), _MM_HINT_T0);
             _mm_prefetch((const char *)(b + GG_PREFETCH + 64), _MM_HINT_T0);
             _mm_prefetch((const char *)(b + GG_PREFETCH + 128), _MM_HINT_T0);
@@ -93,12 +99,18 @@ static inline __attribute__((always_inline)) void k8_q4k(const uint8_t *raw, int
             const __m512i scw = _mm512_broadcast_i32x4(_mm_cvtsi64_si128((long long)sc8));
             const __m128i mv = _mm_cvtsi64_si128((long long)mn8);
             const __m256i mn2 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mv, mv)); /* each min twice: per 16 */
-            const __m512i q0 = _mm512_loadu_si512((const void *)(b + 16)), q1 = _mm512_loadu_si512((const void *)(b + 80));
+            const uint8_t *qs = b + (five ? 48 : 16);
+            const __m512i q0 = _mm512_loadu_si512((const void *)qs), q1 = _mm512_loadu_si512((const void *)(qs + 64));
             const __m512i lo0 = _mm512_and_si512(q0, m4), hi0 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), m4);
             const __m512i lo1 = _mm512_and_si512(q1, m4), hi1 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), m4);
             /* 32 bytes of q hold weights 64c..64c+31 (low nibbles) and 64c+32.. (high) */
-            const __m512i w[4] = {_mm512_shuffle_i64x2(lo0, hi0, 0x44), _mm512_shuffle_i64x2(lo0, hi0, 0xEE),
-                                  _mm512_shuffle_i64x2(lo1, hi1, 0x44), _mm512_shuffle_i64x2(lo1, hi1, 0xEE)};
+            __m512i w[4] = {_mm512_shuffle_i64x2(lo0, hi0, 0x44), _mm512_shuffle_i64x2(lo0, hi0, 0xEE),
+                            _mm512_shuffle_i64x2(lo1, hi1, 0x44), _mm512_shuffle_i64x2(lo1, hi1, 0xEE)};
+            if (five) {
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b + 16)));
+                for (int c = 0; c < 4; c++)
+                    w[c] = _mm512_mask_add_epi8(w[c], _mm512_test_epi8_mask(qh, bit[c]), w[c], _mm512_set1_epi8(16));
+            }
             __m512i sv[4];
             for (int v = 0; v < 4; v++) sv[v] = _mm512_shuffle_epi8(scw, pick[v]);
             const __m512 dd = _mm512_set1_ps(d), dm = _mm512_castps256_ps512(_mm256_set1_ps(dmin));
@@ -274,16 +286,17 @@ static inline int32_t acc_sum(acc32 a) { return a; }
 /* The super-block's unsigned levels, one int scale per 16 weights, and (Q4_K) one min per 16
    (each sub-block's min twice, as the sums of q are per 16). */
 static inline void k8_unpack(int type, const uint8_t *b, int8_t *u, int32_t *sc, int32_t *mn, float *d, float *dmin) {
-    if (type == T_Q4_K) {
+    if (type == T_Q4_K || type == T_Q5_K) {
+        const int five = type == T_Q5_K;
         uint8_t s8[8], m8[8];
         *d = half_at(b);
         *dmin = half_at(b + 2);
         k_scales(b + 4, s8, m8);
-        const uint8_t *q = b + 16;
+        const uint8_t *q = b + (five ? 48 : 16), *qh = b + 16;
         for (int c = 0; c < 4; c++)
             for (int l = 0; l < 32; l++) {
-                u[64 * c + l] = (int8_t)(q[32 * c + l] & 15);
-                u[64 * c + 32 + l] = (int8_t)(q[32 * c + l] >> 4);
+                u[64 * c + l] = (int8_t)((q[32 * c + l] & 15) | (five ? ((qh[l] >> (2 * c)) & 1) << 4 : 0));
+                u[64 * c + 32 + l] = (int8_t)((q[32 * c + l] >> 4) | (five ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0));
             }
         for (int g = 0; g < 16; g++) {
             sc[g] = s8[g / 2];
@@ -310,7 +323,7 @@ static inline __attribute__((always_inline)) void k8_kquant(int type, const uint
                                                             int64_t k, const int8_t *qx, const float *dx,
                                                             const int16_t *bs, const int64_t m, float *out,
                                                             int64_t ldo) {
-    const int64_t nsb = k / 256, bb = type == T_Q4_K ? 144 : 210;
+    const int64_t nsb = k / 256, bb = type == T_Q4_K ? 144 : (type == T_Q5_K ? 176 : 210);
     int8_t u[256] __attribute__((aligned(64)));
     int32_t sc[16], mn[16];
     for (int64_t i = 0; i < n; i++) {
@@ -328,21 +341,24 @@ static inline __attribute__((always_inline)) void k8_kquant(int type, const uint
                 int32_t off = 0;
                 for (int g = 0; g < 16; g++) off += mn[g] * br[g];
                 const float xd = dx[r * nsb + s];
-                acc[r] += type == T_Q4_K ? (float)acc_sum(a) * (d * xd) - (float)off * (dmin * xd)
+                acc[r] += type != T_Q6_K ? (float)acc_sum(a) * (d * xd) - (float)off * (dmin * xd)
                                          : (float)(acc_sum(a) - off) * (d * xd);
             }
         }
         for (int64_t r = 0; r < m; r++) out[r * ldo + i] = acc[r];
     }
 }
-#define k8_q4k(...) k8_kquant(T_Q4_K, __VA_ARGS__)
+#define k8_q4k(raw, rb, n, k, qx, dx, bs, m, out, ldo, five) \
+    k8_kquant((five) ? T_Q5_K : T_Q4_K, raw, rb, n, k, qx, dx, bs, m, out, ldo)
 #define k8_q6k(...) k8_kquant(T_Q6_K, __VA_ARGS__)
 #endif
 
 static void k8_rows(int type, const uint8_t *raw, int64_t rb, int64_t n, int64_t k, const int8_t *qx, const float *dx,
                     const int16_t *bs, int64_t m, float *out, int64_t ldo) {
 #define K8_CASE(mm) \
-    if (type == T_Q4_K) k8_q4k(raw, rb, n, k, qx, dx, bs, mm, out, ldo); else k8_q6k(raw, rb, n, k, qx, dx, bs, mm, out, ldo);
+    if (type == T_Q4_K) k8_q4k(raw, rb, n, k, qx, dx, bs, mm, out, ldo, 0); \
+    else if (type == T_Q5_K) k8_q4k(raw, rb, n, k, qx, dx, bs, mm, out, ldo, 1); \
+    else k8_q6k(raw, rb, n, k, qx, dx, bs, mm, out, ldo);
     switch (m) {
     case 1: K8_CASE(1) break;
     case 2: K8_CASE(2) break;
@@ -533,7 +549,7 @@ int gg_dequant_mt(int type, const uint8_t *raw, int64_t n, int64_t k, float *out
 
 /* out[r * ldo + i] = x[r] . W[i] for the m rows of x (float32 [m, k]) and n weight rows. int8 = 0:
    x stays float (gg_matmul; xs from gg_xsums for the offset types); int8 = 1: x quantised per 32
-   (gg_matmul_q8); Q4_K and Q6_K with int8 = 1 take x as q8_K (gg_quantize_k8) and the kernels
+   (gg_matmul_q8); Q4_K, Q5_K and Q6_K with int8 = 1 take x as q8_K (gg_quantize_k8) and the kernels
    above. -1 for a type not handled. */
 int gg_matmul_mt(int type, const uint8_t *raw, int64_t n, int64_t k, const float *x, int64_t m, const float *xs,
                  int int8, float *out, int64_t ldo, int threads) {
@@ -543,7 +559,7 @@ int gg_matmul_mt(int type, const uint8_t *raw, int64_t n, int64_t k, const float
               .xs = xs, .out = out};
     void *scratch = NULL;
     if (int8) {
-        const int kq = type == T_Q4_K || type == T_Q6_K;
+        const int kq = type == T_Q4_K || type == T_Q5_K || type == T_Q6_K;
         scratch = malloc((size_t)(m * k + m * (k / 32) * 4 + m * (k / 16) * 2 + 64));
         if (scratch == NULL) return -2;
         int8_t *qx = (int8_t *)scratch;

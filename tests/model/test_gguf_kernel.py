@@ -172,7 +172,7 @@ _OFFSET_AT = {Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K}  # the per-32 offset's fp16 (min) 
 def _int8_bound(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
     """What int8 activations may cost: sum over x's 32-value blocks of dx_b / 2 * |levels part of
     w| (the weight less its per-32 offset: the block's min field zeroed), plus the float bound.
-    Q4_K and Q6_K take x as q8_K (one dx per 256 values, and the offsets meet the quantised x too):
+    Q4_K, Q5_K and Q6_K take x as q8_K (one dx per 256 values, and the offsets meet the quantised x too):
     sum over the 256-value blocks of dx_b / 2 * |w|."""
     k = x.shape[1]
     if qtype in gguf_kernel.Q8K_TYPES:
@@ -211,9 +211,9 @@ def test_int8_activations_within_their_bound(qtype, m, path, monkeypatch):
         assert (f32.double() - want).abs().mean() < (got.double() - want).abs().mean()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
 def test_int8_decode_kernels_at_the_edges(qtype, path, monkeypatch):
-    """The decode kernels (q8_K x for Q4_K/Q6_K, per-32 x for Q8_0): the smallest legal width, every
+    """The decode kernels (q8_K x for Q4_K/Q5_K/Q6_K, per-32 x for Q8_0): the smallest legal width, every
     row count 1..16 of x, weight rows that the thread split does not divide, random bytes with edge
     fp16 scales (subnormals, -0, 65504), an all-zero 256 of x; within the int8 bound of the float64
     product of gguf's numpy de-quantisation."""
