@@ -386,7 +386,8 @@ static struct {
     atomic_uint gen;
     _Atomic uint64_t claim;
     atomic_long done;
-    int workers, sleepers, forked_hook;
+    int workers, sleepers, forked_hook, active; /* active: the workers that take part (id < active) */
+    unsigned first_gen[POOL_MAX];
     range_fn fn;
     const void *job;
     int64_t n, step;
@@ -423,7 +424,8 @@ static void pool_claim_all(void) {
 }
 
 static void *pool_worker(void *arg) {
-    unsigned seen = (unsigned)(uintptr_t)arg;
+    const int id = (int)(intptr_t)arg; /* 0.. */
+    unsigned seen = pool.first_gen[id];
     for (;;) {
         const int64_t start = now_ns();
         for (int spins = 0; atomic_load_explicit(&pool.gen, memory_order_acquire) == seen; spins++) {
@@ -438,7 +440,7 @@ static void *pool_worker(void *arg) {
             }
         }
         seen = atomic_load_explicit(&pool.gen, memory_order_acquire);
-        pool_claim_all();
+        if (id < pool.active) pool_claim_all(); /* a pool grown for more threads than this job's */
     }
     return NULL;
 }
@@ -468,7 +470,8 @@ static void pool_run(range_fn fn, const void *job, int64_t n, int threads) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        const int failed = pthread_create(&t, &attr, pool_worker, (void *)(uintptr_t)atomic_load(&pool.gen));
+        pool.first_gen[pool.workers] = atomic_load(&pool.gen);
+        const int failed = pthread_create(&t, &attr, pool_worker, (void *)(intptr_t)pool.workers);
         pthread_attr_destroy(&attr);
         if (failed) break;
         pool.workers++;
@@ -480,6 +483,7 @@ static void pool_run(range_fn fn, const void *job, int64_t n, int threads) {
     }
     int64_t chunks = (int64_t)threads * CHUNKS_PER_THREAD;
     chunks = chunks > n ? n : chunks;
+    pool.active = threads - 1;
     pool.fn = fn;
     pool.job = job;
     pool.n = n;
