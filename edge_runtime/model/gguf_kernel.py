@@ -30,7 +30,7 @@ ACTIVATIONS_ENV = "MACE_GGUF_ACTIVATIONS"
 # whatever the weight's size.
 TILE_ELEMENTS = 1 << 20
 SOURCE = Path(__file__).with_name("gguf_native.c")
-INCLUDES = (SOURCE.with_name("gguf_native_q8.c"), SOURCE.with_name("gguf_native_k8.c"))  # what SOURCE includes
+INCLUDES = tuple(SOURCE.with_name(f"gguf_native_{part}.c") for part in ("q8", "k8", "pool"))  # what SOURCE includes
 _FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared", "-pthread"]
 # Weights each thread takes at least (the library's own pool wakes a spinning worker in well under a
 # microsecond, a sleeping one in 10-50 us on a quiet machine), and the rows of x above which a product

@@ -345,3 +345,12 @@ def test_aarch64_build_under_qemu(tmp_path, march):
         if GGML_QUANT_SIZES[qtype][0] > 1:
             bound = _int8_bound(xt, torch.from_numpy(raw.copy()), qtype)
             assert ((torch.from_numpy(int8.copy()).double() - exact).abs() <= bound).all(), qtype.name
+
+
+def test_every_c_source_the_build_reads_ships_in_the_package():
+    """An installed wheel builds gguf_native.c beside the files it includes: each is package data."""
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    shipped = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["edge_runtime"]
+    for source in (gguf_kernel.SOURCE, *gguf_kernel.INCLUDES):
+        assert f"model/{source.name}" in shipped, source.name
