@@ -8,7 +8,6 @@ import ctypes
 import functools
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -31,15 +30,17 @@ ACTIVATIONS_ENV = "MACE_GGUF_ACTIVATIONS"
 # whatever the weight's size.
 TILE_ELEMENTS = 1 << 20
 SOURCE = Path(__file__).with_name("gguf_native.c")
-INCLUDES = (SOURCE.with_name("gguf_native_q8.c"),)  # what SOURCE includes (part of the build's key)
-_FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared"]
-# Weights each thread takes at least (a hand-off to a pool thread costs 10-50 us on a quiet machine,
-# milliseconds on a loaded one), and the rows of x above which a product de-quantises tiles of W for
-# torch's GEMM instead (the fused kernel reads each weight once per 8 rows of x; a GEMM blocks for
-# the cache, which wins once the de-quantisation is shared by many rows).
-PARALLEL_MIN_WEIGHTS = 1 << 21
+INCLUDES = tuple(SOURCE.with_name(f"gguf_native_{part}.c") for part in ("q8", "k8", "pool"))  # what SOURCE includes
+_FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared", "-pthread"]
+# Weights each thread takes at least (the library's own pool wakes a spinning worker in well under a
+# microsecond, a sleeping one in 10-50 us on a quiet machine), and the rows of x above which a product
+# de-quantises tiles of W for torch's GEMM instead (the fused kernel reads each weight once per 8 rows
+# of x; a GEMM blocks for the cache, which wins once the de-quantisation is shared by many rows).
+PARALLEL_MIN_WEIGHTS = 1 << 18
 FUSED_MAX_ROWS = 16
 _OFFSET_TYPES = frozenset({Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K})  # a per-32 offset beside the scaled levels
+# int8 x as llama.cpp's q8_K (per 256, with sums per 16): the K-quants' integer scales apply exactly.
+Q8K_TYPES = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})
 
 
 class GGUFKernelError(ValueError):
@@ -69,8 +70,12 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gg_xsums.argtypes = [p, i64, i64, p]
     lib.gg_quantize_x.argtypes = [p, i64, i64, p, p]
     lib.gg_matmul_q8.argtypes = [i32, p, i64, i64, p, p, i64, p, p, i64]
+    lib.gg_quantize_k8.argtypes = [p, i64, i64, p, p, p]
+    lib.gg_dequant_mt.argtypes = [i32, p, i64, i64, p, i32]
+    lib.gg_matmul_mt.argtypes = [i32, p, i64, i64, p, i64, p, i32, p, i64, i32]
     lib.gg_dequant.restype = lib.gg_matmul.restype = lib.gg_matmul_q8.restype = i32
-    lib.gg_quantize_x.restype = None
+    lib.gg_dequant_mt.restype = lib.gg_matmul_mt.restype = i32
+    lib.gg_quantize_x.restype = lib.gg_quantize_k8.restype = None
     lib.gg_xsums.restype = None
     return lib
 
@@ -85,27 +90,11 @@ def available() -> bool:
     return enabled() and _library() is not None
 
 
-@functools.cache
-def _pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="gguf-kernel")
-
-
-def _split(n: int, weights: int, run) -> None:
-    """run(lo, hi) over row ranges of [0, n), on torch's intra-op thread count where the work is
-    large enough (ctypes releases the GIL for each call)."""
-    threads = max(1, min(torch.get_num_threads(), n, weights // PARALLEL_MIN_WEIGHTS))
-    if threads == 1:
-        run(0, n)
-        return
-    step = -(-n // threads)
-    ranges = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
-    # The calling thread takes the first range itself: one pool hand-off fewer per product.
-    futures = [_pool(len(ranges) - 1).submit(run, lo, hi) for lo, hi in ranges[1:]] if len(ranges) > 1 else []
-    try:
-        run(*ranges[0])
-    finally:
-        for f in futures:
-            f.result()
+def _threads(n: int, weights: int) -> int:
+    """Threads for a call over n weight rows: torch's intra-op count where the work is large enough.
+    The library's persistent pool runs them (the calling thread takes the first range; ctypes
+    releases the GIL for the call)."""
+    return max(1, min(torch.get_num_threads(), n, weights // PARALLEL_MIN_WEIGHTS))
 
 
 def row_bytes(qtype: GGMLQuantizationType, k: int) -> int:
@@ -145,7 +134,10 @@ def _reference_rows(raw: Tensor, qtype: GGMLQuantizationType, lo: int, hi: int) 
 
 
 def _ok(status: int, qtype: GGMLQuantizationType) -> None:
-    """The compiled call's status: -1 is a type it does not handle (its output is not written)."""
+    """The compiled call's status: -1 is a type it does not handle (its output is not written), -2 a
+    scratch allocation that failed."""
+    if status == -2:
+        raise MemoryError("the compiled GGUF kernels could not allocate their scratch for x")
     if status != 0:
         raise GGUFKernelError(f"the compiled kernels do not handle {qtype.name}")
 
@@ -153,10 +145,8 @@ def _ok(status: int, qtype: GGMLQuantizationType) -> None:
 def _compiled_rows(lib: ctypes.CDLL, raw: Tensor, qtype: GGMLQuantizationType, k: int, lo: int, hi: int,
                    out: Tensor) -> None:
     """out (float32 [hi - lo, k], contiguous) = rows lo:hi de-quantised by the compiled kernels."""
-    def run(a: int, b: int) -> None:
-        _ok(lib.gg_dequant(int(qtype), raw[lo + a].data_ptr(), b - a, k, out[a].data_ptr()), qtype)
-
-    _split(hi - lo, (hi - lo) * k, run)
+    _ok(lib.gg_dequant_mt(int(qtype), raw[lo].data_ptr(), hi - lo, k, out.data_ptr(), _threads(hi - lo, (hi - lo) * k)),
+        qtype)
 
 
 def _tiles(raw: Tensor, qtype: GGMLQuantizationType, k: int):
@@ -206,10 +196,12 @@ def matmul(x: Tensor, raw: Tensor, qtype: GGMLQuantizationType, k: int, out: Ten
     through de-quantised tiles and torch's GEMM.
 
     int8_x (default `int8_activations()`; block types on the fused path only) quantises x to int8
-    per 32 values first and sums exact int32 block products, as llama.cpp and MatMulNBits at
-    accuracy level 4 do: several times faster, and off x @ W^T by at most sum |w_l| * dx_b / 2 over
-    the 32-value blocks b of x (dx_b = max |x_b| / 127, w_l the weight less its per-32 offset) plus
-    float32 summation order (tests/model/test_gguf_kernel.py holds it to that bound)."""
+    and sums exact int32 block products, as llama.cpp and MatMulNBits at accuracy level 4 do:
+    several times faster. Q4_K, Q5_K and Q6_K take x as llama.cpp's q8_K (one scale per 256 values, the
+    sub-block scales applied in integers): off x @ W^T by at most sum |w| * dx_b / 2 over x's
+    256-value blocks b (dx_b = max |x_b| / 127); other types per 32 values, by sum |w_l| * dx_b / 2
+    over 32-value blocks (w_l the weight less its per-32 offset); plus float32 summation order
+    (tests/model/test_gguf_kernel.py holds it to those bounds)."""
     _check_raw(raw, qtype, k)
     x = _check_x(x, k)
     m, n = x.shape[0], raw.shape[0]
@@ -218,25 +210,14 @@ def matmul(x: Tensor, raw: Tensor, qtype: GGMLQuantizationType, k: int, out: Ten
     if m == 0 or n == 0:
         return out
     if lib is not None and m <= FUSED_MAX_ROWS:
+        int8 = (int8_activations() if int8_x is None else int8_x) and GGML_QUANT_SIZES[qtype][0] > 1
         sums = None
-        if qtype in _OFFSET_TYPES:
+        if qtype in _OFFSET_TYPES and not (int8 and qtype in Q8K_TYPES):
             sums = torch.empty((m, k // 32), dtype=torch.float32)
             lib.gg_xsums(x.data_ptr(), m, k, sums.data_ptr())
         xs = None if sums is None else sums.data_ptr()
-        if (int8_activations() if int8_x is None else int8_x) and GGML_QUANT_SIZES[qtype][0] > 1:
-            qx = torch.empty((m, k), dtype=torch.int8)
-            dx = torch.empty((m, k // 32), dtype=torch.float32)
-            lib.gg_quantize_x(x.data_ptr(), m, k, qx.data_ptr(), dx.data_ptr())
-
-            def run(lo: int, hi: int) -> None:
-                _ok(lib.gg_matmul_q8(int(qtype), raw[lo].data_ptr(), hi - lo, k, qx.data_ptr(), dx.data_ptr(), m,
-                                     xs, out[:, lo:].data_ptr(), n), qtype)
-        else:
-            def run(lo: int, hi: int) -> None:
-                _ok(lib.gg_matmul(int(qtype), raw[lo].data_ptr(), hi - lo, k, x.data_ptr(), m, xs,
-                                  out[:, lo:].data_ptr(), n), qtype)
-
-        _split(n, n * k, run)
+        _ok(lib.gg_matmul_mt(int(qtype), raw.data_ptr(), n, k, x.data_ptr(), m, xs, int(int8), out.data_ptr(), n,
+                             _threads(n, n * k)), qtype)
         return out
     for lo, hi, w in _tiles(raw, qtype, k):
         out[:, lo:hi] = x @ w.T

@@ -80,18 +80,25 @@ def build_library(source_path: Path, flags: list[str], includes: tuple[Path, ...
         source = b"".join(p.read_bytes() for p in (source_path, *includes))
     except OSError as e:
         raise KernelUnavailable(f"{source_path.name} is not installed beside {Path(__file__).name}: {e}") from e
-    # -march=native only on x86 (it picks AVX-512/AVX2); other machines take the compiler default.
-    flags = flags + (["-march=native"] if platform.machine() in ("x86_64", "AMD64") else [])
+    # The machine's own instruction set: -march=native on x86 (AVX-512/AVX2), -mcpu=native on aarch64
+    # (dotprod where the core has it, e.g. Jetson Orin); a compiler that refuses it builds without.
+    native = {"x86_64": "-march=native", "AMD64": "-march=native", "aarch64": "-mcpu=native",
+              "arm64": "-mcpu=native"}.get(platform.machine())
+    flags = flags + ([native] if native else [])
     key = hashlib.sha256(source + " ".join([compiler, platform.machine(), platform.node()] + flags).encode())
     target = cache_dir() / "kernels" / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         with tempfile.TemporaryDirectory() as tmp:
             built = Path(tmp) / f"{source_path.stem}.so"
-            try:
-                subprocess.run([compiler, *flags, str(source_path), "-o", str(built)], check=True,
-                               capture_output=True, timeout=120)
-            except (OSError, subprocess.SubprocessError) as e:
-                raise KernelUnavailable(f"building {source_path.name} failed: {e}") from e
+            tries = [flags, [f for f in flags if f != native]] if native else [flags]
+            for i, attempt in enumerate(tries):
+                try:
+                    subprocess.run([compiler, *attempt, str(source_path), "-o", str(built)], check=True,
+                                   capture_output=True, timeout=120)
+                    break
+                except (OSError, subprocess.SubprocessError) as e:
+                    if i == len(tries) - 1:
+                        raise KernelUnavailable(f"building {source_path.name} failed: {e}") from e
             try:
                 target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
                 durable.write_bytes(target, built.read_bytes())

@@ -1,5 +1,5 @@
 /* tests/model/test_gguf_kernel.py builds this beside gguf_native.c for another machine (aarch64 under
-   qemu): dequantisation, float and int8 products for every type on fixed pseudo-random blocks,
+   qemu): dequantisation, float and int8 products (through the thread pool) for every type on fixed pseudo-random blocks,
    written to argv[1] for the test to check against gguf's numpy code. */
 #include "gguf_native.c" /* compiled with -I edge_runtime/model */
 #include <stdio.h>
@@ -31,9 +31,9 @@ int main(int argc, char **argv) {
             for (int a = 0; a < 3; a++) if (at[a] >= 0) { uint16_t h = (uint16_t)((rnd() & 0x8000) | ((5 + rnd() % 6) << 10) | (rnd() & 0x3ff)); memcpy(raw + blk * bb + at[a], &h, 2); }
         float *deq = malloc(n * k * 4), *o1 = malloc(m * n * 4), *o2 = malloc(m * n * 4);
         gg_dequant(types[t], raw, n, k, deq);
-        gg_matmul(types[t], raw, n, k, x, m, xs, o1, n);
+        gg_matmul_mt(types[t], raw, n, k, x, m, xs, 0, o1, n, 3); /* through the pool: 3 threads */
         memset(o2, 0, m * n * 4);
-        if (bw > 1) gg_matmul_q8(types[t], raw, n, k, qx, dx, m, xs, o2, n);
+        if (bw > 1) gg_matmul_mt(types[t], raw, n, k, x, m, xs, 1, o2, n, 3); /* Q4_K/Q6_K: x as q8_K */
         fwrite(raw, 1, n * rb, f); fwrite(deq, 4, n * k, f); fwrite(o1, 4, m * n, f); fwrite(o2, 4, m * n, f);
     }
     fwrite(x, 4, m * k, f);

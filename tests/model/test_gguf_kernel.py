@@ -171,8 +171,15 @@ _OFFSET_AT = {Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K}  # the per-32 offset's fp16 (min) 
 
 def _int8_bound(x: torch.Tensor, raw: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor:
     """What int8 activations may cost: sum over x's 32-value blocks of dx_b / 2 * |levels part of
-    w| (the weight less its per-32 offset: the block's min field zeroed), plus the float bound."""
+    w| (the weight less its per-32 offset: the block's min field zeroed), plus the float bound.
+    Q4_K, Q5_K and Q6_K take x as q8_K (one dx per 256 values, and the offsets meet the quantised x too):
+    sum over the 256-value blocks of dx_b / 2 * |w|."""
     k = x.shape[1]
+    if qtype in gguf_kernel.Q8K_TYPES:
+        w = reference(raw, qtype).double()
+        dx = x.abs().reshape(x.shape[0], -1, 256).amax(-1).double() / 127
+        rounding = (dx / 2 * (1 + 1e-6)).repeat_interleave(256, dim=1)  # (1 / (127 / amax): a few ulps)
+        return rounding @ w.abs().T + 2 * k * torch.finfo(torch.float32).eps * (x.abs().double() @ w.abs().T) * 2
     levels = raw.clone()
     if qtype in _OFFSET_AT:
         block, size = GGML_QUANT_SIZES[qtype]
@@ -202,6 +209,58 @@ def test_int8_activations_within_their_bound(qtype, m, path, monkeypatch):
         f32 = gguf_kernel.matmul(x, raw, qtype, k, int8_x=False)
         assert not torch.equal(got, f32)
         assert (f32.double() - want).abs().mean() < (got.double() - want).abs().mean()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
+def test_int8_decode_kernels_at_the_edges(qtype, path, monkeypatch):
+    """The decode kernels (q8_K x for Q4_K/Q5_K/Q6_K, per-32 x for Q8_0): the smallest legal width, every
+    row count 1..16 of x, weight rows that the thread split does not divide, random bytes with edge
+    fp16 scales (subnormals, -0, 65504), an all-zero 256 of x; within the int8 bound of the float64
+    product of gguf's numpy de-quantisation."""
+    monkeypatch.setattr(gguf_kernel, "PARALLEL_MIN_WEIGHTS", 1)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        rng = np.random.default_rng(qtype.value)
+        block, size = GGML_QUANT_SIZES[qtype]
+        for k, n in ((block if block == 256 else 32, 7), (768, 29)):
+            raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+            for at in _ALL_HALF_FIELDS[qtype]:
+                raw[..., at:at + 2] = EDGE[rng.integers(0, len(EDGE), (n, k // block))].view(np.uint8).reshape(
+                    n, k // block, 2)
+            raw = torch.from_numpy(raw.reshape(n, -1))
+            w = reference(raw, qtype).double()
+            for m in range(1, 17):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                x[0, :min(k, 256)] = 0.0
+                got = gguf_kernel.matmul(x, raw, qtype, k, int8_x=True)
+                want = x.double() @ w.T
+                assert torch.isfinite(got).all()
+                assert ((got.double() - want).abs() <= _int8_bound(x, raw, qtype)).all(), (k, m)
+    finally:
+        torch.set_num_threads(torch_threads)
+
+
+def test_products_from_several_threads_at_once(path):
+    """Callers on several Python threads at once (the library's pool serves one product at a time;
+    the others run their rows on their own thread) get the products they would alone."""
+    import threading
+
+    raw = make_blocks(Q.Q6_K, 300, 1024, seed=3)
+    xs = [torch.randn(1 + i % 3, 1024, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    want = [gguf_kernel.matmul(x, raw, Q.Q6_K, 1024, int8_x=True) for x in xs]
+    got: dict[int, list[torch.Tensor]] = {}
+
+    def run(i: int) -> None:
+        got[i] = [gguf_kernel.matmul(xs[i], raw, Q.Q6_K, 1024, int8_x=True) for _ in range(20)]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, outs in got.items():
+        assert all(torch.equal(o, want[i]) for o in outs)
 
 
 def test_one_block_rows_and_out(path):
@@ -261,19 +320,21 @@ def _harness_rows(path: Path):
     return qx, dx, rows, take(m * k, np.float32).reshape(m, k)
 
 
-def test_aarch64_build_under_qemu(tmp_path):
-    """Jetson's build (aarch64: the NEON int8 dot, the portable decoders, which the "portable"
-    variant above also runs natively), cross-compiled and run under qemu where both are installed:
-    de-quantisation bit for bit gguf's numpy code, float products within the float bound, int8
-    products within x's rounding bound."""
+@pytest.mark.parametrize("march", ["armv8-a", "armv8.2-a+dotprod"])
+def test_aarch64_build_under_qemu(tmp_path, march):
+    """Jetson's build (aarch64: the NEON int8 dot, `sdot` where the target has dotprod as Orin's
+    -mcpu=native does, the portable decoders, which the "portable" variant above also runs
+    natively), cross-compiled and run under qemu where both are installed: de-quantisation bit for
+    bit gguf's numpy code, float products within the float bound, int8 products within x's
+    rounding bound."""
     cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
     if cc is None or qemu is None:
         pytest.skip("no aarch64 cross compiler or qemu-aarch64 here")
     exe, out = tmp_path / "harness", tmp_path / "out.bin"
-    subprocess.run([cc, "-O3", "-ffp-contract=off", "-I", str(gguf_kernel.SOURCE.parent), str(_HARNESS), "-o",
-                    str(exe)], check=True, capture_output=True, timeout=300)
-    subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe), str(out)], check=True, capture_output=True,
-                   timeout=300)
+    subprocess.run([cc, "-O3", "-ffp-contract=off", "-pthread", f"-march={march}", "-I", str(gguf_kernel.SOURCE.parent),
+                    str(_HARNESS), "-o", str(exe)], check=True, capture_output=True, timeout=300)
+    subprocess.run([qemu, "-cpu", "max", "-L", "/usr/aarch64-linux-gnu", str(exe), str(out)], check=True,
+                   capture_output=True, timeout=300)
     qx, dx, rows, x = _harness_rows(out)
     xt = torch.from_numpy(x.copy())
     for qtype, (raw, deq, f32, int8) in rows.items():
@@ -284,3 +345,12 @@ def test_aarch64_build_under_qemu(tmp_path):
         if GGML_QUANT_SIZES[qtype][0] > 1:
             bound = _int8_bound(xt, torch.from_numpy(raw.copy()), qtype)
             assert ((torch.from_numpy(int8.copy()).double() - exact).abs() <= bound).all(), qtype.name
+
+
+def test_every_c_source_the_build_reads_ships_in_the_package():
+    """An installed wheel builds gguf_native.c beside the files it includes: each is package data."""
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    shipped = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["edge_runtime"]
+    for source in (gguf_kernel.SOURCE, *gguf_kernel.INCLUDES):
+        assert f"model/{source.name}" in shipped, source.name

@@ -5,6 +5,8 @@ where it is turned off or cannot be built."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -171,3 +173,24 @@ def test_a_library_others_may_write_is_never_loaded(tmp_path):
     lib.parent.chmod(0o777)
     with pytest.raises(qkernel.KernelUnavailable, match="not trusted"):
         qkernel._check_trusted(lib)
+
+
+def test_a_compiler_that_refuses_the_native_flag_builds_without_it(monkeypatch, tmp_path):
+    """aarch64 asks for -mcpu=native (dotprod on cores that have it); a compiler that refuses it
+    still builds the library, without the flag."""
+    real = shutil.which("cc") or shutil.which("gcc")
+    if real is None:
+        pytest.skip("no C compiler here")
+    calls = tmp_path / "calls"
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> {calls}\ncase "$*" in *-mcpu=native*) exit 1;; esac\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    source = tmp_path / "one.c"
+    source.write_text("int one(void) { return 1; }\n")
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("MACE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(qkernel.platform, "machine", lambda: "aarch64")
+    lib = qkernel.build_library(source, ["-O2", "-fPIC", "-shared"])
+    assert lib.one() == 1
+    tried = calls.read_text().splitlines()
+    assert len(tried) == 2 and "-mcpu=native" in tried[0] and "-mcpu=native" not in tried[1]
