@@ -232,12 +232,8 @@ def _per_block(base: Tensor, steps: Tensor | None) -> Tensor:
 
 
 TENSOR_FIELDS = ("levels", "high", "scales", "offsets", "scale_steps", "offset_steps")
-# Most float elements one de-quantised piece of a weight holds at once (32 MiB in float32): a
-# large table (an LM head of 128k rows) is read in row chunks instead of whole. The thread's
-# workspace is this size for good once a layer trains: 1 << 24 kept 32 MiB more resident through
-# a pair and beside serving after it; 1 << 22 made a 1B layer's products over a pair's 558 rows
-# ~18% slower (smaller GEMMs, four input-gradient passes over the down projection), 1 << 23 the
-# same as 1 << 24 within the noise (load 4-5, #28).
+# Most float elements one de-quantised piece holds at once (a 128k-row head is read in row chunks):
+# 32 MiB of float32, each thread's workspace for good (2^24: 32 MiB more; 2^22: 18% slower, #28).
 CHUNK_ELEMENTS = 1 << 23
 
 
@@ -358,20 +354,9 @@ class QuantWeight(nn.Module):
         whole = held_floats.whole(self, x)
         if whole is not None:
             return op(x, whole, bias)
-        chunks = list(self.row_chunks())
-        if len(chunks) == 1:
-            part = chunks[0][1]
-            return op(x, part.dequantize(x.dtype, _workspace(part, x.dtype)), bias)
-        # Each chunk's columns written into one output as it comes: a list of them joined at
-        # the end held the whole output twice (#28).
-        out = None
-        for lo, part in chunks:
-            y = op(x, part.dequantize(x.dtype, _workspace(part, x.dtype)), None if bias is None else bias[lo:lo + part.n])
-            if out is None:
-                out = y.new_empty(*y.shape[:-1], self.shape[0])
-            out[..., lo:lo + part.n] = y
-            del y
-        return out
+        outs = [op(x, part.dequantize(x.dtype, _workspace(part, x.dtype)), None if bias is None else bias[lo:lo + part.n])
+                for lo, part in self.row_chunks()]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def input_grad(self, grad: Tensor) -> Tensor:
         """grad @ W (the gradient w.r.t. a linear's input), W read a row chunk at a time."""
