@@ -121,13 +121,13 @@ class OrtStepWriter(StepWriter):
         return out, total
 
     def prepare_rope(self) -> None:
-        g, half = self.g, self.cfg.rotary_dim // 2
+        g = self.g
         self.cos_half, self.sin_half = [], []
         rows = self.spec.rope_positions or None  # the engine's context, not every position the model has
         for t, rope in enumerate(self.model.ropes):
             tag = "rope" if t == 0 else f"rope{t}"
-            self.cos_half.append(g.init(f"{tag}.cos_half", rope.cos.float().cpu().numpy()[:rows, :half]))
-            self.sin_half.append(g.init(f"{tag}.sin_half", rope.sin.float().cpu().numpy()[:rows, :half]))
+            self.cos_half.append(g.init(f"{tag}.cos_half", rope.cos_half.float().cpu().numpy()[:rows]))
+            self.sin_half.append(g.init(f"{tag}.sin_half", rope.sin_half.float().cpu().numpy()[:rows]))
 
     def rotary_embedding(self, x: str, heads: int, table: int = 0) -> str:
         """RoPE of x [B, S, heads * d] outside GroupQueryAttention: ONNX Runtime's

@@ -72,7 +72,7 @@ class StandardStepWriter(StepWriter):
         for t, rope in enumerate(self.model.ropes):
             tag = "rope" if t == 0 else f"rope{t}"
             # [1, T, 1, d]: broadcast over heads, gathered once per step for every layer.
-            for name, table in (("cos_full", rope.cos.float().cpu().numpy()), ("sin_full", rope.sin.float().cpu().numpy())):
+            for name, table in zip(("cos_full", "sin_full"), (t.float().cpu().numpy() for t in rope.tables()), strict=True):
                 rows = g.op("Gather", [g.init(f"{tag}.{name}", table), self.position_ids], axis=0)
                 getattr(self, name).append(g.op("Unsqueeze", [rows, g.const([2])]))
 

@@ -329,7 +329,7 @@ class OnnxRuntimeBackend(Backend):
                                   self.model.rope.offset(seq.num_tokens), item.num_logits))
             idle.append(False)
             real.append((row, seq.block_table, start, start + n))
-        steps = pad_lone_row(steps, len(self.model.rope.cos)) if self.row_invariant else steps
+        steps = pad_lone_row(steps, self.model.rope.rows) if self.row_invariant else steps
         capacity = max(st.start + len(st.tokens) for st in steps)
         target, base = dense, first
         if not dense.ensure(last + 1, capacity):
@@ -386,7 +386,7 @@ class OnnxRuntimeBackend(Backend):
             start = seq.num_computed
             steps.append(StepItem(item.tokens(), start, seq.block_table, item.samples, -1 if ref is None else slots[ref],
                                   self.model.rope.offset(seq.num_tokens), item.num_logits))
-        steps = pad_lone_row(steps, len(self.model.rope.cos)) if self.row_invariant else steps
+        steps = pad_lone_row(steps, self.model.rope.rows) if self.row_invariant else steps
         key = tuple(slots)
         session = self._session_with_stack(key)
         logits, new_kv, plan = self._run(session, self.plan(steps))

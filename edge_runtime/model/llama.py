@@ -103,6 +103,9 @@ def rotate_half(x: Tensor) -> Tensor:
 
 class RotaryTable(nn.Module):
     """cos/sin [rows, rotary_dim] for every position up to the model's maximum, built once in fp32.
+    Only the first half of each row is kept (`cos_half`, `sin_half`): in the rotate-half layout the
+    two halves are the same angles, so `lookup` joins the half to itself (at Llama 3.2's 131,072
+    positions the whole tables held 64 MiB, #28).
 
     The inverse frequencies (including the config's scaling: linear, llama3, yarn, ...) come from
     `transformers`' own RoPE initialisers, so every scaling variant matches the reference.
@@ -131,8 +134,8 @@ class RotaryTable(nn.Module):
             # use imports torch._dynamo, ~1-2 s of every daemon start. Same shapes, no numbers.
             self.short_rows = min(self.switch, n) if self.switch is not None else 0
             rows = self.short_rows + n
-            self.register_buffer("cos", torch.empty(rows, cfg.rotary_dim), persistent=False)
-            self.register_buffer("sin", torch.empty(rows, cfg.rotary_dim), persistent=False)
+            self.register_buffer("cos_half", torch.empty(rows, cfg.rotary_dim // 2), persistent=False)
+            self.register_buffer("sin_half", torch.empty(rows, cfg.rotary_dim // 2), persistent=False)
             return
         if rope_type == "default":
             base = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
@@ -153,8 +156,16 @@ class RotaryTable(nn.Module):
             long_cos, long_sin = _rotary_rows(long_freq, n, scaling)
             self.short_rows = min(self.switch, n)
             cos, sin = torch.cat([cos[: self.short_rows], long_cos]), torch.cat([sin[: self.short_rows], long_sin])
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("cos_half", cos, persistent=False)
+        self.register_buffer("sin_half", sin, persistent=False)
+
+    @property
+    def rows(self) -> int:
+        return self.cos_half.shape[0]
+
+    def tables(self) -> tuple[Tensor, Tensor]:
+        """The whole cos/sin [rows, rotary_dim] tables (a copy: for a graph's export)."""
+        return torch.cat((self.cos_half, self.cos_half), dim=-1), torch.cat((self.sin_half, self.sin_half), dim=-1)
 
     def offset(self, length: int) -> int:
         """What a token's position is shifted by to find its row, in a sequence of `length` tokens
@@ -162,7 +173,8 @@ class RotaryTable(nn.Module):
         return self.short_rows if self.switch is not None and length > self.switch else 0
 
     def lookup(self, rows: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        return self.cos[rows].to(dtype), self.sin[rows].to(dtype)
+        cos, sin = self.cos_half[rows].to(dtype), self.sin_half[rows].to(dtype)
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
 
 def rotary_tables(cfg: ModelConfig, max_positions: int | None = None) -> nn.ModuleList:
@@ -171,9 +183,12 @@ def rotary_tables(cfg: ModelConfig, max_positions: int | None = None) -> nn.Modu
 
 
 def _rotary_rows(inv_freq: Tensor, n: int, scaling: float) -> tuple[Tensor, Tensor]:
+    """The first half of cos/sin [n, rotary_dim] in the rotate-half layout (its halves are equal),
+    taken from the whole rows as transformers computes them, so the bits are theirs."""
     freqs = torch.arange(n, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * scaling, emb.sin() * scaling
+    half = freqs.shape[1]
+    return (emb.cos() * scaling)[:, :half].clone(), (emb.sin() * scaling)[:, :half].clone()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -22,6 +22,7 @@ from edge_runtime.model.dense import DenseCausalContext
 from edge_runtime.model.llama import LlamaModel
 from edge_runtime.model.qweights import CHUNK_ELEMENTS, QuantWeight
 from edge_runtime.train.logprobs import token_logps
+from edge_runtime.train.optim import LoraOptimizer, OptimizerSettings
 
 log = logging.getLogger(__name__)
 
@@ -204,12 +205,14 @@ class StageCostModel:
         small, large = measure(small_rows), measure(rows)
         fit = {k: _affine(small[k], large[k], small_rows, rows) for k in ("nograd", "grad_fwd", "bwd", "head", "head_grad")}
 
-        opt = torch.optim.AdamW(weights.parameters(), lr=1e-4)
-        for p in weights.parameters():
-            p.grad = torch.zeros_like(p)
+        opt = LoraOptimizer(weights.parameters(), OptimizerSettings(learning_rate=1e-4, max_grad_norm=None))
 
-        def step() -> None:
-            opt.step()
+        zeros = [torch.zeros_like(p) for p in weights.parameters()]
+
+        def step() -> None:  # the trainer's own AdamW (torch.optim would import torch._dynamo: #28)
+            for p, g in zip(weights.parameters(), zeros, strict=True):
+                p.grad = g
+            opt.accumulate()
 
         t_opt = best(step)
         log.info("profiled the fine-tune stage costs in %.1f s: %s", time.perf_counter() - started,

@@ -58,3 +58,24 @@ def test_building_a_meta_shell_does_not_import_torch_dynamo(tmp_path):
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_table_keeps_half_of_each_row_and_looks_up_the_whole_rows_bit_for_bit(name, tmp_path):
+    from edge_runtime.model import family
+
+    cfg = ModelConfig.from_dir(make_tiny_model_dir(tmp_path / name, **FAMILIES[name]))
+    for key, table in zip(cfg.rope_tables, LlamaModel(cfg, max_positions=40).ropes, strict=True):
+        assert table.cos_half.shape[1] * 2 == cfg.rotary_dim  # half the bytes of the whole rows (#28)
+        params = family.rope_set(cfg.hf_config, key)
+        rope_type = params.get("rope_type", "default")
+        if rope_type != "default" or table.switch is not None:
+            continue  # scaled or LongRoPE rows: the family tests hold them against transformers
+        dim = cfg.rotary_dim
+        base = params.get("rope_theta", getattr(cfg.hf_config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        emb = torch.arange(40, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat((emb, emb), dim=-1)
+        rows = torch.tensor([0, 3, 17, 39])
+        cos, sin = table.lookup(rows, torch.float32)
+        assert torch.equal(cos, emb.cos()[rows]) and torch.equal(sin, emb.sin()[rows])

@@ -407,4 +407,4 @@ def _retire(engine: Engine, trainer: AdapterTrainer) -> None:
     """The round's trainer gets no more jobs: its optimizer state leaves the ledger and memory
     now, not when the fine-tune queue's history lets go of its last job."""
     engine.scheduler.forget_trainer(trainer)
-    trainer.optimizer.adamw.state.clear()
+    trainer.optimizer.clear_state()
