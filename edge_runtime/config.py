@@ -99,6 +99,11 @@ class EngineConfig:
     # training stage would not fit the memory budget or would exceed 1.25x the file's tensors +
     # 1 GiB (an 8B Q4_K_M: edge_runtime.loading.reads_in_place)
     torch_weights: str = "auto"
+    # How products on a GGUF read in place take their activations (docs/memory.md, "Activations"):
+    # "auto" = int8 x (llama.cpp's q8_K; the bound is gguf_kernel.matmul's) in the serving steps,
+    # decode and prefill, float32 in training and elsewhere; "int8" = int8 in training's forward too;
+    # "float" = float32 always. MACE_GGUF_ACTIVATIONS (int8, f32, auto) overrides it.
+    gguf_activations: str = "auto"
     # The torch backend on a GPU replays decode-only steps as CUDA graphs (docs/gpu.md); steps a
     # graph cannot express (prefill, drafts, LoRA rows, pruned KV) run eagerly either way.
     cuda_graphs: bool = True

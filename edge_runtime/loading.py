@@ -16,6 +16,7 @@ from edge_runtime.backends.auto import first_candidate
 from edge_runtime.config import EngineConfig
 from edge_runtime.device import pick_device, pick_dtype
 from edge_runtime.model.config import ModelConfig
+from edge_runtime.model.gguf_weight import activations_mode, set_activations
 from edge_runtime.model.llama import LlamaModel
 from edge_runtime.model.model_cache import in_place_source
 from edge_runtime.model.tokenizer import Tokenizer
@@ -27,24 +28,31 @@ log = logging.getLogger(__name__)
 
 def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer, str]:
     """The model `config.model` names (None = the default), its tokenizer and its name."""
+    activations_mode(config.gguf_activations)  # an unknown setting is refused before any loading
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     path, name = resolve(config.model, in_place=reads_in_place(config))
+    source = in_place_source(path)  # the GGUF file whose bytes serve, or None
     device = engine_device(config)
     dtype_name = config.dtype
     if dtype_name == "auto" and config.backend == "auto" and device.type == "cpu" \
             and first_candidate(device) != "torch":
         dtype_name = "float32"  # ONNX Runtime's CPU kernels and the dense KV rows are float32
+    if dtype_name == "auto" and source is not None:
+        # The GGUF kernel's products take and give float32: bfloat16 activations would only add
+        # casts and the CPU's slower small bfloat16 GEMMs in attention (1B decode, 2 threads: 4.5 vs
+        # 7.4 ms of torch ops a token; the KV budget in bytes holds half the tokens).
+        dtype_name = "float32"
     dtype = pick_dtype(dtype_name, device)
     # Refuse before reading gigabytes of weights: against the configured budget, else against
     # what this machine has available now (a model that cannot fit is never loaded to the OOM).
     cfg = ModelConfig.from_dir(path)
-    source = in_place_source(path)
     # Read in place, the weights are the GGUF's pages (its header and vocabulary are a few MiB).
     weights = source.stat().st_size if source is not None else stored_weights_bytes(path, cfg, dtype)
     check_memory_budget(config, cfg, dtype, weights, None if config.memory_budget_bytes else available_memory_bytes())
     log.info("loading %s: %.0f MiB of weights", name, weights / 2**20)
     model = load_llama(path, dtype=dtype, device=device)
+    set_activations(model, config.gguf_activations)  # a model without GgufWeights has none to set
     # Its digest (graph export key, prefix store) is then hashed once per set of files, not per start.
     weights_memo.attach(model, path, Path(config.onnx_cache_dir) if config.onnx_cache_dir else paths.cache_dir() / "onnx")
     return model, Tokenizer(path), name

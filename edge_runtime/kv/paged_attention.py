@@ -110,23 +110,44 @@ class PagedContext:
             out[start : start + n] = o.view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 
         if plan.decode_rows is not None:
-            b = plan.decode_rows.shape[0]
-            qd = q.index_select(0, plan.decode_rows).view(b, kv_heads, group, d)
-            if self.decode_entries is None:
-                kd = k_cache[plan.decode_index].permute(0, 2, 1, 3)  # [B, kv_heads, width, d]
-                vd = v_cache[plan.decode_index].permute(0, 2, 1, 3)
-            else:
-                # Some rows are compacted: every (row, position, head) gathered from where its
-                # entry lies, into the layout and strides above, so every row keeps its bits.
-                entries = self.decode_entries[layer]  # [B, width, kv_heads]: slab rows of keys
-                slab = self.cache.data.view(-1, d)
-                kd = slab[entries].permute(0, 2, 1, 3)
-                vd = slab[entries + self.cache.data.shape[2] * kv_heads].permute(0, 2, 1, 3)
-            if self.decode_pruning is None:
-                o = attend(qd, kd, vd, plan.decode_mask, self.softcap, self._min_rows, self.row_invariant)
-            else:
-                o = self.decode_pruning.attend(layer, qd, kd, vd)
-            out.index_copy_(0, plan.decode_rows, o.reshape(b, heads * d))
+            threads = torch.get_num_threads()
+            if not plan.prefills and threads > 1 and q.device.type == "cpu":
+                # A decode-only step's attention is a few small GEMMs a layer: on one thread. Split
+                # across threads, each call waits on a worker waking (or on the core that the GGUF
+                # kernel's pool still spins on after a product): ~0.1 ms a call on a busy 2-core box.
+                torch.set_num_threads(1)
+                try:
+                    return self._decode(layer, plan, q, k_cache, v_cache, out)
+                finally:
+                    torch.set_num_threads(threads)
+            return self._decode(layer, plan, q, k_cache, v_cache, out)
+        return out
+
+    def _decode(self, layer: int, plan: _WindowPlan, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor) -> Tensor:
+        """The decode rows' attention (one query row each, in one padded call) into `out`."""
+        heads, d = q.shape[1:]
+        kv_heads = k_cache.shape[1]
+        group = heads // kv_heads
+        b = plan.decode_rows.shape[0]
+        qd = q.index_select(0, plan.decode_rows).view(b, kv_heads, group, d)
+        if self.decode_entries is None:
+            # One flat index_select (several times faster than advanced indexing by the
+            # [B, width] index on the CPU; the same rows): [B, kv_heads, width, d].
+            flat, shape = plan.decode_index.view(-1), (b, -1, kv_heads, d)
+            kd = k_cache.index_select(0, flat).view(shape).permute(0, 2, 1, 3)
+            vd = v_cache.index_select(0, flat).view(shape).permute(0, 2, 1, 3)
+        else:
+            # Some rows are compacted: every (row, position, head) gathered from where its
+            # entry lies, into the layout and strides above, so every row keeps its bits.
+            entries = self.decode_entries[layer]  # [B, width, kv_heads]: slab rows of keys
+            slab = self.cache.data.view(-1, d)
+            kd = slab[entries].permute(0, 2, 1, 3)
+            vd = slab[entries + self.cache.data.shape[2] * kv_heads].permute(0, 2, 1, 3)
+        if self.decode_pruning is None:
+            o = attend(qd, kd, vd, plan.decode_mask, self.softcap, self._min_rows, self.row_invariant)
+        else:
+            o = self.decode_pruning.attend(layer, qd, kd, vd)
+        out.index_copy_(0, plan.decode_rows, o.reshape(b, heads * d))
         return out
 
 

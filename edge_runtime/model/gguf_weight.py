@@ -6,6 +6,7 @@ chunk at a time. The in-place sibling of `QuantWeight`'s re-encoded blocks (`qwe
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -29,6 +30,12 @@ from edge_runtime.model.gguf_blocks import (
 from edge_runtime.model.qweights import TENSOR_FIELDS, Blocks, LinearOp, QuantWeight
 
 _FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+# engine.gguf_activations: how the kernel's products take x. "auto": as llama.cpp's int8 (q8_K for
+# the K-quants; gguf_kernel.matmul states the bound) in the serving backends' steps (run under
+# torch.inference_mode), float32 elsewhere (training's forward and backward, reference log-probs,
+# evaluation); "int8": int8 everywhere; "float": float32 everywhere.
+ACTIVATIONS = ("auto", "int8", "float")
+_ENV_MODES = {"int8": "int8", "f32": "float", "float": "float", "auto": "auto"}
 
 
 @cache
@@ -44,7 +51,7 @@ def kernel() -> ModuleType | None:
     None otherwise: rows are then de-quantised through `gguf_blocks`' converters and `qkernel`'s
     compiled pass (faster than the kernel module's numpy reference, and bit for bit the same)."""
     module = _kernel_module()
-    return module if module is not None and module.enabled() and module.available() else None
+    return module if module is not None and module.available() else None  # available(): enabled and built
 
 
 def _qtype(name: str) -> Any:
@@ -124,12 +131,23 @@ class RawRows:
             target = self.blocks().dequantize(torch.float32, target)
         return target if dtype == torch.float32 else target.to(dtype)
 
-    def matmul(self, x: Tensor) -> Tensor:
+    def matmul(self, x: Tensor, int8_x: bool = False) -> Tensor:
         """x @ W^T for x [..., k] -> [..., n] in file row order, in float32: the kernel reads the
-        blocks where it is built; else W is de-quantised a row chunk at a time."""
+        blocks where it is built (with `int8_x`, x quantised to int8 row by row, every row through
+        its fused path); else W is de-quantised a row chunk at a time."""
         flat = x.reshape(-1, self.k).float().contiguous()
-        if kernel() is not None and self.qtype in BLOCK_TYPES:
-            out = kernel().matmul(flat, self.data, _qtype(self.qtype), self.k)
+        lib = kernel()
+        if lib is not None and self.qtype in BLOCK_TYPES:
+            qtype, step = _qtype(self.qtype), lib.FUSED_MAX_ROWS
+            if int8_x and flat.shape[0] > step:
+                # A prefill chunk with int8 x: the fused kernel a slab of rows at a time, each row's
+                # value that of the same row alone (1B Q4_K 8192x2048, 64 rows, 2 threads, load 5:
+                # 9.2 ms against 54 ms for de-quantised tiles and torch's float GEMM).
+                out = torch.empty(flat.shape[0], self.n, dtype=torch.float32)
+                for lo in range(0, flat.shape[0], step):
+                    lib.matmul(flat[lo:lo + step], self.data, qtype, self.k, out=out[lo:lo + step], int8_x=True)
+            else:
+                out = lib.matmul(flat, self.data, qtype, self.k, int8_x=int8_x)
         else:
             out = torch.cat([torch.nn.functional.linear(flat, rows) for _, rows in self.chunks(torch.float32)], dim=-1)
         return out.view(*x.shape[:-1], self.n)
@@ -142,10 +160,30 @@ class RawRows:
             yield lo, part.dequantize(dtype, qweights.thread_workspace(part.n * self.k))
 
 
+def activations_mode(setting: str) -> str:
+    """The mode in force: MACE_GGUF_ACTIVATIONS (int8, f32/float or auto) where set, else `setting`."""
+    if setting not in ACTIVATIONS:
+        raise ValueError(f"engine.gguf_activations = {setting!r}: use {', '.join(ACTIVATIONS)}")
+    env = os.environ.get("MACE_GGUF_ACTIVATIONS", "").lower()
+    return _ENV_MODES.get(env, setting)
+
+
+def set_activations(model: nn.Module, setting: str) -> int:
+    """Gives every `GgufWeight` of `model` the `engine.gguf_activations` setting; returns how many."""
+    activations_mode(setting)  # refuses an unknown setting
+    weights = [m for m in model.modules() if isinstance(m, GgufWeight)]
+    for weight in weights:
+        weight.activations = setting
+    return len(weights)
+
+
 class GgufWeight(QuantWeight):
     """A weight [N, K] as `RawRows` stacked along N (q|k|v of a layer: three tensors of the file,
     perhaps of different types). Its bytes are buffers, so the engine's byte count and the mapped
-    pages' bookkeeping (`mapped_weights`) see them; it has no parameters."""
+    pages' bookkeeping (`mapped_weights`) see them; it has no parameters. `activations`: its
+    products' `engine.gguf_activations` (set by `set_activations`)."""
+
+    activations = "auto"
 
     def __init__(self, parts: Sequence[RawRows]) -> None:
         nn.Module.__init__(self)
@@ -154,14 +192,23 @@ class GgufWeight(QuantWeight):
         if len({p.k for p in parts}) != 1:
             raise ValueError(f"parts of one weight must share K, got {sorted({p.k for p in parts})}")
         self._raw_meta = [(p.qtype, p.k) for p in parts]
+        self._names = [(f"raw_{i}", f"order_{i}") for i in range(len(parts))]
+        self._cached: tuple[list[Tensor | None], list[RawRows]] | None = None
         for i, part in enumerate(parts):
             self.register_buffer(f"raw_{i}", part.data)
             self.register_buffer(f"order_{i}", part.order)
 
     @property
     def raw_parts(self) -> list[RawRows]:
-        return [RawRows(getattr(self, f"raw_{i}"), qtype, k, getattr(self, f"order_{i}"))
-                for i, (qtype, k) in enumerate(self._raw_meta)]
+        """The parts over the current buffers (built once while the buffers stay the same tensors:
+        a decode step asks ~65 times)."""
+        buffers = self._buffers
+        now = [buffers[name] for pair in self._names for name in pair]
+        cached = self._cached
+        if cached is None or len(cached[0]) != len(now) or any(a is not b for a, b in zip(cached[0], now, strict=True)):
+            parts = [RawRows(now[2 * i], qtype, k, now[2 * i + 1]) for i, (qtype, k) in enumerate(self._raw_meta)]
+            self._cached = cached = (now, parts)
+        return cached[1]
 
     @property
     def parts(self) -> list[Blocks]:
@@ -231,9 +278,11 @@ class GgufWeight(QuantWeight):
         another op (the row-invariant tiles of `engine.deterministic`) gets float row chunks."""
         outs = []
         plain = getattr(op, "__name__", "") in ("_linear", "_float_linear")
+        mode = activations_mode(self.activations) if plain else "float"
+        int8_x = mode == "int8" or (mode == "auto" and torch.is_inference_mode_enabled())
         for part in self.raw_parts:
             if plain:
-                y = part.matmul(x).to(x.dtype)
+                y = part.matmul(x, int8_x).to(x.dtype)
             else:
                 pieces = [op(x, rows, None) for _, rows in part.chunks(x.dtype)]
                 y = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
