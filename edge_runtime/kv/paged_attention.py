@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from edge_runtime.kv import attention_kernel
 from edge_runtime.kv.cache import KVCache
 from edge_runtime.kv.compaction import CompactLayout, entry_rows, position_slots, slab_row
 from edge_runtime.kv.pruning import DecodePruning, HeadPruning
@@ -90,13 +91,17 @@ class PagedContext:
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache, v_cache = self.cache.layer(layer)
-        k_cache.index_copy_(0, self.slot_mapping, k)
-        v_cache.index_copy_(0, self.slot_mapping, v)
+        if attention_kernel.write_ready(k, v, k_cache):
+            attention_kernel.write_kv(k, v, self.slot_mapping, k_cache, v_cache)
+        else:
+            k_cache.index_copy_(0, self.slot_mapping, k)
+            v_cache.index_copy_(0, self.slot_mapping, v)
         plan = self.plans[layer_window(self.sliding_window, layer)]
         t, heads, d = q.shape
         kv_heads = k.shape[1]
         group = heads // kv_heads
         out = q.new_empty(t, heads * d)
+        compiled = plan.decode_rows is not None and attention_kernel.decode_ready(q, k_cache)
 
         for start, n, kv_index, mask in plan.prefills:
             # [n, heads, d] -> [kv_heads, group * n, d]: the query heads sharing a KV head are
@@ -109,7 +114,9 @@ class PagedContext:
             o = attend(qh, kh, vh, mask.repeat(group, 1), self.softcap, self._min_rows, self.row_invariant)
             out[start : start + n] = o.view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 
-        if plan.decode_rows is not None:
+        if compiled:
+            self._decode_compiled(layer, plan, q, k_cache, v_cache, out)
+        elif plan.decode_rows is not None:
             threads = torch.get_num_threads()
             if not plan.prefills and threads > 1 and q.device.type == "cpu":
                 # A decode-only step's attention is a few small GEMMs a layer: on one thread. Split
@@ -122,6 +129,30 @@ class PagedContext:
                     torch.set_num_threads(threads)
             return self._decode(layer, plan, q, k_cache, v_cache, out)
         return out
+
+    def _decode_compiled(self, layer: int, plan: _WindowPlan, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                         out: Tensor) -> None:
+        """The decode rows' attention in one compiled call on this thread (kv/attention.c): each
+        row computed alone, so its bits do not depend on the rows beside it, with or without
+        `row_invariant`; compacted rows read their entries where they lie, pruned positions get
+        exact zero weights."""
+        b, width = plan.decode_index.shape
+        heads, d = q.shape[1:]
+        kv_heads = k_cache.shape[1]
+        keys, values, entries, shift = k_cache, v_cache, None, 0
+        if self.decode_entries is not None:
+            keys = values = self.cache.data
+            entries, shift = self.decode_entries[layer], self.cache.data.shape[2] * kv_heads
+        pruning = self.decode_pruning
+        mask = weights = None
+        if pruning is not None:
+            mask, weights = pruning.masks[layer][:, :, 0], torch.empty(b, heads, width)
+        attention_kernel.decode_attention(q, keys, values, plan.decode_index, plan.decode_lens, plan.decode_rows,
+                                          self.softcap, out, entries, shift, mask, weights)
+        if pruning is not None:
+            group = heads // kv_heads
+            pruning.observe(layer, out.index_select(0, plan.decode_rows).view(b, kv_heads, group, d),
+                            weights.view(b, kv_heads, group, width))
 
     def _decode(self, layer: int, plan: _WindowPlan, q: Tensor, k_cache: Tensor, v_cache: Tensor, out: Tensor) -> Tensor:
         """The decode rows' attention (one query row each, in one padded call) into `out`."""
@@ -198,6 +229,7 @@ class _WindowPlan:
                 valid[i, :n] = True
             self.decode_rows = torch.tensor([s.q_start for s in decodes], dtype=torch.long, device=device)
             self.decode_index = index.to(device)
+            self.decode_lens = valid.sum(1).to(device)  # each row's keys: the first of its index row
             # [B, 1, 1, width]: broadcast over kv heads and the folded query heads.
             self.decode_mask = valid.to(device)[:, None, None, :]
 

@@ -278,13 +278,18 @@ class DecodePruning:
         """Decode attention of layer `layer` (q [B, kv_heads, group, d], k/v [B, kv_heads, width, d])
         over each head's retained positions; notes the pruned rows' weights and output norms."""
         out, weights = attend_observed(q, k, v, self.masks[layer])
+        self.observe(layer, out, weights)
+        return out
+
+    def observe(self, layer: int, out: Tensor, weights: Tensor) -> None:
+        """Notes layer `layer`'s decode attention (out [B, kv_heads, group, d], weights
+        [B, kv_heads, group, width]) for the pruned rows; after the last layer, the states take it."""
         w = weights.index_select(0, self.index).float()  # [P, kv_heads, group, width]
         self._max.append(w.amax(2))
         self._sum.append(w.sum(2))
         self._norm.append(out.index_select(0, self.index).float().norm(dim=-1).mean(-1))
         if layer == self.num_layers - 1 and len(self._norm) == self.num_layers:
             self._commit()
-        return out
 
     def _commit(self) -> None:
         wmax, wsum, norms = torch.stack(self._max), torch.stack(self._sum), torch.stack(self._norm)

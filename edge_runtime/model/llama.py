@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from edge_runtime.kv import attention_kernel
 from edge_runtime.model import family
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.qweights import QuantWeight, quant_linear
@@ -193,7 +194,11 @@ def _rotary_rows(inv_freq: Tensor, n: int, scaling: float) -> tuple[Tensor, Tens
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [T, heads, d]; cos, sin: [T, r]. The first r dims of each head turn; the rest (Phi's
-    partial rotary, r < d) pass through unscaled, as in transformers."""
+    partial rotary, r < d) pass through unscaled, as in transformers. On the CPU in float32 one
+    compiled call gives the same bits (edge_runtime.kv.attention_kernel.rope)."""
+    turned = attention_kernel.rope(x, cos, sin)
+    if turned is not None:
+        return turned
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
     r = cos.shape[-1]

@@ -1,0 +1,119 @@
+"""The compiled decode attention, KV write and float32 rotary turn on CPU (attention.c, built once per
+machine by `qkernel.build_library` and loaded with ctypes); torch's ops stay the path wherever it
+is unavailable, turned off (MACE_ATTN_KERNEL=off) or the shapes are past it. Owns no state."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from edge_runtime.model.qkernel import KernelUnavailable, build_library
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("attention.c")
+ENV = "MACE_ATTN_KERNEL"  # "off": torch's ops only (the reference path)
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "on").lower() not in ("off", "0", "false", "no")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The built library, or None (logged once) where it cannot be had."""
+    try:
+        lib = build_library(SOURCE, _FLAGS)
+    except KernelUnavailable as e:
+        log.info("decode attention with torch's ops: %s", e)
+        return None
+    lib.decode_attention.argtypes = [_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float,
+                                     ctypes.c_float, _P, _P, _P, _I, ctypes.c_int, _P]
+    lib.decode_attention.restype = ctypes.c_int
+    lib.write_kv.argtypes = [_P, _I, _P, _I, _P, _I, _I, _I, _P, _P]
+    lib.write_kv.restype = None
+    lib.rope_f32.argtypes = [_P, _I, _P, _P, _I, _I, _I, _I, _P]
+    lib.rope_f32.restype = None
+    return lib
+
+
+def _rows_ok(x: Tensor) -> bool:
+    """[rows, d] or [rows, heads, d] on the CPU whose every row is contiguous (any stride between
+    rows), outside autograd and graph capture (the kernel's result is plain numbers)."""
+    return (x.device.type == "cpu" and x.stride(-1) == 1 and (x.dim() < 3 or x.stride(-2) == x.shape[-1])
+            and not (x.requires_grad and torch.is_grad_enabled()) and not _capturing())
+
+
+def _capturing() -> bool:
+    """Whether a tracer or compiler is recording the ops (it would keep this call's output as a
+    constant)."""
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+def decode_ready(q: Tensor, k_cache: Tensor) -> bool:
+    """Whether `decode_attention` takes these shapes and dtypes (else torch's path)."""
+    heads, d = q.shape[1:]
+    kv_heads = k_cache.shape[1]
+    return (enabled() and q.dtype == k_cache.dtype and q.dtype in (torch.float32, torch.bfloat16)
+            and k_cache.device.type == "cpu" and _rows_ok(q) and k_cache.is_contiguous()
+            and heads % kv_heads == 0 and d % 8 == 0
+            and _library() is not None)
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, index: Tensor, lens: Tensor, rows: Tensor,
+                     cap: float | None, out: Tensor, entries: Tensor | None = None, v_shift: int = 0,
+                     mask: Tensor | None = None, weights: Tensor | None = None) -> None:
+    """out[rows[b]] = softmax(cap(q[rows[b]] . K^T / sqrt(d))) V for each decode row b over its
+    lens[b] cached positions (per KV head, its query heads folded over it), on the calling thread.
+    q [T, heads, d] (rows contiguous), out [T, heads * d] contiguous; index [B, width], lens and
+    rows [B] int64. Position j of row b: slot index[b, j] of the caches [slots, kv_heads, d]; or,
+    with `entries` [B, width, kv_heads] (compacted rows), the key in row entries[b, j, h] of the
+    slab of d-wide rows that `k_cache` starts (the value `v_shift` rows after). `mask` (bool
+    [B, kv_heads, width], False: pruned) gives exact zero weights; `weights` (float32
+    [B, heads, width]) receives the softmax weights. `decode_ready` must hold."""
+    heads, d = q.shape[1:]
+    kv_heads = k_cache.shape[1] if entries is None else entries.shape[-1]
+    width = index.shape[1]
+    scratch = torch.empty(heads * (2 * d + width + 1) + d, dtype=torch.float32)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    rc = _library().decode_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), index.data_ptr(), ptr(entries), v_shift,
+        lens.data_ptr(), rows.data_ptr(), index.shape[0], width, heads, kv_heads, d, d ** -0.5, cap or 0.0,
+        ptr(mask), ptr(weights), out.data_ptr(), out.stride(0), int(q.dtype == torch.bfloat16), scratch.data_ptr())
+    if rc != 0:
+        raise KernelUnavailable(f"decode attention refused {heads} heads over {kv_heads} of width {d}")
+
+
+def write_ready(k: Tensor, v: Tensor, k_cache: Tensor) -> bool:
+    return (enabled() and k.dtype == v.dtype == k_cache.dtype and k_cache.is_contiguous() and _rows_ok(k)
+            and _rows_ok(v) and _library() is not None)
+
+
+def write_kv(k: Tensor, v: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    """k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] (`index_copy_`'s effect); slots int64
+    contiguous, `write_ready` must hold."""
+    width = k_cache[0].numel()
+    _library().write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), k.shape[0], width,
+                        k.element_size(), k_cache.data_ptr(), v_cache.data_ptr())
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
+    """`apply_rope`'s result bit for bit, in one call (float32 on CPU), or None where this kernel
+    does not take the shapes (the caller runs torch's ops)."""
+    if (x.dtype != torch.float32 or cos.dtype != torch.float32 or x.dim() != 3 or not enabled()
+            or not _rows_ok(x) or not cos.is_contiguous() or not sin.is_contiguous()
+            or cos.shape[-1] % 2 or cos.shape[-1] > x.shape[-1] or _library() is None):
+        return None
+    t, heads, d = x.shape
+    out = torch.empty(t, heads, d)
+    _library().rope_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, d, cos.shape[-1],
+                        out.data_ptr())
+    return out
