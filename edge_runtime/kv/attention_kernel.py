@@ -45,11 +45,18 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
-def _rows_ok(x: Tensor) -> bool:
-    """[rows, d] or [rows, heads, d] on the CPU whose every row is contiguous (any stride between
-    rows), outside autograd and graph capture (the kernel's result is plain numbers)."""
-    return (x.device.type == "cpu" and x.stride(-1) == 1 and (x.dim() < 3 or x.stride(-2) == x.shape[-1])
-            and not (x.requires_grad and torch.is_grad_enabled()) and not _capturing())
+def usable(cache: Tensor) -> bool:
+    """Whether the compiled calls may run on this cache ([..., kv_heads, d] on the CPU, float32 or
+    bfloat16) in the current mode: turned on, built, outside autograd and graph capture (the
+    kernel's results are plain numbers)."""
+    return (cache.device.type == "cpu" and cache.dtype in (torch.float32, torch.bfloat16) and enabled()
+            and not torch.is_grad_enabled() and not _capturing() and _library() is not None)
+
+
+def rows_ok(x: Tensor, dtype: torch.dtype) -> bool:
+    """[rows, d] or [rows, heads, d] of `dtype` whose every row is contiguous (any stride between
+    rows)."""
+    return x.dtype == dtype and x.stride(-1) == 1 and (x.dim() < 3 or x.stride(-2) == x.shape[-1])
 
 
 def _capturing() -> bool:
@@ -58,14 +65,15 @@ def _capturing() -> bool:
     return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
-def decode_ready(q: Tensor, k_cache: Tensor) -> bool:
-    """Whether `decode_attention` takes these shapes and dtypes (else torch's path)."""
+def decode_shapes_ok(q: Tensor, k_cache: Tensor) -> bool:
+    """Whether `decode_attention` takes these shapes (the caller checked `usable`)."""
     heads, d = q.shape[1:]
-    kv_heads = k_cache.shape[1]
-    return (enabled() and q.dtype == k_cache.dtype and q.dtype in (torch.float32, torch.bfloat16)
-            and k_cache.device.type == "cpu" and _rows_ok(q) and k_cache.is_contiguous()
-            and heads % kv_heads == 0 and d % 8 == 0
-            and _library() is not None)
+    return rows_ok(q, k_cache.dtype) and k_cache.is_contiguous() and heads % k_cache.shape[1] == 0 and d % 8 == 0
+
+
+def decode_ready(q: Tensor, k_cache: Tensor) -> bool:
+    """Whether `decode_attention` runs for these tensors now (else torch's path)."""
+    return usable(k_cache) and decode_shapes_ok(q, k_cache)
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, index: Tensor, lens: Tensor, rows: Tensor,
@@ -92,14 +100,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, index: Tensor,
         raise KernelUnavailable(f"decode attention refused {heads} heads over {kv_heads} of width {d}")
 
 
-def write_ready(k: Tensor, v: Tensor, k_cache: Tensor) -> bool:
-    return (enabled() and k.dtype == v.dtype == k_cache.dtype and k_cache.is_contiguous() and _rows_ok(k)
-            and _rows_ok(v) and _library() is not None)
-
-
 def write_kv(k: Tensor, v: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
     """k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] (`index_copy_`'s effect); slots int64
-    contiguous, `write_ready` must hold."""
+    contiguous; `usable`, `rows_ok` for k and v and a contiguous cache must hold."""
     width = k_cache[0].numel()
     _library().write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), k.shape[0], width,
                         k.element_size(), k_cache.data_ptr(), v_cache.data_ptr())
@@ -108,9 +111,10 @@ def write_kv(k: Tensor, v: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tens
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:
     """`apply_rope`'s result bit for bit, in one call (float32 on CPU), or None where this kernel
     does not take the shapes (the caller runs torch's ops)."""
-    if (x.dtype != torch.float32 or cos.dtype != torch.float32 or x.dim() != 3 or not enabled()
-            or not _rows_ok(x) or not cos.is_contiguous() or not sin.is_contiguous()
-            or cos.shape[-1] % 2 or cos.shape[-1] > x.shape[-1] or _library() is None):
+    if (x.dtype != torch.float32 or cos.dtype != torch.float32 or x.dim() != 3 or x.device.type != "cpu"
+            or (x.requires_grad and torch.is_grad_enabled()) or not rows_ok(x, torch.float32)
+            or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape[-1] % 2 or cos.shape[-1] > x.shape[-1]
+            or not enabled() or _capturing() or _library() is None):
         return None
     t, heads, d = x.shape
     out = torch.empty(t, heads, d)

@@ -43,6 +43,8 @@ class KVCache:
             self.data = torch.frombuffer(self._pages, dtype=dtype, count=math.prod(shape)).view(shape)
         else:
             self.data = torch.zeros(shape, dtype=dtype, device=device)
+        # Every layer's K and V views made once: a forward asks for them in every layer.
+        self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(cfg.num_layers)]
 
     @property
     def nbytes(self) -> int:
@@ -66,4 +68,4 @@ class KVCache:
                     self._pages.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[index, 0], self.data[index, 1]
+        return self._layers[index]

@@ -69,6 +69,8 @@ class PagedContext:
         self._min_rows = ATTEND_MIN_ROWS if row_invariant else 2
         self.sliding_window = sliding_window
         self.softcap = softcap
+        # The compiled decode attention and KV write (kv/attention.c) where this cache and mode allow.
+        self.compiled = attention_kernel.usable(cache.data)
         if any(s.layout is not None and s.q_len != 1 for s in seqs):
             raise ValueError("a compacted sequence only decodes (a recompute starts from a fresh table)")
         slots = {id(s): position_slots(s.layout, s.block_table, cache.block_size) for s in seqs}
@@ -91,7 +93,8 @@ class PagedContext:
 
     def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_cache, v_cache = self.cache.layer(layer)
-        if attention_kernel.write_ready(k, v, k_cache):
+        if (self.compiled and attention_kernel.rows_ok(k, k_cache.dtype) and attention_kernel.rows_ok(v, k_cache.dtype)
+                and k_cache.is_contiguous()):
             attention_kernel.write_kv(k, v, self.slot_mapping, k_cache, v_cache)
         else:
             k_cache.index_copy_(0, self.slot_mapping, k)
@@ -101,7 +104,8 @@ class PagedContext:
         kv_heads = k.shape[1]
         group = heads // kv_heads
         out = q.new_empty(t, heads * d)
-        compiled = plan.decode_rows is not None and attention_kernel.decode_ready(q, k_cache)
+        compiled = (self.compiled and plan.decode_rows is not None
+                    and attention_kernel.decode_shapes_ok(q, k_cache))
 
         for start, n, kv_index, mask in plan.prefills:
             # [n, heads, d] -> [kv_heads, group * n, d]: the query heads sharing a KV head are

@@ -14,6 +14,12 @@ from edge_runtime.model.llama import rotate_half
 pytestmark = pytest.mark.skipif(attention_kernel._library() is None, reason="no C compiler on this platform")
 
 SLOTS, KV_HEADS, HEADS, D = 512, 2, 8, 64
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():  # as the engine's forward runs (the kernel leaves autograd to torch)
+        yield
 LENS = [5, 300, 17, 64, 1, 129, 8, 250]
 
 
@@ -101,7 +107,7 @@ def test_write_kv_is_index_copy(dtype):
     kv = torch.randn(3, 2 * KV_HEADS + 1, D).to(dtype)  # k and v strided, as split from one projection
     k, v = kv[:, :KV_HEADS], kv[:, KV_HEADS : 2 * KV_HEADS]
     slots = torch.tensor([4, 100, 7])
-    assert attention_kernel.write_ready(k, v, k_cache)
+    assert attention_kernel.usable(k_cache) and attention_kernel.rows_ok(k, dtype) and attention_kernel.rows_ok(v, dtype)
     attention_kernel.write_kv(k, v, slots, k_cache, v_cache)
     want_k.index_copy_(0, slots, k)
     want_v.index_copy_(0, slots, v)
@@ -118,13 +124,14 @@ def test_rope_is_torchs_rotation_bit_for_bit(rotary):
     assert torch.equal(attention_kernel.rope(x, cos, sin), want)
 
 
-def test_rope_leaves_autograd_and_other_dtypes_to_torch():
+def test_autograd_and_other_dtypes_are_left_to_torch():
     x = torch.randn(2, HEADS, D, requires_grad=True)
     cos, sin = torch.randn(2, D), torch.randn(2, D)
-    assert attention_kernel.rope(x, cos, sin) is None
+    assert attention_kernel.rope(x, cos, sin) is not None  # under no_grad
+    with torch.enable_grad():
+        assert attention_kernel.rope(x, cos, sin) is None
+        assert not attention_kernel.usable(_cache(torch.float32)[0])
     assert attention_kernel.rope(x.detach().bfloat16(), cos.bfloat16(), sin.bfloat16()) is None
-    with torch.no_grad():
-        assert attention_kernel.rope(x, cos, sin) is not None
 
 
 def test_the_kernel_can_be_turned_off(monkeypatch):
@@ -169,3 +176,21 @@ def test_entries_read_each_key_and_value_where_it_lies():
     attention_kernel.decode_attention(q, slab, slab, index, lens, torch.arange(b), None, out,
                                       entries=entries.contiguous(), v_shift=SLOTS * KV_HEADS)
     assert torch.equal(out, _kernel(q, k_cache, v_cache, index, lens))
+
+
+def test_the_engines_decode_steps_take_the_kernel_and_match_torchs_path(tmp_path, monkeypatch):
+    from edge_runtime.model.testing import make_tiny_model_dir
+
+    from .helpers import engine_logits_for, make_engine
+
+    model_dir = make_tiny_model_dir(tmp_path, random_norms=True, seed=3, num_heads=4, num_kv_heads=2, num_layers=2)
+    calls = []
+    real = attention_kernel.decode_attention
+    monkeypatch.setattr(attention_kernel, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.enable_grad():  # the engine's forward sets its own mode
+        compiled, ids = engine_logits_for(make_engine(model_dir), list(range(40, 77)), 12)
+        assert calls
+        monkeypatch.setenv(attention_kernel.ENV, "off")
+        reference, ref_ids = engine_logits_for(make_engine(model_dir), list(range(40, 77)), 12)
+    assert ids == ref_ids
+    assert torch.allclose(compiled, reference, atol=1e-4, rtol=1e-4)
