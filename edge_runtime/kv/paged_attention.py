@@ -69,8 +69,11 @@ class PagedContext:
         self._min_rows = ATTEND_MIN_ROWS if row_invariant else 2
         self.sliding_window = sliding_window
         self.softcap = softcap
-        # The compiled decode attention and KV write (kv/attention.c) where this cache and mode allow.
-        self.compiled = attention_kernel.usable(cache.data)
+        # The compiled decode attention and KV write (kv/attention.c) where this cache and mode allow,
+        # but not on the row-invariant path: there a decode row must keep the bits it has inside a
+        # prefill chunk (docs/scheduler.md: a preemption's recompute, a draft's verify rows), and
+        # chunks attend through torch's key tiles.
+        self.compiled = attention_kernel.usable(cache.data) and not row_invariant
         if any(s.layout is not None and s.q_len != 1 for s in seqs):
             raise ValueError("a compacted sequence only decodes (a recompute starts from a fresh table)")
         slots = {id(s): position_slots(s.layout, s.block_table, cache.block_size) for s in seqs}
@@ -137,9 +140,9 @@ class PagedContext:
     def _decode_compiled(self, layer: int, plan: _WindowPlan, q: Tensor, k_cache: Tensor, v_cache: Tensor,
                          out: Tensor) -> None:
         """The decode rows' attention in one compiled call on this thread (kv/attention.c): each
-        row computed alone, so its bits do not depend on the rows beside it, with or without
-        `row_invariant`; compacted rows read their entries where they lie, pruned positions get
-        exact zero weights."""
+        row computed alone, so its bits do not depend on the rows beside it or their contexts;
+        compacted rows read their entries where they lie, pruned positions get exact zero
+        weights."""
         b, width = plan.decode_index.shape
         heads, d = q.shape[1:]
         kv_heads = k_cache.shape[1]

@@ -194,3 +194,19 @@ def test_the_engines_decode_steps_take_the_kernel_and_match_torchs_path(tmp_path
         reference, ref_ids = engine_logits_for(make_engine(model_dir), list(range(40, 77)), 12)
     assert ids == ref_ids
     assert torch.allclose(compiled, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_the_row_invariant_path_keeps_torchs_decode_attention(tmp_path, monkeypatch):
+    """With engine.deterministic a decode row must keep the bits it has inside a prefill chunk,
+    which attends through torch: the compiled decode attention stays out."""
+    from edge_runtime.model.testing import make_tiny_model_dir
+
+    from .helpers import engine_logits_for, make_engine
+
+    model_dir = make_tiny_model_dir(tmp_path, num_heads=4, num_kv_heads=2, num_layers=2)
+    calls = []
+    real = attention_kernel.decode_attention
+    monkeypatch.setattr(attention_kernel, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.enable_grad():
+        engine_logits_for(make_engine(model_dir, deterministic=True), list(range(40, 60)), 4)
+    assert calls == []
