@@ -130,17 +130,23 @@ def run_all(engine: Any) -> None:
         engine.step()
 
 
-def decode(engine: Any, timer: OpTimer, streams: int, tokens: int, unbounded: bool = True) -> dict[str, Any]:
-    """tok/s of `streams` greedy streams counted once every stream has its first token."""
+def decode(engine: Any, timer: OpTimer, streams: int, tokens: int, unbounded: bool = True,
+           prompt_tokens: int = 0) -> dict[str, Any]:
+    """tok/s of `streams` greedy streams counted once every stream has its first token; with
+    `prompt_tokens`, each stream's prompt is that long (the decode attention's cost follows the
+    context: a served chat's template alone is ~40 tokens), else a short sentence."""
     from edge_runtime import SamplingParams
 
     if unbounded:  # every row in every step, whatever the policy's latency budget admits
         engine.scheduler.latency_budget_s = engine.scheduler.max_latency_budget_s = math.inf
     for i in range(streams):
-        engine.add_request(f"Tell me about the sea, number {i}.", SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
+        prompt = text_of_tokens(engine.tokenizer, prompt_tokens, offset=7 * i) if prompt_tokens else \
+            f"Tell me about the sea, number {i}."
+        engine.add_request(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
     while engine.has_unfinished():  # prefill steps until every row decodes
         engine.step()
-        if all(len(s.output_ids) >= 1 for s in engine.scheduler.running) and engine.scheduler.running:
+        sched = engine.scheduler  # every stream admitted and past its first token
+        if not sched.waiting and sched.running and all(len(s.output_ids) >= 1 for s in sched.running):
             break
     timer.reset()
     t0 = time.perf_counter()
@@ -240,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=8, help="decode tokens per stream per round")
     ap.add_argument("--streams", default="1,8")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="each decode stream's prompt length (0: a short sentence)")
     ap.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill chunk (0: none)")
     ap.add_argument("--dpo-tokens", type=int, default=0, help="tokens of a DPO pair's prompt and each answer (0: none)")
     ap.add_argument("--rounds", type=int, default=1)
@@ -263,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
 
     timer = OpTimer()
     install(timer)
-    result: dict[str, Any] = {"gguf": args.gguf, "threads": args.threads, "rounds": [],
+    result: dict[str, Any] = {"gguf": args.gguf, "threads": args.threads, "prompt_tokens": args.prompt_tokens, "rounds": [],
                               "loadavg_start": Path("/proc/loadavg").read_text().strip()}
     t0 = time.perf_counter()
     config = load_config(environ={}).engine.replace(model=str(args.gguf), num_threads=args.threads, backend="torch",
@@ -286,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"llama.cpp: {row['llama_cpp_tok_s_1']} tok/s")
             save()
         for s in (int(x) for x in args.streams.split(",") if x):
-            row[f"decode_{s}"] = decode(engine, timer, s, args.tokens)
+            row[f"decode_{s}"] = decode(engine, timer, s, args.tokens, prompt_tokens=args.prompt_tokens)
             log(f"decode {s}: {json.dumps(row[f'decode_{s}'])}")
             save()
         if args.prefill:
