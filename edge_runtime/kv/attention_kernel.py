@@ -90,6 +90,10 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, index: Tensor,
     heads, d = q.shape[1:]
     kv_heads = k_cache.shape[1] if entries is None else entries.shape[-1]
     width = index.shape[1]
+    # The kernel walks these by row-major offsets (no-ops for the plan's own tensors).
+    index, lens, rows = index.contiguous(), lens.contiguous(), rows.contiguous()
+    entries = None if entries is None else entries.contiguous()
+    mask = None if mask is None else mask.contiguous()
     scratch = torch.empty(heads * (2 * d + width + 1) + d, dtype=torch.float32)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     rc = _library().decode_attention(

@@ -236,7 +236,7 @@ class _WindowPlan:
                 valid[i, :n] = True
             self.decode_rows = torch.tensor([s.q_start for s in decodes], dtype=torch.long, device=device)
             self.decode_index = index.to(device)
-            self.decode_lens = valid.sum(1).to(device)  # each row's keys: the first of its index row
+            self.decode_lens = valid.sum(1).to(device)  # each row's key count: its index row's first entries
             # [B, 1, 1, width]: broadcast over kv heads and the folded query heads.
             self.decode_mask = valid.to(device)[:, None, None, :]
 
