@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import statistics
 import subprocess
 import sys
 import time
@@ -131,10 +133,12 @@ def run_all(engine: Any) -> None:
 
 
 def decode(engine: Any, timer: OpTimer, streams: int, tokens: int, unbounded: bool = True,
-           prompt_tokens: int = 0) -> dict[str, Any]:
+           prompt_tokens: int = 0, ab_env: str | None = None) -> dict[str, Any]:
     """tok/s of `streams` greedy streams counted once every stream has its first token; with
     `prompt_tokens`, each stream's prompt is that long (the decode attention's cost follows the
-    context: a served chat's template alone is ~40 tokens), else a short sentence."""
+    context: a served chat's template alone is ~40 tokens), else a short sentence. With `ab_env`,
+    the decode steps alternate that switch (e.g. MACE_ATTN_KERNEL) off and on, and the result adds
+    each setting's median step."""
     from edge_runtime import SamplingParams
 
     if unbounded:  # every row in every step, whatever the policy's latency budget admits
@@ -151,12 +155,26 @@ def decode(engine: Any, timer: OpTimer, streams: int, tokens: int, unbounded: bo
     timer.reset()
     t0 = time.perf_counter()
     steps = 0
+    ab_steps: dict[str, list[float]] = {"on": [], "off": []}
     while engine.has_unfinished():
-        engine.step()
+        if ab_env:  # steps alternate the switch: both settings see the same load and contexts
+            setting = ("off", "on")[steps % 2]
+            os.environ[ab_env] = setting
+            t = time.perf_counter()
+            engine.step()
+            ab_steps[setting].append(time.perf_counter() - t)
+        else:
+            engine.step()
         steps += 1
     dt = time.perf_counter() - t0
-    return {"streams": streams, "steps": steps, "rows_per_step": round(streams * tokens / max(1, steps), 2), "tok_s": round(streams * tokens / dt, 3),
-            "s_per_step": round(dt / max(1, steps), 3), "profile": timer.report(dt)}
+    out = {"streams": streams, "steps": steps, "rows_per_step": round(streams * tokens / max(1, steps), 2),
+           "tok_s": round(streams * tokens / dt, 3), "s_per_step": round(dt / max(1, steps), 3),
+           "profile": timer.report(dt)}
+    if ab_env:
+        os.environ.pop(ab_env)
+        out["ab"] = {"env": ab_env, **{k: {"median_step_s": round(statistics.median(v), 4), "steps": len(v)}
+                                       for k, v in ab_steps.items() if v}}
+    return out
 
 
 def prefill(engine: Any, timer: OpTimer, tokens: int) -> dict[str, Any]:
@@ -248,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="each decode stream's prompt length (0: a short sentence)")
+    ap.add_argument("--ab-env", metavar="VAR", help="alternate decode steps with VAR=off and VAR=on "
+                    "(a switch the engine reads per step, e.g. MACE_ATTN_KERNEL) and report each one's median step")
     ap.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill chunk (0: none)")
     ap.add_argument("--dpo-tokens", type=int, default=0, help="tokens of a DPO pair's prompt and each answer (0: none)")
     ap.add_argument("--rounds", type=int, default=1)
@@ -294,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"llama.cpp: {row['llama_cpp_tok_s_1']} tok/s")
             save()
         for s in (int(x) for x in args.streams.split(",") if x):
-            row[f"decode_{s}"] = decode(engine, timer, s, args.tokens, prompt_tokens=args.prompt_tokens)
+            row[f"decode_{s}"] = decode(engine, timer, s, args.tokens, prompt_tokens=args.prompt_tokens,
+                                        ab_env=args.ab_env)
             log(f"decode {s}: {json.dumps(row[f'decode_{s}'])}")
             save()
         if args.prefill:
