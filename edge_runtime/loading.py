@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -82,12 +83,41 @@ def reencoded_too_big(tensor_bytes: int, budget: int, finetune_bytes: int) -> st
     return None
 
 
+# From this many bytes of tensors a GGUF whose matrices the compiled int8 products read is served
+# from its own bytes even where a re-encoded copy would fit: at Llama-3.2-1B and 3B's shapes those
+# products decode one stream faster than ONNX Runtime's MatMulNBits graph (which reads its packed
+# copy, ~1.5x the bytes per token) and the daemon holds one copy of the weights, not two
+# (tools/results/bench_scale_gguf_llama-3.2-*: README, "Where #28 stands"). Below it (the default
+# 135M model's file is 98 MiB) the graph's one call per step wins over a layer's per-op overhead.
+IN_PLACE_FROM_BYTES = 512 << 20
+
+
+def in_place_is_faster(header: Any, tensors: int) -> str | None:
+    """Why the file's own blocks serve faster than a re-encoded graph, or None: the compiled
+    kernels are here (`gguf_kernel.available`), every matrix is a block type they take int8 x on,
+    and the file is at least IN_PLACE_FROM_BYTES of tensors."""
+    if tensors < IN_PLACE_FROM_BYTES:
+        return None
+    from gguf import GGML_QUANT_SIZES
+
+    from edge_runtime.model import gguf_kernel
+
+    if not gguf_kernel.available():
+        return None
+    matrices = {t.tensor_type for t in header.tensors.values() if len(t.shape) == 2}
+    if not matrices or any(q not in gguf_kernel.SUPPORTED or GGML_QUANT_SIZES[q][0] == 1 for q in matrices):
+        return None
+    return (f"the compiled int8 products on the file's {', '.join(sorted(q.name for q in matrices))} blocks "
+            f"decode faster than a re-encoded graph, and hold one copy of the weights")
+
+
 def reads_in_place(config: EngineConfig) -> bool:
     """Whether the model's matrices are read in place from its GGUF (`engine.torch_weights`):
     "gguf" always (for a llama GGUF file), "cache" never, "auto" (the default) where the backend is
     auto or torch and a re-encoded serving copy would not fit the memory budget (configured, else
     what this machine has available now) with a training stage, or would exceed the file's own
-    footprint (`reencoded_too_big`), so the one copy taken is the file's own. Never off the CPU."""
+    footprint (`reencoded_too_big`), or where the compiled kernels serve the file's own blocks
+    faster (`in_place_is_faster`), so the one copy taken is the file's own. Never off the CPU."""
     setting = config.torch_weights
     if setting not in ("cache", "gguf", "auto"):
         raise ValueError(f"engine.torch_weights = {setting!r}: use cache, gguf or auto")
@@ -109,7 +139,8 @@ def reads_in_place(config: EngineConfig) -> bool:
     budget = config.memory_budget_bytes or available_memory_bytes()
     # The file's size first (its tensors and a header of a few MiB): a small model's start does not
     # parse the header (a 128k-token vocabulary takes seconds) to learn what the size already says.
-    if reencoded_too_big(Path(spec).stat().st_size, budget, config.finetune_memory_bytes) is None:
+    size = Path(spec).stat().st_size
+    if size < IN_PLACE_FROM_BYTES and reencoded_too_big(size, budget, config.finetune_memory_bytes) is None:
         return False
     from edge_runtime.model import gguf_config, gguf_load
 
@@ -117,7 +148,7 @@ def reads_in_place(config: EngineConfig) -> bool:
     if not gguf_load.reads(header):
         return False
     tensors = sum(int(t.n_bytes) for t in header.tensors.values())
-    why = reencoded_too_big(tensors, budget, config.finetune_memory_bytes)
+    why = reencoded_too_big(tensors, budget, config.finetune_memory_bytes) or in_place_is_faster(header, tensors)
     if why is None:
         return False
     log.info("serving %s in place: %s; the file's own %.0f MiB of tensors serve and train",

@@ -831,7 +831,7 @@ def run_gguf(args: argparse.Namespace) -> dict[str, Any]:
             servers["maced"][0].stop()
             spec = {"dpo_copies": True, "gguf": str(gguf_path), "threads": threads, "dpo_tokens": args.dpo_tokens,
                     "prompt": args.prompt, "rounds": args.dpo_copies, "cache_dir": str(cache),
-                    "budget_s": args.dpo_copies_budget_s}
+                    "budget_s": args.dpo_copies_budget_s, "settings": args.set}
             result["dpo_copies"] = run_child(spec, args.timeout_s)
             log(f"dpo copies: {result['dpo_copies']}")
     finally:
@@ -927,7 +927,8 @@ def dpo_copies(spec: dict[str, Any]) -> dict[str, Any]:
     the daemon built (its block cache, found through the same model cache)."""
     import torch
 
-    from edge_runtime.loading import resolve
+    from edge_runtime.config import EngineConfig
+    from edge_runtime.loading import reads_in_place, resolve
     from edge_runtime.model.gguf_load import dequantized_copy
     from edge_runtime.model.qweights import QuantWeight
     from edge_runtime.model.tokenizer import Tokenizer
@@ -935,14 +936,19 @@ def dpo_copies(spec: dict[str, Any]) -> dict[str, Any]:
 
     os.environ["MACE_CACHE_DIR"] = spec["cache_dir"]
     torch.set_num_threads(spec["threads"])
-    path, _ = resolve(spec["gguf"])
+    # The copy the daemon trains on: the file's own blocks where it reads them in place (the model
+    # cache then holds no blocks of its own), else the block cache it built.
+    chosen = dict(item.split("=", 1) for item in spec.get("settings") or [])
+    config = EngineConfig(model=spec["gguf"], device="cpu", backend=chosen.get("engine.backend", "auto"),
+                          torch_weights=chosen.get("engine.torch_weights", "auto"))
+    path, _ = resolve(spec["gguf"], in_place=reads_in_place(config))
     sampler = PeakSampler()
     sampler.reset()
     blocks = load_llama(path, dtype=torch.float32)
     tokenizer = Tokenizer(path)
     # The machine is shared: a float copy that would not fit what is available now is waited
     # for (up to `wait_s`), then skipped with the figures, never left to the OOM killer.
-    need = 4 * sum(p.n * p.k for m in blocks.modules() if isinstance(m, QuantWeight) for p in m.parts) + (1 << 30)
+    need = 4 * sum(m.shape.numel() for m in blocks.modules() if isinstance(m, QuantWeight)) + (1 << 30)
     t0 = time.monotonic()
     while (available := mem_available()) < need:
         if time.monotonic() - t0 > spec.get("wait_s", 300):

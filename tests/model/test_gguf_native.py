@@ -229,10 +229,41 @@ def test_auto_reads_in_place_where_a_re_encoded_copy_would_not_fit_the_budget(q4
         reads_in_place(config.replace(torch_weights="blocks"))
 
 
+def test_auto_serves_a_large_block_file_in_place_where_the_kernels_are(q4km, monkeypatch):
+    """Past IN_PLACE_FROM_BYTES of tensors (a 1B Q4_K_M file has 763 MiB) "auto" reads a file of
+    block matrices in place even where a re-encoded copy fits (its int8 products decode faster); not
+    a small file (the default model's 98 MiB), not without the compiled kernels, not a float file."""
+    from edge_runtime import loading
+    from edge_runtime.config import EngineConfig
+    from edge_runtime.model import gguf_config
+
+    _, path = q4km
+    header = gguf_config.read_header(path)
+    tensors = sum(int(t.n_bytes) for t in header.tensors.values())
+    config = EngineConfig(model=str(path), backend="auto", device="cpu", torch_weights="auto",
+                          memory_budget_bytes=1 << 40, finetune_memory_bytes=1 << 20)
+    assert loading.in_place_is_faster(header, tensors) is None and not loading.reads_in_place(config)
+    monkeypatch.setattr(loading, "IN_PLACE_FROM_BYTES", tensors)
+    why = loading.in_place_is_faster(header, tensors)
+    assert why is not None and all(q in why for q in ("Q4_K", "Q5_K", "Q6_K", "Q8_0"))
+    assert loading.reads_in_place(config)
+    assert not loading.reads_in_place(config.replace(backend="onnxruntime"))
+    assert not loading.reads_in_place(config.replace(torch_weights="cache"))
+    monkeypatch.setenv("MACE_GGUF_KERNEL", "off")
+    assert loading.in_place_is_faster(header, tensors) is None and not loading.reads_in_place(config)
+    monkeypatch.delenv("MACE_GGUF_KERNEL")
+    folder = q4km[0].parent / "float-src"
+    make_tiny_model_dir(folder)
+    (folder.parent / "float").mkdir()
+    floats = gguf_config.read_header(make_tiny_gguf(folder, folder.parent / "float" / "tiny.F32.gguf", quantize=False))
+    assert loading.in_place_is_faster(floats, 1 << 40) is None
+
+
 def test_auto_leaves_a_re_encoded_copy_beyond_the_files_own_footprint():
-    """The default rule at real sizes (the random Q4_K_M files' tensor bytes): a 1B or 3B file's
-    re-encoded copy stays within 1.25x + 1 GiB and is served re-encoded (faster kernels); an 8B's is
-    not, whatever the budget, so its file's own bytes serve (issue #28's 8B bar)."""
+    """The memory rule at real sizes (the random Q4_K_M files' tensor bytes): a 1B or 3B file's
+    re-encoded copy stays within 1.25x + 1 GiB (so it is the speed rule, `in_place_is_faster`, that
+    serves them in place); an 8B's is not, whatever the budget, so its file's own bytes serve
+    (issue #28's 8B bar)."""
     from edge_runtime.loading import reencoded_too_big
 
     roomy = 1 << 40
