@@ -1,7 +1,8 @@
-"""The fused serving layer's grouped products (`gguf_kernel.group_matmul`): a grouped product equals
-the parts' own int8 products put in model order, bit for bit; the C norm and silu * up are torch's
-within a few ulps, and the products they feed within the stated bound of today's; a row's output is
-the same alone and among 2-40 rows."""
+"""The fused serving layer (`gguf_layer`, `gguf_kernel.group_matmul`): a grouped product equals the
+parts' own int8 products put in model order, bit for bit; the C norm and silu * up are torch's within
+a few ulps, and the products they feed within the stated bound of today's; a row's output is the
+same alone and among 2-40 rows; the layer path gives today's logits within that bound, applies LoRA
+deltas, and stays off wherever it does not apply."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edge_runtime.model import gguf_kernel, qweights
+from edge_runtime.lora import BatchedLoraApplier, LoraSettings
+from edge_runtime.model import gguf_kernel, gguf_layer, qweights
+from edge_runtime.model.dense import DenseCausalContext, dense_logits
 from edge_runtime.model.gguf_load import load_llama_gguf
-from edge_runtime.model.gguf_weight import GgufWeight, _qtype
+from edge_runtime.model.gguf_weight import GgufWeight, _qtype, set_activations
 from edge_runtime.model.llama import rms_norm
+from tests.lora.helpers import ALL_LINEAR, random_adapter
 from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
 from tests.model.test_gguf_kernel import _VARIANTS, _variant_library
 
@@ -32,6 +36,7 @@ def model(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _no_env(monkeypatch):
     monkeypatch.delenv("MACE_GGUF_ACTIVATIONS", raising=False)
+    monkeypatch.delenv(gguf_layer.ENV, raising=False)
 
 
 @pytest.fixture(params=["compiled", "portable", "avx2"])
@@ -133,3 +138,96 @@ def test_a_rows_grouped_output_is_the_same_alone_and_among_other_rows(model, m, 
         for i in range(m):
             alone = call(slice(i, i + 1))
             assert torch.equal(alone[0][0], together[0][i]) and torch.equal(alone[1][0], together[1][i])
+
+
+def _logits(model, ids: torch.Tensor, lora=None) -> torch.Tensor:
+    ctx = DenseCausalContext(1, ids.shape[0], lora=lora)
+    with torch.inference_mode():
+        return model(ids, torch.arange(ids.shape[0]), ctx)
+
+
+def _spy(monkeypatch) -> list:
+    used = []
+    forward = gguf_layer.forward
+
+    def spy(layer, *a, **kw):
+        used.append(layer.index)
+        return forward(layer, *a, **kw)
+
+    monkeypatch.setattr(gguf_layer, "forward", spy)
+    return used
+
+
+def test_the_layer_path_gives_todays_logits_within_the_bound(model, monkeypatch, build):
+    """Layers 1 and 2 (K-quants only) take the fused path, layer 0 (a Q8_0 part) today's; the logits
+    are today's int8 path's within the C norm's and silu's rounding, and the float path's within
+    int8 x's."""
+    ids = torch.tensor([3, 17, 5, 99, 42, 7, 12])
+    used = _spy(monkeypatch)
+    fused = _logits(model, ids)
+    assert sorted(set(used)) == [1, 2]
+    monkeypatch.setenv(gguf_layer.ENV, "off")
+    used.clear()
+    today = _logits(model, ids)
+    assert used == []
+    with torch.no_grad():  # float x (outside inference mode, auto)
+        floats = model(ids, torch.arange(ids.shape[0]), DenseCausalContext(1, ids.shape[0]))
+    scale = today.abs().max()
+    assert (fused - today).abs().max() <= 2e-3 * scale
+    assert (fused - floats).abs().max() <= 5e-2 * scale
+    assert torch.equal(fused.argmax(-1), today.argmax(-1))
+
+
+def _adapters(cfg):
+    alice = random_adapter(cfg, LoraSettings(rank=4, alpha=8, target_modules=ALL_LINEAR), seed=1)
+    bob = random_adapter(cfg, LoraSettings(rank=2, alpha=4, target_modules=("q_proj", "v_proj")), seed=2)
+    return alice, bob
+
+
+def test_lora_deltas_apply_on_the_fused_path(model, monkeypatch):
+    """A batch mixing two users' adapters and a base row (`BatchedLoraApplier`): each row is today's
+    within the bound, an adapter changes its rows, and the base row is bit for bit the same as
+    without any adapter in the batch."""
+    alice, bob = _adapters(model.cfg)
+    ids = torch.tensor([[1, 40, 41, 42, 43], [1, 70, 71, 72, 73], [1, 40, 41, 42, 43]])
+    n = ids.shape[1]
+    rows = [(alice, n), (None, n), (bob, n)]
+    used = _spy(monkeypatch)
+    with torch.inference_mode():
+        fused = dense_logits(model, ids, lora=BatchedLoraApplier.from_rows(rows))
+        plain = dense_logits(model, ids)
+    assert sorted(set(used)) == [1, 2]
+    assert torch.equal(fused[1], plain[1])  # the base row: untouched by the adapters beside it
+    monkeypatch.setenv(gguf_layer.ENV, "off")
+    with torch.inference_mode():
+        today = dense_logits(model, ids, lora=BatchedLoraApplier.from_rows(rows))
+    scale = today.abs().max()
+    assert (fused - today).abs().max() <= 2e-3 * scale
+    assert (fused[0] - fused[2]).abs().max() > 1e-2 * scale  # same tokens, different adapters
+    assert (fused[0] - plain[0]).abs().max() > 1e-2 * scale
+
+
+def test_the_path_stays_off_where_it_does_not_apply(model, monkeypatch):
+    layer, ctx = model.layers[1], DenseCausalContext(1, 2)
+    x = _x(2, model.cfg.hidden_size, 0)
+    with torch.inference_mode():
+        assert gguf_layer.plans(layer, x, ctx) is not None
+        assert gguf_layer.plans(model.layers[0], x, ctx) is None  # a Q8_0 part
+        assert gguf_layer.plans(layer, x.double(), ctx) is None
+        ctx.row_invariant = True  # engine.deterministic
+        assert gguf_layer.plans(layer, x, ctx) is None
+        ctx.row_invariant = False
+        monkeypatch.setenv(gguf_layer.ENV, "off")
+        assert gguf_layer.plans(layer, x, ctx) is None
+        monkeypatch.delenv(gguf_layer.ENV)
+        try:
+            set_activations(model, "float")
+            assert gguf_layer.plans(layer, x, ctx) is None
+        finally:
+            set_activations(model, "auto")
+    with torch.no_grad():  # auto outside the serving steps: float x
+        assert gguf_layer.plans(layer, x, ctx) is None
+    monkeypatch.setenv("MACE_GGUF_ACTIVATIONS", "int8")
+    with torch.no_grad():
+        assert gguf_layer.plans(layer, x, ctx) is not None
+    assert gguf_layer.plans(layer, x, ctx) is None  # gradients on: training
