@@ -14,6 +14,7 @@ from edge_runtime.model import llama
 from edge_runtime.model.gguf_weight import GgufWeight, activations_mode, kernel
 
 ENV = "MACE_GGUF_FUSED_LAYER"  # "off": every layer takes llama.py's per-op path
+_ACTIVATIONS_ENV, _KERNEL_ENV = "MACE_GGUF_ACTIVATIONS", "MACE_GGUF_KERNEL"  # gguf_weight's, gguf_kernel's
 
 
 def _static(layer) -> bool:
@@ -44,16 +45,28 @@ def plans(layer, x: Tensor, ctx) -> tuple | None:
     silu, no residual multiplier), every matrix a GgufWeight of K-quant parts, float32 rows on the
     CPU, no gradient, x as int8 for every weight (`engine.gguf_activations`: int8, or auto in the
     serving steps' inference mode), no row-invariant context (`engine.deterministic`), the compiled
-    kernels built and not turned off. Cheap: a decode step asks once per layer."""
+    kernels built and not turned off. A decode step asks once per layer: the answer is kept on the
+    layer while what it was made from (the environment, the settings, the very buffers) stays."""
     if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or torch.is_grad_enabled():
         return None
-    if not _static(layer) or getattr(ctx, "row_invariant", False) or os.environ.get(ENV, "on").lower() == "off":
+    if not _static(layer) or getattr(ctx, "row_invariant", False):
         return None
-    weights = _weights(layer)
-    settings = {w.activations for w in weights}
-    for setting in settings:
+    env, weights, params = os.environ, _weights(layer), layer._parameters
+    refs = (*(b for w in weights for b in w._buffers.values()), params["input_norm"], params["post_norm"])
+    key = (env.get(ENV), env.get(_ACTIVATIONS_ENV), env.get(_KERNEL_ENV), torch.is_inference_mode_enabled(),
+           *(w.activations for w in weights), *map(id, refs))
+    cached = layer.__dict__.get("_fused_plans")
+    if cached is not None and cached[0] == key:
+        return cached[2]
+    group = _plans(layer, weights, key[3]) if (key[0] or "on").lower() != "off" else None
+    layer.__dict__["_fused_plans"] = (key, refs, group)  # refs: the ids in key stay theirs
+    return group
+
+
+def _plans(layer, weights: tuple, inference: bool) -> tuple | None:
+    for setting in {w.activations for w in weights}:
         mode = activations_mode(setting)
-        if not (mode == "int8" or (mode == "auto" and torch.is_inference_mode_enabled())):
+        if not (mode == "int8" or (mode == "auto" and inference)):
             return None
     gk = kernel()
     if gk is None:

@@ -65,6 +65,9 @@ typedef struct {
 } gjob;
 
 #define GROUP_ROWS 64
+#ifndef GG_PREP_ROWS
+#define GG_PREP_ROWS 4
+#endif
 
 static void gjob_prep(const void *p, int64_t lo, int64_t hi) {
     const gjob *j = (const gjob *)p;
@@ -128,7 +131,7 @@ int gg_group_k8(const float *x, int64_t m, int64_t k, int64_t ldx, int prep, con
     const gjob j = {.types = types, .raws = raws, .starts = starts, .cols = cols, .k = k, .m = m, .ldo = ldo,
                     .ldb = ldb, .qx = qx, .dx = dx, .bs = bs, .out = out, .base = base, .x = x, .w = w, .ldx = ldx,
                     .ldv = k, .prep = prep, .offset = offset, .eps = eps, .v = v};
-    pool_run(gjob_prep, &j, m, m >= 4 ? threads : 1); /* a few rows: the wake costs more than it saves */
+    pool_run(gjob_prep, &j, m, m >= GG_PREP_ROWS ? threads : 1); /* a few rows: the wake costs more than it saves */
     pool_run(gjob_range, &j, starts[nparts], threads);
     free(scratch);
     return 0;
