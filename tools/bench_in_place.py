@@ -96,6 +96,15 @@ def install(timer: OpTimer) -> None:
                 return _o(x, raw, qtype, k, *a, **kw)
 
         setattr(gguf_kernel, name, wrapped)
+    original_group = gguf_kernel.group_matmul
+    preps = {gguf_kernel.PREP_NONE: "", gguf_kernel.PREP_NORM: "norm+", gguf_kernel.PREP_SILU_MUL: "silu*up+"}
+
+    def group_matmul(x: Any, plan: Any, prep: int = 0, *a: Any, **kw: Any) -> Any:
+        # the fused serving layer's call (gguf_layer): its C norm or silu * up counts as product time
+        with timer.op(f"group_matmul {preps[prep]}{plan.n}x{plan.k} M={bucket(x.shape[0])} fused layer"):
+            return original_group(x, plan, prep, *a, **kw)
+
+    gguf_kernel.group_matmul = group_matmul
     original_embed = gguf_weight.GgufWeight.embedding
 
     def embedding(self: Any, ids: Any, dtype: Any = None, **kw: Any) -> Any:

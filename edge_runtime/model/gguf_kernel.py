@@ -30,8 +30,8 @@ ACTIVATIONS_ENV = "MACE_GGUF_ACTIVATIONS"
 # whatever the weight's size.
 TILE_ELEMENTS = 1 << 20
 SOURCE = Path(__file__).with_name("gguf_native.c")
-INCLUDES = tuple(SOURCE.with_name(f"gguf_native_{part}.c") for part in ("q8", "k8", "pool"))  # what SOURCE includes
-_FLAGS = ["-O3", "-ffp-contract=off", "-fPIC", "-shared", "-pthread"]
+INCLUDES = tuple(SOURCE.with_name(f"gguf_native_{part}.c") for part in ("q8", "k8", "pool", "fused"))  # what SOURCE includes
+_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]  # no errno: sqrt inline
 # Weights each thread takes at least (the library's own pool wakes a spinning worker in well under a
 # microsecond, a sleeping one in 10-50 us on a quiet machine), and the rows of x above which a product
 # de-quantises tiles of W for torch's GEMM instead (the fused kernel reads each weight once per 8 rows
@@ -73,6 +73,9 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gg_quantize_k8.argtypes = [p, i64, i64, p, p, p]
     lib.gg_dequant_mt.argtypes = [i32, p, i64, i64, p, i32]
     lib.gg_matmul_mt.argtypes = [i32, p, i64, i64, p, i64, p, i32, p, i64, i32]
+    lib.gg_group_k8.argtypes = [p, i64, i64, i64, i32, p, ctypes.c_float, ctypes.c_float, p, i32, p, p, p, p, p, i64,
+                                p, i64, i32]
+    lib.gg_group_k8.restype = i32
     lib.gg_dequant.restype = lib.gg_matmul.restype = lib.gg_matmul_q8.restype = i32
     lib.gg_dequant_mt.restype = lib.gg_matmul_mt.restype = i32
     lib.gg_quantize_x.restype = lib.gg_quantize_k8.restype = None
@@ -260,3 +263,64 @@ def linear(x: Tensor, raw: Tensor, qtype: GGMLQuantizationType, k: int) -> Tenso
     lead = x.shape[:-1]
     y = _Linear.apply(x.reshape(-1, k).float(), raw, qtype, k)
     return y.reshape(*lead, raw.shape[0])
+
+
+# `group_matmul`'s preparations of x.
+PREP_NONE, PREP_NORM, PREP_SILU_MUL = 0, 1, 2
+
+
+class GroupPlan:
+    """The parts of one weight for `group_matmul`: K-quant block rows (each a uint8 [n_p, row bytes]
+    view of the file) and, for each row, the model column its output goes to (`cols`, int64 [N]).
+    The ctypes arrays are built once; the plan holds the tensors they point into."""
+
+    def __init__(self, parts: list[tuple[Tensor, GGMLQuantizationType]], k: int, cols: Tensor) -> None:
+        for raw, qtype in parts:
+            if qtype not in Q8K_TYPES:
+                raise GGUFKernelError(f"a grouped product takes Q4_K, Q5_K and Q6_K parts; not {qtype.name}")
+            _check_raw(raw, qtype, k)
+        if k % 256:
+            raise GGUFKernelError(f"a grouped product's width is a multiple of 256; {k} is not")
+        starts = [0]
+        for raw, _ in parts:
+            starts.append(starts[-1] + raw.shape[0])
+        if cols.dtype != torch.int64 or tuple(cols.shape) != (starts[-1],):
+            raise GGUFKernelError(f"cols must be int64 [{starts[-1]}]")
+        self.k, self.n, self.nparts = k, starts[-1], len(parts)
+        self.raws = [raw for raw, _ in parts]
+        self.cols = cols.contiguous()
+        self._types = (ctypes.c_int * len(parts))(*[int(q) for _, q in parts])
+        self._ptrs = (ctypes.c_void_p * len(parts))(*[raw.data_ptr() for raw in self.raws])
+        self._starts = (ctypes.c_int64 * len(starts))(*starts)
+
+
+def group_matmul(x: Tensor, plan: GroupPlan, prep: int = PREP_NONE, norm: Tensor | None = None, offset: float = 0.0,
+                 eps: float = 0.0, keep: bool = False, base: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """(out float32 [M, N], the prepared x float32 [M, k] where `keep`): out[:, cols[i]] = W_i .
+    q8_K(prep(x)) (+ base[:, cols[i]]) over every row i of the plan's parts, in one call: x prepared
+    (PREP_NORM: rms_norm(x, norm, eps, offset) in float32; PREP_SILU_MUL: silu(x[:, :k]) * x[:, k:],
+    x [M, 2k]) and quantised to q8_K once, the products of every part in one job of the pool. Each row
+    of out depends on its row of x alone. The prepared row is computed in C and may differ from
+    torch's in the last bit (llama.py's rms_norm, F.silu): then its q8_K may differ by one level in a
+    few values, and the product by at most sum |w| * dx_b / 2 over x's 256-blocks beyond the bound
+    `matmul` states."""
+    lib = _library()  # (not `enabled()` again: the caller's plan was made where the kernels serve)
+    if lib is None:
+        raise GGUFKernelError("grouped products need the compiled kernels")
+    width = 2 * plan.k if prep == PREP_SILU_MUL else plan.k
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != width or not x.is_contiguous():
+        raise GGUFKernelError(f"x must be contiguous float32 [M, {width}]; got {x.dtype} {list(x.shape)}")
+    m = x.shape[0]
+    if prep == PREP_NORM and (norm is None or norm.dtype != torch.float32 or tuple(norm.shape) != (plan.k,)
+                              or not norm.is_contiguous()):
+        raise GGUFKernelError(f"the norm's weight must be contiguous float32 [{plan.k}]")
+    out = torch.empty((m, plan.n), dtype=torch.float32)
+    if base is not None and (base.dtype != torch.float32 or tuple(base.shape) != (m, plan.n) or not base.is_contiguous()):
+        raise GGUFKernelError(f"base must be contiguous float32 [{m}, {plan.n}]")
+    xf = torch.empty((m, plan.k), dtype=torch.float32) if keep else None
+    if m:
+        _ok(lib.gg_group_k8(x.data_ptr(), m, plan.k, width, prep, None if norm is None else norm.data_ptr(), offset, eps,
+                            None if xf is None else xf.data_ptr(), plan.nparts, plan._types, plan._ptrs, plan._starts,
+                            plan.cols.data_ptr(), out.data_ptr(), plan.n, None if base is None else base.data_ptr(),
+                            plan.n, _threads(plan.n, plan.n * plan.k)), Q.Q4_K)
+    return out, xf

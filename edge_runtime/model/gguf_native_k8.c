@@ -335,8 +335,10 @@ static inline __attribute__((always_inline)) void k8_kquant(int type, const uint
                 int32_t off = 0;
                 for (int g = 0; g < 16; g++) off += mn[g] * br[g];
                 const float xd = dx[r * nsb + s];
-                acc[r] += type != T_Q6_K ? (float)acc_sum(a) * (d * xd) - (float)off * (dmin * xd)
-                                         : (float)(acc_sum(a) - off) * (d * xd);
+                /* explicit fused multiply-adds: contraction left to the compiler may differ between
+                   the loop's versions for one row and for several, and a row's value with them */
+                acc[r] = type != T_Q6_K ? __builtin_fmaf(-(float)off, dmin * xd, __builtin_fmaf((float)acc_sum(a), d * xd, acc[r]))
+                                        : __builtin_fmaf((float)(acc_sum(a) - off), d * xd, acc[r]);
             }
         }
         for (int64_t r = 0; r < m; r++) out[r * ldo + i] = acc[r];

@@ -210,6 +210,28 @@ class GgufWeight(QuantWeight):
             self._cached = cached = (now, parts)
         return cached[1]
 
+    def group_plan(self) -> Any:
+        """`gguf_kernel.GroupPlan` of this weight (every part's output row at its model column), or
+        None where a grouped product does not take it (a part not Q4_K/Q5_K/Q6_K, a width not a
+        multiple of 256, no compiled kernels). Built once while the buffers stay the same."""
+        parts = self.raw_parts
+        cached = self.__dict__.get("_plan")
+        if cached is not None and cached[0] is parts:
+            return cached[1]
+        lib = kernel()
+        if lib is None:
+            return None
+        plan = None
+        if parts[0].k % 256 == 0 and all(p.qtype in ("Q4_K", "Q5_K", "Q6_K") for p in parts):
+            cols, start = [], 0
+            for part in parts:
+                where = torch.arange(start, start + part.n)
+                cols.append(where if part.order is None else where[torch.argsort(part.order)])
+                start += part.n
+            plan = lib.GroupPlan([(p.data, _qtype(p.qtype)) for p in parts], parts[0].k, torch.cat(cols))
+        self._plan = (parts, plan)
+        return plan
+
     @property
     def parts(self) -> list[Blocks]:
         """The rows re-encoded as `Blocks`, model order (a graph export's reading; a copy)."""

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edge_runtime.kv import attention_kernel
-from edge_runtime.model import family
+from edge_runtime.model import family, gguf_layer
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.qweights import QuantWeight, quant_linear
 
@@ -243,6 +243,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: ForwardContext) -> Tensor:
         """`cos`, `sin`: rows of this layer's rotary table (`ModelConfig.layer_rope_table`)."""
+        group = gguf_layer.plans(self, x, ctx)
+        if group is not None:  # a GGUF served in place: four grouped kernel calls (gguf_layer)
+            return gguf_layer.forward(self, x, cos, sin, ctx, group)
         cfg = self.cfg
         lora = ctx.lora
         lin = linear_for(ctx)

@@ -1,6 +1,6 @@
 /* tests/model/test_gguf_kernel.py builds this beside gguf_native.c for another machine (aarch64 under
    qemu): dequantisation, float and int8 products (through the thread pool) for every type on fixed pseudo-random blocks,
-   written to argv[1] for the test to check against gguf's numpy code. */
+   and the fused layer's grouped calls, written to argv[1] for the test to check against gguf's numpy code. */
 #include "gguf_native.c" /* compiled with -I edge_runtime/model */
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +17,8 @@ int main(int argc, char **argv) {
     gg_xsums(x, m, k, xs);
     gg_quantize_x(x, m, k, qx, dx);
     fwrite(qx, 1, m * k, f); fwrite(dx, 4, m * k / 32, f);
+    const uint8_t *kept[11];
+    float *int8s[11];
     for (int t = 0; t < 11; t++) {
         int64_t bw = 1, bb = 1; block_shape(types[t], &bw, &bb);
         const int64_t rb = k / bw * bb;
@@ -35,8 +37,30 @@ int main(int argc, char **argv) {
         memset(o2, 0, m * n * 4);
         if (bw > 1) gg_matmul_mt(types[t], raw, n, k, x, m, xs, 1, o2, n, 3); /* Q4_K/Q6_K: x as q8_K */
         fwrite(raw, 1, n * rb, f); fwrite(deq, 4, n * k, f); fwrite(o1, 4, m * n, f); fwrite(o2, 4, m * n, f);
+        kept[t] = raw;
+        int8s[t] = o2;
     }
     fwrite(x, 4, m * k, f);
+    /* the fused layer's grouped call (gguf_native_fused.c): the Q4_K rows then the Q6_K rows, their
+       columns reversed; x as it is onto a base, RMS-normalised, and silu(x) * x2 (x2: x reversed) */
+    int gt[2] = {T_Q4_K, T_Q6_K};
+    const uint8_t *gr[2] = {kept[8], kept[10]};
+    int64_t gs[3] = {0, n, 2 * n}, cols[2 * 37];
+    for (int64_t i = 0; i < 2 * n; i++) cols[i] = 2 * n - 1 - i;
+    float *base = malloc(m * 2 * n * 4), *go = malloc(m * 2 * n * 4), *nw = malloc(k * 4), *xf = malloc(m * k * 4);
+    float *x2 = malloc(m * 2 * k * 4);
+    for (int64_t i = 0; i < m * 2 * n; i++) base[i] = ((float)(rnd() % 2001) - 1000.0f) / 100.0f;
+    for (int64_t i = 0; i < k; i++) nw[i] = ((float)(rnd() % 2001) - 1000.0f) / 1000.0f;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < k; i++) { x2[r * 2 * k + i] = x[r * k + i]; x2[r * 2 * k + k + i] = x[r * k + k - 1 - i]; }
+    gg_group_k8(x, m, k, k, 0, NULL, 0.0f, 0.0f, NULL, 2, gt, gr, gs, cols, go, 2 * n, base, 2 * n, 3);
+    fwrite(base, 4, m * 2 * n, f); fwrite(go, 4, m * 2 * n, f);
+    fwrite(nw, 4, k, f);
+    gg_group_k8(x, m, k, k, 1, nw, 0.0f, 1e-5f, xf, 2, gt, gr, gs, cols, go, 2 * n, NULL, 0, 3);
+    fwrite(xf, 4, m * k, f); fwrite(go, 4, m * 2 * n, f);
+    gg_group_k8(x2, m, k, 2 * k, 2, NULL, 0.0f, 0.0f, xf, 2, gt, gr, gs, cols, go, 2 * n, NULL, 0, 3);
+    fwrite(xf, 4, m * k, f); fwrite(go, 4, m * 2 * n, f);
+    (void)int8s;
     fclose(f);
     return 0;
 }

@@ -317,7 +317,13 @@ def _harness_rows(path: Path):
         rb = gguf_kernel.row_bytes(t, k)
         rows[t] = (take(n * rb, np.uint8).reshape(n, rb), take(n * k, np.float32).reshape(n, k),
                    take(m * n, np.float32).reshape(m, n), take(m * n, np.float32).reshape(m, n))
-    return qx, dx, rows, take(m * k, np.float32).reshape(m, k)
+    x = take(m * k, np.float32).reshape(m, k)
+    group = {"base": take(m * 2 * n, np.float32).reshape(m, 2 * n), "plain": take(m * 2 * n, np.float32).reshape(m, 2 * n),
+             "norm_w": take(k, np.float32)}
+    for prep in ("norm", "silu"):
+        group[prep] = (take(m * k, np.float32).reshape(m, k), take(m * 2 * n, np.float32).reshape(m, 2 * n))
+    assert at == len(data)
+    return qx, dx, rows, x, group
 
 
 @pytest.mark.parametrize("march", ["armv8-a", "armv8.2-a+dotprod"])
@@ -331,11 +337,11 @@ def test_aarch64_build_under_qemu(tmp_path, march):
     if cc is None or qemu is None:
         pytest.skip("no aarch64 cross compiler or qemu-aarch64 here")
     exe, out = tmp_path / "harness", tmp_path / "out.bin"
-    subprocess.run([cc, "-O3", "-ffp-contract=off", "-pthread", f"-march={march}", "-I", str(gguf_kernel.SOURCE.parent),
+    subprocess.run([cc, "-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread", f"-march={march}", "-I", str(gguf_kernel.SOURCE.parent),
                     str(_HARNESS), "-o", str(exe)], check=True, capture_output=True, timeout=300)
     subprocess.run([qemu, "-cpu", "max", "-L", "/usr/aarch64-linux-gnu", str(exe), str(out)], check=True,
                    capture_output=True, timeout=300)
-    qx, dx, rows, x = _harness_rows(out)
+    qx, dx, rows, x, group = _harness_rows(out)
     xt = torch.from_numpy(x.copy())
     for qtype, (raw, deq, f32, int8) in rows.items():
         want = reference(torch.from_numpy(raw.copy()), qtype)
@@ -345,6 +351,32 @@ def test_aarch64_build_under_qemu(tmp_path, march):
         if GGML_QUANT_SIZES[qtype][0] > 1:
             bound = _int8_bound(xt, torch.from_numpy(raw.copy()), qtype)
             assert ((torch.from_numpy(int8.copy()).double() - exact).abs() <= bound).all(), qtype.name
+    _check_harness_group(xt, rows, group)
+
+
+def _check_harness_group(x: torch.Tensor, rows: dict, group: dict) -> None:
+    """The harness's grouped calls (gguf_native_fused.c on that build): x as it is, onto a base, is
+    the parts' own int8 products (reversed columns) plus the base, bit for bit; the C norm and silu *
+    up are torch's within 4 ulps, and their products within the int8 bound of the exact ones."""
+    t = lambda a: torch.from_numpy(a.copy())  # noqa: E731
+    parts = (Q.Q4_K, Q.Q6_K)
+    int8 = torch.cat([t(rows[q][3]) for q in parts], dim=1).flip(1)
+    assert torch.equal(t(group["plain"]), t(group["base"]) + int8)
+    raw = {q: t(rows[q][0]) for q in parts}
+    eps = torch.finfo(torch.float32).eps
+    gate, up = x, x.flip(1)
+    for prep, want in (("norm", _torch_rms_norm(x, t(group["norm_w"]))), ("silu", torch.nn.functional.silu(gate) * up)):
+        xf, out = (t(a) for a in group[prep])
+        assert ((xf - want).abs() <= 4 * eps * want.abs() + 1e-30).all(), prep
+        exact = torch.cat([xf.double() @ reference(raw[q], q).double().T for q in parts], dim=1).flip(1)
+        bound = torch.cat([_int8_bound(xf, raw[q], q) for q in parts], dim=1).flip(1)
+        assert ((out.double() - exact).abs() <= bound).all(), prep
+
+
+def _torch_rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from edge_runtime.model.llama import rms_norm
+
+    return rms_norm(x, w, 1e-5)
 
 
 def test_every_c_source_the_build_reads_ships_in_the_package():

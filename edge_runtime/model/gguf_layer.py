@@ -1,0 +1,128 @@
+"""The fused serving layer (#28): a llama-like `DecoderLayer` over a GGUF read in place, in four
+grouped kernel calls (`gguf_kernel.group_matmul`: norm + q8_K + q|k|v; o_proj onto the residual;
+norm + q8_K + gate|up; silu * up + q8_K + down_proj onto the residual) around rope and attention,
+where the layer and the step allow it (`plans`); LoRA deltas still apply to every projection."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from edge_runtime.model import llama
+from edge_runtime.model.gguf_weight import GgufWeight, activations_mode, kernel
+
+ENV = "MACE_GGUF_FUSED_LAYER"  # "off": every layer takes llama.py's per-op path
+_ACTIVATIONS_ENV, _KERNEL_ENV = "MACE_GGUF_ACTIVATIONS", "MACE_GGUF_KERNEL"  # gguf_weight's, gguf_kernel's
+
+
+def _static(layer) -> bool:
+    """Whether the layer's config has only what the fused path computes (cached on the layer)."""
+    ok = layer.__dict__.get("_fused_static")
+    if ok is None:
+        cfg = layer.cfg
+        ok = (cfg.norm_before_sublayer and not cfg.norm_after_sublayer and cfg.qk_norm is None
+              and not cfg.attention_bias and not cfg.attention_out_bias and not cfg.mlp_bias
+              and cfg.activation == "silu" and cfg.residual_multiplier == 1.0
+              and all(isinstance(getattr(layer, name), GgufWeight) for name in _NAMES))
+        layer.__dict__["_fused_static"] = ok
+    return ok
+
+
+_NAMES = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+
+def _weights(layer) -> tuple:
+    """The four GgufWeights (submodules, where `_static` holds: skips nn.Module's attribute lookup)."""
+    modules = layer._modules
+    return tuple(modules[name] for name in _NAMES)
+
+
+def plans(layer, x: Tensor, ctx) -> tuple | None:
+    """(gguf_kernel, the four weights' `GroupPlan`s) where this step of `layer` takes the fused path,
+    else None: the config (llama/Qwen2-without-bias-like: pre-norms only, no biases, no q/k norms,
+    silu, no residual multiplier), every matrix a GgufWeight of K-quant parts, float32 rows on the
+    CPU, no gradient, x as int8 for every weight (`engine.gguf_activations`: int8, or auto in the
+    serving steps' inference mode), no row-invariant context (`engine.deterministic`), the compiled
+    kernels built and not turned off. A decode step asks once per layer: the answer is kept on the
+    layer while what it was made from (the environment, the settings, the very buffers) stays."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or torch.is_grad_enabled():
+        return None
+    if not _static(layer) or getattr(ctx, "row_invariant", False):
+        return None
+    env, weights, params = os.environ, _weights(layer), layer._parameters
+    refs = (*(b for w in weights for b in w._buffers.values()), params["input_norm"], params["post_norm"])
+    key = (env.get(ENV), env.get(_ACTIVATIONS_ENV), env.get(_KERNEL_ENV), torch.is_inference_mode_enabled(),
+           *(w.activations for w in weights), *map(id, refs))
+    cached = layer.__dict__.get("_fused_plans")
+    if cached is not None and cached[0] == key:
+        return cached[2]
+    group = _plans(layer, weights, key[3]) if (key[0] or "on").lower() != "off" else None
+    layer.__dict__["_fused_plans"] = (key, refs, group)  # refs: the ids in key stay theirs
+    return group
+
+
+def _plans(layer, weights: tuple, inference: bool) -> tuple | None:
+    for setting in {w.activations for w in weights}:
+        mode = activations_mode(setting)
+        if not (mode == "int8" or (mode == "auto" and inference)):
+            return None
+    gk = kernel()
+    if gk is None:
+        return None
+    group = tuple(w.group_plan() for w in weights)
+    if None in group:
+        return None
+    if any(n.dtype != torch.float32 or n.device.type != "cpu" for n in (layer.input_norm, layer.post_norm)):
+        return None
+    return (gk, *group)
+
+
+def forward(layer, x: Tensor, cos: Tensor, sin: Tensor, ctx, group: tuple) -> Tensor:
+    """`DecoderLayer.forward` on the fused path (`plans` gave `group`): the same values as llama.py's
+    but for the C norm and silu (a last-bit difference in a prepared row; `group_matmul`)."""
+    gk, qkv_plan, o_plan, gate_up_plan, down_plan = group
+    cfg, lora, index = layer.cfg, ctx.lora, layer.index
+    eps, offset, keep = cfg.rms_norm_eps, cfg.norm_offset, lora is not None
+    x = x.contiguous()
+    qkv, hn = gk.group_matmul(x, qkv_plan, gk.PREP_NORM, layer.input_norm.detach(), offset, eps, keep=keep)
+    # From here to the attention: llama.py's DecoderLayer.forward for this config.
+    fused = cfg.fused_projections
+    if lora is not None and fused:
+        qkv = llama._add(qkv, lora.delta(index, "qkv_proj", hn))
+    q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+    if lora is not None and not fused:
+        q = llama._add(q, lora.delta(index, "q_proj", hn))
+        k = llama._add(k, lora.delta(index, "k_proj", hn))
+        v = llama._add(v, lora.delta(index, "v_proj", hn))
+    t = x.shape[0]
+    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.rope_layers[index] and lora is None:
+        qk = qkv[:, : cfg.q_size + cfg.kv_size].unflatten(-1, (cfg.num_heads + cfg.num_kv_heads, cfg.head_dim))
+        q, k = llama.apply_rope(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+    else:
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.rope_layers[index]:
+            q, k = llama.apply_rope(q, cos, sin), llama.apply_rope(k, cos, sin)
+    if cfg.query_scale != 1.0:
+        q = q * cfg.query_scale
+    attn = ctx.attention(index, q, k, v).contiguous()
+    if lora is None:
+        x, _ = gk.group_matmul(attn, o_plan, base=x)
+    else:
+        out, _ = gk.group_matmul(attn, o_plan)
+        x = x + llama._add(out, lora.delta(index, "o_proj", attn))
+    gate_up, hn = gk.group_matmul(x, gate_up_plan, gk.PREP_NORM, layer.post_norm.detach(), offset, eps, keep=keep)
+    if lora is not None and fused:
+        gate_up = llama._add(gate_up, lora.delta(index, "gate_up_proj", hn))
+    elif lora is not None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate_up = torch.cat([llama._add(gate, lora.delta(index, "gate_proj", hn)),
+                             llama._add(up, lora.delta(index, "up_proj", hn))], dim=-1)
+    if lora is None:
+        x, _ = gk.group_matmul(gate_up, down_plan, gk.PREP_SILU_MUL, base=x)
+        return x
+    out, act = gk.group_matmul(gate_up.contiguous(), down_plan, gk.PREP_SILU_MUL, keep=True)
+    return x + llama._add(out, lora.delta(index, "down_proj", act))
