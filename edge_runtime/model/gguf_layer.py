@@ -10,7 +10,6 @@ import os
 import torch
 from torch import Tensor
 
-from edge_runtime.model import llama
 from edge_runtime.model.gguf_weight import GgufWeight, activations_mode, kernel
 
 ENV = "MACE_GGUF_FUSED_LAYER"  # "off": every layer takes llama.py's per-op path
@@ -79,8 +78,13 @@ def _plans(layer, weights: tuple, inference: bool) -> tuple | None:
     return (gk, *group)
 
 
-def forward(layer, x: Tensor, cos: Tensor, sin: Tensor, ctx, group: tuple) -> Tensor:
-    """`DecoderLayer.forward` on the fused path (`plans` gave `group`): the same values as llama.py's
+def _add(base: Tensor, delta: Tensor | None) -> Tensor:
+    return base if delta is None else base + delta
+
+
+def forward(layer, x: Tensor, cos: Tensor, sin: Tensor, ctx, group: tuple, rope) -> Tensor:
+    """`DecoderLayer.forward` on the fused path (`plans` gave `group`; `rope`: llama.py's
+    `apply_rope`, passed in so this module needs nothing of llama.py's): the same values as llama.py's
     but for the C norm and silu (a last-bit difference in a prepared row; `group_matmul`)."""
     gk, qkv_plan, o_plan, gate_up_plan, down_plan = group
     cfg, lora, index = layer.cfg, ctx.lora, layer.index
@@ -90,22 +94,22 @@ def forward(layer, x: Tensor, cos: Tensor, sin: Tensor, ctx, group: tuple) -> Te
     # From here to the attention: llama.py's DecoderLayer.forward for this config.
     fused = cfg.fused_projections
     if lora is not None and fused:
-        qkv = llama._add(qkv, lora.delta(index, "qkv_proj", hn))
+        qkv = _add(qkv, lora.delta(index, "qkv_proj", hn))
     q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
     if lora is not None and not fused:
-        q = llama._add(q, lora.delta(index, "q_proj", hn))
-        k = llama._add(k, lora.delta(index, "k_proj", hn))
-        v = llama._add(v, lora.delta(index, "v_proj", hn))
+        q = _add(q, lora.delta(index, "q_proj", hn))
+        k = _add(k, lora.delta(index, "k_proj", hn))
+        v = _add(v, lora.delta(index, "v_proj", hn))
     t = x.shape[0]
     v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.rope_layers[index] and lora is None:
         qk = qkv[:, : cfg.q_size + cfg.kv_size].unflatten(-1, (cfg.num_heads + cfg.num_kv_heads, cfg.head_dim))
-        q, k = llama.apply_rope(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        q, k = rope(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
     else:
         q = q.reshape(t, cfg.num_heads, cfg.head_dim)
         k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.rope_layers[index]:
-            q, k = llama.apply_rope(q, cos, sin), llama.apply_rope(k, cos, sin)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
     if cfg.query_scale != 1.0:
         q = q * cfg.query_scale
     attn = ctx.attention(index, q, k, v).contiguous()
@@ -113,16 +117,16 @@ def forward(layer, x: Tensor, cos: Tensor, sin: Tensor, ctx, group: tuple) -> Te
         x, _ = gk.group_matmul(attn, o_plan, base=x)
     else:
         out, _ = gk.group_matmul(attn, o_plan)
-        x = x + llama._add(out, lora.delta(index, "o_proj", attn))
+        x = x + _add(out, lora.delta(index, "o_proj", attn))
     gate_up, hn = gk.group_matmul(x, gate_up_plan, gk.PREP_NORM, layer.post_norm.detach(), offset, eps, keep=keep)
     if lora is not None and fused:
-        gate_up = llama._add(gate_up, lora.delta(index, "gate_up_proj", hn))
+        gate_up = _add(gate_up, lora.delta(index, "gate_up_proj", hn))
     elif lora is not None:
         gate, up = gate_up.chunk(2, dim=-1)
-        gate_up = torch.cat([llama._add(gate, lora.delta(index, "gate_proj", hn)),
-                             llama._add(up, lora.delta(index, "up_proj", hn))], dim=-1)
+        gate_up = torch.cat([_add(gate, lora.delta(index, "gate_proj", hn)),
+                             _add(up, lora.delta(index, "up_proj", hn))], dim=-1)
     if lora is None:
         x, _ = gk.group_matmul(gate_up, down_plan, gk.PREP_SILU_MUL, base=x)
         return x
     out, act = gk.group_matmul(gate_up.contiguous(), down_plan, gk.PREP_SILU_MUL, keep=True)
-    return x + llama._add(out, lora.delta(index, "down_proj", act))
+    return x + _add(out, lora.delta(index, "down_proj", act))

@@ -245,7 +245,7 @@ class DecoderLayer(nn.Module):
         """`cos`, `sin`: rows of this layer's rotary table (`ModelConfig.layer_rope_table`)."""
         group = gguf_layer.plans(self, x, ctx)
         if group is not None:  # a GGUF served in place: four grouped kernel calls (gguf_layer)
-            return gguf_layer.forward(self, x, cos, sin, ctx, group)
+            return gguf_layer.forward(self, x, cos, sin, ctx, group, apply_rope)
         cfg = self.cfg
         lora = ctx.lora
         lin = linear_for(ctx)
