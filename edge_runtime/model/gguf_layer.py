@@ -10,10 +10,10 @@ import os
 import torch
 from torch import Tensor
 
-from edge_runtime.model.gguf_weight import GgufWeight, activations_mode, kernel
+from edge_runtime.model.gguf_weight import ACTIVATIONS_ENV, GgufWeight, activations_mode, kernel
 
 ENV = "MACE_GGUF_FUSED_LAYER"  # "off": every layer takes llama.py's per-op path
-_ACTIVATIONS_ENV, _KERNEL_ENV = "MACE_GGUF_ACTIVATIONS", "MACE_GGUF_KERNEL"  # gguf_weight's, gguf_kernel's
+_KERNEL_ENV = "MACE_GGUF_KERNEL"  # gguf_kernel.ENV (that module needs gguf-py: imported only where built)
 
 
 def _static(layer) -> bool:
@@ -52,7 +52,7 @@ def plans(layer, x: Tensor, ctx) -> tuple | None:
         return None
     env, weights, params = os.environ, _weights(layer), layer._parameters
     refs = (*(b for w in weights for b in w._buffers.values()), params["input_norm"], params["post_norm"])
-    key = (env.get(ENV), env.get(_ACTIVATIONS_ENV), env.get(_KERNEL_ENV), torch.is_inference_mode_enabled(),
+    key = (env.get(ENV), env.get(ACTIVATIONS_ENV), env.get(_KERNEL_ENV), torch.is_inference_mode_enabled(),
            *(w.activations for w in weights), *map(id, refs))
     cached = layer.__dict__.get("_fused_plans")
     if cached is not None and cached[0] == key:

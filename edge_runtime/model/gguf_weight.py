@@ -36,6 +36,7 @@ _FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
 # evaluation); "int8": int8 everywhere; "float": float32 everywhere.
 ACTIVATIONS = ("auto", "int8", "float")
 _ENV_MODES = {"int8": "int8", "f32": "float", "float": "float", "auto": "auto"}
+ACTIVATIONS_ENV = "MACE_GGUF_ACTIVATIONS"  # overrides the setting where set (`activations_mode`)
 
 
 @cache
@@ -164,7 +165,7 @@ def activations_mode(setting: str) -> str:
     """The mode in force: MACE_GGUF_ACTIVATIONS (int8, f32/float or auto) where set, else `setting`."""
     if setting not in ACTIVATIONS:
         raise ValueError(f"engine.gguf_activations = {setting!r}: use {', '.join(ACTIVATIONS)}")
-    env = os.environ.get("MACE_GGUF_ACTIVATIONS", "").lower()
+    env = os.environ.get(ACTIVATIONS_ENV, "").lower()
     return _ENV_MODES.get(env, setting)
 
 

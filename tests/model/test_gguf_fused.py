@@ -6,8 +6,6 @@ deltas, and stays off wherever it does not apply."""
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,7 +18,7 @@ from edge_runtime.model.gguf_weight import GgufWeight, _qtype, set_activations
 from edge_runtime.model.llama import rms_norm
 from tests.lora.helpers import ALL_LINEAR, random_adapter
 from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
-from tests.model.test_gguf_kernel import _VARIANTS, _variant_library
+from tests.model.test_gguf_kernel import _VARIANTS, use_variant
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -44,12 +42,7 @@ def build(request, monkeypatch, model):
     """The machine's build, the portable loops (-DGG_GENERIC: what other machines run) and an
     AVX2-only x86's."""
     if request.param in _VARIANTS:
-        if request.param == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
-            pytest.skip("an x86 build")
-        lib = _variant_library(_VARIANTS[request.param])
-        if lib is None:
-            pytest.skip(f"the {request.param} build is not available here")
-        monkeypatch.setattr(gguf_kernel, "_library", lambda: lib)
+        use_variant(request.param, monkeypatch)
     return request.param
 
 

@@ -69,6 +69,16 @@ def _variant_library(extra: tuple[str, ...]):
 _VARIANTS = {"portable": ("-DGG_GENERIC",), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
 
 
+def use_variant(name: str, monkeypatch) -> None:
+    """Serve gguf_kernel's calls from the `_VARIANTS[name]` build (skips where it cannot be had)."""
+    if name == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86 build")
+    lib = _variant_library(_VARIANTS[name])
+    if lib is None:
+        pytest.skip(f"the {name} build is not available here")
+    monkeypatch.setattr(gguf_kernel, "_library", lambda: lib)
+
+
 @pytest.fixture(params=["compiled", "portable", "avx2", "reference"])
 def path(request, monkeypatch):
     if request.param == "reference":
@@ -77,12 +87,7 @@ def path(request, monkeypatch):
     elif not gguf_kernel.available():
         pytest.skip("the compiled GGUF kernels are not available here")
     elif request.param in _VARIANTS:
-        if request.param == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
-            pytest.skip("an x86 build")
-        lib = _variant_library(_VARIANTS[request.param])
-        if lib is None:
-            pytest.skip(f"the {request.param} build is not available here")
-        monkeypatch.setattr(gguf_kernel, "_library", lambda: lib)
+        use_variant(request.param, monkeypatch)
     return request.param
 
 
