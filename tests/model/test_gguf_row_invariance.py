@@ -202,3 +202,26 @@ def test_a_model_the_fused_path_does_not_fully_cover_is_not_claimed(tmp_path):
     _, path = tiny_quant_gguf(tmp_path, Q4_K_M_LIKE, num_layers=2)  # layer 0's up_proj is Q8_0
     ok, reason = _backend(load_llama_gguf(path, in_place=True)).determinism()
     assert not ok and "layer 0" in reason
+
+
+def test_the_engine_claims_it_and_its_deterministic_mode_takes_the_fast_path(model, tmp_path, monkeypatch):
+    """Served in place through the engine: `deterministic: true` in its stats, and with
+    `engine.deterministic` the steps take the compiled prefill attention, not torch's tiles; a
+    prompt's greedy tokens alone are its tokens beside others."""
+    from edge_runtime import Engine
+    from tests.engine.helpers import engine_greedy_batch
+
+    monkeypatch.setenv("MACE_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("MACE_CACHE_DIR", str(tmp_path / "cache"))
+    _, path = tiny_quant_gguf(tmp_path, ALL_K, num_layers=2)
+    engine = Engine.load(str(path), dtype="float32", torch_weights="gguf", kv_cache_bytes=8 << 20, block_size=8,
+                         max_batched_tokens=24, deterministic=True)
+    assert engine.stats()["deterministic"] is True
+    contexts, calls = [], []
+    init, prefill = PagedContext.__init__, attention_kernel.prefill_attention
+    monkeypatch.setattr(PagedContext, "__init__", lambda self, *a, **k: contexts.append(a) or init(self, *a, **k))
+    monkeypatch.setattr(attention_kernel, "prefill_attention", lambda *a, **k: calls.append(1) or prefill(*a, **k))
+    prompts = [_prompt(model, n, 10 + n) for n in (37, 5, 50)]
+    alone = engine_greedy_batch(engine, prompts[:1], 5)
+    assert calls and all(a[-1] is False for a in contexts)  # row_invariant off: the fast path as it is
+    assert engine_greedy_batch(engine, prompts, 5)[0] == alone[0]
