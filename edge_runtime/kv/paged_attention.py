@@ -244,7 +244,6 @@ class _WindowPlan:
             # [B, 1, 1, width]: broadcast over kv heads and the folded query heads.
             self.decode_mask = valid.to(device)[:, None, None, :]
 
-
     @property
     def has_prefills(self) -> bool:
         return bool(self._runs)
