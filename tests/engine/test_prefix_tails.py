@@ -173,3 +173,11 @@ def test_compacted_or_pruned_sequences_keep_no_tail():
     seq.kv_pruning = object()
     release_blocks(seq, pool, tail_salt="")
     assert pool.num_cached_free == 1  # the full (prompt) block only
+
+
+def test_a_kept_tail_is_given_back_when_evicted_under_memory_pressure():
+    idle: list[list[int]] = []
+    pool = BlockPool(4, SIZE, on_idle=idle.append)
+    full, tail = _finished(pool, [1, 2, 3, 4, 5], computed=5)
+    assert idle == [] and pool.evict_cached(1) == 1 and idle == [[tail]]  # the tail goes before its prefix
+    assert pool.best_donor(pool.hash_of[full], "", [5], "") == (-1, 0) and pool.num_cached_free == 1
