@@ -15,7 +15,7 @@ from edge_runtime.model import gguf_layer
 from edge_runtime.model.gguf_weight import ACTIVATIONS_ENV
 
 ENV = "MACE_GGUF_STACK"  # "off": each layer's own calls (gguf_layer.forward)
-_ENVS = (ENV, gguf_layer.ENV, ACTIVATIONS_ENV, gguf_layer._KERNEL_ENV, attention_kernel.ENV)
+_ENVS = (gguf_layer.ENV, ACTIVATIONS_ENV, gguf_layer._KERNEL_ENV, attention_kernel.ENV)
 
 
 class _Weight(ctypes.Structure):
@@ -93,8 +93,7 @@ def _stack(model, x: Tensor, ctx) -> _Stack | None:
     if cached is not None and cached[0] == key:
         return cached[1]
     stack = None
-    if (env.get(ENV, "on").lower() not in ("off", "0", "false", "no") and cache.dtype == torch.float32
-            and cache.is_contiguous()):
+    if cache.dtype == torch.float32 and cache.is_contiguous():
         group_of = [gguf_layer.plans(layer, x, ctx) for layer in model.layers]
         planes = [ctx.cache.layer(layer.index) for layer in model.layers]
         if all(g is not None for g in group_of) and all(t.is_contiguous() for kv in planes for t in kv):
@@ -108,7 +107,7 @@ def run(model, x: Tensor, tables: list[tuple[Tensor, Tensor]], ctx) -> Tensor | 
     step the stack computes as the per-layer path does (LlamaModel.run_layers' result, bit for bit),
     else None (the caller runs the layers)."""
     if (x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or torch.is_grad_enabled()
-            or not _static(model)):
+            or not _static(model) or os.environ.get(ENV, "on").lower() in ("off", "0", "false", "no")):
         return None
     m = x.shape[0]
     plan = _decode_plan(ctx, m)
