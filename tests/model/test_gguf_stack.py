@@ -12,6 +12,7 @@ from edge_runtime import Engine, SamplingParams
 from edge_runtime.model import gguf_kernel, gguf_stack
 from tests.engine.helpers import _set_prompt_ids
 from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
+from tests.model.test_gguf_kernel import _VARIANTS, use_variant
 
 # Q4_K_M_LIKE but for layer 0's Q8_0 ffn_up (a part the fused layer does not take): every layer fused.
 K_QUANTS = {**{k: v for k, v in Q4_K_M_LIKE.items() if v != "Q8_0"}, "blk.0.ffn_up.weight": "Q5_K"}
@@ -72,7 +73,10 @@ def _serve(engine: Engine, steps: int = 6) -> tuple[list[torch.Tensor], list[lis
     return logits, [outputs[rid].token_ids for rid in ids]
 
 
-def test_the_stack_gives_the_per_layer_paths_logits_and_cache_bit_for_bit(gguf, stack_calls, monkeypatch):
+@pytest.mark.parametrize("build", ["compiled", "portable"])
+def test_the_stack_gives_the_per_layer_paths_logits_and_cache_bit_for_bit(gguf, stack_calls, monkeypatch, build):
+    if build in _VARIANTS:
+        use_variant(build, monkeypatch)  # the portable loops (-DGG_GENERIC): what other machines run
     engine = _engine(gguf)
     if not engine.backend.cache.data.dtype == torch.float32:
         pytest.skip("the stack serves float32 KV caches")
