@@ -45,18 +45,21 @@ def stack_calls(monkeypatch) -> list[int]:
 
 
 def _engine(path, **settings) -> Engine:
+    """The torch backend on the file's own blocks; a policy without a latency budget, so both engines
+    of a comparison chunk the prompts alike (the per-layer path's prefill rows follow the chunks)."""
     return Engine.load(str(path), backend="torch", torch_weights="gguf", dtype="float32", kv_cache_bytes=8 << 20,
-                       block_size=4, max_batched_tokens=16, **settings)
+                       block_size=4, max_batched_tokens=16, policy="continuous", **settings)
 
 
-def _serve(engine: Engine, steps: int = 6) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Every step's logits and each prompt's greedy ids, the prompts admitted together."""
-    logits: list[torch.Tensor] = []
+def _serve(engine: Engine, steps: int = 6) -> tuple[list[tuple[list[int], torch.Tensor]], list[list[int]]]:
+    """Every step's rows per sequence and logits, and each prompt's greedy ids, the prompts admitted
+    together."""
+    logits: list[tuple[list[int], torch.Tensor]] = []
     execute = engine.backend.execute
 
     def spy(batch, lora=None):
         out = execute(batch) if lora is None else execute(batch, lora)
-        logits.append(out.clone())
+        logits.append(([item.num_tokens for item in batch.items], out.clone()))
         return out
 
     engine.backend.execute = spy
@@ -90,7 +93,8 @@ def test_the_stack_gives_the_per_layer_paths_logits_and_cache_bit_for_bit(gguf, 
     assert sum(stack_calls) == 0
     assert ids == want_ids
     assert len(logits) == len(want_logits)
-    for got, want in zip(logits, want_logits, strict=True):
+    assert [rows for rows, _ in logits] == [rows for rows, _ in want_logits]  # the same steps
+    for (_, got), (_, want) in zip(logits, want_logits, strict=True):
         assert torch.equal(got, want)
     assert torch.equal(engine.backend.cache.data, reference.backend.cache.data)
 
