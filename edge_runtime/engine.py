@@ -120,6 +120,8 @@ class Engine:
         self.scheduler.prefix_tier = self.prefixes = PrefixTier.open(
             config.prefix_store_dir, config.prefix_store_bytes, self.cache, self.pool, lambda: {
                 "model": name, "weights": weights_digest(backend, model), "format": self._costs_key})
+        # Reuse to a prompt's last token (docs/scheduler.md): rows invariant off the grid (not the ONNX graphs), in the slab.
+        self.scheduler.copy_rows = self.cache.copy_rows if backend.determinism()[0] and not backend.runs_onnx_weights else None
         self._set_slo()
         self.requests: dict[str, Request] = {}
         self.committer = TokenCommitter(self.grammars, tokenizer.eos_ids, cfg.vocab_size, self.max_context,
@@ -485,9 +487,7 @@ class Engine:
             "kv_cache_bytes": self.cache.nbytes,
             "block_size": pool.block_size,
             "max_context": self.max_context,
-            "prefix_cache_hit_rate": round(pool.stats.hit_rate, 4),
-            "prefix_cache_hit_blocks": pool.stats.hit_blocks,
-            "prefix_cache_queried_blocks": pool.stats.queried_blocks,
+            **pool.stats.as_dict(),
             **self.prefixes.stats(),
             "iterations": self.iterations,
             "tokens_generated": self.tokens_generated, "sampling": dict(self.committer.sampling_stats),

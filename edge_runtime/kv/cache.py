@@ -67,5 +67,11 @@ class KVCache:
                 if hi > lo:
                     self._pages.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
+    def copy_rows(self, src: int, dst: int, rows: int) -> None:
+        """Copy the first `rows` slots of block `src` into block `dst`, every layer's K and V (a
+        prompt reusing part of a cached block writes its next rows into a copy, never the donor)."""
+        s, d = src * self.block_size, dst * self.block_size
+        self.data[:, :, d : d + rows] = self.data[:, :, s : s + rows]
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[index]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edge_runtime.kv import attention_kernel
-from edge_runtime.model import family, gguf_layer
+from edge_runtime.model import family, gguf_layer, gguf_stack
 from edge_runtime.model.config import ModelConfig
 from edge_runtime.model.qweights import QuantWeight, quant_linear
 
@@ -462,6 +462,10 @@ class LlamaModel(nn.Module):
         `positions`: each token's row of the rotary table, its position plus `rope.offset(n)` for
         a sequence of n tokens (the position itself but for LongRoPE)."""
         tables = [rope.lookup(positions, x.dtype) for rope in self.ropes]
+        if start == 0 and stop is None:  # a decode step over a GGUF read in place: one call (gguf_stack)
+            stacked = gguf_stack.run(self, x, tables, ctx)
+            if stacked is not None:
+                return stacked
         for layer in self.layers[start:stop]:
             cos, sin = tables[self.cfg.layer_rope_table[layer.index]]
             x = layer(x, cos, sin, ctx)

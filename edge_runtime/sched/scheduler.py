@@ -22,7 +22,7 @@ from edge_runtime.sched.cost_model import CostModel
 from edge_runtime.sched.finetune import FineTuneJob, FineTuneQueue, must_finish
 from edge_runtime.sched.kv_relief import PruneUnderPressure
 from edge_runtime.sched.policy import Policy
-from edge_runtime.sched.prefix import cache_salt, match_prefix, register_full_blocks
+from edge_runtime.sched.prefix import cache_salt, match_prefix, register_full_blocks, release_blocks
 from edge_runtime.sched.slo import budget_ms, headroom_budget, slo_budgets
 from edge_runtime.sched.task import Task, TaskKind
 from edge_runtime.sequence import SeqStatus, Sequence
@@ -50,6 +50,8 @@ class Scheduler:
         self.pool = pool
         self.drafter = Drafter(0)  # decode rows' drafts (edge_runtime.spec): none unless the engine sets one
         self.prefix_tier: Any = None  # kv.prefix_tier.PrefixTier: the prefix cache's disk tier, set by the engine
+        # kv.cache.KVCache.copy_rows, set by the engine only where rows are invariant: prefix reuse to the last token
+        self.copy_rows: Any = None
         self.policy = policy
         self.costs = costs
         self.ledger = ledger
@@ -145,14 +147,10 @@ class Scheduler:
         total = -(-(seq.num_slots + new_tokens) // size)
         return max(0, total - len(seq.block_table))
 
-    def _release(self, seq: Sequence) -> None:
-        # Tail first: the head of a prompt is the most shareable, so it is evicted last.
-        for block in reversed(seq.block_table):
-            self.pool.release(block)
-        seq.block_table = []
-        seq.block_hashes = []
-        seq.num_computed = 0
-        seq.kv_layout = None  # a recompute writes every position whole again
+    def _release(self, seq: Sequence, keep_tail: bool = True) -> None:
+        # A kept tail's salt: LongRoPE's switch recomputes with other factors, so none there.
+        keep = keep_tail and self.copy_rows is not None and self.rope_switch is None
+        release_blocks(seq, self.pool, cache_salt(seq, None) if keep else None)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -170,7 +168,7 @@ class Scheduler:
         if (self.rope_switch is not None and seq.num_tokens == self.rope_switch + 1
                 and seq.status is SeqStatus.RUNNING and seq.num_computed > 0):
             self.running.remove(seq)
-            self._release(seq)  # its full blocks stay in the prefix cache, under the short salt
+            self._release(seq, keep_tail=False)  # its full blocks stay in the prefix cache, under the short salt
             seq.status = SeqStatus.WAITING
             seq.preemptions += 1  # its prompt's cache hits were counted already
             self.num_rope_recomputes += 1
@@ -455,7 +453,8 @@ class Scheduler:
             assert seq is not None
             fresh = seq.status is SeqStatus.WAITING
             if fresh and not seq.block_table:
-                match_prefix(seq, self.pool, cache_salt(seq, self.rope_switch), self.prefix_tier, placement.amount)
+                match_prefix(seq, self.pool, cache_salt(seq, self.rope_switch), self.prefix_tier, placement.amount,
+                             self.copy_rows)
                 metrics = seq.request.metrics
                 if metrics is not None and seq.index == 0 and seq.preemptions == 0:
                     metrics.cached_prompt_tokens = seq.num_computed
@@ -466,7 +465,7 @@ class Scheduler:
             need = self.blocks_needed(seq, n + len(draft))
             if n <= 0 or need > self.pool.num_free:
                 if fresh:
-                    self._release(seq)  # give back matched prefix blocks; retry later
+                    self._release(seq, keep_tail=False)  # give back matched prefix blocks; retry later
                 continue
             for _ in range(need):
                 seq.block_table.append(self.pool.allocate())

@@ -1,0 +1,118 @@
+"""The decode stack (`gguf_stack`, `gg_decode_stack`): a decode-only step over a GGUF read in place runs
+every layer in one call and gives the per-layer path's logits and KV cache bit for bit, rows of
+different contexts batched together; it stays off wherever the per-layer path would differ (prefill
+rows, LoRA rows, engine.deterministic, the attention kernel or the stack turned off)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edge_runtime import Engine, SamplingParams
+from edge_runtime.model import gguf_kernel, gguf_stack
+from tests.engine.helpers import _set_prompt_ids
+from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
+from tests.model.test_gguf_kernel import _VARIANTS, use_variant
+
+# Q4_K_M_LIKE but for layer 0's Q8_0 ffn_up (a part the fused layer does not take): every layer fused.
+K_QUANTS = {**{k: v for k, v in Q4_K_M_LIKE.items() if v != "Q8_0"}, "blk.0.ffn_up.weight": "Q5_K"}
+PROMPTS = [[5, 9, 13, 17, 21, 25, 29], list(range(40, 63)), [7, 300, 12]]
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    if not gguf_kernel.available():
+        pytest.skip("gguf_kernel's compiled library is not built here")
+    _, path = tiny_quant_gguf(tmp_path_factory.mktemp("q4km"), K_QUANTS, num_layers=3)
+    return path
+
+
+@pytest.fixture
+def stack_calls(monkeypatch) -> list[int]:
+    """How many steps the stack ran (one entry per step it was asked, 1 where it ran)."""
+    for name in (gguf_stack.ENV, *gguf_stack._ENVS):
+        monkeypatch.delenv(name, raising=False)
+    calls: list[int] = []
+    run = gguf_stack.run
+
+    def spy(*args):
+        out = run(*args)
+        calls.append(int(out is not None))
+        return out
+
+    monkeypatch.setattr(gguf_stack, "run", spy)
+    return calls
+
+
+def _engine(path, **settings) -> Engine:
+    """The torch backend on the file's own blocks; a policy without a latency budget, so both engines
+    of a comparison chunk the prompts alike (the per-layer path's prefill rows follow the chunks)."""
+    return Engine.load(str(path), backend="torch", torch_weights="gguf", dtype="float32", kv_cache_bytes=8 << 20,
+                       block_size=4, max_batched_tokens=16, policy="continuous", **settings)
+
+
+def _serve(engine: Engine, steps: int = 6) -> tuple[list[tuple[list[int], torch.Tensor]], list[list[int]]]:
+    """Every step's rows per sequence and logits, and each prompt's greedy ids, the prompts admitted
+    together."""
+    logits: list[tuple[list[int], torch.Tensor]] = []
+    execute = engine.backend.execute
+
+    def spy(batch, lora=None):
+        out = execute(batch) if lora is None else execute(batch, lora)
+        logits.append(([item.num_tokens for item in batch.items], out.clone()))
+        return out
+
+    engine.backend.execute = spy
+    ids = []
+    for prompt in PROMPTS:
+        rid = engine.add_request(engine.tokenizer.hf.decode(prompt), SamplingParams(max_tokens=steps, ignore_eos=True))
+        _set_prompt_ids(engine, rid, prompt)
+        ids.append(rid)
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    engine.backend.execute = execute
+    return logits, [outputs[rid].token_ids for rid in ids]
+
+
+@pytest.mark.parametrize("build", ["compiled", "portable"])
+def test_the_stack_gives_the_per_layer_paths_logits_and_cache_bit_for_bit(gguf, stack_calls, monkeypatch, build):
+    if build in _VARIANTS:
+        use_variant(build, monkeypatch)  # the portable loops (-DGG_GENERIC): what other machines run
+    engine = _engine(gguf)
+    if not engine.backend.cache.data.dtype == torch.float32:
+        pytest.skip("the stack serves float32 KV caches")
+    logits, ids = _serve(engine)
+    assert sum(stack_calls) >= 4  # the decode-only steps, three rows of different contexts each
+    assert 0 in stack_calls  # the prefill steps took the per-layer path
+    monkeypatch.setenv(gguf_stack.ENV, "off")
+    stack_calls.clear()
+    reference = _engine(gguf)
+    want_logits, want_ids = _serve(reference)
+    assert sum(stack_calls) == 0
+    assert ids == want_ids
+    assert len(logits) == len(want_logits)
+    assert [rows for rows, _ in logits] == [rows for rows, _ in want_logits]  # the same steps
+    for (_, got), (_, want) in zip(logits, want_logits, strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(engine.backend.cache.data, reference.backend.cache.data)
+
+
+@pytest.mark.parametrize("switch", [("MACE_ATTN_KERNEL", "off"), ("MACE_GGUF_FUSED_LAYER", "off"),
+                                    ("MACE_GGUF_ACTIVATIONS", "f32")])
+def test_the_stack_stays_off_where_the_layers_would_not_take_its_calls(gguf, stack_calls, monkeypatch, switch):
+    monkeypatch.setenv(*switch)
+    _serve(_engine(gguf), steps=3)
+    assert stack_calls and sum(stack_calls) == 0
+
+
+def test_the_stack_stays_off_under_engine_deterministic(gguf, stack_calls):
+    _serve(_engine(gguf, deterministic=True), steps=3)
+    assert stack_calls and sum(stack_calls) == 0
+
+
+def test_the_stack_stays_off_where_a_layer_is_not_fused(tmp_path, stack_calls):
+    _, path = tiny_quant_gguf(tmp_path, Q4_K_M_LIKE, num_layers=2)  # layer 0's Q8_0 ffn_up
+    _serve(_engine(path), steps=3)
+    assert stack_calls and sum(stack_calls) == 0
