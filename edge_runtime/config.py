@@ -80,7 +80,9 @@ class EngineConfig:
     # torch: projections in fixed row tiles and attention over at least 4 query rows, so a row's
     # kernels do not follow its batch (issue #31; not yet shown row-invariant end to end, so off;
     # ONNX Runtime on the CPU: batch-invariant without it; with it each decode row is a two-row
-    # query run alone, so it rounds as in a prefill or verify chunk: docs/onnx.md "Row invariance")
+    # query run alone, so it rounds as in a prefill or verify chunk: docs/onnx.md "Row invariance";
+    # torch over a GGUF read in place whose fast path is row-invariant: that path as it is, with or
+    # without this setting, docs/scheduler.md "Greedy is greedy")
     deterministic: bool = False
     # Prompt-lookup speculative decoding (docs/speculative.md): "on" = requests that leave it to
     # the engine ("auto") speculate while their acceptance pays; "off" = they never do; "auto" =

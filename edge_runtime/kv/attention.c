@@ -1,9 +1,10 @@
-/* Decode attention over the paged KV cache, the step's K/V written into their slots, and the
+/* Decode and prefill attention over the paged KV cache, the step's K/V written into their slots, and the
  * rotary turn of q and k, for the CPU (edge_runtime/kv/attention_kernel.py builds and calls it).
  *
- * Each decode row is computed alone, its keys in order, its sums in fixed lanes: a row's output does
- * not depend on the rows beside it, their contexts or the padding of the step's index (the
- * invariant torch's GEMMs only keep with padded rows and key tiles, issue #31). C with GCC/Clang's
+ * Each row (a decode row, or a prefill chunk's) is computed alone, its keys in order, its sums in fixed
+ * lanes: a row's output does not depend on the rows beside it, their contexts, the chunk it came in
+ * or the padding of the step's index (the invariant torch's GEMMs only keep with padded rows and key
+ * tiles, issue #31). C with GCC/Clang's
  * generic vectors (8 float lanes: the compiler picks AVX, NEON or scalar code); every sum runs in
  * fixed lanes and a fixed order (-ffp-contract=off: a*b + c a rounded product, then a rounded sum).
  */
@@ -92,6 +93,105 @@ static inline const float *kv_row(const void *base, int bf16, const int64_t *ind
     return buf;
 }
 
+/* One query row (its heads' q widened into qf) over its n keys: softmax(cap(q.K^T * scale)) V per query
+ * head, with the KV head its group of heads shares, into acc [heads * d]. Keys and values as
+ * `kv_row` reads them (`slots` or `ent`, `width` entries a head apart in `ent` and `keep`);
+ * `keep` (NULL or [kv_heads, width] bytes) gives masked keys exact zero weights; `weights` (NULL or
+ * [heads, width]) receives the softmax weights. The row's arithmetic depends on its q, its keys in
+ * order and n only: a row gives the same bits in any call (a decode step, a prefill chunk). */
+static void attend_row(const float *qf, const void *k_base, const void *v_base, const int64_t *slots,
+                       const int64_t *ent, int64_t v_shift, const uint8_t *keep, int64_t n, int64_t width,
+                       int64_t heads, int64_t kv_heads, int64_t d, float scale, float cap, int bf16, float *sc,
+                       float *inv, float *acc, float *buf, float *weights) {
+    int64_t group = heads / kv_heads;
+    for (int64_t j = 0; j < n; j++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            if (keep && !keep[h * width + j]) {
+                for (int64_t g = 0; g < group; g++) sc[(h * group + g) * width + j] = -INFINITY;
+                continue;
+            }
+            const float *kr = kv_row(k_base, bf16, slots, ent, 0, j, h, kv_heads, d, buf);
+            for (int64_t g = 0; g < group; g++) {
+                float x = dot(qf + (h * group + g) * d, kr, d) * scale;
+                if (cap > 0.0f) x = tanhf(x / cap) * cap;
+                sc[(h * group + g) * width + j] = x;
+            }
+        }
+    }
+    for (int64_t hh = 0; hh < heads; hh++) {
+        float *s = sc + hh * width;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+        /* e^(s - m) in place, 8 at a time (masked keys exact zeros, the tail's padding not
+         * summed), summed in 8 lanes and then in a fixed order */
+        v8 sum = {0};
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            v8 x = load8(s + j);
+            v8 e = exp8(x - m);
+            if (keep) {
+                v8i live = x > -INFINITY, bits;
+                memcpy(&bits, &e, sizeof bits);
+                bits &= live;
+                memcpy(&e, &bits, sizeof e);
+            }
+            store8(s + j, e);
+            sum += e;
+        }
+        if (j < n) {
+            float tail[8];
+            for (int l = 0; l < 8; l++) tail[l] = j + l < n ? s[j + l] - m : -100.0f;
+            v8 e = exp8(load8(tail));
+            for (int l = 0; j + l < n; l++) {
+                float w = s[j + l] > -INFINITY ? e[l] : 0.0f;
+                s[j + l] = w;
+                sum[l] += w;
+            }
+        }
+        inv[hh] = 1.0f / (((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7])));
+    }
+    memset(acc, 0, (size_t)(heads * d) * sizeof(float));
+    for (int64_t j = 0; j < n; j++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            if (keep && !keep[h * width + j]) continue;
+            const float *vr = kv_row(v_base, bf16, slots, ent, v_shift, j, h, kv_heads, d, buf);
+            for (int64_t g = 0; g < group; g++) {
+                int64_t hh = h * group + g;
+                float w = sc[hh * width + j] * inv[hh];
+                float *o = acc + hh * d;
+                for (int64_t i = 0; i < d; i += 8) store8(o + i, load8(o + i) + load8(vr + i) * w);
+            }
+        }
+    }
+    if (weights) {
+        for (int64_t hh = 0; hh < heads; hh++) {
+            float *w = weights + hh * width;
+            for (int64_t j = 0; j < n; j++) w[j] = sc[hh * width + j] * inv[hh];
+            for (int64_t j = n; j < width; j++) w[j] = 0.0f;
+        }
+    }
+}
+
+/* Query row `row` of q (q_stride elements between rows) widened into qf [heads * d]. */
+static inline void load_q(const void *q, int64_t q_stride, int64_t row, int64_t n, int bf16, float *qf) {
+    if (bf16) {
+        const uint16_t *p = (const uint16_t *)q + row * q_stride;
+        for (int64_t i = 0; i < n; i++) qf[i] = bf16_to_f32(p[i]);
+    } else {
+        memcpy(qf, (const float *)q + row * q_stride, (size_t)n * sizeof(float));
+    }
+}
+
+/* acc [n] into output row `row` of out (out_stride elements between rows). */
+static inline void store_out(void *out, int64_t out_stride, int64_t row, int64_t n, int bf16, const float *acc) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)out + row * out_stride;
+        for (int64_t i = 0; i < n; i++) dst[i] = f32_to_bf16(acc[i]);
+    } else {
+        memcpy((float *)out + row * out_stride, acc, (size_t)n * sizeof(float));
+    }
+}
+
 /* For each decode row b (query row rows[b] of q, output row rows[b] of out) and each query head:
  * softmax(cap(q.K^T * scale)) V over the row's lens[b] cached positions with the KV head its group
  * of heads shares. q: [*, heads, d] with q_stride elements between rows; out: [*, heads * d] with
@@ -109,92 +209,37 @@ int decode_attention(const void *q, int64_t q_stride, const void *k_base, const 
                      float cap, const uint8_t *mask, float *weights, void *out, int64_t out_stride, int bf16,
                      float *scratch) {
     if (d % 8 || kv_heads <= 0 || heads % kv_heads) return -1;
-    int64_t group = heads / kv_heads;
     float *qf = scratch, *acc = qf + heads * d, *sc = acc + heads * d, *inv = sc + heads * width;
     float *buf = inv + heads;
     for (int64_t b = 0; b < batch; b++) {
-        int64_t n = lens[b];
-        const int64_t *slots = index + b * width;
-        const int64_t *ent = entries ? entries + b * width * kv_heads : NULL;
-        const uint8_t *keep = mask ? mask + b * kv_heads * width : NULL;
-        if (bf16) {
-            const uint16_t *p = (const uint16_t *)q + rows[b] * q_stride;
-            for (int64_t i = 0; i < heads * d; i++) qf[i] = bf16_to_f32(p[i]);
-        } else {
-            memcpy(qf, (const float *)q + rows[b] * q_stride, (size_t)(heads * d) * sizeof(float));
-        }
-        for (int64_t j = 0; j < n; j++) {
-            for (int64_t h = 0; h < kv_heads; h++) {
-                if (keep && !keep[h * width + j]) {
-                    for (int64_t g = 0; g < group; g++) sc[(h * group + g) * width + j] = -INFINITY;
-                    continue;
-                }
-                const float *kr = kv_row(k_base, bf16, slots, ent, 0, j, h, kv_heads, d, buf);
-                for (int64_t g = 0; g < group; g++) {
-                    float x = dot(qf + (h * group + g) * d, kr, d) * scale;
-                    if (cap > 0.0f) x = tanhf(x / cap) * cap;
-                    sc[(h * group + g) * width + j] = x;
-                }
-            }
-        }
-        for (int64_t hh = 0; hh < heads; hh++) {
-            float *s = sc + hh * width;
-            float m = -INFINITY;
-            for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
-            /* e^(s - m) in place, 8 at a time (masked keys exact zeros, the tail's padding not
-             * summed), summed in 8 lanes and then in a fixed order */
-            v8 sum = {0};
-            int64_t j = 0;
-            for (; j + 8 <= n; j += 8) {
-                v8 x = load8(s + j);
-                v8 e = exp8(x - m);
-                if (keep) {
-                    v8i live = x > -INFINITY, bits;
-                    memcpy(&bits, &e, sizeof bits);
-                    bits &= live;
-                    memcpy(&e, &bits, sizeof e);
-                }
-                store8(s + j, e);
-                sum += e;
-            }
-            if (j < n) {
-                float tail[8];
-                for (int l = 0; l < 8; l++) tail[l] = j + l < n ? s[j + l] - m : -100.0f;
-                v8 e = exp8(load8(tail));
-                for (int l = 0; j + l < n; l++) {
-                    float w = s[j + l] > -INFINITY ? e[l] : 0.0f;
-                    s[j + l] = w;
-                    sum[l] += w;
-                }
-            }
-            inv[hh] = 1.0f / (((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7])));
-        }
-        memset(acc, 0, (size_t)(heads * d) * sizeof(float));
-        for (int64_t j = 0; j < n; j++) {
-            for (int64_t h = 0; h < kv_heads; h++) {
-                if (keep && !keep[h * width + j]) continue;
-                const float *vr = kv_row(v_base, bf16, slots, ent, v_shift, j, h, kv_heads, d, buf);
-                for (int64_t g = 0; g < group; g++) {
-                    int64_t hh = h * group + g;
-                    float w = sc[hh * width + j] * inv[hh];
-                    float *o = acc + hh * d;
-                    for (int64_t i = 0; i < d; i += 8) store8(o + i, load8(o + i) + load8(vr + i) * w);
-                }
-            }
-        }
-        if (weights) {
-            for (int64_t hh = 0; hh < heads; hh++) {
-                float *w = weights + (b * heads + hh) * width;
-                for (int64_t j = 0; j < n; j++) w[j] = sc[hh * width + j] * inv[hh];
-                for (int64_t j = n; j < width; j++) w[j] = 0.0f;
-            }
-        }
-        if (bf16) {
-            uint16_t *dst = (uint16_t *)out + rows[b] * out_stride;
-            for (int64_t i = 0; i < heads * d; i++) dst[i] = f32_to_bf16(acc[i]);
-        } else {
-            memcpy((float *)out + rows[b] * out_stride, acc, (size_t)(heads * d) * sizeof(float));
-        }
+        load_q(q, q_stride, rows[b], heads * d, bf16, qf);
+        attend_row(qf, k_base, v_base, index + b * width, entries ? entries + b * width * kv_heads : NULL, v_shift,
+                   mask ? mask + b * kv_heads * width : NULL, lens[b], width, heads, kv_heads, d, scale, cap, bf16,
+                   sc, inv, acc, buf, weights ? weights + b * heads * width : NULL);
+        store_out(out, out_stride, rows[b], heads * d, bf16, acc);
+    }
+    return 0;
+}
+
+/* Prefill rows [first, last) as decode rows: row t (query and output row rows[t]) attends the lens[t]
+ * slots slots[starts[t]], ... of the caches [slots, kv_heads, d] (its causal prefix, within its
+ * window), one index array shared by every row, so a chunk of n rows needs no [n, context] index.
+ * Each row is computed as `decode_attention` computes a decode row with the same keys: the same bits
+ * in a chunk of any extent, in any split of the rows across calls, and as a lone decode row.
+ * `scratch`: heads * (2 d + width + 1) + d floats, width >= every lens[t]. Returns as
+ * `decode_attention`. Rows are independent: callers split them across threads. */
+int prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int64_t *slots,
+                      const int64_t *starts, const int64_t *lens, const int64_t *rows, int64_t first, int64_t last,
+                      int64_t width, int64_t heads, int64_t kv_heads, int64_t d, float scale, float cap, void *out,
+                      int64_t out_stride, int bf16, float *scratch) {
+    if (d % 8 || kv_heads <= 0 || heads % kv_heads) return -1;
+    float *qf = scratch, *acc = qf + heads * d, *sc = acc + heads * d, *inv = sc + heads * width;
+    float *buf = inv + heads;
+    for (int64_t t = first; t < last; t++) {
+        load_q(q, q_stride, rows[t], heads * d, bf16, qf);
+        attend_row(qf, k_cache, v_cache, slots + starts[t], NULL, 0, NULL, lens[t], width, heads, kv_heads, d, scale,
+                   cap, bf16, sc, inv, acc, buf, NULL);
+        store_out(out, out_stride, rows[t], heads * d, bf16, acc);
     }
     return 0;
 }

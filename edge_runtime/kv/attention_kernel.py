@@ -1,6 +1,6 @@
-"""The compiled decode attention, KV write and float32 rotary turn on CPU (attention.c, built once per
-machine by `qkernel.build_library` and loaded with ctypes); torch's ops stay the path wherever it
-is unavailable, turned off (MACE_ATTN_KERNEL=off) or the shapes are past it. Owns no state."""
+"""The compiled decode and prefill attention, KV write and float32 rotary turn on CPU (attention.c, built
+once per machine by `qkernel.build_library` and loaded with ctypes); torch's ops stay the path wherever
+it is unavailable, turned off (MACE_ATTN_KERNEL=off) or the shapes are past it. Owns no state."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import ctypes
 import functools
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -38,6 +39,9 @@ def _library() -> ctypes.CDLL | None:
     lib.decode_attention.argtypes = [_P, _I, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float,
                                      ctypes.c_float, _P, _P, _P, _I, ctypes.c_int, _P]
     lib.decode_attention.restype = ctypes.c_int
+    lib.prefill_attention.argtypes = [_P, _I, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float,
+                                      ctypes.c_float, _P, _I, ctypes.c_int, _P]
+    lib.prefill_attention.restype = ctypes.c_int
     lib.write_kv.argtypes = [_P, _I, _P, _I, _P, _I, _I, _I, _P, _P]
     lib.write_kv.restype = None
     lib.rope_f32.argtypes = [_P, _I, _P, _P, _I, _I, _I, _I, _P]
@@ -51,6 +55,22 @@ def usable(cache: Tensor) -> bool:
     kernel's results are plain numbers)."""
     return (cache.device.type == "cpu" and cache.dtype in (torch.float32, torch.bfloat16) and enabled()
             and not torch.is_grad_enabled() and not _capturing() and _library() is not None)
+
+
+def invariance_gap(cache: Tensor, heads: int) -> str | None:
+    """Why a serving step's attention over `cache` ([layers, 2, slots, kv_heads, d]) with `heads`
+    query heads would not go through the compiled per-row kernel (each row's bits its own prefix's,
+    prefill rows as decode rows), or None where it does (outside autograd, as serving runs)."""
+    kv_heads, d = cache.shape[-2:]
+    if not enabled():
+        return f"{ENV}=off: prefill chunks attend through torch's GEMMs, whose rounding follows the chunk"
+    if _library() is None:
+        return "the compiled attention is not built here (no C compiler): torch's GEMMs attend"
+    if cache.device.type != "cpu" or cache.dtype != torch.float32:
+        return f"a {cache.dtype} KV cache on {cache.device.type}: the fused layer's float32 rows take torch's attention"
+    if d % 8 or heads % kv_heads:
+        return f"{heads} heads over {kv_heads} of width {d}: past the compiled attention"
+    return None
 
 
 def rows_ok(x: Tensor, dtype: torch.dtype) -> bool:
@@ -102,6 +122,52 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, index: Tensor,
         ptr(mask), ptr(weights), out.data_ptr(), out.stride(0), int(q.dtype == torch.bfloat16), scratch.data_ptr())
     if rc != 0:
         raise KernelUnavailable(f"decode attention refused {heads} heads over {kv_heads} of width {d}")
+
+
+# Below this many (query row, key) pairs a part, a prefill call runs on fewer threads: a thread's
+# start (~50 us) outweighs its share.
+_SPLIT_PAIRS = 2048
+
+
+def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, starts: Tensor, lens: Tensor,
+                      rows: Tensor, cap: float | None, out: Tensor, threads: int = 1) -> None:
+    """out[rows[t]] = softmax(cap(q[rows[t]] . K^T / sqrt(d))) V over the lens[t] slots
+    slots[starts[t]:starts[t] + lens[t]] of the caches [slots, kv_heads, d], for every row t (a
+    prefill chunk's rows: each its causal prefix within its window, all reading one slot array).
+    Each row is computed as `decode_attention` computes a decode row over the same slots, bit for bit,
+    whatever rows share the call or how they are split across the `threads` (ranges of rows, ctypes
+    releasing the GIL; the last on the calling thread). q [T, heads, d] (rows contiguous), out
+    [T, heads * d] contiguous; slots, starts, lens, rows int64. `decode_ready` must hold."""
+    heads, d = q.shape[1:]
+    kv_heads = k_cache.shape[1]
+    slots, starts, lens, rows = slots.contiguous(), starts.contiguous(), lens.contiguous(), rows.contiguous()
+    n = rows.shape[0]
+    if n == 0:
+        return
+    width = int(lens.max())
+    work = lens.cumsum(0)
+    parts = max(1, min(threads, n, int(work[-1]) // _SPLIT_PAIRS))
+    # Ranges of rows with about equal (row, key) pairs each: causal rows grow towards the chunk's end.
+    bounds = [0, *torch.searchsorted(work, work[-1] * torch.arange(1, parts) / parts).tolist(), n]
+    lib, failed = _library(), []
+
+    def run(first: int, last: int) -> None:
+        scratch = torch.empty(heads * (2 * d + width + 1) + d, dtype=torch.float32)
+        rc = lib.prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   slots.data_ptr(), starts.data_ptr(), lens.data_ptr(), rows.data_ptr(), first, last,
+                                   width, heads, kv_heads, d, d ** -0.5, cap or 0.0, out.data_ptr(), out.stride(0),
+                                   int(q.dtype == torch.bfloat16), scratch.data_ptr())
+        if rc != 0:
+            failed.append(rc)
+
+    workers = [threading.Thread(target=run, args=(bounds[i], bounds[i + 1])) for i in range(parts - 1)]
+    for w in workers:
+        w.start()
+    run(bounds[-2], bounds[-1])
+    for w in workers:
+        w.join()
+    if failed:
+        raise KernelUnavailable(f"prefill attention refused {heads} heads over {kv_heads} of width {d}")
 
 
 def write_kv(k: Tensor, v: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:

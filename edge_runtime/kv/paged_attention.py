@@ -3,11 +3,13 @@
 Built once per iteration from the scheduled sequences, then called by every layer: it writes the
 new keys/values into their slots and attends each query to its sequence's cached context.
 Decode rows (one query each) are batched into a single padded attention call; prefill chunks
-attend one sequence at a time. Results do not depend on the batch (see `attend`).
+attend one sequence at a time, or, with the compiled kernel (kv/attention.c), every row alone over
+its causal prefix as a decode row would. Results do not depend on the batch (see `attend`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +81,7 @@ class PagedContext:
         slots = {id(s): position_slots(s.layout, s.block_table, cache.block_size) for s in seqs}
         self.slot_mapping = torch.cat([slots[id(s)][s.ctx_len - s.q_len : s.ctx_len] for s in seqs]).to(device)
         windows = set(sliding_window) if isinstance(sliding_window, tuple) else {sliding_window}
-        self.plans = {w: _WindowPlan(seqs, slots, device, w) for w in windows}
+        self.plans = {w: _WindowPlan(seqs, slots, device, w, self.compiled) for w in windows}
         # Decode KV pruning (edge_runtime.kv.pruning) runs only where every layer sees its whole
         # context (the engine refuses it with windows), so it masks the one plan there is.
         self.decode_pruning = None
@@ -107,10 +109,14 @@ class PagedContext:
         kv_heads = k.shape[1]
         group = heads // kv_heads
         out = q.new_empty(t, heads * d)
-        compiled = (self.compiled and plan.decode_rows is not None
-                    and attention_kernel.decode_shapes_ok(q, k_cache))
-
-        for start, n, kv_index, mask in plan.prefills:
+        compiled = self.compiled and attention_kernel.decode_shapes_ok(q, k_cache)
+        if compiled and plan.prefill_rows is not None:
+            # Every prefill row alone over its causal prefix, as a decode row over the same keys:
+            # its bits then follow its own prefix only, not the chunk's extent (issue #31).
+            attention_kernel.prefill_attention(q, k_cache, v_cache, *plan.prefill_rows, self.softcap, out,
+                                               torch.get_num_threads())
+        prefills = () if compiled and plan.prefill_rows is not None else plan.prefills
+        for start, n, kv_index, mask in prefills:
             # [n, heads, d] -> [kv_heads, group * n, d]: the query heads sharing a KV head are
             # folded into the rows, so GQA needs no copy of keys or values.
             qh = q[start : start + n].view(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * n, d)
@@ -121,11 +127,11 @@ class PagedContext:
             o = attend(qh, kh, vh, mask.repeat(group, 1), self.softcap, self._min_rows, self.row_invariant)
             out[start : start + n] = o.view(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 
-        if compiled:
+        if compiled and plan.decode_rows is not None:
             self._decode_compiled(layer, plan, q, k_cache, v_cache, out)
         elif plan.decode_rows is not None:
             threads = torch.get_num_threads()
-            if not plan.prefills and threads > 1 and q.device.type == "cpu":
+            if not plan.has_prefills and threads > 1 and q.device.type == "cpu":
                 # A decode-only step's attention is a few small GEMMs a layer: on one thread. Split
                 # across threads, each call waits on a worker waking (or on the core that the GGUF
                 # kernel's pool still spins on after a product): ~0.1 ms a call on a busy 2-core box.
@@ -208,21 +214,19 @@ class _WindowPlan:
     """Which cached keys each sequence reads under one window (None: its whole context)."""
 
     def __init__(self, seqs: list[SeqAttention], slots: dict[int, Tensor], device: torch.device,
-                 sliding_window: int | None) -> None:
+                 sliding_window: int | None, compiled: bool = False) -> None:
         decodes = [s for s in seqs if s.q_len == 1]
         self.decodes = decodes
-        self.prefills = []
+        self._window = sliding_window
+        # (sequence, position of its first key slot, those slots) per prefill chunk
+        self._runs = []
         for s in seqs:
-            if s.q_len == 1:
-                continue
-            first = 0 if sliding_window is None else max(0, s.ctx_len - s.q_len - sliding_window + 1)
-            kv_index = slots[id(s)][first : s.ctx_len].to(device)
-            mask = None
-            if s.ctx_len != s.q_len or sliding_window is not None:
-                q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=device)[:, None]
-                k_pos = torch.arange(first, s.ctx_len, device=device)[None, :]
-                mask = window_mask(q_pos, k_pos, sliding_window)
-            self.prefills.append((s.q_start, s.q_len, kv_index, mask))
+            if s.q_len > 1:
+                first = 0 if sliding_window is None else max(0, s.ctx_len - s.q_len - sliding_window + 1)
+                self._runs.append((s, first, slots[id(s)][first : s.ctx_len].to(device)))
+        # With the compiled kernel: (slots, starts, lens, rows) of `attention_kernel.prefill_attention`,
+        # every chunk's key slots in one array, each row reading its own causal (windowed) run of it.
+        self.prefill_rows = _prefill_rows(self._runs, sliding_window) if compiled and self._runs else None
 
         self.decode_rows = None
         if decodes:
@@ -239,6 +243,41 @@ class _WindowPlan:
             self.decode_lens = valid.sum(1).to(device)  # each row's key count: its index row's first entries
             # [B, 1, 1, width]: broadcast over kv heads and the folded query heads.
             self.decode_mask = valid.to(device)[:, None, None, :]
+
+    @property
+    def has_prefills(self) -> bool:
+        return bool(self._runs)
+
+    @functools.cached_property
+    def prefills(self) -> list[tuple[int, int, Tensor, Tensor | None]]:
+        """(first row, rows, key slots, mask or None: causal over the chunk alone) per prefill chunk,
+        for torch's `attend`."""
+        out = []
+        for s, first, kv_index in self._runs:
+            mask = None
+            if s.ctx_len != s.q_len or self._window is not None:
+                device = kv_index.device
+                q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=device)[:, None]
+                k_pos = torch.arange(first, s.ctx_len, device=device)[None, :]
+                mask = window_mask(q_pos, k_pos, self._window)
+            out.append((s.q_start, s.q_len, kv_index, mask))
+        return out
+
+
+def _prefill_rows(runs: list[tuple[SeqAttention, int, Tensor]], window: int | None) -> tuple[Tensor, ...]:
+    """`prefill_attention`'s (slots, starts, lens, rows) for the chunks `runs` ((sequence, position of
+    its first key slot, those slots)): the row at position p reads positions [max(0, p + 1 - window), p]
+    (all of [0, p] without a window), the keys a decode row at p reads."""
+    starts, lens, rows, offset = [], [], [], 0
+    for s, first, kv_index in runs:
+        ends = torch.arange(s.ctx_len - s.q_len + 1, s.ctx_len + 1)  # each row's position + 1
+        row_first = ends.new_zeros(s.q_len) if window is None else (ends - window).clamp(min=0)
+        starts.append(offset + row_first - first)
+        lens.append(ends - row_first)
+        rows.append(torch.arange(s.q_start, s.q_start + s.q_len))
+        offset += kv_index.shape[0]
+    device = runs[0][2].device
+    return (torch.cat([kv for _, _, kv in runs]), *(torch.cat(x).to(device) for x in (starts, lens, rows)))
 
 
 # The fewest query rows `attend` multiplies at once on the row-invariant path: torch's CPU batched

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from edge_runtime.lora.config import ALL_TARGETS, AdapterError, LoraSettings
 from edge_runtime.model.config import ModelConfig
-from edge_runtime.model.llama import FUSED_TARGETS, linear
+from edge_runtime.model.llama import FUSED_TARGETS, linear, row_invariant_linear
 
 Key = tuple[int, str]  # (layer index, projection name)
 
@@ -173,15 +173,18 @@ def concat_ranks(parts: Sequence[LoraWeights]) -> LoraWeights:
     return LoraWeights(settings, a, b)
 
 
-def lora_delta(x: Tensor, a: Tensor, b: Tensor, scale: float, dropout: float = 0.0) -> Tensor:
+def lora_delta(x: Tensor, a: Tensor, b: Tensor, scale: float, dropout: float = 0.0,
+               row_invariant: bool = False) -> Tensor:
     """PEFT's LoRA term `B(A(dropout(x))) * scale`, computed in the adapter's dtype and returned
-    in x's, so a bf16 base can carry float32 master weights while training."""
+    in x's, so a bf16 base can carry float32 master weights while training. `row_invariant`: each
+    row's bits a function of that row alone, whatever the row count (`row_invariant_linear`)."""
     h = x if x.dtype == a.dtype else x.to(a.dtype)
     if dropout:
         h = F.dropout(h, dropout, training=True)
     # `linear`, not F.linear: a group of one row must round like the same row in a bigger group,
     # so a user's greedy output does not depend on who shares the batch.
-    out = linear(linear(h, a), b) * scale
+    lin = row_invariant_linear if row_invariant else linear
+    out = lin(lin(h, a), b) * scale
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 

@@ -1,7 +1,8 @@
 """The fused serving layer (#28): a llama-like `DecoderLayer` over a GGUF read in place, in four
 grouped kernel calls (`gguf_kernel.group_matmul`: norm + q8_K + q|k|v; o_proj onto the residual;
 norm + q8_K + gate|up; silu * up + q8_K + down_proj onto the residual) around rope and attention,
-where the layer and the step allow it (`plans`); LoRA deltas still apply to every projection."""
+where the layer and the step allow it (`plans`); LoRA deltas still apply to every projection. Says
+whether a whole model's serving rows are row-invariant on this path (`row_invariance_gap`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,14 @@ from torch import Tensor
 
 from edge_runtime.model.gguf_weight import ACTIVATIONS_ENV, GgufWeight, activations_mode, kernel
 
+# The part types whose int8 row products (grouped, and the head's `RawRows.matmul`) were measured and
+# are tested to give a row the same bits alone as among 1-512 rows (tests/model/test_gguf_row_invariance.py).
+INVARIANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
 ENV = "MACE_GGUF_FUSED_LAYER"  # "off": every layer takes llama.py's per-op path
 _KERNEL_ENV = "MACE_GGUF_KERNEL"  # gguf_kernel.ENV (that module needs gguf-py: imported only where built)
+# The environment switches `plans` and `row_invariance_gap` read (a caller keeps their answer while these stay).
+SWITCHES = (ENV, ACTIVATIONS_ENV, _KERNEL_ENV)
 
 
 def _static(layer) -> bool:
@@ -60,6 +67,26 @@ def plans(layer, x: Tensor, ctx) -> tuple | None:
     group = _plans(layer, weights, key[3]) if (key[0] or "on").lower() != "off" else None
     layer.__dict__["_fused_plans"] = (key, refs, group)  # refs: the ids in key stay theirs
     return group
+
+
+def row_invariance_gap(model) -> str | None:
+    """Why a serving step's rows of `model` (a `LlamaModel`) would not be row-invariant through the
+    fused path, or None where they are: every layer takes it (`plans`, in inference mode) and the
+    head is an int8 row product of K-quant parts. The attention (the compiled per-row kernel) and
+    the LoRA deltas are the caller's to check."""
+    if model.dtype != torch.float32:
+        return f"the model runs in {model.dtype} (the fused layer takes float32 rows)"
+    probe = torch.zeros(1, model.cfg.hidden_size)
+    with torch.inference_mode():
+        for layer in model.layers:
+            if plans(layer, probe, None) is None:
+                return f"layer {layer.index} does not take the fused int8 serving layer (gguf_layer.plans)"
+    head = model.lm_head_weight()
+    if not isinstance(head, GgufWeight) or any(p.qtype not in INVARIANT_TYPES for p in head.raw_parts):
+        return "the LM head is not a K-quant GGUF matrix (its product's rows may round by the row count)"
+    if activations_mode(head.activations) not in ("int8", "auto"):
+        return "the LM head's products take float activations (engine.gguf_activations)"
+    return None
 
 
 def _plans(layer, weights: tuple, inference: bool) -> tuple | None:

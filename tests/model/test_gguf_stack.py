@@ -1,7 +1,8 @@
 """The decode stack (`gguf_stack`, `gg_decode_stack`): a decode-only step over a GGUF read in place runs
 every layer in one call and gives the per-layer path's logits and KV cache bit for bit, rows of
 different contexts batched together; it stays off wherever the per-layer path would differ (prefill
-rows, LoRA rows, engine.deterministic, the attention kernel or the stack turned off)."""
+rows, LoRA rows, engine.deterministic where the fast path is not row-invariant, the attention kernel or
+the stack turned off)."""
 
 from __future__ import annotations
 
@@ -107,8 +108,19 @@ def test_the_stack_stays_off_where_the_layers_would_not_take_its_calls(gguf, sta
     assert stack_calls and sum(stack_calls) == 0
 
 
-def test_the_stack_stays_off_under_engine_deterministic(gguf, stack_calls):
-    _serve(_engine(gguf, deterministic=True), steps=3)
+def test_under_engine_deterministic_the_stack_runs_only_where_the_fast_path_is_row_invariant(gguf, stack_calls,
+                                                                                             tmp_path):
+    """engine.deterministic takes the fast path as it is where that path is row-invariant
+    (TorchBackend.fast_path_gap; docs/scheduler.md), and torch's tiles, without the stack, elsewhere."""
+    engine = _engine(gguf, deterministic=True)
+    assert engine.backend.fast_path_gap() is None
+    _serve(engine, steps=3)
+    assert sum(stack_calls) > 0
+    stack_calls.clear()
+    _, path = tiny_quant_gguf(tmp_path, {**K_QUANTS, "output.weight": "Q8_0"}, num_layers=2)  # every layer fused
+    engine = _engine(path, deterministic=True)
+    assert "LM head" in engine.backend.fast_path_gap()
+    _serve(engine, steps=3)
     assert stack_calls and sum(stack_calls) == 0
 
 
