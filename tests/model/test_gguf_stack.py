@@ -52,15 +52,21 @@ def _engine(path, **settings) -> Engine:
                        block_size=4, max_batched_tokens=16, policy="continuous", **settings)
 
 
-def _serve(engine: Engine, steps: int = 6) -> tuple[list[tuple[list[int], torch.Tensor]], list[list[int]]]:
-    """Every step's rows per sequence and logits, and each prompt's greedy ids, the prompts admitted
-    together."""
-    logits: list[tuple[list[int], torch.Tensor]] = []
+def _serve(engine: Engine, steps: int = 6) -> tuple[list[tuple[list[int], torch.Tensor, torch.Tensor]],
+                                                    list[list[int]]]:
+    """Every step's rows per sequence, logits and the keys/values it wrote (every layer, in row
+    order: where they lie in the cache follows the pool's history, e.g. a cost calibration's
+    probes), and each prompt's greedy ids, the prompts admitted together."""
+    steps_seen: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
     execute = engine.backend.execute
+    cache, size = engine.backend.cache.data, engine.pool.block_size
 
     def spy(batch, lora=None):
         out = execute(batch) if lora is None else execute(batch, lora)
-        logits.append(([item.num_tokens for item in batch.items], out.clone()))
+        slots = [item.seq.block_table[p // size] * size + p % size for item in batch.items
+                 for p in range(item.seq.num_computed, item.seq.num_computed + item.num_tokens)]
+        written = cache[:, :, torch.tensor(slots)].clone()  # [layers, 2, rows, kv_heads, d]
+        steps_seen.append(([item.num_tokens for item in batch.items], out.clone(), written))
         return out
 
     engine.backend.execute = spy
@@ -74,7 +80,7 @@ def _serve(engine: Engine, steps: int = 6) -> tuple[list[tuple[list[int], torch.
         for out in engine.step():
             outputs[out.request_id] = out
     engine.backend.execute = execute
-    return logits, [outputs[rid].token_ids for rid in ids]
+    return steps_seen, [outputs[rid].token_ids for rid in ids]
 
 
 @pytest.mark.parametrize("build", ["compiled", "portable"])
@@ -94,10 +100,10 @@ def test_the_stack_gives_the_per_layer_paths_logits_and_cache_bit_for_bit(gguf, 
     assert sum(stack_calls) == 0
     assert ids == want_ids
     assert len(logits) == len(want_logits)
-    assert [rows for rows, _ in logits] == [rows for rows, _ in want_logits]  # the same steps
-    for (_, got), (_, want) in zip(logits, want_logits, strict=True):
+    assert [rows for rows, _, _ in logits] == [rows for rows, _, _ in want_logits]  # the same steps
+    for (_, got, got_kv), (_, want, want_kv) in zip(logits, want_logits, strict=True):
         assert torch.equal(got, want)
-    assert torch.equal(engine.backend.cache.data, reference.backend.cache.data)
+        assert torch.equal(got_kv, want_kv)
 
 
 @pytest.mark.parametrize("switch", [("MACE_ATTN_KERNEL", "off"), ("MACE_GGUF_FUSED_LAYER", "off"),
