@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge_runtime import Engine, SamplingParams
+from edge_runtime import Engine
 from edge_runtime.model import gguf_kernel, gguf_stack
-from tests.engine.helpers import _set_prompt_ids
+from tests.engine.helpers import engine_greedy_batch
 from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
 from tests.model.test_gguf_kernel import _VARIANTS, use_variant
 
@@ -70,17 +70,10 @@ def _serve(engine: Engine, steps: int = 6) -> tuple[list[tuple[list[int], torch.
         return out
 
     engine.backend.execute = spy
-    ids = []
-    for prompt in PROMPTS:
-        rid = engine.add_request(engine.tokenizer.hf.decode(prompt), SamplingParams(max_tokens=steps, ignore_eos=True))
-        _set_prompt_ids(engine, rid, prompt)
-        ids.append(rid)
-    outputs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs[out.request_id] = out
-    engine.backend.execute = execute
-    return steps_seen, [outputs[rid].token_ids for rid in ids]
+    try:
+        return steps_seen, engine_greedy_batch(engine, PROMPTS, steps)
+    finally:
+        engine.backend.execute = execute
 
 
 @pytest.mark.parametrize("build", ["compiled", "portable"])
