@@ -77,7 +77,7 @@ def _decode_plan(ctx, m: int):
             or ctx.decode_pruning is not None or ctx.decode_entries is not None or len(ctx.plans) != 1):
         return None
     plan = ctx.plans.get(None)
-    if plan is None or plan.prefills or plan.decode_rows is None or plan.decode_rows.shape[0] != m:
+    if plan is None or plan.has_prefills or plan.decode_rows is None or plan.decode_rows.shape[0] != m:
         return None
     return plan
 
