@@ -7,14 +7,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from edge_runtime.model.qkernel import KernelUnavailable, build_library
+from edge_runtime.model.qkernel import KernelUnavailable, build_library, switch_on
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +24,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "on").lower() not in ("off", "0", "false", "no")
+    return switch_on(ENV)
 
 
 @functools.cache

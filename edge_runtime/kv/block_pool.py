@@ -17,9 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
-def block_hash(parent: bytes | None, tokens: Sequence[int], salt: str = "") -> bytes:
-    """Chain hash of a full block; `salt` separates caches of different adapter versions."""
-    h = hashlib.blake2b(digest_size=16)
+def block_hash(parent: bytes | None, tokens: Sequence[int], salt: str = "", person: bytes = b"") -> bytes:
+    """Chain hash of a full block; `salt` separates caches of different adapter versions; `person`
+    separates kinds of key (`tail_hash`)."""
+    h = hashlib.blake2b(digest_size=16, person=person)
     h.update(parent or b"root")
     h.update(salt.encode())
     h.update(b",".join(str(t).encode() for t in tokens))
@@ -28,11 +29,7 @@ def block_hash(parent: bytes | None, tokens: Sequence[int], salt: str = "") -> b
 
 def tail_hash(parent: bytes | None, tokens: Sequence[int], salt: str = "") -> bytes:
     """A kept tail's key: its own personalisation, so it never equals a full block's hash."""
-    h = hashlib.blake2b(digest_size=16, person=b"mace-kv-tail")
-    h.update(parent or b"root")
-    h.update(salt.encode())
-    h.update(b",".join(str(t).encode() for t in tokens))
-    return h.digest()
+    return block_hash(parent, tokens, salt, b"mace-kv-tail")
 
 
 def common_rows(a: Sequence[int], b: Sequence[int]) -> int:

@@ -16,7 +16,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 from torch import Tensor
 
-from edge_runtime.model.qkernel import KernelUnavailable, build_library
+from edge_runtime.model.qkernel import KernelUnavailable, build_library, switch_on
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class GGUFKernelError(ValueError):
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "on").lower() not in ("off", "0", "false", "no")
+    return switch_on(ENV)
 
 
 @functools.cache

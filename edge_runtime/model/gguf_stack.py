@@ -13,6 +13,7 @@ from torch import Tensor
 from edge_runtime.kv import attention_kernel
 from edge_runtime.model import gguf_layer
 from edge_runtime.model.gguf_weight import ACTIVATIONS_ENV
+from edge_runtime.model.qkernel import switch_on
 
 ENV = "MACE_GGUF_STACK"  # "off": each layer's own calls (gguf_layer.forward)
 _ENVS = (gguf_layer.ENV, ACTIVATIONS_ENV, gguf_layer._KERNEL_ENV, attention_kernel.ENV)
@@ -107,7 +108,7 @@ def run(model, x: Tensor, tables: list[tuple[Tensor, Tensor]], ctx) -> Tensor | 
     step the stack computes as the per-layer path does (LlamaModel.run_layers' result, bit for bit),
     else None (the caller runs the layers)."""
     if (x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or torch.is_grad_enabled()
-            or not _static(model) or os.environ.get(ENV, "on").lower() in ("off", "0", "false", "no")):
+            or not _static(model) or not switch_on(ENV)):
         return None
     m = x.shape[0]
     plan = _decode_plan(ctx, m)

@@ -43,8 +43,14 @@ class KernelUnavailable(RuntimeError):
     cache, another OS); callers fall back to torch."""
 
 
+def switch_on(name: str) -> bool:
+    """Whether the environment switch `name` (a kernel's A/B switch, on unless set to off/0/false/no)
+    is on."""
+    return os.environ.get(name, "on").lower() not in ("off", "0", "false", "no")
+
+
 def enabled() -> bool:
-    return os.environ.get(ENV, "on").lower() not in ("off", "0", "false", "no")
+    return switch_on(ENV)
 
 
 @functools.cache
