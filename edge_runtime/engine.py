@@ -44,6 +44,7 @@ from edge_runtime.model.tokenizer import Tokenizer
 from edge_runtime.outputs import RequestMetrics, RequestOutput, TokenEvent
 from edge_runtime.runner import ForwardRunner
 from edge_runtime.sampling import SamplingParams
+from edge_runtime.sched.bins import settings_determinism
 from edge_runtime.sched.cost_model import graph_version, load_cost_model, load_stage_costs
 from edge_runtime.sched.finetune import FineTuneJob, FineTuneWork
 from edge_runtime.sched.kv_relief import PruneUnderPressure
@@ -134,8 +135,7 @@ class Engine:
         self.iterations = 0
         self.kv_compactions = 0  # times a pruned sequence's KV was packed and blocks given back
         self.last_iteration_s = 0.0
-        # Called (engine thread) once an iteration's tokens are emitted and before its
-        # fine-tune stages run, so a host can hand those tokens on without waiting for them.
+        # Called on the engine thread once an iteration's tokens are out, before its fine-tune stages run.
         self.on_tokens_emitted: Callable[[], None] | None = None
 
     # -- construction -----------------------------------------------------------------------
@@ -477,16 +477,16 @@ class Engine:
         return {
             "model": self.model_name,
             "backend": self.backend.name, **getattr(self.backend, "stats", dict)(),
-            **dict(zip(("deterministic", "deterministic_reason"), self.backend.determinism(), strict=True)),
+            **dict(zip(("deterministic", "deterministic_reason"), settings_determinism(
+                self.backend.determinism(), on_grid=self.scheduler.copy_rows is None, block_size=pool.block_size,
+                max_batched_tokens=self.config.max_batched_tokens,
+                kv_prune_when=None if self.kv_pruning is None else self.kv_pruning.when), strict=True)),
             "device": str(self.model.device),
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "requests_in_flight": len(self.requests),
-            "kv_blocks_total": pool.num_blocks,
-            "kv_blocks_used": pool.num_used,
+            "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used,
             "kv_blocks_cached_free": pool.num_cached_free,
-            "kv_cache_bytes": self.cache.nbytes,
-            "block_size": pool.block_size,
-            "max_context": self.max_context,
+            "kv_cache_bytes": self.cache.nbytes, "block_size": pool.block_size, "max_context": self.max_context,
             **pool.stats.as_dict(),
             **self.prefixes.stats(),
             "iterations": self.iterations,

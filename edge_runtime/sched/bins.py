@@ -33,6 +33,25 @@ def grid_piece(start: int, n: int, end: int, grid: int, at_least_one: bool = Fal
     return max(0, stop - start)
 
 
+def settings_determinism(answer: tuple[bool, str], *, on_grid: bool, max_batched_tokens: int, block_size: int,
+                         kv_prune_when: str | None) -> tuple[bool, str]:
+    """A backend's `determinism()` answer as an engine's settings leave it. `on_grid`: the backend's
+    rows are invariant only with prefill chunks on the block grid, which a token budget under the
+    grid's largest smallest chunk (a block and the row it never leaves alone) forces off it;
+    `kv_prune_when` (None: no KV pruning): a pruned stream keeps the keys its own attention used,
+    under pressure from when memory ran short, and a preempted one recomputes them all."""
+    if not answer[0]:
+        return answer
+    if kv_prune_when is not None:
+        return False, (f"KV pruning is on (kv_prune_when = {kv_prune_when!r}): a stream's kept keys follow its "
+                       + ("memory pressure, " if kv_prune_when == "pressure" else "") + "and a preemption's "
+                       "recompute restores them all; without pruning: " + answer[1])
+    if on_grid and max_batched_tokens <= block_size:
+        return False, (f"max_batched_tokens {max_batched_tokens} <= the KV block size {block_size}: prefill chunks "
+                       "leave the block grid, where this backend's rows are invariant; otherwise: " + answer[1])
+    return answer
+
+
 @dataclass(slots=True)
 class Placement:
     task: Task

@@ -306,6 +306,16 @@ def test_pruned_engine_keeps_each_head_within_its_capacity(model_dir: Path) -> N
     assert bool(state.retained[:, :, :2].all())  # sinks
 
 
+@pytest.mark.parametrize("when", ["always", "pressure"])
+def test_a_pruning_engine_does_not_claim_deterministic_answers(model_dir: Path, when: str) -> None:
+    """torch with engine.deterministic says its rows are invariant; with pruning on, a stream's
+    kept keys follow its own attention (and memory pressure), so the engine's stats say false."""
+    assert make_engine(model_dir, deterministic=True).stats()["deterministic"] is True
+    stats = make_engine(model_dir, deterministic=True, kv_prune_policy="mace", kv_prune_capacity=10,
+                        kv_prune_when=when).stats()
+    assert stats["deterministic"] is False and "KV pruning is on" in stats["deterministic_reason"]
+
+
 # -- kv_prune_when = "pressure": pruning turned on per sequence when KV blocks run short ----------
 
 TIGHT_BLOCKS = 16  # blocks of 8 positions: 128, for three streams of 37 + 40 tokens (10 blocks each)

@@ -10,7 +10,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_runtime.sched.bins import grid_piece
+from edge_runtime.sched.bins import grid_piece, settings_determinism
 from edge_runtime.sched.registry import POLICIES, make_policy
 from tests.sched.sim import Sim
 
@@ -22,6 +22,23 @@ def test_grid_piece_ends_on_the_grid_or_at_the_end_and_never_leaves_one_row() ->
     assert grid_piece(16, 200, 100, 16) == 84  # the rest, whole
     assert grid_piece(0, 48, 49, 16) == 32  # 48 would leave the last row alone
     assert grid_piece(32, 1, 49, 16, at_least_one=True) == 17  # the last grid chunk takes it
+
+
+def test_settings_that_break_a_backends_row_invariance_turn_its_deterministic_answer_false() -> None:
+    """The token budget that the property test below starts at (17 = a block and the row it never
+    leaves alone) is where a grid-reliant backend stops being deterministic; a backend whose rows
+    are invariant off the grid keeps its answer; KV pruning breaks either; a False stays False."""
+    yes = (True, "rows invariant")
+    grid = dict(block_size=16, kv_prune_when=None)
+    assert settings_determinism(yes, on_grid=True, max_batched_tokens=17, **grid) == yes
+    ok, why = settings_determinism(yes, on_grid=True, max_batched_tokens=16, **grid)
+    assert not ok and "max_batched_tokens 16" in why and why.endswith("rows invariant")
+    assert settings_determinism(yes, on_grid=False, max_batched_tokens=1, **grid) == yes
+    for when in ("always", "pressure"):
+        ok, why = settings_determinism(yes, on_grid=False, max_batched_tokens=256, block_size=16, kv_prune_when=when)
+        assert not ok and f"kv_prune_when = {when!r}" in why and ("memory pressure" in why) == (when == "pressure")
+    no = (False, "not known")
+    assert settings_determinism(no, on_grid=True, max_batched_tokens=1, block_size=16, kv_prune_when="always") == no
 
 
 @given(policy=st.sampled_from(sorted(POLICIES)), prompts=st.lists(st.integers(2, 120), min_size=1, max_size=8),
