@@ -142,12 +142,12 @@ def run_all(engine: Any) -> None:
 
 
 def decode(engine: Any, timer: OpTimer, streams: int, tokens: int, unbounded: bool = True,
-           prompt_tokens: int = 0, ab_env: str | None = None) -> dict[str, Any]:
+           prompt_tokens: int = 0, ab_env: str | None = None, adapter: str | None = None) -> dict[str, Any]:
     """tok/s of `streams` greedy streams counted once every stream has its first token; with
     `prompt_tokens`, each stream's prompt is that long (the decode attention's cost follows the
     context: a served chat's template alone is ~40 tokens), else a short sentence. With `ab_env`,
     the decode steps alternate that switch (e.g. MACE_ATTN_KERNEL) off and on, and the result adds
-    each setting's median step."""
+    each setting's median step. `adapter`: every stream is that user's (their LoRA on every row)."""
     from edge_runtime import SamplingParams
 
     if unbounded:  # every row in every step, whatever the policy's latency budget admits
@@ -155,7 +155,7 @@ def decode(engine: Any, timer: OpTimer, streams: int, tokens: int, unbounded: bo
     for i in range(streams):
         prompt = text_of_tokens(engine.tokenizer, prompt_tokens, offset=7 * i) if prompt_tokens else \
             f"Tell me about the sea, number {i}."
-        engine.add_request(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
+        engine.add_request(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True), adapter=adapter)
     while engine.has_unfinished():  # prefill steps until every row decodes
         engine.step()
         sched = engine.scheduler  # every stream admitted and past its first token
@@ -184,6 +184,23 @@ def decode(engine: Any, timer: OpTimer, streams: int, tokens: int, unbounded: bo
         out["ab"] = {"env": ab_env, **{k: {"median_step_s": round(statistics.median(v), 4), "steps": len(v)}
                                        for k, v in ab_steps.items() if v}}
     return out
+
+
+def publish_random_adapter(engine: Any, rank: int, targets: str) -> str:
+    """A user "bench" with a random adapter (A as PEFT initialises it, B small random) published."""
+    import torch
+
+    from edge_runtime.lora import LoraSettings
+    from edge_runtime.lora.config import ATTN_TARGETS, MLP_TARGETS
+    from edge_runtime.lora.weights import LoraWeights
+
+    settings = LoraSettings(rank=rank, alpha=2.0 * rank, **({"target_modules": ATTN_TARGETS + MLP_TARGETS} if targets == "all" else {}))
+    weights = LoraWeights.init(engine.model.cfg, settings, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    for b in weights.b.values():
+        b.copy_(torch.randn(b.shape, generator=gen) * 0.01)
+    engine.publish_adapter("bench", weights)
+    return "bench"
 
 
 def prefill(engine: Any, timer: OpTimer, tokens: int) -> dict[str, Any]:
@@ -280,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", type=int, default=256, help="prompt tokens of the prefill chunk (0: none)")
     ap.add_argument("--dpo-tokens", type=int, default=0, help="tokens of a DPO pair's prompt and each answer (0: none)")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--adapter-rank", type=int, default=0,
+                    help="decode streams with a user's random LoRA adapter of this rank (0: the base model)")
+    ap.add_argument("--adapter-targets", choices=("attention", "all"), default="attention",
+                    help="the adapter's projections: q/k/v/o (the default LoraSettings) or every linear")
     ap.add_argument("--llama", action="store_true", help="llama-cpp-python's 1-stream tok/s each round")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--report", nargs="+", metavar="LABEL=JSON",
@@ -309,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     result["load_s"] = round(time.perf_counter() - t0, 1)
     result["torch_threads"] = torch.get_num_threads()
     log(f"loaded in {result['load_s']} s")
+    adapter = publish_random_adapter(engine, args.adapter_rank, args.adapter_targets) if args.adapter_rank else None
+    result["adapter"] = {"rank": args.adapter_rank, "targets": args.adapter_targets} if adapter else None
     decode(engine, timer, 1, 2)  # warm: first touches of the mapped pages
 
     def save() -> None:  # after every figure: a run cut short by a timeout keeps what it measured
@@ -324,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             save()
         for s in (int(x) for x in args.streams.split(",") if x):
             row[f"decode_{s}"] = decode(engine, timer, s, args.tokens, prompt_tokens=args.prompt_tokens,
-                                        ab_env=args.ab_env)
+                                        ab_env=args.ab_env, adapter=adapter)
             log(f"decode {s}: {json.dumps(row[f'decode_{s}'])}")
             save()
         if args.prefill:

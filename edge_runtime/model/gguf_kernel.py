@@ -30,7 +30,7 @@ ACTIVATIONS_ENV = "MACE_GGUF_ACTIVATIONS"
 # whatever the weight's size.
 TILE_ELEMENTS = 1 << 20
 SOURCE = Path(__file__).with_name("gguf_native.c")
-INCLUDES = tuple(SOURCE.with_name(f"gguf_native_{part}.c") for part in ("q8", "k8", "pool", "fused", "stack"))  # what SOURCE includes
+INCLUDES = tuple(SOURCE.with_name(f"gguf_native_{part}.c") for part in ("q8", "k8", "pool", "fused", "lora", "stack"))  # what SOURCE includes
 _FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]  # no errno: sqrt inline
 # Weights each thread takes at least (the library's own pool wakes a spinning worker in well under a
 # microsecond, a sleeping one in 10-50 us on a quiet machine), and the rows of x above which a product
@@ -77,8 +77,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                 p, i64, i32]
     lib.gg_group_k8.restype = i32
     lib.gg_decode_stack.argtypes = [p, p, i64, i64, i64, p, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, p, p, p,
-                                    p, p, p, i64, ctypes.c_float, ctypes.c_float, p, p, p, p, p, p, p, p]
+                                    p, p, p, i64, ctypes.c_float, ctypes.c_float, p, p, p, p, p, p, p, p, p, p, p, i32]
     lib.gg_decode_stack.restype = i32
+    lib.gg_lora.argtypes = [p, i64, p, i64, p, i64, i32]
+    lib.gg_lora.restype = i32
     lib.gg_dequant.restype = lib.gg_matmul.restype = lib.gg_matmul_q8.restype = i32
     lib.gg_dequant_mt.restype = lib.gg_matmul_mt.restype = i32
     lib.gg_quantize_x.restype = lib.gg_quantize_k8.restype = None

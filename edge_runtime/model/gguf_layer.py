@@ -1,7 +1,7 @@
 """The fused serving layer (#28): a llama-like `DecoderLayer` over a GGUF read in place, in four
 grouped kernel calls (`gguf_kernel.group_matmul`: norm + q8_K + q|k|v; o_proj onto the residual;
 norm + q8_K + gate|up; silu * up + q8_K + down_proj onto the residual) around rope and attention,
-where the layer and the step allow it (`plans`); LoRA deltas still apply to every projection. Says
+where the layer and the step allow it (`plans`), with the LoRA terms of adapter rows (gguf_lora). Says
 whether a whole model's serving rows are row-invariant on this path (`row_invariance_gap`)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import torch
 from torch import Tensor
 
+from edge_runtime.model import gguf_lora
 from edge_runtime.model.gguf_weight import ACTIVATIONS_ENV, GgufWeight, activations_mode, kernel
 
 # The part types whose int8 row products (grouped, and the head's `RawRows.matmul`) were measured and
@@ -105,55 +106,44 @@ def _plans(layer, weights: tuple, inference: bool) -> tuple | None:
     return (gk, *group)
 
 
-def _add(base: Tensor, delta: Tensor | None) -> Tensor:
-    return base if delta is None else base + delta
-
-
 def forward(layer, x: Tensor, cos: Tensor, sin: Tensor, ctx, group: tuple, rope) -> Tensor:
     """`DecoderLayer.forward` on the fused path (`plans` gave `group`; `rope`: llama.py's
     `apply_rope`, passed in so this module needs nothing of llama.py's): the same values as llama.py's
-    but for the C norm and silu (a last-bit difference in a prepared row; `group_matmul`)."""
+    but for the C norm and silu (a last-bit difference in a prepared row; `group_matmul`) and the LoRA
+    terms, added onto each projection's output in C (gguf_lora: each row alone, in a fixed order) or,
+    where those cannot serve the applier, as torch's deltas."""
     gk, qkv_plan, o_plan, gate_up_plan, down_plan = group
     cfg, lora, index = layer.cfg, ctx.lora, layer.index
     eps, offset, keep = cfg.rms_norm_eps, cfg.norm_offset, lora is not None
+    plan = gguf_lora.plan_for(lora, cfg, cfg.num_layers) if keep else None
+
+    def add_lora(stage: int, inputs: Tensor, out: Tensor) -> None:
+        if plan is not None:
+            plan.run(gk._library(), index, stage, inputs, out, torch.get_num_threads(), cfg)
+        else:
+            gguf_lora.add_torch(lora, index, stage, inputs, out, cfg)
+
     x = x.contiguous()
     qkv, hn = gk.group_matmul(x, qkv_plan, gk.PREP_NORM, layer.input_norm.detach(), offset, eps, keep=keep)
+    if keep:
+        add_lora(0, hn, qkv)
     # From here to the attention: llama.py's DecoderLayer.forward for this config.
-    fused = cfg.fused_projections
-    if lora is not None and fused:
-        qkv = _add(qkv, lora.delta(index, "qkv_proj", hn))
-    q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-    if lora is not None and not fused:
-        q = _add(q, lora.delta(index, "q_proj", hn))
-        k = _add(k, lora.delta(index, "k_proj", hn))
-        v = _add(v, lora.delta(index, "v_proj", hn))
     t = x.shape[0]
-    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.rope_layers[index] and lora is None:
-        qk = qkv[:, : cfg.q_size + cfg.kv_size].unflatten(-1, (cfg.num_heads + cfg.num_kv_heads, cfg.head_dim))
-        q, k = rope(qk, cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-    else:
-        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.rope_layers[index]:
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
+    v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    qk = qkv[:, : cfg.q_size + cfg.kv_size].unflatten(-1, (cfg.num_heads + cfg.num_kv_heads, cfg.head_dim))
+    if cfg.rope_layers[index]:
+        qk = rope(qk, cos, sin)
+    q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
     if cfg.query_scale != 1.0:
         q = q * cfg.query_scale
     attn = ctx.attention(index, q, k, v).contiguous()
-    if lora is None:
-        x, _ = gk.group_matmul(attn, o_plan, base=x)
-    else:
-        out, _ = gk.group_matmul(attn, o_plan)
-        x = x + _add(out, lora.delta(index, "o_proj", attn))
+    x, _ = gk.group_matmul(attn, o_plan, base=x)
+    if keep:
+        add_lora(1, attn, x)
     gate_up, hn = gk.group_matmul(x, gate_up_plan, gk.PREP_NORM, layer.post_norm.detach(), offset, eps, keep=keep)
-    if lora is not None and fused:
-        gate_up = _add(gate_up, lora.delta(index, "gate_up_proj", hn))
-    elif lora is not None:
-        gate, up = gate_up.chunk(2, dim=-1)
-        gate_up = torch.cat([_add(gate, lora.delta(index, "gate_proj", hn)),
-                             _add(up, lora.delta(index, "up_proj", hn))], dim=-1)
-    if lora is None:
-        x, _ = gk.group_matmul(gate_up, down_plan, gk.PREP_SILU_MUL, base=x)
-        return x
-    out, act = gk.group_matmul(gate_up.contiguous(), down_plan, gk.PREP_SILU_MUL, keep=True)
-    return x + _add(out, lora.delta(index, "down_proj", act))
+    if keep:
+        add_lora(2, hn, gate_up)
+    x, act = gk.group_matmul(gate_up, down_plan, gk.PREP_SILU_MUL, base=x, keep=keep)
+    if keep:
+        add_lora(3, act, x)
+    return x

@@ -435,6 +435,7 @@ int gg_matmul(int type, const uint8_t *raw, int64_t n, int64_t k, const float *x
 #include "gguf_native_k8.c" /* q8_K-x decode products on Q4_K/Q5_K/Q6_K, Q8_0 */
 #include "gguf_native_pool.c" /* the thread pool and the calls through it */
 #include "gguf_native_fused.c" /* the fused serving layer's grouped calls */
+#include "gguf_native_lora.c" /* the serving rows' LoRA terms */
 #include "gguf_native_stack.c" /* every layer of a decode step in one call */
 
 #if !defined(__clang__)

@@ -1,6 +1,7 @@
 """The decode stack (#28): every layer of a decode-only step over a GGUF read in place in one C call
 (`gg_decode_stack` in gguf_native_stack.c: the fused serving layer's calls in its order, with
-kv/attention.c's rope, KV write and attention), where the step allows it (`run`); else None."""
+kv/attention.c's rope, KV write and attention and the adapter rows' LoRA terms, gguf_lora's), where
+the step allows it (`run`); else None."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor
 
 from edge_runtime.kv import attention_kernel
-from edge_runtime.model import gguf_layer
+from edge_runtime.model import gguf_layer, gguf_lora
 from edge_runtime.model.gguf_weight import ACTIVATIONS_ENV
 from edge_runtime.model.qkernel import switch_on
 
@@ -74,7 +75,7 @@ def _static(model) -> bool:
 
 def _decode_plan(ctx, m: int):
     """The attention plan of a decode-only step of `m` rows on the compiled path, else None."""
-    if (not getattr(ctx, "compiled", False) or ctx.lora is not None or getattr(ctx, "row_invariant", False)
+    if (not getattr(ctx, "compiled", False) or getattr(ctx, "row_invariant", False)
             or ctx.decode_pruning is not None or ctx.decode_entries is not None or len(ctx.plans) != 1):
         return None
     plan = ctx.plans.get(None)
@@ -118,6 +119,9 @@ def run(model, x: Tensor, tables: list[tuple[Tensor, Tensor]], ctx) -> Tensor | 
     if stack is None:
         return None
     cfg = model.cfg
+    lora = None if ctx.lora is None else gguf_lora.plan_for(ctx.lora, cfg, cfg.num_layers)
+    if ctx.lora is not None and (lora is None or lora.rest is not None):
+        return None  # torch's deltas serve some rows: the per-layer path
     heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     cos = [c for c, _ in tables]
     sin = [s for _, s in tables]
@@ -134,13 +138,15 @@ def run(model, x: Tensor, tables: list[tuple[Tensor, Tensor]], ctx) -> Tensor | 
     attn = torch.empty(m, q_size)
     gate_up = torch.empty(m, 2 * cfg.intermediate_size)
     scratch = torch.empty(heads * (2 * d + width + 1) + d)
+    xf = torch.empty(m, max(x.shape[1], cfg.intermediate_size)) if lora is not None else None
     cos_p = (ctypes.c_void_p * len(cos))(*(t.data_ptr() for t in cos))
     sin_p = (ctypes.c_void_p * len(sin))(*(t.data_ptr() for t in sin))
     rc = stack.gk._library().gg_decode_stack(
         out.data_ptr(), x2.data_ptr(), m, x.shape[1], len(model.layers), ctypes.byref(stack.layers), heads, kv_heads,
         d, r, cfg.norm_offset, cfg.rms_norm_eps, cos_p, sin_p, slots.data_ptr(), index.data_ptr(), lens.data_ptr(),
         rows.data_ptr(), width, d ** -0.5, ctx.softcap or 0.0, qkv.data_ptr(), qk.data_ptr(), attn.data_ptr(),
-        gate_up.data_ptr(), scratch.data_ptr(), *stack.fns)
+        gate_up.data_ptr(), scratch.data_ptr(), *stack.fns, None if lora is None else ctypes.byref(lora.terms),
+        None if lora is None else lora.spans.data_ptr(), None if xf is None else xf.data_ptr(), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"the decode stack's call failed ({rc}) where its plan said it applies")
     return out

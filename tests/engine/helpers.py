@@ -49,12 +49,15 @@ def reference_logits(hf_model, ids: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([ids])).logits[0].float()
 
 
-def engine_greedy_batch(engine: Engine, prompts: list[list[int]], steps: int) -> list[list[int]]:
+def engine_greedy_batch(engine: Engine, prompts: list[list[int]], steps: int,
+                        adapters: list[str | None] | None = None) -> list[list[int]]:
     """Greedy-decode `steps` tokens for every prompt, all admitted at once so they share
-    iterations (decode rows beside prefill chunks); returns each prompt's generated ids."""
+    iterations (decode rows beside prefill chunks), each with its user's adapter where `adapters`
+    names one; returns each prompt's generated ids."""
     ids = []
-    for prompt_ids in prompts:
-        rid = engine.add_request(engine.tokenizer.hf.decode(prompt_ids), SamplingParams(max_tokens=steps, ignore_eos=True))
+    for i, prompt_ids in enumerate(prompts):
+        rid = engine.add_request(engine.tokenizer.hf.decode(prompt_ids), SamplingParams(max_tokens=steps, ignore_eos=True),
+                                 adapter=None if adapters is None else adapters[i])
         _set_prompt_ids(engine, rid, prompt_ids)
         ids.append(rid)
     outputs = {}

@@ -1,8 +1,8 @@
 """The decode stack (`gguf_stack`, `gg_decode_stack`): a decode-only step over a GGUF read in place runs
 every layer in one call and gives the per-layer path's logits and KV cache bit for bit, rows of
-different contexts batched together; it stays off wherever the per-layer path would differ (prefill
-rows, LoRA rows, engine.deterministic where the fast path is not row-invariant, the attention kernel or
-the stack turned off)."""
+different contexts batched together, adapter rows among them (their LoRA terms in C on both paths); it
+stays off wherever the per-layer path would differ (prefill rows, engine.deterministic where the fast
+path is not row-invariant, the attention kernel or the stack turned off)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from edge_runtime import Engine
+from edge_runtime.lora import LoraSettings
 from edge_runtime.model import gguf_kernel, gguf_stack
 from tests.engine.helpers import engine_greedy_batch
+from tests.lora.helpers import ALL_LINEAR, random_adapter
 from tests.model.quant_helpers import Q4_K_M_LIKE, tiny_quant_gguf
 from tests.model.test_gguf_kernel import _VARIANTS, use_variant
 
@@ -52,8 +54,8 @@ def _engine(path, **settings) -> Engine:
                        block_size=4, max_batched_tokens=16, policy="continuous", **settings)
 
 
-def _serve(engine: Engine, steps: int = 6) -> tuple[list[tuple[list[int], torch.Tensor, torch.Tensor]],
-                                                    list[list[int]]]:
+def _serve(engine: Engine, steps: int = 6, adapters: list[str | None] | None = None
+           ) -> tuple[list[tuple[list[int], torch.Tensor, torch.Tensor]], list[list[int]]]:
     """Every step's rows per sequence, logits and the keys/values it wrote (every layer, in row
     order: where they lie in the cache follows the pool's history, e.g. a cost calibration's
     probes), and each prompt's greedy ids, the prompts admitted together."""
@@ -71,23 +73,33 @@ def _serve(engine: Engine, steps: int = 6) -> tuple[list[tuple[list[int], torch.
 
     engine.backend.execute = spy
     try:
-        return steps_seen, engine_greedy_batch(engine, PROMPTS, steps)
+        return steps_seen, engine_greedy_batch(engine, PROMPTS, steps, adapters)
     finally:
         engine.backend.execute = execute
 
 
-@pytest.mark.parametrize("build", ["compiled", "portable"])
-def test_the_stack_gives_the_per_layer_paths_logits_and_cache_bit_for_bit(gguf, stack_calls, monkeypatch, build):
+def _with_adapters(engine: Engine) -> Engine:
+    """alice: every projection at rank 4; bob: q and v at rank 2."""
+    cfg = engine.model.cfg
+    engine.publish_adapter("alice", random_adapter(cfg, LoraSettings(rank=4, alpha=8, target_modules=ALL_LINEAR), 1))
+    engine.publish_adapter("bob", random_adapter(cfg, LoraSettings(rank=2, alpha=4, target_modules=("q_proj", "v_proj")), 2))
+    return engine
+
+
+@pytest.mark.parametrize("build, users", [("compiled", None), ("portable", None), ("compiled", ["alice", None, "bob"])])
+def test_the_stack_gives_the_per_layer_paths_logits_and_cache_bit_for_bit(gguf, stack_calls, monkeypatch, build, users):
+    """Also with two users' adapters beside a base row (`users`): the adapter rows' LoRA terms
+    (gguf_native_lora.c) run inside the stack as the per-layer path runs them."""
     if build in _VARIANTS:
         use_variant(build, monkeypatch)  # the portable loops (-DGG_GENERIC): what other machines run
     engine = _engine(gguf)  # dtype float32: a float32 KV cache, which the stack serves
-    logits, ids = _serve(engine)
+    logits, ids = _serve(_with_adapters(engine) if users else engine, adapters=users)
     assert sum(stack_calls) >= 4  # the decode-only steps, three rows of different contexts each
     assert 0 in stack_calls  # the prefill steps took the per-layer path
     monkeypatch.setenv(gguf_stack.ENV, "off")
     stack_calls.clear()
     reference = _engine(gguf)
-    want_logits, want_ids = _serve(reference)
+    want_logits, want_ids = _serve(_with_adapters(reference) if users else reference, adapters=users)
     assert sum(stack_calls) == 0
     assert ids == want_ids
     assert len(logits) == len(want_logits)
