@@ -22,9 +22,10 @@ static float harness_tanhf(float x) {
 }
 #endif
 
-/* Floats of scratch a call over `width` keys needs: the formula in the comments above
+/* Floats of scratch a call over `width` keys needs: the formulas in the comments above
    decode_attention and prefill_attention (the one place to follow them). */
-#define SCRATCH_FLOATS(heads, d, width) ((heads) * (2 * (d) + (width) + 1) + (d))
+#define DECODE_SCRATCH(heads, d, width) ((heads) * (2 * (d) + (width) + 1) + (d))
+#define PREFILL_SCRATCH(heads, d, width) ((heads) * (2 * (d) + (width) + 1) + (d))
 
 enum { B = 6, WIDTH = 200, SLOTS = 64, CHUNK = 13, PAST = 40, WINDOW = 24 };
 static const int64_t LENS[B] = {1, 7, 8, 9, 63, 200}; /* decode rows' keys: one, part of 8 lanes, 8, 8 + 1, ... */
@@ -84,7 +85,10 @@ static int attention_case(int c, int64_t heads, int64_t kv, int64_t d, int bf16,
     put("c%d/index", c, index, sizeof index);
     put("c%d/lens", c, LENS, sizeof LENS);
     put("c%d/rows", c, rows, sizeof rows);
-    float *scratch = malloc(SCRATCH_FLOATS(heads, d, WIDTH) * sizeof(float));
+    const int64_t most = DECODE_SCRATCH(heads, d, WIDTH) > PREFILL_SCRATCH(heads, d, WIDTH)
+                             ? DECODE_SCRATCH(heads, d, WIDTH)
+                             : PREFILL_SCRATCH(heads, d, WIDTH); /* WIDTH >= the chunk's keys */
+    float *scratch = malloc(most * sizeof(float));
     float *weights = malloc(B * heads * WIDTH * sizeof(float));
     char *o = calloc(CHUNK * os, elem); /* CHUNK > B rows */
     int rc = 0;
