@@ -6,6 +6,7 @@ kernel's promises (prefill rows are decode rows, bit for bit; the float64 bound 
 from __future__ import annotations
 
 import functools
+import hashlib
 import platform
 import shutil
 import subprocess
@@ -69,6 +70,12 @@ def harness_output(tmp_path_factory):
         return _records(out.read_bytes())
 
     return run
+
+
+@pytest.fixture(scope="module")
+def checked_cases() -> set[bytes]:
+    """Digests of the cases already checked (most builds write the same bytes: checked once)."""
+    return set()
 
 
 def _records(data: bytes) -> dict[str, bytes]:
@@ -164,7 +171,7 @@ def _check_write_and_rope(rec: dict[str, bytes]) -> None:
 
 
 @pytest.mark.parametrize("build", BUILDS)
-def test_each_build_keeps_the_kernels_promises(build, harness_output, monkeypatch):
+def test_each_build_keeps_the_kernels_promises(build, harness_output, checked_cases, monkeypatch):
     """On every build: prefill rows (one call, row ranges) are the same rows as lone decode rows, bit
     for bit; decode rows through `entries` or with weights are the plain ones; masked keys get exact
     zero weights; all within the decode tests' float64 bound; write_kv is index_copy and rope is
@@ -173,8 +180,12 @@ def test_each_build_keeps_the_kernels_promises(build, harness_output, monkeypatc
     cases = _cases(rec)
     assert len(cases) == 16
     for c in cases:
+        digest = hashlib.sha256(b"".join(rec[name] for name in sorted(rec) if name.startswith(f"c{c}/"))).digest()
+        if digest in checked_cases:  # the same bytes as a case an earlier build showed to keep them
+            continue
         case = _case(rec, c)
         _check_case(case, bounds[case["dtype"]], monkeypatch)
+        checked_cases.add(digest)
     _check_write_and_rope(rec)
 
 
