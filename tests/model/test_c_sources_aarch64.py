@@ -49,6 +49,17 @@ def test_the_builds_cover_every_c_source_in_the_package():
     assert read == {p.resolve() for p in PACKAGE.rglob("*.c")}
 
 
+def test_every_c_source_a_build_reads_ships_in_the_package():
+    """What test_gguf_kernel checks for gguf_native.c's files, for every build: an installed wheel
+    carries each source beside its module."""
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = PACKAGE.parent / "pyproject.toml"
+    shipped = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["package-data"]["edge_runtime"]
+    for source, _, includes in _builds():
+        for path in (source, *includes):
+            assert path.relative_to(PACKAGE).as_posix() in shipped, path.name
+
+
 def _compile(cc: str, source: Path, flags: list[str], out: Path) -> str:
     """Build `source` into a shared library as build_library does (flags before the source), with
     unresolved symbols refused at link time (-lm: attention.c's tanhf, which the runtime's library
