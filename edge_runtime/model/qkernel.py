@@ -75,6 +75,11 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
+# Linked after the source (a library named before it resolves nothing): attention.c's tanhf and expf, the
+# decoders' libm calls, resolved in the built library rather than left to whatever the process loaded.
+_LIBS = ["-lm"]
+
+
 def build_library(source_path: Path, flags: list[str], includes: tuple[Path, ...] = ()) -> ctypes.CDLL:
     """`source_path` built with the system's C compiler (once per source, the files it includes,
     compiler, machine and flags, into the cache) and loaded; KernelUnavailable where that cannot
@@ -91,7 +96,7 @@ def build_library(source_path: Path, flags: list[str], includes: tuple[Path, ...
     native = {"x86_64": "-march=native", "AMD64": "-march=native", "aarch64": "-mcpu=native",
               "arm64": "-mcpu=native"}.get(platform.machine())
     flags = flags + ([native] if native else [])
-    key = hashlib.sha256(source + " ".join([compiler, platform.machine(), platform.node()] + flags).encode())
+    key = hashlib.sha256(source + " ".join([compiler, platform.machine(), platform.node()] + flags + _LIBS).encode())
     target = cache_dir() / "kernels" / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         with tempfile.TemporaryDirectory() as tmp:
@@ -99,7 +104,7 @@ def build_library(source_path: Path, flags: list[str], includes: tuple[Path, ...
             tries = [flags, [f for f in flags if f != native]] if native else [flags]
             for i, attempt in enumerate(tries):
                 try:
-                    subprocess.run([compiler, *attempt, str(source_path), "-o", str(built)], check=True,
+                    subprocess.run([compiler, *attempt, str(source_path), "-o", str(built), *_LIBS], check=True,
                                    capture_output=True, timeout=120)
                     break
                 except (OSError, subprocess.SubprocessError) as e:

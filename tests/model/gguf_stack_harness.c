@@ -3,7 +3,9 @@
    aarch64 (run under qemu): `gg_decode_stack` over a tiny 2-layer model of K-quant weights made here
    from an integer LCG, and the same step as the per-layer calls in the fused serving layer's order
    (gguf_layer.forward: norm + q|k|v, rope, KV write, attention, o onto the residual, norm + gate|up,
-   silu * up + down onto the residual). Writes both results and both layers' KV caches to argv[1]. */
+   silu * up + down onto the residual), adapter rows' LoRA terms after each projection (gguf_native_lora.c:
+   rows 0 and 2 on q, every row on v, row 1 on o, rows 0 and 2 on up and down). Writes both results and
+   both layers' KV caches to argv[1]. */
 #include "gguf_native.c" /* compiled with -I edge_runtime/model */
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,9 +53,17 @@ static gg_stack_weight weight(int nparts, const int *types, int64_t n, int64_t k
 }
 
 static int group(const gg_stack_weight *w, const float *x, int64_t ldx, int prep, const float *norm, float *out,
-                 const float *base) {
-    return gg_group_k8(x, M, w->k, ldx, prep, norm, 0.0f, 1e-5f, NULL, w->nparts, w->types, w->raws, w->starts,
+                 const float *base, float *xf) {
+    return gg_group_k8(x, M, w->k, ldx, prep, norm, 0.0f, 1e-5f, xf, w->nparts, w->types, w->raws, w->starts,
                        w->cols, out, w->n, base, w->n, w->threads);
+}
+
+/* A LoRA term of rank r from k inputs onto n outputs from column col, on `rows` (NULL: all M). */
+static gg_lora_term term(int64_t r, int64_t k, int64_t n, int64_t col, const int64_t *rows, int64_t m) {
+    float *a = malloc(sizeof(float) * r * k), *b = malloc(sizeof(float) * n * r);
+    for (int64_t i = 0; i < r * k; i++) a[i] = rndf(0.1f);
+    for (int64_t i = 0; i < n * r; i++) b[i] = rndf(0.1f);
+    return (gg_lora_term){a, b, rows, m, r, k, n, col, 0.5f};
 }
 
 int main(int argc, char **argv) {
@@ -93,22 +103,41 @@ int main(int argc, char **argv) {
     static float qkv[M * NQ], qk[M * NQK], attn[M * Q_SIZE], gate_up[M * 2 * INTER];
     static float scratch[HEADS * (2 * D + WIDTH + 1) + D]; /* decode_attention's (attention.c) */
     const float scale = 0.125f;                            /* D ** -0.5 */
+    static const int64_t two[2] = {0, 2}, middle[1] = {1};
+    static gg_lora_term terms[LAYERS * 5];
+    static int64_t spans[LAYERS * 4 * 2];
+    static float xf[M * INTER];
+    for (int l = 0; l < LAYERS; l++) {
+        gg_lora_term *t = terms + l * 5;
+        t[0] = term(4, HIDDEN, Q_SIZE, 0, two, 2);                   /* q */
+        t[1] = term(3, HIDDEN, KV_SIZE, Q_SIZE + KV_SIZE, NULL, M); /* v */
+        t[2] = term(4, Q_SIZE, HIDDEN, 0, middle, 1);               /* o */
+        t[3] = term(2, HIDDEN, INTER, INTER, two, 2);               /* up */
+        t[4] = term(5, INTER, HIDDEN, 0, two, 2);                   /* down */
+        const int64_t first[4] = {0, 2, 3, 4}, count[4] = {2, 1, 1, 1};
+        for (int s = 0; s < 4; s++) spans[(l * 4 + s) * 2] = l * 5 + first[s], spans[(l * 4 + s) * 2 + 1] = count[s];
+    }
     int rc = gg_decode_stack(x, x2, M, HIDDEN, LAYERS, layers, HEADS, KV, D, D, 0.0f, 1e-5f, cos_p, sin_p, slots, index,
                              lens, rows, WIDTH, scale, 0.0f, qkv, qk, attn, gate_up, scratch, (void *)decode_attention,
-                             (void *)write_kv, (void *)rope_f32);
+                             (void *)write_kv, (void *)rope_f32, terms, spans, xf, THREADS);
     fwrite(x, sizeof(float), M * HIDDEN, out);
     /* the same step, layer by layer */
     for (int l = 0; l < LAYERS; l++) {
         const gg_stack_layer *L = layers + l;
         float *kc = caches[1][l][0], *vc = caches[1][l][1];
-        rc |= group(&L->w[0], x0, HIDDEN, 1, L->norm[0], qkv, NULL);
+        const gg_lora_term *t = terms + l * 5;
+        rc |= group(&L->w[0], x0, HIDDEN, 1, L->norm[0], qkv, NULL, xf);
+        rc |= gg_lora(t, 2, xf, HIDDEN, qkv, NQ, THREADS);
         rope_f32(qkv, NQ, cos_t, sin_t, M, HEADS + KV, D, D, qk);
         write_kv(qk + Q_SIZE, NQK, qkv + Q_SIZE + KV_SIZE, NQ, slots, M, KV_SIZE, sizeof(float), kc, vc);
         rc |= decode_attention(qk, NQK, kc, vc, index, NULL, 0, lens, rows, M, WIDTH, HEADS, KV, D, scale, 0.0f, NULL,
                                NULL, attn, Q_SIZE, 0, scratch);
-        rc |= group(&L->w[1], attn, Q_SIZE, 0, NULL, x2, x0);
-        rc |= group(&L->w[2], x2, HIDDEN, 1, L->norm[1], gate_up, NULL);
-        rc |= group(&L->w[3], gate_up, 2 * INTER, 2, NULL, x0, x2);
+        rc |= group(&L->w[1], attn, Q_SIZE, 0, NULL, x2, x0, NULL);
+        rc |= gg_lora(t + 2, 1, attn, Q_SIZE, x2, HIDDEN, THREADS);
+        rc |= group(&L->w[2], x2, HIDDEN, 1, L->norm[1], gate_up, NULL, xf);
+        rc |= gg_lora(t + 3, 1, xf, HIDDEN, gate_up, 2 * INTER, THREADS);
+        rc |= group(&L->w[3], gate_up, 2 * INTER, 2, NULL, x0, x2, xf);
+        rc |= gg_lora(t + 4, 1, xf, INTER, x0, HIDDEN, THREADS);
     }
     fwrite(x0, sizeof(float), M * HIDDEN, out);
     fwrite(caches, sizeof(float), sizeof caches / sizeof(float), out);

@@ -1,6 +1,7 @@
 """The decode stack (gguf_native_stack.c) as other machines build it: gguf_stack_harness.c, built
 natively and for aarch64 (armv8-a, Orin's cortex-a78ae; run under qemu) with kv/attention.c linked
-beside it, gives every layer of a decode step in one call the bits of the per-layer calls."""
+beside it, gives every layer of a decode step in one call the bits of the per-layer calls, adapter rows'
+LoRA terms (gguf_native_lora.c) included."""
 
 from __future__ import annotations
 
