@@ -41,8 +41,8 @@ static inline v8 load8(const float *p) {
 
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
 
-/* sum_i a[i] * b[i], d a multiple of 8: two vectors of partial sums, added in a fixed order. */
-static inline float dot(const float *a, const float *b, int64_t d) {
+/* sum_i a[i] * b[i] in 8 lanes, d a multiple of 8: two vectors of partial sums, then their sum. */
+static inline v8 dot_lanes(const float *a, const float *b, int64_t d) {
     v8 s0 = {0}, s1 = {0};
     int64_t i = 0;
     for (; i + 16 <= d; i += 16) {
@@ -50,8 +50,39 @@ static inline float dot(const float *a, const float *b, int64_t d) {
         s1 += load8(a + i + 8) * load8(b + i + 8);
     }
     if (i < d) s0 += load8(a + i) * load8(b + i);
-    v8 s = s0 + s1;
-    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+    return s0 + s1;
+}
+
+/* The lanes of s added in a fixed order. */
+static inline float lane_sum(v8 s) { return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7])); }
+
+/* sum_i a[i] * b[i], d a multiple of 8. */
+static inline float dot(const float *a, const float *b, int64_t d) { return lane_sum(dot_lanes(a, b, d)); }
+
+/* lane_sum of s[0], ..., s[7] into one vector's lanes, each lane's adds lane_sum's, in that order (the
+ * pairs then the pairs of pairs, 8 at a time: a transpose instead of 8 horizontal sums). */
+static inline v8 lane_sums8(const v8 *s) {
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+    v8 p[4], q[2];
+    for (int i = 0; i < 4; i++)
+        p[i] = __builtin_shufflevector(s[2 * i], s[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(s[2 * i], s[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        q[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 2, 4, 6, 8, 10, 12, 14) +
+               __builtin_shufflevector(p[2 * i], p[2 * i + 1], 1, 3, 5, 7, 9, 11, 13, 15);
+    return __builtin_shufflevector(q[0], q[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(q[0], q[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+    v8 r;
+    for (int i = 0; i < 8; i++) r[i] = lane_sum(s[i]);
+    return r;
+#endif
+}
+
+/* A key's score for a query head: cap(q.k * scale) (cap <= 0: none). */
+static inline float score(const float *q, const float *k, int64_t d, float scale, float cap) {
+    float x = dot(q, k, d) * scale;
+    return cap > 0.0f ? tanhf(x / cap) * cap : x;
 }
 
 /* e^x for x <= 0 on 8 lanes (Cephes' expf polynomial after x = n ln2 + r; within 2 ulp of expf;
@@ -93,35 +124,32 @@ static inline const float *kv_row(const void *base, int bf16, const int64_t *ind
     return buf;
 }
 
-/* One query row (its heads' q widened into qf) over its n keys: softmax(cap(q.K^T * scale)) V per query
- * head, with the KV head its group of heads shares, into acc [heads * d]. Keys and values as
- * `kv_row` reads them (`slots` or `ent`, `width` entries a head apart in `ent` and `keep`);
- * `keep` (NULL or [kv_heads, width] bytes) gives masked keys exact zero weights; `weights` (NULL or
- * [heads, width]) receives the softmax weights. The row's arithmetic depends on its q, its keys in
- * order and n only: a row gives the same bits in any call (a decode step, a prefill chunk). */
-static void attend_row(const float *qf, const void *k_base, const void *v_base, const int64_t *slots,
-                       const int64_t *ent, int64_t v_shift, const uint8_t *keep, int64_t n, int64_t width,
-                       int64_t heads, int64_t kv_heads, int64_t d, float scale, float cap, int bf16, float *sc,
-                       float *inv, float *acc, float *buf, float *weights) {
-    int64_t group = heads / kv_heads;
-    for (int64_t j = 0; j < n; j++) {
-        for (int64_t h = 0; h < kv_heads; h++) {
-            if (keep && !keep[h * width + j]) {
-                for (int64_t g = 0; g < group; g++) sc[(h * group + g) * width + j] = -INFINITY;
-                continue;
-            }
-            const float *kr = kv_row(k_base, bf16, slots, ent, 0, j, h, kv_heads, d, buf);
-            for (int64_t g = 0; g < group; g++) {
-                float x = dot(qf + (h * group + g) * d, kr, d) * scale;
-                if (cap > 0.0f) x = tanhf(x / cap) * cap;
-                sc[(h * group + g) * width + j] = x;
-            }
-        }
+/* The largest of s[0, n) (NaNs passed over; -inf for none), 8 lanes at a time. The order can only
+ * change the sign of a zero maximum, which no e^(s - m) below sees (s - (+0) and s - (-0) are equal
+ * but for s = -0, and e^(+-0) is 1 either way). */
+static inline float max_of(const float *s, int64_t n) {
+    v8 mv = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        v8 x = load8(s + j);
+        v8i gt = x > mv, xi, mi;
+        memcpy(&xi, &x, sizeof x);
+        memcpy(&mi, &mv, sizeof mv);
+        mi = (xi & gt) | (mi & ~gt);
+        memcpy(&mv, &mi, sizeof mv);
     }
+    float m = -INFINITY;
+    for (int l = 0; l < 8; l++) m = mv[l] > m ? mv[l] : m;
+    for (; j < n; j++) m = s[j] > m ? s[j] : m;
+    return m;
+}
+
+/* Row scores sc [heads, width] (the first n of each head's; masked keys -inf where `keep` is given) to
+ * e^(s - max) in place, inv [heads] the reciprocal of each head's sum. */
+static void row_softmax(float *sc, float *inv, const uint8_t *keep, int64_t n, int64_t width, int64_t heads) {
     for (int64_t hh = 0; hh < heads; hh++) {
         float *s = sc + hh * width;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < n; j++) m = s[j] > m ? s[j] : m;
+        float m = max_of(s, n);
         /* e^(s - m) in place, 8 at a time (masked keys exact zeros, the tail's padding not
          * summed), summed in 8 lanes and then in a fixed order */
         v8 sum = {0};
@@ -148,8 +176,32 @@ static void attend_row(const float *qf, const void *k_base, const void *v_base, 
                 sum[l] += w;
             }
         }
-        inv[hh] = 1.0f / (((sum[0] + sum[4]) + (sum[1] + sum[5])) + ((sum[2] + sum[6]) + (sum[3] + sum[7])));
+        inv[hh] = 1.0f / lane_sum(sum);
     }
+}
+
+/* One query row (its heads' q widened into qf) over its n keys: softmax(cap(q.K^T * scale)) V per query
+ * head, with the KV head its group of heads shares, into acc [heads * d]. Keys and values as
+ * `kv_row` reads them (`slots` or `ent`, `width` entries a head apart in `ent` and `keep`);
+ * `keep` (NULL or [kv_heads, width] bytes) gives masked keys exact zero weights; `weights` (NULL or
+ * [heads, width]) receives the softmax weights. The row's arithmetic depends on its q, its keys in
+ * order and n only: a row gives the same bits in any call (a decode step, a prefill chunk). */
+static void attend_row(const float *qf, const void *k_base, const void *v_base, const int64_t *slots,
+                       const int64_t *ent, int64_t v_shift, const uint8_t *keep, int64_t n, int64_t width,
+                       int64_t heads, int64_t kv_heads, int64_t d, float scale, float cap, int bf16, float *sc,
+                       float *inv, float *acc, float *buf, float *weights) {
+    int64_t group = heads / kv_heads;
+    for (int64_t j = 0; j < n; j++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            if (keep && !keep[h * width + j]) {
+                for (int64_t g = 0; g < group; g++) sc[(h * group + g) * width + j] = -INFINITY;
+                continue;
+            }
+            const float *kr = kv_row(k_base, bf16, slots, ent, 0, j, h, kv_heads, d, buf);
+            for (int64_t g = 0; g < group; g++) sc[(h * group + g) * width + j] = score(qf + (h * group + g) * d, kr, d, scale, cap);
+        }
+    }
+    row_softmax(sc, inv, keep, n, width, heads);
     memset(acc, 0, (size_t)(heads * d) * sizeof(float));
     for (int64_t j = 0; j < n; j++) {
         for (int64_t h = 0; h < kv_heads; h++) {
@@ -221,25 +273,140 @@ int decode_attention(const void *q, int64_t q_stride, const void *k_base, const 
     return 0;
 }
 
+/* Prefill rows a pass over their keys computes together, and the keys a tile of that pass holds (per
+ * KV head: 16 KiB of float32 at d 64, in L1 while every row and query head of the group uses it). */
+#define PREFILL_ROWS 8
+#define KEY_TILE 64
+
+/* Key (or value) rows of head h for positions [p0, p1) of slots (at most KEY_TILE): pointers into the
+ * float32 cache, or bf16 rows widened once into buf [KEY_TILE * d] for every row that reads them. */
+static void tile_rows(const void *cache, int bf16, const int64_t *slots, int64_t p0, int64_t p1, int64_t h,
+                      int64_t kv_heads, int64_t d, float *buf, const float **rows) {
+    for (int64_t p = p0; p < p1; p++)
+        rows[p - p0] = kv_row(cache, bf16, slots, NULL, 0, p, h, kv_heads, d, buf + (p - p0) * d);
+}
+
+/* Scores of query head q against keys kr[0, n) into s[0, n): `score` for each, 8 keys' lane sums at once. */
+static inline __attribute__((always_inline)) void tile_scores(const float *q, const float *const *kr, int64_t n,
+                                                              int64_t d, float scale, float cap, float *s) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        v8 lanes[8];
+        for (int l = 0; l < 8; l++) lanes[l] = dot_lanes(q, kr[j + l], d);
+        v8 x = lane_sums8(lanes) * scale;
+        if (cap > 0.0f)
+            for (int l = 0; l < 8; l++) x[l] = tanhf(x[l] / cap) * cap;
+        store8(s + j, x);
+    }
+    for (; j < n; j++) s[j] = score(q, kr[j], d, scale, cap);
+}
+
+/* acc [d] += w[j] * vr[j] for j in [0, n) in order, as attend_row's adds (64 floats at a time in registers). */
+static inline __attribute__((always_inline)) void tile_values(float *acc, const float *const *vr, const float *w,
+                                                              float inv, int64_t n, int64_t d) {
+    int64_t i = 0;
+    for (; i + 64 <= d; i += 64) {
+        v8 a[8];
+        for (int u = 0; u < 8; u++) a[u] = load8(acc + i + 8 * u);
+        for (int64_t j = 0; j < n; j++) {
+            float wj = w[j] * inv;
+            for (int u = 0; u < 8; u++) a[u] = a[u] + load8(vr[j] + i + 8 * u) * wj;
+        }
+        for (int u = 0; u < 8; u++) store8(acc + i + 8 * u, a[u]);
+    }
+    for (; i < d; i += 8) {
+        v8 a = load8(acc + i);
+        for (int64_t j = 0; j < n; j++) a = a + load8(vr[j] + i) * (w[j] * inv);
+        store8(acc + i, a);
+    }
+}
+
+/* Rows r < nr (q widened into qf[r], row r attending slots[first[r]], ... its lens[r] keys) as `attend_row`
+ * computes each alone, in one pass over the union [lo, hi) of their keys, KEY_TILE keys at a time: a tile's
+ * key (and value) rows are read, and widened, once for every row and query head that attends them. A
+ * row's arithmetic is attend_row's, op for op: the same scores and softmax, and each head's acc summed
+ * over its keys in order; only the order across rows and heads changes, which no sum spans. */
+static void attend_rows(int64_t nr, float *const *qf, const int64_t *first, const int64_t *lens, int64_t lo,
+                        int64_t hi, const void *k_cache, const void *v_cache, const int64_t *slots, int64_t width,
+                        int64_t heads, int64_t kv_heads, int64_t d, float scale, float cap, int bf16, float *const *sc,
+                        float *const *inv, float *const *acc, float *buf) {
+    int64_t group = heads / kv_heads;
+    const float *rows[KEY_TILE];
+    for (int64_t p0 = lo; p0 < hi; p0 += KEY_TILE) {
+        int64_t p1 = p0 + KEY_TILE < hi ? p0 + KEY_TILE : hi;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            tile_rows(k_cache, bf16, slots, p0, p1, h, kv_heads, d, buf, rows);
+            for (int64_t r = 0; r < nr; r++) {
+                int64_t a = first[r] > p0 ? first[r] : p0, b = first[r] + lens[r] < p1 ? first[r] + lens[r] : p1;
+                for (int64_t g = 0; a < b && g < group; g++) {
+                    int64_t hh = h * group + g;
+                    float *s = sc[r] + hh * width + (a - first[r]);
+                    if (d == 64) /* Llama 3.2's head width, the loops' bounds then constants */
+                        tile_scores(qf[r] + hh * d, rows + (a - p0), b - a, 64, scale, cap, s);
+                    else
+                        tile_scores(qf[r] + hh * d, rows + (a - p0), b - a, d, scale, cap, s);
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < nr; r++) {
+        row_softmax(sc[r], inv[r], NULL, lens[r], width, heads);
+        memset(acc[r], 0, (size_t)(heads * d) * sizeof(float));
+    }
+    for (int64_t p0 = lo; p0 < hi; p0 += KEY_TILE) {
+        int64_t p1 = p0 + KEY_TILE < hi ? p0 + KEY_TILE : hi;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            tile_rows(v_cache, bf16, slots, p0, p1, h, kv_heads, d, buf, rows);
+            for (int64_t r = 0; r < nr; r++) {
+                int64_t a = first[r] > p0 ? first[r] : p0, b = first[r] + lens[r] < p1 ? first[r] + lens[r] : p1;
+                for (int64_t g = 0; a < b && g < group; g++) {
+                    int64_t hh = h * group + g;
+                    const float *w = sc[r] + hh * width + (a - first[r]);
+                    if (d == 64)
+                        tile_values(acc[r] + hh * d, rows + (a - p0), w, inv[r][hh], b - a, 64);
+                    else
+                        tile_values(acc[r] + hh * d, rows + (a - p0), w, inv[r][hh], b - a, d);
+                }
+            }
+        }
+    }
+}
+
 /* Prefill rows [first, last) as decode rows: row t (query and output row rows[t]) attends the lens[t]
  * slots slots[starts[t]], ... of the caches [slots, kv_heads, d] (its causal prefix, within its
  * window), one index array shared by every row, so a chunk of n rows needs no [n, context] index.
  * Each row is computed as `decode_attention` computes a decode row with the same keys: the same bits
- * in a chunk of any extent, in any split of the rows across calls, and as a lone decode row.
- * `scratch`: heads * (2 d + width + 1) + d floats, width >= every lens[t]. Returns as
+ * in a chunk of any extent, in any split of the rows across calls, and as a lone decode row. Up to
+ * PREFILL_ROWS (8) successive rows whose key runs overlap (a chunk's) go through their keys together.
+ * `scratch`: 8 * heads * (2 d + width + 1) + 64 d floats, width >= every lens[t]. Returns as
  * `decode_attention`. Rows are independent: callers split them across threads. */
 int prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, const int64_t *slots,
                       const int64_t *starts, const int64_t *lens, const int64_t *rows, int64_t first, int64_t last,
                       int64_t width, int64_t heads, int64_t kv_heads, int64_t d, float scale, float cap, void *out,
                       int64_t out_stride, int bf16, float *scratch) {
     if (d % 8 || kv_heads <= 0 || heads % kv_heads) return -1;
-    float *qf = scratch, *acc = qf + heads * d, *sc = acc + heads * d, *inv = sc + heads * width;
-    float *buf = inv + heads;
-    for (int64_t t = first; t < last; t++) {
-        load_q(q, q_stride, rows[t], heads * d, bf16, qf);
-        attend_row(qf, k_cache, v_cache, slots + starts[t], NULL, 0, NULL, lens[t], width, heads, kv_heads, d, scale,
-                   cap, bf16, sc, inv, acc, buf, NULL);
-        store_out(out, out_stride, rows[t], heads * d, bf16, acc);
+    float *qf[PREFILL_ROWS], *acc[PREFILL_ROWS], *sc[PREFILL_ROWS], *inv[PREFILL_ROWS];
+    for (int r = 0; r < PREFILL_ROWS; r++) {
+        float *base = scratch + r * heads * (2 * d + width + 1);
+        qf[r] = base;
+        acc[r] = base + heads * d;
+        sc[r] = acc[r] + heads * d;
+        inv[r] = sc[r] + heads * width;
+    }
+    float *buf = scratch + PREFILL_ROWS * heads * (2 * d + width + 1);
+    for (int64_t t = first; t < last;) {
+        /* the group: rows t, t + 1, ... while each one's keys overlap the union of theirs so far */
+        int64_t lo = starts[t], hi = starts[t] + lens[t], nr = 1;
+        while (nr < PREFILL_ROWS && t + nr < last && starts[t + nr] <= hi && starts[t + nr] + lens[t + nr] >= lo) {
+            lo = starts[t + nr] < lo ? starts[t + nr] : lo;
+            hi = starts[t + nr] + lens[t + nr] > hi ? starts[t + nr] + lens[t + nr] : hi;
+            nr++;
+        }
+        for (int64_t r = 0; r < nr; r++) load_q(q, q_stride, rows[t + r], heads * d, bf16, qf[r]);
+        attend_rows(nr, qf, starts + t, lens + t, lo, hi, k_cache, v_cache, slots, width, heads, kv_heads, d, scale,
+                    cap, bf16, sc, inv, acc, buf);
+        for (int64_t r = 0; r < nr; r++) store_out(out, out_stride, rows[t + r], heads * d, bf16, acc[r]);
+        t += nr;
     }
     return 0;
 }

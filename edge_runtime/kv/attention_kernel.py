@@ -126,6 +126,14 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, index: Tensor,
 # Below this many (query row, key) pairs a part, a prefill call runs on fewer threads: a thread's
 # start (~50 us) outweighs its share.
 _SPLIT_PAIRS = 2048
+# attention.c's PREFILL_ROWS and KEY_TILE: the rows of a chunk one pass over their keys computes (a thread's part
+# is cut at multiples of it, so no part splits such a group).
+PREFILL_ROWS, KEY_TILE = 8, 64
+
+
+def prefill_scratch(heads: int, d: int, width: int) -> Tensor:
+    """`prefill_attention`'s scratch (attention.c's formula) for rows of up to `width` keys."""
+    return torch.empty(PREFILL_ROWS * heads * (2 * d + width + 1) + KEY_TILE * d, dtype=torch.float32)
 
 
 def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, starts: Tensor, lens: Tensor,
@@ -145,13 +153,17 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor
         return
     width = int(lens.max())
     work = lens.cumsum(0)
-    parts = max(1, min(threads, n, int(work[-1]) // _SPLIT_PAIRS))
-    # Ranges of rows with about equal (row, key) pairs each: causal rows grow towards the chunk's end.
-    bounds = [0, *torch.searchsorted(work, work[-1] * torch.arange(1, parts) / parts).tolist(), n]
+    groups = -(-n // PREFILL_ROWS)
+    parts = max(1, min(threads, groups, int(work[-1]) // _SPLIT_PAIRS))
+    # Ranges of rows with about equal (row, key) pairs each (causal rows grow towards the chunk's end),
+    # cut at whole groups of PREFILL_ROWS rows.
+    cuts = torch.searchsorted(work, work[-1] * torch.arange(1, parts) / parts)
+    cuts = (cuts + PREFILL_ROWS // 2) // PREFILL_ROWS * PREFILL_ROWS
+    bounds = sorted({0, n, *cuts.clamp(max=n).tolist()})
     lib, failed = _library(), []
 
     def run(first: int, last: int) -> None:
-        scratch = torch.empty(heads * (2 * d + width + 1) + d, dtype=torch.float32)
+        scratch = prefill_scratch(heads, d, width)
         rc = lib.prefill_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                    slots.data_ptr(), starts.data_ptr(), lens.data_ptr(), rows.data_ptr(), first, last,
                                    width, heads, kv_heads, d, d ** -0.5, cap or 0.0, out.data_ptr(), out.stride(0),
@@ -159,7 +171,7 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor
         if rc != 0:
             failed.append(rc)
 
-    workers = [threading.Thread(target=run, args=(bounds[i], bounds[i + 1])) for i in range(parts - 1)]
+    workers = [threading.Thread(target=run, args=(bounds[i], bounds[i + 1])) for i in range(len(bounds) - 2)]
     for w in workers:
         w.start()
     run(bounds[-2], bounds[-1])

@@ -114,3 +114,36 @@ def test_the_invariance_gap_names_what_keeps_torchs_attention(monkeypatch):
     monkeypatch.delenv(attention_kernel.ENV)
     monkeypatch.setattr(attention_kernel, "_library", lambda: None)
     assert "no C compiler" in attention_kernel.invariance_gap(cache, HEADS)
+
+
+@pytest.mark.parametrize("d", [8, 40, 128])
+def test_a_prefill_row_is_the_decode_row_at_other_head_widths(d):
+    """Widths past the 64-wide fast path (under one 16-float step, a tail of 8, two 64-float blocks)."""
+    g = torch.Generator().manual_seed(5)
+    n, past, kv_heads, heads = 19, 77, 2, 6
+    k_cache, v_cache = (torch.randn(SLOTS, kv_heads, d, generator=g) for _ in range(2))
+    q = torch.randn(n, heads, d, generator=g)
+    slots = torch.randperm(SLOTS, generator=g)[: past + n]
+    lens = torch.arange(past + 1, past + n + 1)
+    out = torch.empty(n, heads * d)
+    attention_kernel.prefill_attention(q, k_cache, v_cache, slots, torch.zeros(n, dtype=torch.long), lens,
+                                       torch.arange(n), 3.0, out)
+    for t in range(n):
+        want = torch.empty(1, heads * d)
+        attention_kernel.decode_attention(q[t : t + 1], k_cache, v_cache, slots[None, : lens[t]], lens[t : t + 1],
+                                          torch.zeros(1, dtype=torch.long), 3.0, want)
+        assert torch.equal(out[t], want[0])
+
+
+def test_rows_of_two_chunks_in_one_call_are_each_chunks_alone():
+    """A step's chunks of two sequences (each reading its own run of the shared slot array, rows of both
+    sharing a group of rows) give the rows each chunk gives alone."""
+    k_cache, v_cache, q, slots, starts, lens = _chunk(torch.float32, 11, 40, None, seed=6)
+    k2, v2, q2, slots2, starts2, lens2 = _chunk(torch.float32, 5, 90, 32, seed=7)
+    slots2 = torch.randperm(100, generator=torch.Generator().manual_seed(8))[: slots2.shape[0]] + 500  # its own
+    k_cache[500:600], v_cache[500:600] = k2[:100], v2[:100]
+    first = _prefill(q, k_cache, v_cache, slots, starts, lens)
+    second = _prefill(q2, k_cache, v_cache, slots2, starts2, lens2)
+    both = _prefill(torch.cat([q, q2]), k_cache, v_cache, torch.cat([slots, slots2]),
+                    torch.cat([starts, starts2 + slots.shape[0]]), torch.cat([lens, lens2]))
+    assert torch.equal(both, torch.cat([first, second]))
