@@ -321,6 +321,28 @@ static inline __attribute__((always_inline)) void tile_values(float *acc, const 
     }
 }
 
+/* tile_values for two query heads of one KV head, d 64: each value row loaded once for both. */
+static inline void tile_values2(float *acc0, float *acc1, const float *const *vr, const float *w0, const float *w1,
+                                float inv0, float inv1, int64_t n) {
+    v8 a[8], c[8];
+    for (int u = 0; u < 8; u++) {
+        a[u] = load8(acc0 + 8 * u);
+        c[u] = load8(acc1 + 8 * u);
+    }
+    for (int64_t j = 0; j < n; j++) {
+        float x = w0[j] * inv0, y = w1[j] * inv1;
+        for (int u = 0; u < 8; u++) {
+            v8 v = load8(vr[j] + 8 * u);
+            a[u] = a[u] + v * x;
+            c[u] = c[u] + v * y;
+        }
+    }
+    for (int u = 0; u < 8; u++) {
+        store8(acc0 + 8 * u, a[u]);
+        store8(acc1 + 8 * u, c[u]);
+    }
+}
+
 /* Rows r < nr (q widened into qf[r], row r attending slots[first[r]], ... its lens[r] keys) as `attend_row`
  * computes each alone, in one pass over the union [lo, hi) of their keys, KEY_TILE keys at a time: a tile's
  * key (and value) rows are read, and widened, once for every row and query head that attends them. A
@@ -362,7 +384,11 @@ static void attend_rows(int64_t nr, float *const *qf, const int64_t *first, cons
                 for (int64_t g = 0; a < b && g < group; g++) {
                     int64_t hh = h * group + g;
                     const float *w = sc[r] + hh * width + (a - first[r]);
-                    if (d == 64)
+                    if (d == 64 && g + 1 < group) {
+                        tile_values2(acc[r] + hh * d, acc[r] + (hh + 1) * d, rows + (a - p0), w, w + width, inv[r][hh],
+                                     inv[r][hh + 1], b - a);
+                        g++;
+                    } else if (d == 64)
                         tile_values(acc[r] + hh * d, rows + (a - p0), w, inv[r][hh], b - a, 64);
                     else
                         tile_values(acc[r] + hh * d, rows + (a - p0), w, inv[r][hh], b - a, d);
