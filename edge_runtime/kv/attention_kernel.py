@@ -126,8 +126,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, index: Tensor,
 # Below this many (query row, key) pairs a part, a prefill call runs on fewer threads: a thread's
 # start (~50 us) outweighs its share.
 _SPLIT_PAIRS = 2048
-# attention.c's PREFILL_ROWS and KEY_TILE: the rows of a chunk one pass over their keys computes (a thread's part
-# is cut at multiples of it, so no part splits such a group).
+# attention.c's PREFILL_ROWS and KEY_TILE: the rows of a chunk one pass over their keys computes, and the
+# keys a tile of that pass holds.
 PREFILL_ROWS, KEY_TILE = 8, 64
 
 
@@ -153,13 +153,11 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor
         return
     width = int(lens.max())
     work = lens.cumsum(0)
-    groups = -(-n // PREFILL_ROWS)
-    parts = max(1, min(threads, groups, int(work[-1]) // _SPLIT_PAIRS))
-    # Ranges of rows with about equal (row, key) pairs each (causal rows grow towards the chunk's end),
-    # cut at whole groups of PREFILL_ROWS rows.
-    cuts = torch.searchsorted(work, work[-1] * torch.arange(1, parts) / parts)
-    cuts = (cuts + PREFILL_ROWS // 2) // PREFILL_ROWS * PREFILL_ROWS
-    bounds = sorted({0, n, *cuts.clamp(max=n).tolist()})
+    parts = max(1, min(threads, n, int(work[-1]) // _SPLIT_PAIRS))
+    # Ranges of rows with about equal (row, key) pairs each: causal rows grow towards the chunk's end.
+    # Not cut at whole groups of PREFILL_ROWS: the kernel is bound by its arithmetic (4 rows a pass
+    # run as fast as 8), so a part's partial group costs less than the parts' imbalance would.
+    bounds = [0, *torch.searchsorted(work, work[-1] * torch.arange(1, parts) / parts).tolist(), n]
     lib, failed = _library(), []
 
     def run(first: int, last: int) -> None:
@@ -171,7 +169,7 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor
         if rc != 0:
             failed.append(rc)
 
-    workers = [threading.Thread(target=run, args=(bounds[i], bounds[i + 1])) for i in range(len(bounds) - 2)]
+    workers = [threading.Thread(target=run, args=(bounds[i], bounds[i + 1])) for i in range(parts - 1)]
     for w in workers:
         w.start()
     run(bounds[-2], bounds[-1])
