@@ -1,10 +1,11 @@
 /* Decode and prefill attention over the paged KV cache, the step's K/V written into their slots, and the
  * rotary turn of q and k, for the CPU (edge_runtime/kv/attention_kernel.py builds and calls it).
  *
- * Each row (a decode row, or a prefill chunk's) is computed alone, its keys in order, its sums in fixed
- * lanes: a row's output does not depend on the rows beside it, their contexts, the chunk it came in
- * or the padding of the step's index (the invariant torch's GEMMs only keep with padded rows and key
- * tiles, issue #31). C with GCC/Clang's
+ * Each row (a decode row, or a prefill chunk's) is computed as alone, its keys in order, its sums in fixed
+ * lanes (a chunk's rows interleave in passes over their shared keys, no sum spanning two rows): a row's
+ * output does not depend on the rows beside it, their contexts, the chunk it came in or the padding of
+ * the step's index (the invariant torch's GEMMs only keep with padded rows and key tiles, issue #31).
+ * C with GCC/Clang's
  * generic vectors (8 float lanes: the compiler picks AVX, NEON or scalar code); every sum runs in
  * fixed lanes and a fixed order (-ffp-contract=off: a*b + c a rounded product, then a rounded sum).
  */
@@ -354,44 +355,37 @@ static void attend_rows(int64_t nr, float *const *qf, const int64_t *first, cons
                         float *const *inv, float *const *acc, float *buf) {
     int64_t group = heads / kv_heads;
     const float *rows[KEY_TILE];
-    for (int64_t p0 = lo; p0 < hi; p0 += KEY_TILE) {
-        int64_t p1 = p0 + KEY_TILE < hi ? p0 + KEY_TILE : hi;
-        for (int64_t h = 0; h < kv_heads; h++) {
-            tile_rows(k_cache, bf16, slots, p0, p1, h, kv_heads, d, buf, rows);
+    for (int values = 0; values < 2; values++) { /* the scores, then (after the softmax) the values' sums */
+        if (values) {
             for (int64_t r = 0; r < nr; r++) {
-                int64_t a = first[r] > p0 ? first[r] : p0, b = first[r] + lens[r] < p1 ? first[r] + lens[r] : p1;
-                for (int64_t g = 0; a < b && g < group; g++) {
-                    int64_t hh = h * group + g;
-                    float *s = sc[r] + hh * width + (a - first[r]);
-                    if (d == 64) /* Llama 3.2's head width, the loops' bounds then constants */
-                        tile_scores(qf[r] + hh * d, rows + (a - p0), b - a, 64, scale, cap, s);
-                    else
-                        tile_scores(qf[r] + hh * d, rows + (a - p0), b - a, d, scale, cap, s);
-                }
+                row_softmax(sc[r], inv[r], NULL, lens[r], width, heads);
+                memset(acc[r], 0, (size_t)(heads * d) * sizeof(float));
             }
         }
-    }
-    for (int64_t r = 0; r < nr; r++) {
-        row_softmax(sc[r], inv[r], NULL, lens[r], width, heads);
-        memset(acc[r], 0, (size_t)(heads * d) * sizeof(float));
-    }
-    for (int64_t p0 = lo; p0 < hi; p0 += KEY_TILE) {
-        int64_t p1 = p0 + KEY_TILE < hi ? p0 + KEY_TILE : hi;
-        for (int64_t h = 0; h < kv_heads; h++) {
-            tile_rows(v_cache, bf16, slots, p0, p1, h, kv_heads, d, buf, rows);
-            for (int64_t r = 0; r < nr; r++) {
-                int64_t a = first[r] > p0 ? first[r] : p0, b = first[r] + lens[r] < p1 ? first[r] + lens[r] : p1;
-                for (int64_t g = 0; a < b && g < group; g++) {
-                    int64_t hh = h * group + g;
-                    const float *w = sc[r] + hh * width + (a - first[r]);
-                    if (d == 64 && g + 1 < group) {
-                        tile_values2(acc[r] + hh * d, acc[r] + (hh + 1) * d, rows + (a - p0), w, w + width, inv[r][hh],
-                                     inv[r][hh + 1], b - a);
-                        g++;
-                    } else if (d == 64)
-                        tile_values(acc[r] + hh * d, rows + (a - p0), w, inv[r][hh], b - a, 64);
-                    else
-                        tile_values(acc[r] + hh * d, rows + (a - p0), w, inv[r][hh], b - a, d);
+        for (int64_t p0 = lo; p0 < hi; p0 += KEY_TILE) {
+            int64_t p1 = p0 + KEY_TILE < hi ? p0 + KEY_TILE : hi;
+            for (int64_t h = 0; h < kv_heads; h++) {
+                tile_rows(values ? v_cache : k_cache, bf16, slots, p0, p1, h, kv_heads, d, buf, rows);
+                for (int64_t r = 0; r < nr; r++) {
+                    /* the row's keys [a, b) of the tile */
+                    int64_t a = first[r] > p0 ? first[r] : p0, b = first[r] + lens[r] < p1 ? first[r] + lens[r] : p1;
+                    for (int64_t g = 0; a < b && g < group; g++) {
+                        int64_t hh = h * group + g;
+                        float *s = sc[r] + hh * width + (a - first[r]);
+                        const float *const *kv = rows + (a - p0);
+                        /* d 64 (Llama 3.2's heads) apart: the loops' bounds then constants */
+                        if (!values && d == 64) {
+                            tile_scores(qf[r] + hh * d, kv, b - a, 64, scale, cap, s);
+                        } else if (!values) {
+                            tile_scores(qf[r] + hh * d, kv, b - a, d, scale, cap, s);
+                        } else if (d == 64 && g + 1 < group) {
+                            tile_values2(acc[r] + hh * d, acc[r] + (hh + 1) * d, kv, s, s + width, inv[r][hh],
+                                         inv[r][hh + 1], b - a);
+                            g++;
+                        } else {
+                            tile_values(acc[r] + hh * d, kv, s, inv[r][hh], b - a, d);
+                        }
+                    }
                 }
             }
         }
