@@ -181,50 +181,6 @@ static void row_softmax(float *sc, float *inv, const uint8_t *keep, int64_t n, i
     }
 }
 
-/* One query row (its heads' q widened into qf) over its n keys: softmax(cap(q.K^T * scale)) V per query
- * head, with the KV head its group of heads shares, into acc [heads * d]. Keys and values as
- * `kv_row` reads them (`slots` or `ent`, `width` entries a head apart in `ent` and `keep`);
- * `keep` (NULL or [kv_heads, width] bytes) gives masked keys exact zero weights; `weights` (NULL or
- * [heads, width]) receives the softmax weights. The row's arithmetic depends on its q, its keys in
- * order and n only: a row gives the same bits in any call (a decode step, a prefill chunk). */
-static void attend_row(const float *qf, const void *k_base, const void *v_base, const int64_t *slots,
-                       const int64_t *ent, int64_t v_shift, const uint8_t *keep, int64_t n, int64_t width,
-                       int64_t heads, int64_t kv_heads, int64_t d, float scale, float cap, int bf16, float *sc,
-                       float *inv, float *acc, float *buf, float *weights) {
-    int64_t group = heads / kv_heads;
-    for (int64_t j = 0; j < n; j++) {
-        for (int64_t h = 0; h < kv_heads; h++) {
-            if (keep && !keep[h * width + j]) {
-                for (int64_t g = 0; g < group; g++) sc[(h * group + g) * width + j] = -INFINITY;
-                continue;
-            }
-            const float *kr = kv_row(k_base, bf16, slots, ent, 0, j, h, kv_heads, d, buf);
-            for (int64_t g = 0; g < group; g++) sc[(h * group + g) * width + j] = score(qf + (h * group + g) * d, kr, d, scale, cap);
-        }
-    }
-    row_softmax(sc, inv, keep, n, width, heads);
-    memset(acc, 0, (size_t)(heads * d) * sizeof(float));
-    for (int64_t j = 0; j < n; j++) {
-        for (int64_t h = 0; h < kv_heads; h++) {
-            if (keep && !keep[h * width + j]) continue;
-            const float *vr = kv_row(v_base, bf16, slots, ent, v_shift, j, h, kv_heads, d, buf);
-            for (int64_t g = 0; g < group; g++) {
-                int64_t hh = h * group + g;
-                float w = sc[hh * width + j] * inv[hh];
-                float *o = acc + hh * d;
-                for (int64_t i = 0; i < d; i += 8) store8(o + i, load8(o + i) + load8(vr + i) * w);
-            }
-        }
-    }
-    if (weights) {
-        for (int64_t hh = 0; hh < heads; hh++) {
-            float *w = weights + hh * width;
-            for (int64_t j = 0; j < n; j++) w[j] = sc[hh * width + j] * inv[hh];
-            for (int64_t j = n; j < width; j++) w[j] = 0.0f;
-        }
-    }
-}
-
 /* Query row `row` of q (q_stride elements between rows) widened into qf [heads * d]. */
 static inline void load_q(const void *q, int64_t q_stride, int64_t row, int64_t n, int bf16, float *qf) {
     if (bf16) {
@@ -245,53 +201,36 @@ static inline void store_out(void *out, int64_t out_stride, int64_t row, int64_t
     }
 }
 
-/* For each decode row b (query row rows[b] of q, output row rows[b] of out) and each query head:
- * softmax(cap(q.K^T * scale)) V over the row's lens[b] cached positions with the KV head its group
- * of heads shares. q: [*, heads, d] with q_stride elements between rows; out: [*, heads * d] with
- * out_stride elements between rows. Keys and values: with `entries` NULL, k_base and v_base are
- * caches [slots, kv_heads, d] and position j of row b is in slot index[b, j]; else both bases are
- * the whole slab of rows of d elements, entries [B, width, kv_heads] gives each key's row, its
- * value `v_shift` rows further (compacted rows: edge_runtime/kv/compaction.py). `mask` (NULL or
- * [B, kv_heads, width] bytes, 0 = not attended: pruned positions) gives masked keys exact zero
- * weights; `weights` (NULL or [B, heads, width] floats) receives the softmax weights, zeros past
- * lens[b]. `cap` <= 0: no soft cap. `scratch`: heads * (2 d + width + 1) + d floats. Returns 0, or
- * -1 where d is not a multiple of 8 or the heads do not group (the caller takes torch's path). */
-int decode_attention(const void *q, int64_t q_stride, const void *k_base, const void *v_base, const int64_t *index,
-                     const int64_t *entries, int64_t v_shift, const int64_t *lens, const int64_t *rows,
-                     int64_t batch, int64_t width, int64_t heads, int64_t kv_heads, int64_t d, float scale,
-                     float cap, const uint8_t *mask, float *weights, void *out, int64_t out_stride, int bf16,
-                     float *scratch) {
-    if (d % 8 || kv_heads <= 0 || heads % kv_heads) return -1;
-    float *qf = scratch, *acc = qf + heads * d, *sc = acc + heads * d, *inv = sc + heads * width;
-    float *buf = inv + heads;
-    for (int64_t b = 0; b < batch; b++) {
-        load_q(q, q_stride, rows[b], heads * d, bf16, qf);
-        attend_row(qf, k_base, v_base, index + b * width, entries ? entries + b * width * kv_heads : NULL, v_shift,
-                   mask ? mask + b * kv_heads * width : NULL, lens[b], width, heads, kv_heads, d, scale, cap, bf16,
-                   sc, inv, acc, buf, weights ? weights + b * heads * width : NULL);
-        store_out(out, out_stride, rows[b], heads * d, bf16, acc);
-    }
-    return 0;
-}
-
 /* Prefill rows a pass over their keys computes together, and the keys a tile of that pass holds (per
  * KV head: 16 KiB of float32 at d 64, in L1 while every row and query head of the group uses it). */
 #define PREFILL_ROWS 8
 #define KEY_TILE 64
 
-/* Key (or value) rows of head h for positions [p0, p1) of slots (at most KEY_TILE): pointers into the
- * float32 cache, or bf16 rows widened once into buf [KEY_TILE * d] for every row that reads them. */
-static void tile_rows(const void *cache, int bf16, const int64_t *slots, int64_t p0, int64_t p1, int64_t h,
-                      int64_t kv_heads, int64_t d, float *buf, const float **rows) {
+/* Key (or value) rows of head h for positions [p0, p1) as `kv_row` reads them (`slots` or `ent`, `shift`;
+ * at most KEY_TILE): pointers into the float32 cache, or bf16 rows widened once into buf [(p1 - p0) * d]
+ * for every row that reads them; NULL where `keep` (NULL or [kv_heads, width] bytes: one row's) masks the
+ * key (its row is never read). */
+static void tile_rows(const void *cache, int bf16, const int64_t *slots, const int64_t *ent, int64_t shift,
+                      const uint8_t *keep, int64_t width, int64_t p0, int64_t p1, int64_t h, int64_t kv_heads,
+                      int64_t d, float *buf, const float **rows) {
     for (int64_t p = p0; p < p1; p++)
-        rows[p - p0] = kv_row(cache, bf16, slots, NULL, 0, p, h, kv_heads, d, buf + (p - p0) * d);
+        rows[p - p0] = keep && !keep[h * width + p] ? NULL
+                                                     : kv_row(cache, bf16, slots, ent, shift, p, h, kv_heads, d,
+                                                              buf + (p - p0) * d);
 }
 
-/* Scores of query head q against keys kr[0, n) into s[0, n): `score` for each, 8 keys' lane sums at once. */
+/* Scores of query head q against keys kr[0, n) into s[0, n): `score` for each (-inf where kr[j] is NULL: a
+ * masked key), 8 keys' lane sums at once. */
 static inline __attribute__((always_inline)) void tile_scores(const float *q, const float *const *kr, int64_t n,
                                                               int64_t d, float scale, float cap, float *s) {
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
+        int masked = 0;
+        for (int l = 0; l < 8; l++) masked |= !kr[j + l];
+        if (masked) {
+            for (int l = 0; l < 8; l++) s[j + l] = kr[j + l] ? score(q, kr[j + l], d, scale, cap) : -INFINITY;
+            continue;
+        }
         v8 lanes[8];
         for (int l = 0; l < 8; l++) lanes[l] = dot_lanes(q, kr[j + l], d);
         v8 x = lane_sums8(lanes) * scale;
@@ -299,10 +238,11 @@ static inline __attribute__((always_inline)) void tile_scores(const float *q, co
             for (int l = 0; l < 8; l++) x[l] = tanhf(x[l] / cap) * cap;
         store8(s + j, x);
     }
-    for (; j < n; j++) s[j] = score(q, kr[j], d, scale, cap);
+    for (; j < n; j++) s[j] = kr[j] ? score(q, kr[j], d, scale, cap) : -INFINITY;
 }
 
-/* acc [d] += w[j] * vr[j] for j in [0, n) in order, as attend_row's adds (64 floats at a time in registers). */
+/* acc [d] += (w[j] * inv) vr[j] for j in [0, n) in order, masked keys (NULL) passed over (64 floats at a
+ * time in registers). */
 static inline __attribute__((always_inline)) void tile_values(float *acc, const float *const *vr, const float *w,
                                                               float inv, int64_t n, int64_t d) {
     int64_t i = 0;
@@ -310,6 +250,7 @@ static inline __attribute__((always_inline)) void tile_values(float *acc, const 
         v8 a[8];
         for (int u = 0; u < 8; u++) a[u] = load8(acc + i + 8 * u);
         for (int64_t j = 0; j < n; j++) {
+            if (!vr[j]) continue;
             float wj = w[j] * inv;
             for (int u = 0; u < 8; u++) a[u] = a[u] + load8(vr[j] + i + 8 * u) * wj;
         }
@@ -317,7 +258,8 @@ static inline __attribute__((always_inline)) void tile_values(float *acc, const 
     }
     for (; i < d; i += 8) {
         v8 a = load8(acc + i);
-        for (int64_t j = 0; j < n; j++) a = a + load8(vr[j] + i) * (w[j] * inv);
+        for (int64_t j = 0; j < n; j++)
+            if (vr[j]) a = a + load8(vr[j] + i) * (w[j] * inv);
         store8(acc + i, a);
     }
 }
@@ -331,6 +273,7 @@ static inline void tile_values2(float *acc0, float *acc1, const float *const *vr
         c[u] = load8(acc1 + 8 * u);
     }
     for (int64_t j = 0; j < n; j++) {
+        if (!vr[j]) continue;
         float x = w0[j] * inv0, y = w1[j] * inv1;
         for (int u = 0; u < 8; u++) {
             v8 v = load8(vr[j] + 8 * u);
@@ -344,28 +287,35 @@ static inline void tile_values2(float *acc0, float *acc1, const float *const *vr
     }
 }
 
-/* Rows r < nr (q widened into qf[r], row r attending slots[first[r]], ... its lens[r] keys) as `attend_row`
- * computes each alone, in one pass over the union [lo, hi) of their keys, KEY_TILE keys at a time: a tile's
- * key (and value) rows are read, and widened, once for every row and query head that attends them. A
- * row's arithmetic is attend_row's, op for op: the same scores and softmax, and each head's acc summed
- * over its keys in order; only the order across rows and heads changes, which no sum spans. */
+/* Rows r < nr (q widened into qf[r]; row r attending positions first[r], ... its lens[r] keys, of `slots`)
+ * into acc[r] [heads * d]: softmax(cap(q.K^T * scale)) V per query head, with the KV head its group of
+ * heads shares, in one pass over the union [lo, hi) of their keys, `tile` (<= KEY_TILE) keys at a time: a
+ * tile's key (and value) rows are read, and widened, once for every row and query head that attends them.
+ * Keys and values as `tile_rows` reads them; `ent`, `v_shift` and `keep` (NULL or [kv_heads, width] bytes,
+ * masked keys exact zero weights) with one row only (a decode row). Each row's arithmetic depends on its
+ * q, its keys in order and its n only: the same scores, softmax, and each head's acc summed over its keys
+ * in order (then heads), whatever rows share the pass, the tile or the row's start in it; only the order
+ * across rows and heads changes, which no sum spans. sc[r] [heads, width] and inv[r] [heads] receive the
+ * row's softmax weights (before the 1 / sum) and reciprocal sums. */
 static void attend_rows(int64_t nr, float *const *qf, const int64_t *first, const int64_t *lens, int64_t lo,
-                        int64_t hi, const void *k_cache, const void *v_cache, const int64_t *slots, int64_t width,
-                        int64_t heads, int64_t kv_heads, int64_t d, float scale, float cap, int bf16, float *const *sc,
+                        int64_t hi, const void *k_cache, const void *v_cache, const int64_t *slots, const int64_t *ent,
+                        int64_t v_shift, const uint8_t *keep, int64_t tile, int64_t width, int64_t heads,
+                        int64_t kv_heads, int64_t d, float scale, float cap, int bf16, float *const *sc,
                         float *const *inv, float *const *acc, float *buf) {
     int64_t group = heads / kv_heads;
     const float *rows[KEY_TILE];
     for (int values = 0; values < 2; values++) { /* the scores, then (after the softmax) the values' sums */
         if (values) {
             for (int64_t r = 0; r < nr; r++) {
-                row_softmax(sc[r], inv[r], NULL, lens[r], width, heads);
+                row_softmax(sc[r], inv[r], keep, lens[r], width, heads);
                 memset(acc[r], 0, (size_t)(heads * d) * sizeof(float));
             }
         }
-        for (int64_t p0 = lo; p0 < hi; p0 += KEY_TILE) {
-            int64_t p1 = p0 + KEY_TILE < hi ? p0 + KEY_TILE : hi;
+        for (int64_t p0 = lo; p0 < hi; p0 += tile) {
+            int64_t p1 = p0 + tile < hi ? p0 + tile : hi;
             for (int64_t h = 0; h < kv_heads; h++) {
-                tile_rows(values ? v_cache : k_cache, bf16, slots, p0, p1, h, kv_heads, d, buf, rows);
+                tile_rows(values ? v_cache : k_cache, bf16, slots, ent, values ? v_shift : 0, keep, width, p0, p1, h,
+                          kv_heads, d, buf, rows);
                 for (int64_t r = 0; r < nr; r++) {
                     /* the row's keys [a, b) of the tile */
                     int64_t a = first[r] > p0 ? first[r] : p0, b = first[r] + lens[r] < p1 ? first[r] + lens[r] : p1;
@@ -390,6 +340,44 @@ static void attend_rows(int64_t nr, float *const *qf, const int64_t *first, cons
             }
         }
     }
+}
+
+/* For each decode row b (query row rows[b] of q, output row rows[b] of out) and each query head:
+ * softmax(cap(q.K^T * scale)) V over the row's lens[b] cached positions with the KV head its group
+ * of heads shares. q: [*, heads, d] with q_stride elements between rows; out: [*, heads * d] with
+ * out_stride elements between rows. Keys and values: with `entries` NULL, k_base and v_base are
+ * caches [slots, kv_heads, d] and position j of row b is in slot index[b, j]; else both bases are
+ * the whole slab of rows of d elements, entries [B, width, kv_heads] gives each key's row, its
+ * value `v_shift` rows further (compacted rows: edge_runtime/kv/compaction.py). `mask` (NULL or
+ * [B, kv_heads, width] bytes, 0 = not attended: pruned positions) gives masked keys exact zero
+ * weights; `weights` (NULL or [B, heads, width] floats) receives the softmax weights, zeros past
+ * lens[b]. `cap` <= 0: no soft cap. `scratch`: heads * (2 d + width + 1) + d floats. Returns 0, or
+ * -1 where d is not a multiple of 8 or the heads do not group (the caller takes torch's path). */
+int decode_attention(const void *q, int64_t q_stride, const void *k_base, const void *v_base, const int64_t *index,
+                     const int64_t *entries, int64_t v_shift, const int64_t *lens, const int64_t *rows,
+                     int64_t batch, int64_t width, int64_t heads, int64_t kv_heads, int64_t d, float scale,
+                     float cap, const uint8_t *mask, float *weights, void *out, int64_t out_stride, int bf16,
+                     float *scratch) {
+    if (d % 8 || kv_heads <= 0 || heads % kv_heads) return -1;
+    float *qf = scratch, *acc = qf + heads * d, *sc = acc + heads * d, *inv = sc + heads * width;
+    float *buf = inv + heads;
+    const int64_t zero = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        load_q(q, q_stride, rows[b], heads * d, bf16, qf);
+        /* bf16 keys one at a time: `scratch` widens one row (float32 ones are read in place) */
+        attend_rows(1, &qf, &zero, lens + b, 0, lens[b], k_base, v_base, index + b * width,
+                    entries ? entries + b * width * kv_heads : NULL, v_shift, mask ? mask + b * kv_heads * width : NULL,
+                    bf16 ? 1 : KEY_TILE, width, heads, kv_heads, d, scale, cap, bf16, &sc, &inv, &acc, buf);
+        if (weights) {
+            float *w = weights + b * heads * width;
+            for (int64_t hh = 0; hh < heads; hh++) {
+                for (int64_t j = 0; j < lens[b]; j++) w[hh * width + j] = sc[hh * width + j] * inv[hh];
+                for (int64_t j = lens[b]; j < width; j++) w[hh * width + j] = 0.0f;
+            }
+        }
+        store_out(out, out_stride, rows[b], heads * d, bf16, acc);
+    }
+    return 0;
 }
 
 /* Prefill rows [first, last) as decode rows: row t (query and output row rows[t]) attends the lens[t]
@@ -423,8 +411,8 @@ int prefill_attention(const void *q, int64_t q_stride, const void *k_cache, cons
             nr++;
         }
         for (int64_t r = 0; r < nr; r++) load_q(q, q_stride, rows[t + r], heads * d, bf16, qf[r]);
-        attend_rows(nr, qf, starts + t, lens + t, lo, hi, k_cache, v_cache, slots, width, heads, kv_heads, d, scale,
-                    cap, bf16, sc, inv, acc, buf);
+        attend_rows(nr, qf, starts + t, lens + t, lo, hi, k_cache, v_cache, slots, NULL, 0, NULL, KEY_TILE, width, heads,
+                    kv_heads, d, scale, cap, bf16, sc, inv, acc, buf);
         for (int64_t r = 0; r < nr; r++) store_out(out, out_stride, rows[t + r], heads * d, bf16, acc[r]);
         t += nr;
     }
