@@ -2,7 +2,9 @@
 shape (32 heads over 8 KV heads of 64, float32 cache): chunks of 16, 64 and 256 rows over pasts of 0 to
 8,192 keys, this tree's build against another git ref's attention.c (default main: the A/B in one run,
 same load, interleaved), with torch's `attend` (the GEMM path a chunk takes without the kernel) for
-reference. Checks the two builds' rows are the same bits. Writes tools/results/bench_prefill_attention.{json,md}."""
+reference; and decode rows (`decode_attention`, which shares the kernel's pass) of 1 and 8 sequences over
+the same contexts, before and after. Checks the two builds' rows are the same bits. Writes
+tools/results/bench_prefill_attention.{json,md}."""
 
 from __future__ import annotations
 
@@ -100,9 +102,43 @@ def bench_cell(before: ctypes.CDLL, after: ctypes.CDLL, n: int, past: int, repea
     return row
 
 
-def bench(rows: list[int], pasts: list[int], repeats: int, ref: str) -> list[dict]:
+def decode_cell(before: ctypes.CDLL, after: ctypes.CDLL, batch: int, context: int, repeats: int) -> dict:
+    """`batch` decode rows, each its own sequence of `context` keys (shuffled blocks): the two builds."""
+    g = torch.Generator().manual_seed(batch)
+    blocks = context // BLOCK
+    k_cache, v_cache = (torch.randn(batch * blocks * BLOCK, KV_HEADS, D, generator=g) for _ in range(2))
+    index = torch.stack([(torch.randperm(batch * blocks, generator=g)[:blocks, None] * BLOCK
+                          + torch.arange(BLOCK)).flatten() for _ in range(batch)])
+    q = torch.randn(batch, HEADS, D, generator=g)
+    lens, rows = torch.full((batch,), context), torch.arange(batch)
+    scratch = torch.empty(HEADS * (2 * D + context + 1) + D)  # decode_attention's formula
+    outs = {key: torch.empty(batch, HEADS * D) for key in ("before", "after")}
+    times: dict[str, list[float]] = {key: [] for key in outs}
+    for rep in range(repeats + 1):
+        for key, lib in (("before", before), ("after", after)):
+            start = time.perf_counter()
+            rc = lib.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                      index.data_ptr(), None, 0, lens.data_ptr(), rows.data_ptr(), batch, context,
+                                      HEADS, KV_HEADS, D, D ** -0.5, 0.0, None, None, outs[key].data_ptr(),
+                                      outs[key].stride(0), 0, scratch.data_ptr())
+            assert rc == 0
+            if rep:  # the first round warms up
+                times[key].append(time.perf_counter() - start)
+    row = {"decode_rows": batch, "context": context, "same_bits": bool(torch.equal(outs["before"], outs["after"]))}
+    for key, ts in times.items():
+        row[f"{key}_ms_median"] = round(statistics.median(ts) * 1e3, 3)
+        row[f"{key}_ms_min"] = round(min(ts) * 1e3, 3)
+    row["speedup_min"] = round(row["before_ms_min"] / row["after_ms_min"], 2)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def bench(rows: list[int], pasts: list[int], repeats: int, ref: str) -> tuple[list[dict], list[dict]]:
     before, after = library_at(ref), attention_kernel._library()
-    return [bench_cell(before, after, n, past, repeats) for n in rows for past in pasts]
+    before.decode_attention.argtypes = after.decode_attention.argtypes
+    prefill = [bench_cell(before, after, n, past, repeats) for n in rows for past in pasts]
+    decode = [decode_cell(before, after, b, ctx, repeats) for b in (1, 8) for ctx in pasts if ctx >= BLOCK]
+    return prefill, decode
 
 
 def markdown(result: dict) -> str:
@@ -119,6 +155,11 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['rows']} | {r['past']} | {r['before_ms_min']} / {r['before_ms_median']} | "
                      f"{r['after_ms_min']} / {r['after_ms_median']} | {r['speedup_min']}; {r['speedup_median']} | "
                      f"{r['torch_ms_min']} / {r['torch_ms_median']} | {r['same_bits']} |")
+    lines += ["", "Decode rows (`decode_attention`), each its own sequence of `context` keys:", "",
+              "| decode rows | context | before | after | before / after (min) | same bits |", "|---|---|---|---|---|---|"]
+    for r in result["decode"]:
+        lines.append(f"| {r['decode_rows']} | {r['context']} | {r['before_ms_min']} / {r['before_ms_median']} | "
+                     f"{r['after_ms_min']} / {r['after_ms_median']} | {r['speedup_min']} | {r['same_bits']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -134,11 +175,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load_start = Path("/proc/loadavg").read_text().strip()
     with torch.no_grad():
-        rows = bench([int(x) for x in args.rows.split(",")], [int(x) for x in args.pasts.split(",")], args.repeats,
-                     args.ref)
+        rows, decode = bench([int(x) for x in args.rows.split(",")], [int(x) for x in args.pasts.split(",")],
+                             args.repeats, args.ref)
     result = {"argv": sys.argv[1:], "threads": args.threads, "ref": args.ref,
               "repeats": args.repeats, "loadavg_start": load_start,
-              "loadavg_end": Path("/proc/loadavg").read_text().strip(), "rows": rows}
+              "loadavg_end": Path("/proc/loadavg").read_text().strip(), "rows": rows, "decode": decode}
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(result))
