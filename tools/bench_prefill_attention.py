@@ -76,6 +76,26 @@ def torch_attend(k_cache, v_cache, q, slots, past: int) -> torch.Tensor:
     return o.view(KV_HEADS, group, n, D).permute(2, 0, 1, 3).reshape(n, HEADS * D)
 
 
+def timed(impls: dict, repeats: int) -> dict:
+    """Each call once to warm up, then `repeats` rounds of them all in turn: ms median and min of each, and
+    before over after."""
+    times: dict[str, list[float]] = {key: [] for key in impls}
+    for fn in impls.values():
+        fn()
+    for _ in range(repeats):
+        for key, fn in impls.items():
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    row = {}
+    for key, ts in times.items():
+        row[f"{key}_ms_median"] = round(statistics.median(ts) * 1e3, 3)
+        row[f"{key}_ms_min"] = round(min(ts) * 1e3, 3)
+    row["speedup_median"] = round(row["before_ms_median"] / row["after_ms_median"], 2)
+    row["speedup_min"] = round(row["before_ms_min"] / row["after_ms_min"], 2)
+    return row
+
+
 def bench_cell(before: ctypes.CDLL, after: ctypes.CDLL, n: int, past: int, repeats: int) -> dict:
     """One chunk of n rows over `past` keys: the two builds and torch, interleaved."""
     args = chunk(n, past)
@@ -84,20 +104,8 @@ def bench_cell(before: ctypes.CDLL, after: ctypes.CDLL, n: int, past: int, repea
     impls = {"before": lambda: compiled(before, *args, outs["before"]),
              "after": lambda: compiled(after, *args, outs["after"]),
              "torch": lambda: torch_attend(k_cache, v_cache, q, slots, past)}
-    times: dict[str, list[float]] = {key: [] for key in impls}
-    for fn in impls.values():
-        fn()  # warm-up
-    for _ in range(repeats):
-        for key, fn in impls.items():
-            start = time.perf_counter()
-            fn()
-            times[key].append(time.perf_counter() - start)
-    row = {"rows": n, "past": past, "same_bits": bool(torch.equal(outs["before"], outs["after"]))}
-    for key, ts in times.items():
-        row[f"{key}_ms_median"] = round(statistics.median(ts) * 1e3, 3)
-        row[f"{key}_ms_min"] = round(min(ts) * 1e3, 3)
-    row["speedup_median"] = round(row["before_ms_median"] / row["after_ms_median"], 2)
-    row["speedup_min"] = round(row["before_ms_min"] / row["after_ms_min"], 2)
+    row = {"rows": n, "past": past, **timed(impls, repeats)}
+    row["same_bits"] = bool(torch.equal(outs["before"], outs["after"]))
     print(json.dumps(row), flush=True)
     return row
 
@@ -113,22 +121,17 @@ def decode_cell(before: ctypes.CDLL, after: ctypes.CDLL, batch: int, context: in
     lens, rows = torch.full((batch,), context), torch.arange(batch)
     scratch = torch.empty(HEADS * (2 * D + context + 1) + D)  # decode_attention's formula
     outs = {key: torch.empty(batch, HEADS * D) for key in ("before", "after")}
-    times: dict[str, list[float]] = {key: [] for key in outs}
-    for rep in range(repeats + 1):
-        for key, lib in (("before", before), ("after", after)):
-            start = time.perf_counter()
-            rc = lib.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                      index.data_ptr(), None, 0, lens.data_ptr(), rows.data_ptr(), batch, context,
-                                      HEADS, KV_HEADS, D, D ** -0.5, 0.0, None, None, outs[key].data_ptr(),
-                                      outs[key].stride(0), 0, scratch.data_ptr())
-            assert rc == 0
-            if rep:  # the first round warms up
-                times[key].append(time.perf_counter() - start)
-    row = {"decode_rows": batch, "context": context, "same_bits": bool(torch.equal(outs["before"], outs["after"]))}
-    for key, ts in times.items():
-        row[f"{key}_ms_median"] = round(statistics.median(ts) * 1e3, 3)
-        row[f"{key}_ms_min"] = round(min(ts) * 1e3, 3)
-    row["speedup_min"] = round(row["before_ms_min"] / row["after_ms_min"], 2)
+
+    def call(lib: ctypes.CDLL, out: torch.Tensor) -> None:
+        rc = lib.decode_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), index.data_ptr(),
+                                  None, 0, lens.data_ptr(), rows.data_ptr(), batch, context, HEADS, KV_HEADS, D,
+                                  D ** -0.5, 0.0, None, None, out.data_ptr(), out.stride(0), 0, scratch.data_ptr())
+        assert rc == 0
+
+    row = {"decode_rows": batch, "context": context,
+           **timed({"before": lambda: call(before, outs["before"]), "after": lambda: call(after, outs["after"])},
+                   repeats)}
+    row["same_bits"] = bool(torch.equal(outs["before"], outs["after"]))
     print(json.dumps(row), flush=True)
     return row
 
