@@ -25,7 +25,7 @@ static float harness_tanhf(float x) {
 /* Floats of scratch a call over `width` keys needs: the formulas in the comments above
    decode_attention and prefill_attention (the one place to follow them). */
 #define DECODE_SCRATCH(heads, d, width) ((heads) * (2 * (d) + (width) + 1) + (d))
-#define PREFILL_SCRATCH(heads, d, width) ((heads) * (2 * (d) + (width) + 1) + (d))
+#define PREFILL_SCRATCH(heads, d, width) (8 * (heads) * (2 * (d) + (width) + 1) + 64 * (d))
 
 enum { B = 6, WIDTH = 200, SLOTS = 64, CHUNK = 13, PAST = 40, WINDOW = 24 };
 static const int64_t LENS[B] = {1, 7, 8, 9, 63, 200}; /* decode rows' keys: one, part of 8 lanes, 8, 8 + 1, ... */
