@@ -41,7 +41,15 @@ static void lora_job(const void *p, int64_t lo, int64_t hi) {
         const float *x = c->x + row * c->ldx;
         float *o = c->out + row * c->ldo + j->col;
         for (int64_t q = 0; q < j->r; q++) t[q] = lora_dot(j->a + q * j->k, x, j->k);
-        for (int64_t n = 0; n < j->n; n++) {
+        int64_t n = 0;
+        for (; n + 8 <= j->n; n += 8) { /* 8 outputs' sums side by side, each in rank order */
+            const float *b = j->b + n * j->r;
+            float s[8] = {0};
+            for (int64_t q = 0; q < j->r; q++)
+                for (int e = 0; e < 8; e++) s[e] += b[e * j->r + q] * t[q];
+            for (int e = 0; e < 8; e++) o[n + e] = o[n + e] + s[e] * j->scale;
+        }
+        for (; n < j->n; n++) {
             const float *b = j->b + n * j->r;
             float s = 0.0f;
             for (int64_t q = 0; q < j->r; q++) s += b[q] * t[q];
@@ -50,15 +58,19 @@ static void lora_job(const void *p, int64_t lo, int64_t hi) {
     }
 }
 
+/* Multiply-adds a term's rows take at least before its rows split over the pool's threads. */
+#define LORA_PARALLEL_MIN (1 << 20)
+
 /* The terms[0 .. count) of one stage onto out (row stride ldo) from x (row stride ldx); `threads`
-   split each term's rows (the pool's, from GG_PREP_ROWS rows on, as the norms). -1 where a rank is
-   past LORA_MAX_RANK (nothing written). */
+   split each term's rows where they hold LORA_PARALLEL_MIN multiply-adds (a wake costs more than a
+   rank-8 term of a few rows). -1 where a rank is past LORA_MAX_RANK (nothing written). */
 int gg_lora(const gg_lora_term *terms, int64_t count, const float *x, int64_t ldx, float *out, int64_t ldo, int threads) {
     for (int64_t e = 0; e < count; e++)
         if (terms[e].r > LORA_MAX_RANK || terms[e].r < 1) return -1;
     for (int64_t e = 0; e < count; e++) {
         const lora_call c = {.t = terms + e, .x = x, .out = out, .ldx = ldx, .ldo = ldo};
-        pool_run(lora_job, &c, terms[e].m, terms[e].m >= GG_PREP_ROWS ? threads : 1);
+        const gg_lora_term *t = terms + e;
+        pool_run(lora_job, &c, t->m, t->m * t->r * (t->k + t->n) >= LORA_PARALLEL_MIN ? threads : 1);
     }
     return 0;
 }
