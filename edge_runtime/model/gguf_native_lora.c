@@ -19,9 +19,11 @@ typedef struct {
 typedef struct {
     const gg_lora_term *t;
     const float *x;
-    float *out;
-    int64_t ldx, ldo;
+    float *out, *ax; /* ax [m, r]: A x of each listed row */
+    int64_t ldx, ldo, blocks;
 } lora_call;
+
+#define LORA_COLS 64 /* outputs a block of the second pass takes */
 
 static inline float lora_dot(const float *a, const float *x, int64_t k) {
     float s[8] = {0};
@@ -32,24 +34,35 @@ static inline float lora_dot(const float *a, const float *x, int64_t k) {
     return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
 }
 
-static void lora_job(const void *p, int64_t lo, int64_t hi) {
+static inline int64_t lora_row(const gg_lora_term *j, int64_t i) { return j->rows ? j->rows[i] : i; }
+
+/* First pass, item i = (listed row i / r, rank q = i % r): ax[i] = A[q] . x[row]. */
+static void lora_ax(const void *p, int64_t lo, int64_t hi) {
     const lora_call *c = (const lora_call *)p;
     const gg_lora_term *j = c->t;
-    float t[LORA_MAX_RANK];
+    for (int64_t i = lo; i < hi; i++)
+        c->ax[i] = lora_dot(j->a + (i % j->r) * j->k, c->x + lora_row(j, i / j->r) * c->ldx, j->k);
+}
+
+/* Second pass, item i = (listed row i / blocks, LORA_COLS outputs from (i % blocks) * LORA_COLS):
+   out[row, col + n] += scale * (B[n] . ax[row]), each sum in rank order, 8 outputs side by side. */
+static void lora_bx(const void *p, int64_t lo, int64_t hi) {
+    const lora_call *c = (const lora_call *)p;
+    const gg_lora_term *j = c->t;
     for (int64_t i = lo; i < hi; i++) {
-        const int64_t row = j->rows ? j->rows[i] : i;
-        const float *x = c->x + row * c->ldx;
-        float *o = c->out + row * c->ldo + j->col;
-        for (int64_t q = 0; q < j->r; q++) t[q] = lora_dot(j->a + q * j->k, x, j->k);
-        int64_t n = 0;
-        for (; n + 8 <= j->n; n += 8) { /* 8 outputs' sums side by side, each in rank order */
+        const int64_t li = i / c->blocks, n0 = (i % c->blocks) * LORA_COLS;
+        const int64_t n1 = n0 + LORA_COLS < j->n ? n0 + LORA_COLS : j->n;
+        const float *t = c->ax + li * j->r;
+        float *o = c->out + lora_row(j, li) * c->ldo + j->col;
+        int64_t n = n0;
+        for (; n + 8 <= n1; n += 8) {
             const float *b = j->b + n * j->r;
             float s[8] = {0};
             for (int64_t q = 0; q < j->r; q++)
                 for (int e = 0; e < 8; e++) s[e] += b[e * j->r + q] * t[q];
             for (int e = 0; e < 8; e++) o[n + e] = o[n + e] + s[e] * j->scale;
         }
-        for (; n < j->n; n++) {
+        for (; n < n1; n++) {
             const float *b = j->b + n * j->r;
             float s = 0.0f;
             for (int64_t q = 0; q < j->r; q++) s += b[q] * t[q];
@@ -58,19 +71,28 @@ static void lora_job(const void *p, int64_t lo, int64_t hi) {
     }
 }
 
-/* Multiply-adds a term's rows take at least before its rows split over the pool's threads. */
-#define LORA_PARALLEL_MIN (1 << 20)
+/* Multiply-adds a pass takes at least before it splits over the pool's threads. */
+#define LORA_PARALLEL_MIN (1 << 16)
 
-/* The terms[0 .. count) of one stage onto out (row stride ldo) from x (row stride ldx); `threads`
-   split each term's rows where they hold LORA_PARALLEL_MIN multiply-adds (a wake costs more than a
-   rank-8 term of a few rows). -1 where a rank is past LORA_MAX_RANK (nothing written). */
+/* The terms[0 .. count) of one stage onto out (row stride ldo) from x (row stride ldx), each in two
+   passes (A x of every listed row, then B's sums by blocks of outputs); `threads` split a pass of
+   LORA_PARALLEL_MIN multiply-adds or more (a wake costs more than a small term). -1 where a rank is
+   past LORA_MAX_RANK, -2 for a failed allocation (nothing written). */
 int gg_lora(const gg_lora_term *terms, int64_t count, const float *x, int64_t ldx, float *out, int64_t ldo, int threads) {
-    for (int64_t e = 0; e < count; e++)
-        if (terms[e].r > LORA_MAX_RANK || terms[e].r < 1) return -1;
+    int64_t most = 0;
     for (int64_t e = 0; e < count; e++) {
-        const lora_call c = {.t = terms + e, .x = x, .out = out, .ldx = ldx, .ldo = ldo};
-        const gg_lora_term *t = terms + e;
-        pool_run(lora_job, &c, t->m, t->m * t->r * (t->k + t->n) >= LORA_PARALLEL_MIN ? threads : 1);
+        if (terms[e].r > LORA_MAX_RANK || terms[e].r < 1) return -1;
+        most = terms[e].m * terms[e].r > most ? terms[e].m * terms[e].r : most;
     }
+    float *ax = malloc(sizeof(float) * (size_t)(most > 0 ? most : 1));
+    if (ax == NULL) return -2;
+    for (int64_t e = 0; e < count; e++) {
+        const gg_lora_term *t = terms + e;
+        const lora_call c = {.t = t, .x = x, .out = out, .ax = ax, .ldx = ldx, .ldo = ldo,
+                             .blocks = (t->n + LORA_COLS - 1) / LORA_COLS};
+        pool_run(lora_ax, &c, t->m * t->r, t->m * t->r * t->k >= LORA_PARALLEL_MIN ? threads : 1);
+        pool_run(lora_bx, &c, t->m * c.blocks, t->m * t->r * t->n >= LORA_PARALLEL_MIN ? threads : 1);
+    }
+    free(ax);
     return 0;
 }

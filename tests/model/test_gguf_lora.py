@@ -111,3 +111,19 @@ def test_groups_c_cannot_serve_take_torchs_deltas_and_the_others_keep_their_bits
         want = out.clone()
         gguf_lora.add_torch(BatchedLoraApplier.from_rows([(None, 2), (other, 3)]), 0, 0, x, want, CFG)
         assert torch.equal(mixed[2:], want[2:])
+
+
+def test_one_rows_wide_term_splits_its_outputs_over_threads_with_the_same_bits(lib):
+    """A lone decode row's term over 8,192 outputs (rank 16: 131,072 multiply-adds, past
+    LORA_PARALLEL_MIN) splits its output blocks over the pool: the same bits as on one thread."""
+    cfg = ModelConfig.from_hf(AutoConfig.for_model("llama", vocab_size=64, hidden_size=512, intermediate_size=8192,
+                                                   num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8))
+    up = random_adapter(cfg, LoraSettings(rank=16, alpha=16, target_modules=("up_proj", "down_proj")), seed=5, std=0.5)
+    gen = torch.Generator().manual_seed(6)
+    for stage, k, n in ((2, 512, 2 * 8192), (3, 8192, 512)):
+        x, out = torch.randn(1, k, generator=gen), torch.randn(1, n, generator=gen)
+        got = {}
+        for threads in (1, 2):
+            got[threads] = out.clone()
+            gguf_lora.plan_for(BatchedLoraApplier.from_rows([(up, 1)]), cfg, 1).run(lib, 0, stage, x, got[threads], threads)
+        assert torch.equal(got[1], got[2]) and not torch.equal(got[1], out)
