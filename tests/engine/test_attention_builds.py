@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import platform
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,13 +17,10 @@ import torch
 
 from edge_runtime.kv import attention_kernel
 from edge_runtime.model.llama import rotate_half
+from tests.cross_builds import NATIVE, ORIN, compiler, run
 from tests.engine import test_attention_kernel as decode_tests
 
 HARNESS = Path(__file__).with_name("attention_harness.c")
-CC = shutil.which("cc") or shutil.which("gcc")
-CROSS, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
-QEMU_RUN = ["-cpu", "max", "-L", "/usr/aarch64-linux-gnu"]
-NATIVE = "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
 # Each build: (aarch64?, extra flags). "own tanhf": the soft cap's tanhf swapped for the harness's own
 # (libm's last bits are the machine's: glibc's aarch64 expm1f fuses its multiply-adds, x86_64's does not).
 BUILDS = {
@@ -32,9 +28,9 @@ BUILDS = {
     "no-march": (False, []),
     "armv8-a": (True, ["-march=armv8-a"]),
     "armv8.2-a+dotprod": (True, ["-march=armv8.2-a+dotprod"]),
-    "cortex-a78ae": (True, ["-mcpu=cortex-a78ae"]),  # Orin's core (gcc >= 11 knows it)
+    "cortex-a78ae": (True, [ORIN]),
     "native, own tanhf": (False, [NATIVE, "-DHARNESS_OWN_TANHF"]),
-    "cortex-a78ae, own tanhf": (True, ["-mcpu=cortex-a78ae", "-DHARNESS_OWN_TANHF"]),
+    "cortex-a78ae, own tanhf": (True, [ORIN, "-DHARNESS_OWN_TANHF"]),
 }
 
 
@@ -54,22 +50,18 @@ def harness_output(tmp_path_factory):
     where = tmp_path_factory.mktemp("attention-builds")
 
     @functools.cache
-    def run(name: str) -> dict[str, bytes]:
+    def build(name: str) -> dict[str, bytes]:
         arm, extra = BUILDS[name]
-        cc = CROSS if arm else CC
-        if cc is None or (arm and QEMU is None):
-            pytest.skip("no aarch64 cross compiler or qemu-aarch64 here" if arm else "no C compiler here")
+        cc = compiler(arm)
         exe, out = where / name.replace(" ", "").replace(",", "-"), where / f"{name}.bin".replace(" ", "")
-        # the runtime's flags for an executable (no -shared); -lm: libm's tanhf, which the runtime's
-        # library takes from the Python process
+        # the runtime's flags for an executable (no -shared); -lm: libm's tanhf, as build_library links it
         flags = [f for f in attention_kernel._FLAGS if f != "-shared"]
         subprocess.run([cc, *flags, *extra, "-I", str(attention_kernel.SOURCE.parent), str(HARNESS), "-o", str(exe),
                         "-lm"], check=True, capture_output=True, timeout=300)
-        subprocess.run([QEMU, *QEMU_RUN, str(exe), str(out)] if arm else [str(exe), str(out)], check=True,
-                       capture_output=True, timeout=300)
+        run(arm, exe, str(out))
         return _records(out.read_bytes())
 
-    return run
+    return build
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,7 @@ symbol in the shared library."""
 from __future__ import annotations
 
 import importlib
-import platform
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -16,11 +14,9 @@ import pytest
 
 import edge_runtime
 from edge_runtime.model import qkernel
+from tests.cross_builds import CC, CROSS, NATIVE, ORIN
 
 PACKAGE = Path(edge_runtime.__file__).parent
-CC = shutil.which("cc") or shutil.which("gcc")
-CROSS = shutil.which("aarch64-linux-gnu-gcc")
-ORIN = "-mcpu=cortex-a78ae"
 _WARNING = re.compile(r"^(?P<file>[^:\s]+):(?P<line>\d+):\d+: warning: .*\[(?P<flag>-W[^\]]+)\]$", re.M)
 
 
@@ -82,6 +78,5 @@ def test_each_c_source_builds_for_orin_with_the_runtimes_flags(source, tmp_path)
     _compile(CROSS, path, [*flags, ORIN, "-Wall", "-Werror"], tmp_path / "orin.so")
     orin = _warnings(_compile(CROSS, path, [*flags, ORIN, "-Wall", "-Wextra"], tmp_path / "orin-extra.so"))
     if CC is not None:
-        native = "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
-        here = _warnings(_compile(CC, path, [*flags, native, "-Wall", "-Wextra"], tmp_path / "here.so"))
+        here = _warnings(_compile(CC, path, [*flags, NATIVE, "-Wall", "-Wextra"], tmp_path / "here.so"))
         assert orin <= here, sorted(orin - here)

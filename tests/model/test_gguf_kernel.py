@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import platform
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from gguf import quants as gguf_quants
 
 from edge_runtime.model import gguf_kernel
 from edge_runtime.model.qkernel import KernelUnavailable, build_library
+from tests import cross_builds
 
 Q = GGMLQuantizationType
 TYPES = sorted(gguf_kernel.SUPPORTED, key=lambda t: t.value)
@@ -338,14 +338,11 @@ def test_aarch64_build_under_qemu(tmp_path, march):
     natively), cross-compiled and run under qemu where both are installed: de-quantisation bit for
     bit gguf's numpy code, float products within the float bound, int8 products within x's
     rounding bound."""
-    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
-    if cc is None or qemu is None:
-        pytest.skip("no aarch64 cross compiler or qemu-aarch64 here")
+    cc = cross_builds.compiler(arm=True)
     exe, out = tmp_path / "harness", tmp_path / "out.bin"
     subprocess.run([cc, "-O3", "-ffp-contract=off", "-fno-math-errno", "-pthread", f"-march={march}", "-I", str(gguf_kernel.SOURCE.parent),
                     str(_HARNESS), "-o", str(exe)], check=True, capture_output=True, timeout=300)
-    subprocess.run([qemu, "-cpu", "max", "-L", "/usr/aarch64-linux-gnu", str(exe), str(out)], check=True,
-                   capture_output=True, timeout=300)
+    cross_builds.run(True, exe, str(out))
     qx, dx, rows, x, group = _harness_rows(out)
     xt = torch.from_numpy(x.copy())
     for qtype, (raw, deq, f32, int8) in rows.items():

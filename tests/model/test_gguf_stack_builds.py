@@ -6,8 +6,6 @@ LoRA terms (gguf_native_lora.c) included."""
 from __future__ import annotations
 
 import functools
-import platform
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -16,12 +14,10 @@ import pytest
 
 from edge_runtime.kv import attention_kernel
 from edge_runtime.model import gguf_kernel
+from tests.cross_builds import NATIVE, ORIN, compiler, run
 
 HARNESS = Path(__file__).with_name("gguf_stack_harness.c")
-CC = shutil.which("cc") or shutil.which("gcc")
-CROSS, QEMU = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
-NATIVE = "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
-BUILDS = {"native": (False, NATIVE), "armv8-a": (True, "-march=armv8-a"), "cortex-a78ae": (True, "-mcpu=cortex-a78ae")}
+BUILDS = {"native": (False, NATIVE), "armv8-a": (True, "-march=armv8-a"), "cortex-a78ae": (True, ORIN)}
 M, HIDDEN, LAYERS, SLOTS, KV_SIZE = 3, 256, 2, 32, 128  # the harness's sizes
 
 
@@ -32,11 +28,9 @@ def stack_output(tmp_path_factory):
     where = tmp_path_factory.mktemp("gguf-stack-builds")
 
     @functools.cache
-    def run(name: str):
+    def build(name: str):
         arm, target = BUILDS[name]
-        cc = CROSS if arm else CC
-        if cc is None or (arm and QEMU is None):
-            pytest.skip("no aarch64 cross compiler or qemu-aarch64 here" if arm else "no C compiler here")
+        cc = compiler(arm)
         obj, exe, out = where / f"attention-{name}.o", where / f"stack-{name}", where / f"{name}.bin"
         # each source with its own module's runtime flags, as two libraries (no -shared: one executable)
         own = lambda flags: [f for f in flags if f != "-shared"] + [target]  # noqa: E731
@@ -44,14 +38,13 @@ def stack_output(tmp_path_factory):
                        check=True, capture_output=True, timeout=300)
         subprocess.run([cc, *own(gguf_kernel._FLAGS), "-I", str(gguf_kernel.SOURCE.parent), str(HARNESS), str(obj),
                         "-o", str(exe), "-lm"], check=True, capture_output=True, timeout=300)
-        subprocess.run([QEMU, "-cpu", "max", "-L", "/usr/aarch64-linux-gnu", str(exe), str(out)] if arm
-                       else [str(exe), str(out)], check=True, capture_output=True, timeout=300)
+        run(arm, exe, str(out))
         data = np.fromfile(out, np.float32)
         n = M * HIDDEN
         assert data.size == 2 * n + 2 * LAYERS * 2 * SLOTS * KV_SIZE
         return data[:n], data[n : 2 * n], data[2 * n :].reshape(2, LAYERS, 2, SLOTS * KV_SIZE)
 
-    return run
+    return build
 
 
 @pytest.mark.parametrize("build", BUILDS)
